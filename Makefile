@@ -1,0 +1,23 @@
+# Two commands: `make train` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Reinstalled whenever pyproject.toml changes.
+STAMP := $(VENV)/.installed
+
+.PHONY: train test clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/python -m train.smoke
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,210 @@
+"""Pure attention functions: no parameters, no state.
+
+Layout follows `jax.nn.dot_product_attention`:
+  query  [B, T, N, H]   batch, query length, query heads, head dim
+  key    [B, S, K, H]   batch, key length, key/value heads, head dim
+  value  [B, S, K, H]
+  output [B, T, N, H]
+K divides N: K == N is multi-head attention, 1 < K < N grouped-query
+attention (Ainslie et al. 2023), K == 1 multi-query attention (Shazeer 2019).
+Query head n reads key/value head n // (N // K).
+
+Masks are boolean, True = attend, with shape broadcastable to [B, N, T, S];
+a bias of the same shape is added to the logits. Logits and softmax are
+float32 whatever the input dtype; the output has the query's dtype.
+"""
+
+from collections.abc import Callable
+import math
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def _check_rank4(name: str, x: Array, full_shape: tuple[int, ...]) -> None:
+  """Checks that `x` broadcasts to [B, N, T, S] = `full_shape` dim by dim."""
+  if x.ndim != 4 or any(d not in (1, f) for d, f in zip(x.shape, full_shape)):
+    raise ValueError(
+        f'{name} has shape {x.shape}; it must be rank 4 and broadcastable to '
+        f'[B, N, T, S] = {full_shape}.')
+
+
+def _check_inputs(query, key, value, bias, mask) -> tuple[int, ...]:
+  """Validates shapes and dtypes; returns the logits shape [B, N, T, S]."""
+  for name, x in (('query', query), ('key', key), ('value', value)):
+    if x.ndim != 4:
+      raise ValueError(
+          f'{name} has shape {x.shape}; expected rank 4 [batch, length, heads, '
+          'head_dim].')
+  if key.shape != value.shape:
+    raise ValueError(
+        f'key shape {key.shape} and value shape {value.shape} must be equal '
+        '[B, S, K, H].')
+  batch, q_len, num_heads, head_dim = query.shape
+  k_batch, kv_len, num_kv_heads, k_head_dim = key.shape
+  if k_batch != batch or k_head_dim != head_dim:
+    raise ValueError(
+        f'query shape {query.shape} [B, T, N, H] and key shape {key.shape} '
+        '[B, S, K, H] must agree in batch B and head dim H.')
+  if num_heads % num_kv_heads:
+    raise ValueError(
+        f'key/value heads K={num_kv_heads} (key shape {key.shape}) must divide '
+        f'query heads N={num_heads} (query shape {query.shape}).')
+  full_shape = (batch, num_heads, q_len, kv_len)
+  if mask is not None:
+    _check_rank4('mask', mask, full_shape)
+    if mask.dtype != jnp.bool_:
+      raise ValueError(f'mask must be boolean (True = attend), got {mask.dtype}.')
+  if bias is not None:
+    _check_rank4('bias', bias, full_shape)
+  return full_shape
+
+
+def causal_mask(q_len: int, kv_len: int) -> Array:
+  """[T, S] bool, aligned bottom-right: query i sees keys j <= i + (S - T).
+
+  With T < S the queries are the last T positions of the key sequence, which
+  is what decoding with a cache of S - T earlier positions needs.
+  """
+  offset = kv_len - q_len
+  return jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None] + offset
+
+
+def _masked_softmax(logits_BxNxTxS: Array, mask: Array | None) -> Array:
+  """Softmax over keys; masked keys get weight 0, a row with none left is 0.
+
+  Masked logits become -inf before the exponential, so no gradient flows
+  through them (a large finite fill would leak through `where`).
+  """
+  if mask is not None:
+    logits_BxNxTxS = jnp.where(mask, logits_BxNxTxS, -jnp.inf)
+  row_max = jnp.max(logits_BxNxTxS, axis=-1, keepdims=True)
+  # The shift only stabilises exp; it cancels in the ratio, so no gradient.
+  row_max = jax.lax.stop_gradient(
+      jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  unnormalized = jnp.exp(logits_BxNxTxS - row_max)
+  total = jnp.sum(unnormalized, axis=-1, keepdims=True)
+  return unnormalized / jnp.where(total > 0, total, 1.0)
+
+
+def _weights(query, key, bias, mask, scale, is_causal) -> Array:
+  """`attention_weights` without the input checks."""
+  batch, q_len, num_heads, head_dim = query.shape
+  kv_len, num_kv_heads = key.shape[1], key.shape[2]
+  if scale is None:
+    scale = 1.0 / math.sqrt(head_dim)
+  # Grouped heads: query head k * G + g reads key/value head k.
+  q_BxTxKxGxH = query.reshape(
+      batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
+  logits_BxKxGxTxS = jnp.einsum('btkgh,bskh->bkgts', q_BxTxKxGxH, key,
+                                preferred_element_type=jnp.float32)
+  logits_BxNxTxS = logits_BxKxGxTxS.reshape(
+      batch, num_heads, q_len, kv_len) * scale
+  if bias is not None:
+    logits_BxNxTxS = logits_BxNxTxS + bias.astype(jnp.float32)
+  if is_causal:
+    causal = causal_mask(q_len, kv_len)
+    mask = causal if mask is None else jnp.logical_and(mask, causal)
+  return _masked_softmax(logits_BxNxTxS, mask)
+
+
+def attention_weights(query: Array, key: Array, bias: Array | None = None,
+                      mask: Array | None = None, *, scale: float | None = None,
+                      is_causal: bool = False) -> Array:
+  """Attention probabilities, float32 [B, N, T, S].
+
+  Each row sums to 1 over the keys it may attend, or is all zeros when it
+  may attend none. Arguments as in `scaled_dot_product_attention`.
+  """
+  _check_inputs(query, key, key, bias, mask)
+  return _weights(query, key, bias, mask, scale, is_causal)
+
+
+def _dropout(weights: Array, rate: float, rng: Array) -> Array:
+  keep = jax.random.bernoulli(rng, 1.0 - rate, weights.shape)
+  return jnp.where(keep, weights / (1.0 - rate), 0.0)
+
+
+def scaled_dot_product_attention(
+    query: Array, key: Array, value: Array, bias: Array | None = None,
+    mask: Array | None = None, *, scale: float | None = None,
+    is_causal: bool = False, dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None) -> Array:
+  """softmax(q k^T * scale + bias, masked) v (Vaswani et al. 2017), [B, T, N, H].
+
+  Args:
+    query: [B, T, N, H].
+    key: [B, S, K, H], K dividing N.
+    value: [B, S, K, H].
+    bias: added to the logits, broadcastable to [B, N, T, S].
+    mask: bool, True = attend, broadcastable to [B, N, T, S].
+    scale: logit scale; default 1 / sqrt(H).
+    is_causal: query i attends keys j <= i + (S - T) (see `causal_mask`).
+    dropout_rate: dropout on the attention weights, applied only when
+      `dropout_rng` is given.
+    dropout_rng: PRNG key for dropout.
+  """
+  if not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f'dropout_rate={dropout_rate} must be in [0, 1).')
+  _check_inputs(query, key, value, bias, mask)
+  weights_BxNxTxS = _weights(query, key, bias, mask, scale, is_causal)
+  if dropout_rate > 0.0 and dropout_rng is not None:
+    weights_BxNxTxS = _dropout(weights_BxNxTxS, dropout_rate, dropout_rng)
+  batch, q_len, num_heads, head_dim = query.shape
+  num_kv_heads = key.shape[2]
+  weights = weights_BxNxTxS.reshape(
+      batch, num_kv_heads, num_heads // num_kv_heads, q_len, key.shape[1])
+  # Weights meet the values in the values' dtype, accumulated in float32.
+  out = jnp.einsum('bkgts,bskh->btkgh', weights.astype(value.dtype), value,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(batch, q_len, num_heads, head_dim).astype(query.dtype)
+
+
+def causal_attention(query: Array, key: Array, value: Array, **kwargs) -> Array:
+  """`scaled_dot_product_attention` with `is_causal=True`."""
+  return scaled_dot_product_attention(query, key, value, is_causal=True,
+                                      **kwargs)
+
+
+def cross_attention(query: Array, key: Array, value: Array, *,
+                    key_padding_mask: Array | None = None, **kwargs) -> Array:
+  """Queries of one sequence attend to keys/values of another.
+
+  Args:
+    key_padding_mask: [B, S] bool, True at real (non-padding) keys; combined
+      with any `mask` given in kwargs.
+  """
+  if key_padding_mask is not None:
+    batch, kv_len = key.shape[0], key.shape[1]
+    if key_padding_mask.shape != (batch, kv_len):
+      raise ValueError(
+          f'key_padding_mask has shape {key_padding_mask.shape}; expected '
+          f'[B, S] = {(batch, kv_len)}.')
+    padding = key_padding_mask.astype(jnp.bool_)[:, None, None, :]
+    mask = kwargs.pop('mask', None)
+    kwargs['mask'] = padding if mask is None else jnp.logical_and(mask, padding)
+  return scaled_dot_product_attention(query, key, value, **kwargs)
+
+
+AttentionFn = Callable[..., Array]
+
+_REGISTRY: dict[str, AttentionFn] = {
+    'dense': scaled_dot_product_attention,
+}
+
+
+def names() -> list[str]:
+  """Names of the registered attention functions, sorted."""
+  return sorted(_REGISTRY)
+
+
+def get(name: str) -> AttentionFn:
+  """The attention function registered under `name`."""
+  try:
+    return _REGISTRY[name]
+  except KeyError:
+    raise ValueError(
+        f'unknown attention {name!r}; registered: {", ".join(names())}.'
+    ) from None

@@ -1,0 +1,212 @@
+"""The three Transformer families: DecoderLM, EncoderDecoder, EncoderClassifier.
+
+Inputs are int token ids [B, T] with 0 as padding. Outputs (logits) are
+float32 whatever `config.dtype` is.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model import positions as positions_lib
+from model.blocks import TransformerStack
+from model.config import ModelConfig
+
+Array = jax.Array
+
+PAD_ID = 0
+
+
+def padding_mask(tokens_BxS: Array) -> Array:
+  """[B, 1, 1, S] bool: True at keys that are real tokens (not padding)."""
+  return (tokens_BxS != PAD_ID)[:, None, None, :]
+
+
+def default_positions(tokens_BxT: Array) -> Array:
+  """[B, T] positions 0..T-1 for every example."""
+  return jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+
+
+class Embedder(nn.Module):
+  """Token embedding and position information in; vocabulary logits out.
+
+  The output projection is the token embedding transposed when
+  `config.tie_embeddings` (Press & Wolf 2017), else a projection of its own.
+  """
+
+  config: ModelConfig
+
+  def setup(self):
+    config = self.config
+    self.token_embedding = nn.Embed(
+        config.vocab_size, config.d_model, dtype=config.compute_dtype,
+        param_dtype=config.weight_dtype,
+        embedding_init=nn.with_logical_partitioning(
+            nn.initializers.normal(stddev=1.0), ('vocab', 'embed')))
+    if config.position == 'learned':
+      self.learned_positions = positions_lib.LearnedPositions(
+          config.max_len, config.d_model, config.weight_dtype)
+    if not config.tie_embeddings:
+      self.output_projection = nn.DenseGeneral(
+          config.vocab_size, dtype=config.compute_dtype,
+          param_dtype=config.weight_dtype,
+          kernel_init=nn.with_logical_partitioning(
+              nn.initializers.xavier_uniform(), ('embed', 'vocab')),
+          bias_init=nn.with_logical_partitioning(nn.initializers.zeros,
+                                                 ('vocab',)))
+    self.dropout = nn.Dropout(config.dropout_rate)
+
+  def embed_tokens(self, tokens_BxT: Array) -> Array:
+    return self.token_embedding(tokens_BxT)
+
+  def add_positions(self, x_BxTxD: Array, positions_BxT: Array, *,
+                    deterministic: bool) -> Array:
+    """Adds position information, then applies embedding dropout."""
+    config = self.config
+    if config.position == 'learned':
+      if x_BxTxD.shape[1] > config.max_len:
+        raise ValueError(
+            f'sequence length {x_BxTxD.shape[1]} exceeds '
+            f'config.model.max_len={config.max_len} of the learned positions.')
+      x_BxTxD = x_BxTxD + self.learned_positions(positions_BxT)
+    elif config.position == 'sinusoidal':
+      x_BxTxD = x_BxTxD + positions_lib.sinusoidal(positions_BxT,
+                                                   config.d_model)
+    x_BxTxD = x_BxTxD.astype(config.compute_dtype)
+    return self.dropout(x_BxTxD, deterministic=deterministic)
+
+  def __call__(self, tokens_BxT: Array, positions_BxT: Array | None = None, *,
+               deterministic: bool) -> Array:
+    """Embeds tokens at `positions_BxT` (default 0..T-1), [B, T, D]."""
+    if positions_BxT is None:
+      positions_BxT = default_positions(tokens_BxT)
+    return self.add_positions(self.embed_tokens(tokens_BxT), positions_BxT,
+                              deterministic=deterministic)
+
+  def logits(self, x_BxTxD: Array) -> Array:
+    """Vocabulary logits, float32 [B, T, V]."""
+    if self.config.tie_embeddings:
+      # x E^T / sqrt(d): the embeddings are initialised with unit variance.
+      logits = self.token_embedding.attend(x_BxTxD).astype(jnp.float32)
+      return logits / jnp.sqrt(self.config.d_model)
+    return self.output_projection(x_BxTxD).astype(jnp.float32)
+
+
+class DecoderLM(nn.Module):
+  """A GPT-2-style causal language model (Radford et al. 2019)."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens_BxT: Array, positions_BxT: Array | None = None, *,
+               deterministic: bool = True) -> Array:
+    """Next-token logits, float32 [B, T, V]; logits[:, t] sees tokens <= t."""
+    embedder = Embedder(self.config, name='embedder')
+    x_BxTxD = embedder(tokens_BxT, positions_BxT, deterministic=deterministic)
+    # A zero-valued hook: the gradient with respect to the 'perturbations'
+    # collection is d(loss)/d(embeddings); a no-op unless that is passed.
+    x_BxTxD = self.perturb('embeddings', x_BxTxD)
+    x_BxTxD = TransformerStack(self.config, causal=True, cross=False,
+                               name='decoder')(
+                                   x_BxTxD, deterministic=deterministic)
+    return embedder.logits(x_BxTxD)
+
+
+class EncoderDecoder(nn.Module):
+  """The Transformer of Vaswani et al. 2017: an encoder, and a decoder that
+  cross-attends to its output. Source and target share one vocabulary.
+  """
+
+  config: ModelConfig
+
+  def setup(self):
+    self.embedder = Embedder(self.config)
+    self.encoder = TransformerStack(self.config, causal=False, cross=False)
+    self.decoder = TransformerStack(self.config, causal=True, cross=True)
+
+  def encode(self, inputs_BxS: Array, *, deterministic: bool = True) -> Array:
+    """Encoder output [B, S, D] for source tokens [B, S]."""
+    x_BxSxD = self.embedder(inputs_BxS, deterministic=deterministic)
+    return self.encoder(x_BxSxD, self_mask=padding_mask(inputs_BxS),
+                        deterministic=deterministic)
+
+  def decode(self, encoded_BxSxD: Array, inputs_BxS: Array,
+             decoder_inputs_BxT: Array, *, deterministic: bool = True) -> Array:
+    """Target logits, float32 [B, T, V], given the encoder output.
+
+    `decoder_inputs_BxT` are the targets shifted right (a start token first);
+    `inputs_BxS` supplies the source padding mask.
+    """
+    y_BxTxD = self.embedder(decoder_inputs_BxT, deterministic=deterministic)
+    y_BxTxD = self.decoder(y_BxTxD, encoded_BxSxD=encoded_BxSxD,
+                           cross_mask=padding_mask(inputs_BxS),
+                           deterministic=deterministic)
+    return self.embedder.logits(y_BxTxD)
+
+  def __call__(self, inputs_BxS: Array, decoder_inputs_BxT: Array, *,
+               deterministic: bool = True) -> Array:
+    encoded_BxSxD = self.encode(inputs_BxS, deterministic=deterministic)
+    return self.decode(encoded_BxSxD, inputs_BxS, decoder_inputs_BxT,
+                       deterministic=deterministic)
+
+
+class EncoderClassifier(nn.Module):
+  """An encoder with a classification head over a pooled representation.
+
+  `config.pooling == 'cls'` prepends a learned vector (position 0) and
+  classifies its output (Devlin et al. 2019); 'mean' averages the outputs at
+  non-padding positions.
+  """
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens_BxT: Array, *, deterministic: bool = True) -> Array:
+    """Class logits, float32 [B, num_classes]."""
+    config = self.config
+    embedder = Embedder(config, name='embedder')
+    x_BxTxD = embedder.embed_tokens(tokens_BxT)
+    keys_valid_BxT = tokens_BxT != PAD_ID
+    if config.pooling == 'cls':
+      cls_D = self.param(
+          'cls', nn.with_logical_partitioning(
+              nn.initializers.normal(stddev=1.0), ('embed',)),
+          (config.d_model,), config.weight_dtype)
+      cls_Bx1xD = jnp.broadcast_to(cls_D.astype(x_BxTxD.dtype),
+                                   (x_BxTxD.shape[0], 1, config.d_model))
+      x_BxTxD = jnp.concatenate([cls_Bx1xD, x_BxTxD], axis=1)
+      keys_valid_BxT = jnp.pad(keys_valid_BxT, ((0, 0), (1, 0)),
+                               constant_values=True)
+    x_BxTxD = embedder.add_positions(
+        x_BxTxD, default_positions(keys_valid_BxT), deterministic=deterministic)
+    x_BxTxD = TransformerStack(config, causal=False, cross=False,
+                               name='encoder')(
+                                   x_BxTxD,
+                                   self_mask=keys_valid_BxT[:, None, None, :],
+                                   deterministic=deterministic)
+    if config.pooling == 'cls':
+      pooled_BxD = x_BxTxD[:, 0]
+    else:
+      weights_BxTx1 = keys_valid_BxT[..., None].astype(jnp.float32)
+      pooled_BxD = (jnp.sum(x_BxTxD.astype(jnp.float32) * weights_BxTx1, axis=1)
+                    / jnp.maximum(jnp.sum(weights_BxTx1, axis=1), 1.0))
+    logits = nn.DenseGeneral(
+        config.num_classes, dtype=config.compute_dtype,
+        param_dtype=config.weight_dtype, name='classifier',
+        kernel_init=nn.with_logical_partitioning(
+            nn.initializers.xavier_uniform(), ('embed', None)),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros,
+                                               (None,)))(pooled_BxD)
+    return logits.astype(jnp.float32)
+
+
+FAMILY_CLASSES = {
+    'decoder_lm': DecoderLM,
+    'encoder_decoder': EncoderDecoder,
+    'encoder_classifier': EncoderClassifier,
+}
+
+
+def build(config: ModelConfig) -> nn.Module:
+  """The model of family `config.family`."""
+  return FAMILY_CLASSES[config.family](config)

@@ -1,0 +1,98 @@
+"""Layers with parameters: multi-head attention, feed-forward, normalisation.
+
+Every parameter carries logical axis names (embed, mlp, heads, kv_heads, kv,
+vocab) so sharding rules can be attached later without touching the models.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model import attention
+from model.config import ModelConfig
+
+Array = jax.Array
+
+_KERNEL_INIT = nn.initializers.xavier_uniform()
+
+
+def _dense(features, axes, config: ModelConfig, name: str,
+           in_axis=-1) -> nn.DenseGeneral:
+  """A DenseGeneral whose kernel and bias carry the logical axes `axes`.
+
+  `axes` names the kernel's input dims then its output dims; the bias takes
+  the output dims.
+  """
+  num_out = len(features) if isinstance(features, tuple) else 1
+  return nn.DenseGeneral(
+      features=features, axis=in_axis, dtype=config.compute_dtype,
+      param_dtype=config.weight_dtype, name=name,
+      kernel_init=nn.with_logical_partitioning(_KERNEL_INIT, axes),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros,
+                                             axes[-num_out:]))
+
+
+class MultiHeadAttention(nn.Module):
+  """Q/K/V/O projections around the attention function `config.attention`.
+
+  Query heads are `config.num_heads`, key/value heads `config.num_kv_heads`
+  (grouped-query or multi-query attention when fewer).
+  """
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, inputs_q_BxTxD: Array, inputs_kv_BxSxD: Array, *,
+               mask: Array | None = None, is_causal: bool = False,
+               deterministic: bool = True) -> Array:
+    config = self.config
+    heads, kv_heads, head_dim = (config.num_heads, config.num_kv_heads,
+                                 config.head_dim)
+    q_BxTxNxH = _dense((heads, head_dim), ('embed', 'heads', 'kv'), config,
+                       'query')(inputs_q_BxTxD)
+    k_BxSxKxH = _dense((kv_heads, head_dim), ('embed', 'kv_heads', 'kv'),
+                       config, 'key')(inputs_kv_BxSxD)
+    v_BxSxKxH = _dense((kv_heads, head_dim), ('embed', 'kv_heads', 'kv'),
+                       config, 'value')(inputs_kv_BxSxD)
+    dropout_rng = None
+    if not deterministic and config.attention_dropout_rate > 0.0:
+      dropout_rng = self.make_rng('dropout')
+    attend = attention.get(config.attention)
+    out_BxTxNxH = attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask,
+                         is_causal=is_causal,
+                         dropout_rate=config.attention_dropout_rate,
+                         dropout_rng=dropout_rng)
+    return _dense(inputs_q_BxTxD.shape[-1], ('heads', 'kv', 'embed'), config,
+                  'out', in_axis=(-2, -1))(out_BxTxNxH)
+
+
+class Mlp(nn.Module):
+  """Position-wise feed-forward layer: d_model -> mlp_dim -> d_model."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD: Array) -> Array:
+    config = self.config
+    hidden = _dense(config.mlp_dim, ('embed', 'mlp'), config, 'wi')(x_BxTxD)
+    if config.mlp_activation == 'swiglu':
+      gate = _dense(config.mlp_dim, ('embed', 'mlp'), config, 'wi_gate')(
+          x_BxTxD)
+      hidden_BxTxM = nn.silu(gate) * hidden
+    else:
+      activation = {'relu': nn.relu, 'gelu': nn.gelu}[config.mlp_activation]
+      hidden_BxTxM = activation(hidden)
+    return _dense(x_BxTxD.shape[-1], ('mlp', 'embed'), config, 'wo')(
+        hidden_BxTxM)
+
+
+def make_norm(config: ModelConfig, name: str) -> nn.Module:
+  """LayerNorm or RMSNorm as `config.norm` says, statistics in float32."""
+  scale_init = nn.with_logical_partitioning(nn.initializers.ones, ('embed',))
+  common = dict(dtype=config.compute_dtype, param_dtype=config.weight_dtype,
+                scale_init=scale_init, name=name)
+  if config.norm == 'rmsnorm':
+    return nn.RMSNorm(**common)
+  return nn.LayerNorm(
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
+      **common)

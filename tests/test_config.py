@@ -1,0 +1,63 @@
+"""ModelConfig validation: every mistake is named by its config key."""
+
+import dataclasses
+import inspect
+
+import pytest
+
+from configs import default
+from model import ModelConfig
+from model import config as config_module
+
+
+def test_defaults_resolve_head_dim_and_kv_heads():
+  config = ModelConfig(d_model=64, num_heads=4)
+  assert config.head_dim == 16 and config.num_kv_heads == 4
+
+
+def test_default_config_builds_a_model_config():
+  config = default.get_config()
+  assert ModelConfig.from_mapping(config.model) == ModelConfig()
+  config.model.head_dim = 64
+  assert ModelConfig.from_mapping(config.model).head_dim == 64
+
+
+def test_every_model_field_has_a_comment():
+  source = inspect.getsource(config_module)
+  for field in dataclasses.fields(ModelConfig):
+    line = source.index(f'\n  {field.name}: ')
+    assert source[:line].rstrip().splitlines()[-1].strip().startswith('#'), (
+        field.name)
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (dict(d_model=100, num_heads=3),
+     'config.model.num_heads=3 does not divide config.model.d_model=100'),
+    (dict(num_heads=4, num_kv_heads=3),
+     'config.model.num_kv_heads=3 does not divide config.model.num_heads=4'),
+    (dict(num_layers=0), 'config.model.num_layers=0 must be a positive'),
+    (dict(vocab_size=2.5), 'config.model.vocab_size=2.5'),
+    (dict(mlp_activation='tanh'), "config.model.mlp_activation='tanh'"),
+    (dict(norm='batchnorm'), "config.model.norm='batchnorm'"),
+    (dict(norm_position='middle'), "config.model.norm_position='middle'"),
+    (dict(position='rotary'), "config.model.position='rotary'"),
+    (dict(family='rnn'), "config.model.family='rnn'"),
+    (dict(attention='magic'), "config.model.attention='magic'"),
+    (dict(dtype='float64'), "config.model.dtype='float64'"),
+    (dict(dropout_rate=1.0), 'config.model.dropout_rate=1.0'),
+    (dict(attention_dropout_rate=-0.1),
+     'config.model.attention_dropout_rate=-0.1'),
+    (dict(remat='yes'), "config.model.remat='yes'"),
+    (dict(pooling='max'), "config.model.pooling='max'"),
+])
+def test_invalid_values_name_the_key(overrides, message):
+  with pytest.raises(ValueError, match=message.replace('.', r'\.')
+                     .replace('(', r'\(')):
+    ModelConfig(**overrides)
+
+
+def test_unknown_key_is_named():
+  config = default.get_config()
+  config.model.num_head = 8
+  with pytest.raises(ValueError, match=r'unknown key config\.model\.num_head;'):
+    ModelConfig.from_mapping(config.model)

@@ -1,0 +1,271 @@
+"""The model families: shapes, dtypes, parameter counts, and properties."""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from model import DecoderLM, EncoderClassifier, EncoderDecoder, ModelConfig
+from model.families import build
+
+B, T = 2, 8
+V, D, HEADS, KV_HEADS, LAYERS, MLP, MAX_LEN = 32, 32, 4, 2, 2, 64, 16
+
+
+def small_config(**overrides) -> ModelConfig:
+  values = dict(vocab_size=V, d_model=D, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                num_layers=LAYERS, mlp_dim=MLP, max_len=MAX_LEN)
+  values.update(overrides)
+  return ModelConfig(**values)
+
+
+def tokens(seed=0, length=T):
+  """[B, T] ids in 1..V-1; example 1 ends in 3 padding tokens."""
+  ids = np.random.default_rng(seed).integers(1, V, (B, length))
+  ids[1, -3:] = 0
+  return jnp.asarray(ids)
+
+
+def model_inputs(config: ModelConfig):
+  if config.family == 'encoder_decoder':
+    return tokens(0), tokens(1)
+  return (tokens(0),)
+
+
+def init(config: ModelConfig):
+  return build(config).init(jax.random.key(0), *model_inputs(config))
+
+
+def count(tree) -> int:
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(nn.meta.unbox(tree)))
+
+
+def expected_parameter_count(config: ModelConfig) -> int:
+  """Counted from the architecture: every projection has a bias."""
+  d, m, heads, kv_heads, head_dim = (config.d_model, config.mlp_dim,
+                                     config.num_heads, config.num_kv_heads,
+                                     config.head_dim)
+  norm = 2 * d if config.norm == 'layernorm' else d
+  attention = ((d + 1) * heads * head_dim + 2 * (d + 1) * kv_heads * head_dim
+               + heads * head_dim * d + d)
+  mlp = (d + 1) * m * (2 if config.mlp_activation == 'swiglu' else 1) + m * d + d
+
+  def stack(cross):
+    block = attention + mlp + 2 * norm + (attention + norm if cross else 0)
+    return config.num_layers * block + (norm if config.norm_position == 'pre'
+                                        else 0)
+
+  embedder = config.vocab_size * d
+  if config.position == 'learned':
+    embedder += config.max_len * d
+  if not config.tie_embeddings:
+    embedder += d * config.vocab_size + config.vocab_size
+  if config.family == 'decoder_lm':
+    return embedder + stack(cross=False)
+  if config.family == 'encoder_decoder':
+    return embedder + stack(cross=False) + stack(cross=True)
+  head = d * config.num_classes + config.num_classes
+  return (embedder + stack(cross=False) + head
+          + (d if config.pooling == 'cls' else 0))
+
+
+FAMILY_CONFIGS = {
+    'decoder_lm': small_config(),
+    'decoder_lm_untied_learned_swiglu_rms': small_config(
+        tie_embeddings=False, position='learned', mlp_activation='swiglu',
+        norm='rmsnorm'),
+    'encoder_decoder_post_norm': small_config(family='encoder_decoder',
+                                              norm_position='post'),
+    'classifier_cls': small_config(family='encoder_classifier', num_classes=5),
+    'classifier_mean_mqa': small_config(family='encoder_classifier',
+                                        num_classes=3, pooling='mean',
+                                        num_kv_heads=1, head_dim=16),
+}
+
+
+@pytest.mark.parametrize('name', FAMILY_CONFIGS)
+def test_parameter_count_matches_architecture(name):
+  config = FAMILY_CONFIGS[name]
+  shapes = jax.eval_shape(lambda: init(config))
+  assert count(shapes['params']) == expected_parameter_count(config)
+
+
+@pytest.mark.parametrize('name', FAMILY_CONFIGS)
+def test_output_shape_and_dtype(name):
+  config = FAMILY_CONFIGS[name]
+  variables = init(config)
+  out = build(config).apply(variables, *model_inputs(config))
+  expected = {'decoder_lm': (B, T, V), 'encoder_decoder': (B, T, V),
+              'encoder_classifier': (B, config.num_classes)}[config.family]
+  assert out.shape == expected and out.dtype == jnp.float32
+  assert np.isfinite(out).all()
+
+
+def test_every_parameter_has_logical_axis_names():
+  for config in FAMILY_CONFIGS.values():
+    boxed = jax.eval_shape(lambda config=config: init(config))['params']
+    leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(
+        x, nn.LogicallyPartitioned))
+    for leaf in leaves:
+      assert isinstance(leaf, nn.LogicallyPartitioned)
+      assert len(leaf.names) == leaf.value.ndim
+
+
+def test_grouped_query_projections_have_kv_heads():
+  params = nn.meta.unbox(init(small_config())['params'])
+  attention = params['decoder']['block_0']['self_attention']
+  assert attention['query']['kernel'].shape == (D, HEADS, D // HEADS)
+  assert attention['key']['kernel'].shape == (D, KV_HEADS, D // HEADS)
+  assert attention['value']['kernel'].shape == (D, KV_HEADS, D // HEADS)
+
+
+def test_bfloat16_compute_keeps_float32_params_and_logits():
+  config = small_config(dtype='bfloat16')
+  model = build(config)
+  variables = init(config)
+  logits, state = model.apply(variables, tokens(), capture_intermediates=True)
+  params = nn.meta.unbox(variables['params'])
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+  assert logits.dtype == jnp.float32
+  block_out = state['intermediates']['decoder']['block_0']['__call__'][0]
+  assert block_out.dtype == jnp.bfloat16
+  reference = build(small_config()).apply(variables, tokens())
+  np.testing.assert_allclose(logits, reference, atol=0.1)
+
+
+def test_decoder_lm_is_causal():
+  """d(logits at t)/d(embeddings at s) is exactly zero for every s > t."""
+  model = DecoderLM(small_config())
+  variables = init(small_config())
+  cotangent = jax.random.normal(jax.random.key(3), (B, T, V))
+
+  @jax.jit
+  def embedding_grads(t):
+    def loss(perturbations):
+      logits = model.apply({'params': variables['params'],
+                            'perturbations': perturbations}, tokens())
+      return jnp.sum(logits[:, t] * cotangent[:, t])
+    return jax.grad(loss)(variables['perturbations'])['embeddings']
+
+  for t in range(T):
+    grads_BxTxD = np.asarray(embedding_grads(t))
+    np.testing.assert_array_equal(grads_BxTxD[:, t + 1:], 0.0)
+    assert np.abs(grads_BxTxD[:, :t + 1]).sum(-1).min() > 0
+
+
+def test_encoder_decoder_prefix_logits_ignore_later_targets():
+  config = small_config(family='encoder_decoder')
+  model = EncoderDecoder(config)
+  variables = init(config)
+  targets = tokens(1)
+  changed = targets.at[:, 5:].set(7)
+  logits = model.apply(variables, tokens(0), targets)
+  changed_logits = model.apply(variables, tokens(0), changed)
+  np.testing.assert_array_equal(logits[:, :5], changed_logits[:, :5])
+  assert not np.allclose(logits[:, 5:], changed_logits[:, 5:])
+
+
+def test_encoder_decoder_ignores_padded_source_tokens():
+  config = small_config(family='encoder_decoder')
+  model = EncoderDecoder(config)
+  variables = init(config)
+  source = tokens(0)
+  # Example 1's last 3 source tokens are padding; what the encoder writes
+  # there must not reach the decoder.
+  encoded = model.apply(variables, source, method='encode')
+  noise = jnp.zeros_like(encoded).at[1, -3:].set(100.0)
+  decode = lambda e: model.apply(variables, e, source, tokens(1),
+                                 method='decode')
+  np.testing.assert_allclose(decode(encoded), decode(encoded + noise),
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize('position, equivariant', [('none', True),
+                                                   ('sinusoidal', False)])
+def test_self_attention_is_permutation_equivariant_only_without_positions(
+    position, equivariant):
+  config = small_config(family='encoder_decoder', position=position)
+  model = EncoderDecoder(config)
+  variables = init(config)
+  source = tokens(4).at[1].set(tokens(5)[0])  # no padding
+  perm = np.random.default_rng(0).permutation(T)
+  encode = lambda x: model.apply(variables, x, method='encode')
+  permuted_then_encoded = encode(source[:, perm])
+  encoded_then_permuted = encode(source)[:, perm]
+  assert np.allclose(permuted_then_encoded, encoded_then_permuted,
+                     atol=1e-5) == equivariant
+
+
+def test_mean_pooled_classifier_ignores_padding():
+  config = small_config(family='encoder_classifier', pooling='mean')
+  model = EncoderClassifier(config)
+  variables = init(config)
+  source = tokens(0)
+  longer = jnp.pad(source, ((0, 0), (0, 4)))
+  np.testing.assert_allclose(model.apply(variables, source),
+                             model.apply(variables, longer), atol=1e-5)
+
+
+def test_learned_positions_reject_sequences_longer_than_max_len():
+  config = small_config(position='learned', max_len=T)
+  variables = init(config)
+  with pytest.raises(ValueError, match='config.model.max_len=8'):
+    build(config).apply(variables, tokens(length=T + 1))
+
+
+def test_remat_gives_the_same_gradients():
+  def grads(config):
+    model = build(config)
+    variables = init(config)
+    loss = lambda p: jnp.sum(model.apply({'params': p}, tokens()) ** 2)
+    return jax.grad(loss)(variables['params'])
+
+  plain, remat = grads(small_config()), grads(small_config(remat=True))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                       atol=1e-6),
+               nn.meta.unbox(plain), nn.meta.unbox(remat))
+
+
+def test_dropout_is_active_only_when_not_deterministic():
+  config = small_config(dropout_rate=0.3, attention_dropout_rate=0.3)
+  model = build(config)
+  variables = init(config)
+  apply = lambda seed, deterministic: model.apply(
+      variables, tokens(), deterministic=deterministic,
+      rngs={'dropout': jax.random.key(seed)})
+  np.testing.assert_array_equal(apply(0, True), apply(1, True))
+  assert not np.allclose(apply(0, False), apply(1, False))
+  np.testing.assert_array_equal(apply(0, False), apply(0, False))
+
+
+@pytest.mark.parametrize('norm_position, norm, activation', [
+    ('pre', 'layernorm', 'gelu'), ('post', 'rmsnorm', 'relu')])
+def test_decoder_lm_trains(norm_position, norm, activation):
+  config = small_config(norm_position=norm_position, norm=norm,
+                        mlp_activation=activation)
+  model = build(config)
+  params = nn.meta.unbox(init(config)['params'])
+  inputs = tokens()
+  targets = jnp.roll(inputs, -1, axis=1)
+  optimizer = optax.adam(1e-2)
+
+  @jax.jit
+  def step(params, opt_state):
+    def loss_fn(params):
+      logits = model.apply({'params': params}, inputs)
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, targets).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = optimizer.update(grads, opt_state)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  opt_state = optimizer.init(params)
+  losses = []
+  for _ in range(5):
+    params, opt_state, loss = step(params, opt_state)
+    losses.append(float(loss))
+  assert np.isfinite(losses).all() and losses[-1] < losses[0]
