@@ -26,7 +26,78 @@ def model_defaults() -> ml_collections.ConfigDict:
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
-  # Seeds parameter initialisation (and, later, data order and dropout).
+
+  # --- Data ---
+  # Dataset name; see train/data/datasets.py for the list.
+  config.dataset = 'python_stdlib_bytes'
+  # Options of that dataset (e.g. the algorithmic task, ListOps lengths).
+  config.dataset_options = ml_collections.ConfigDict()
+  # Where datasets are built (embedded ones) or prepared beforehand (tfds).
+  config.data_dir = '~/tensorflow_datasets'
+  # SentencePiece model for text datasets; None: train one from the training
+  # split into workdir/sentencepiece.model, of config.model.vocab_size.
+  config.vocab_path = config_dict.placeholder(str)
+  # Tokens per row: the packed row length of LMs, the longest input (and
+  # target) of the other kinds; longer examples are left out.
+  config.seq_len = 256
+  # Examples per optimizer step, over all devices and hosts.
+  config.batch_size = 32
+  # Split evaluated every `eval_every` steps.
+  config.eval_split = 'validation'
+  # Batches per evaluation; -1 for the whole split.
+  config.num_eval_steps = -1
+
+  # --- Optimization ---
+  # Optimizer updates in the whole run.
+  config.num_train_steps = 1000
+  # adamw (Loshchilov & Hutter 2019) or sgd (with sgd_momentum).
+  config.optimizer = 'adamw'
+  # Peak learning rate, reached at the end of warmup.
+  config.learning_rate = 1e-3
+  # Steps of linear warmup from 0.
+  config.warmup_steps = 100
+  # After warmup: cosine, linear, rsqrt or constant (train/optim.py).
+  config.schedule = 'cosine'
+  # End of cosine/linear decay, as a fraction of learning_rate.
+  config.final_learning_rate_fraction = 0.1
+  # Decay rate of adamw's first-moment (mean) estimate.
+  config.adam_b1 = 0.9
+  # Decay rate of adamw's second-moment estimate.
+  config.adam_b2 = 0.98
+  # Added to adamw's denominator for numerical stability.
+  config.adam_eps = 1e-9
+  # Momentum of sgd; 0 for none.
+  config.sgd_momentum = 0.9
+  # Decoupled weight decay of matrices and embeddings (not biases, norms).
+  config.weight_decay = 0.01
+  # Clip gradients to this global norm; 0 for no clipping.
+  config.grad_clip_norm = 1.0
+  # Micro-batches per step: gradients of batch_size / grad_accum_steps
+  # examples at a time are summed before one update.
+  config.grad_accum_steps = 1
+  # Probability mass spread uniformly over the vocabulary (or classes).
+  config.label_smoothing = 0.0
+
+  # --- Loop ---
+  # Seeds initialisation, data order and dropout.
   config.seed = 0
+  # Steps between training-metric summaries.
+  config.log_every = 50
+  # Steps between evaluations (and after the last step); 0: only at the end.
+  config.eval_every = 500
+  # Steps between checkpoints (and after the last step); 0: only at the end.
+  config.checkpoint_every = 500
+  # Checkpoints kept; older ones are deleted.
+  config.keep_checkpoints = 3
+
+  # --- Language models: a sample printed at the end ---
+  # Tokens to sample; 0 for no sample.
+  config.sample_length = 0
+  # Text the sample continues.
+  config.sample_prompt = ''
+  # Softmax temperature of sampling; 0 is greedy.
+  config.sample_temperature = 0.8
+
+  # The model: see model/config.py for each key.
   config.model = model_defaults()
   return config

@@ -72,21 +72,36 @@ def causal_mask(q_len: int, kv_len: int) -> Array:
   return jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None] + offset
 
 
+@jax.custom_jvp
+def _softmax_or_zero(logits: Array) -> Array:
+  """Softmax over the last axis where -inf marks excluded entries; a row
+  with every entry excluded is all zeros instead of NaN."""
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  unnormalized = jnp.exp(logits - row_max)
+  total = jnp.sum(unnormalized, axis=-1, keepdims=True)
+  return unnormalized / jnp.where(total > 0, total, 1.0)
+
+
+@_softmax_or_zero.defjvp
+def _softmax_or_zero_jvp(primals, tangents):
+  # The softmax derivative p * (dx - <p, dx>): one fused pass, and exactly
+  # zero at excluded entries (p = 0) and in rows with nothing to attend.
+  probs = _softmax_or_zero(primals[0])
+  tangent = tangents[0]
+  return probs, probs * (tangent - jnp.sum(probs * tangent, axis=-1,
+                                           keepdims=True))
+
+
 def _masked_softmax(logits_BxNxTxS: Array, mask: Array | None) -> Array:
   """Softmax over keys; masked keys get weight 0, a row with none left is 0.
 
-  Masked logits become -inf before the exponential, so no gradient flows
-  through them (a large finite fill would leak through `where`).
+  Masked logits become -inf (not a large finite number, whose gradient
+  would leak through `where`).
   """
   if mask is not None:
     logits_BxNxTxS = jnp.where(mask, logits_BxNxTxS, -jnp.inf)
-  row_max = jnp.max(logits_BxNxTxS, axis=-1, keepdims=True)
-  # The shift only stabilises exp; it cancels in the ratio, so no gradient.
-  row_max = jax.lax.stop_gradient(
-      jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-  unnormalized = jnp.exp(logits_BxNxTxS - row_max)
-  total = jnp.sum(unnormalized, axis=-1, keepdims=True)
-  return unnormalized / jnp.where(total > 0, total, 1.0)
+  return _softmax_or_zero(logits_BxNxTxS)
 
 
 def _weights(query, key, bias, mask, scale, is_causal) -> Array:

@@ -22,6 +22,12 @@ def padding_mask(tokens_BxS: Array) -> Array:
   return (tokens_BxS != PAD_ID)[:, None, None, :]
 
 
+def segment_mask(q_segment_ids_BxT: Array, kv_segment_ids_BxS: Array) -> Array:
+  """[B, 1, T, S] bool: query and key belong to the same packed sequence."""
+  return (q_segment_ids_BxT[:, None, :, None]
+          == kv_segment_ids_BxS[:, None, None, :])
+
+
 def default_positions(tokens_BxT: Array) -> Array:
   """[B, T] positions 0..T-1 for every example."""
   return jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
@@ -98,17 +104,27 @@ class DecoderLM(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_BxT: Array, positions_BxT: Array | None = None, *,
+  def __call__(self, tokens_BxT: Array, positions_BxT: Array | None = None,
+               segment_ids_BxT: Array | None = None, *,
                deterministic: bool = True) -> Array:
-    """Next-token logits, float32 [B, T, V]; logits[:, t] sees tokens <= t."""
+    """Next-token logits, float32 [B, T, V]; logits[:, t] sees tokens <= t.
+
+    Rows packed with several sequences give each token's `segment_ids_BxT`
+    (and its position within its sequence): tokens attend only within their
+    own segment.
+    """
     embedder = Embedder(self.config, name='embedder')
     x_BxTxD = embedder(tokens_BxT, positions_BxT, deterministic=deterministic)
     # A zero-valued hook: the gradient with respect to the 'perturbations'
     # collection is d(loss)/d(embeddings); a no-op unless that is passed.
     x_BxTxD = self.perturb('embeddings', x_BxTxD)
+    self_mask = None
+    if segment_ids_BxT is not None:
+      self_mask = segment_mask(segment_ids_BxT, segment_ids_BxT)
     x_BxTxD = TransformerStack(self.config, causal=True, cross=False,
                                name='decoder')(
-                                   x_BxTxD, deterministic=deterministic)
+                                   x_BxTxD, self_mask=self_mask,
+                                   deterministic=deterministic)
     return embedder.logits(x_BxTxD)
 
 

@@ -269,3 +269,19 @@ def test_decoder_lm_trains(norm_position, norm, activation):
     params, opt_state, loss = step(params, opt_state)
     losses.append(float(loss))
   assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+def test_packed_rows_equal_separate_sequences():
+  """Two sequences packed in one row give the logits each gives alone."""
+  config = small_config(position='learned')
+  model = DecoderLM(config)
+  variables = {'params': init(config)['params']}
+  first, second = tokens(0)[0, :5], tokens(1)[0, :3]
+  packed = jnp.concatenate([first, second])[None]
+  segment_ids = jnp.array([[1] * 5 + [2] * 3])
+  positions = jnp.array([list(range(5)) + list(range(3))])
+  logits = model.apply(variables, packed, positions, segment_ids)
+  np.testing.assert_allclose(logits[0, :5],
+                             model.apply(variables, first[None])[0], atol=1e-5)
+  np.testing.assert_allclose(logits[0, 5:],
+                             model.apply(variables, second[None])[0], atol=1e-5)

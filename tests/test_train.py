@@ -1,0 +1,176 @@
+"""End to end: every config trains a few steps, saves, resumes, evaluates."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import tensorflow_datasets as tfds
+
+from configs import algorithmic, listops, lm1b, lm_stdlib, wmt14_ende
+from train.trainer import train_and_evaluate
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+TRAIN_KEYS = {'step', 'loss', 'accuracy', 'learning_rate', 'grad_norm',
+              'tokens_per_s', 'steps_per_s'}
+EVAL_KEYS = {
+    'lm_stdlib': {'eval_loss', 'eval_accuracy', 'eval_bits_per_byte'},
+    'algorithmic': {'eval_loss', 'eval_accuracy', 'eval_exact_match'},
+    'listops': {'eval_loss', 'eval_accuracy'},
+    'lm1b': {'eval_loss', 'eval_accuracy'},
+    'wmt14_ende': {'eval_loss', 'eval_accuracy', 'eval_exact_match'},
+}
+
+
+def shrink(config, data_dir: str, **overrides):
+  """The config at toy size: a few steps of a one-layer model."""
+  config.data_dir = data_dir
+  config.batch_size = 8
+  config.num_train_steps = 4
+  config.warmup_steps = 1
+  config.log_every = 2
+  config.eval_every = 2
+  config.checkpoint_every = 2
+  config.num_eval_steps = 2
+  config.sample_length = min(config.sample_length, 4)
+  config.model.update(d_model=16, num_heads=2, num_layers=1, mlp_dim=32,
+                      dtype='float32')
+  config.update(overrides)
+  config.model.max_len = config.seq_len + 1
+  return config
+
+
+class LocalWmt14(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """A few sentence pairs with the features of wmt14_translate/de-en."""
+
+  name = 'wmt14_translate'
+  VERSION = tfds.core.Version('1.0.0')
+  BUILDER_CONFIGS = [tfds.core.BuilderConfig(name='de-en')]
+
+  def _info(self):
+    return tfds.core.DatasetInfo(
+        builder=self,
+        features=tfds.features.Translation(languages=('de', 'en')))
+
+  def _split_generators(self, dl_manager):
+    return {'train': self._generate_examples(range(200)),
+            'validation': self._generate_examples(range(200, 220)),
+            'test': self._generate_examples(range(220, 240))}
+
+  def _generate_examples(self, indices):
+    numbers = ['null', 'eins', 'zwei', 'drei', 'vier', 'fuenf']
+    english = ['zero', 'one', 'two', 'three', 'four', 'five']
+    for i in indices:
+      digits = [int(d) % 6 for d in str(i)]
+      yield i, {'de': 'die zahl ' + ' '.join(numbers[d] for d in digits),
+                'en': 'the number ' + ' '.join(english[d] for d in digits)}
+
+
+def tiny_config(name: str, data_dir: str):
+  if name == 'lm_stdlib':
+    return shrink(lm_stdlib.get_config(), data_dir, seq_len=32)
+  if name == 'algorithmic':
+    config = shrink(algorithmic.get_config('task=addition'), data_dir,
+                    seq_len=16)
+    config.dataset_options.update(num_train=200, num_eval=20, max_length=8,
+                                  long_max_length=12)
+    return config
+  if name == 'listops':
+    config = shrink(listops.get_config(), data_dir, seq_len=32)
+    config.dataset_options.update(min_length=5, max_length=32, num_train=200,
+                                  num_eval=20)
+    return config
+  if name == 'lm1b':
+    config = shrink(lm1b.get_config(), data_dir, seq_len=16)
+    config.model.vocab_size = 64
+    return config
+  config = shrink(wmt14_ende.get_config(), data_dir, seq_len=16,
+                  warmup_steps=2)
+  config.model.vocab_size = 64
+  return config
+
+
+def read_metrics(workdir) -> list[dict]:
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def checkpoint_steps(workdir) -> list[int]:
+  return sorted(int(p.name) for p in (pathlib.Path(workdir) / 'checkpoints')
+                .iterdir() if p.name.isdigit())
+
+
+@pytest.mark.parametrize('name', sorted(EVAL_KEYS))
+def test_config_trains_saves_and_resumes(name, data_dir, tmp_path):
+  if name == 'wmt14_ende':
+    LocalWmt14(data_dir=data_dir, file_format='array_record'
+               ).download_and_prepare()
+  workdir = str(tmp_path / name)
+  config = tiny_config(name, data_dir)
+
+  def run():
+    if name == 'lm1b':
+      with tfds.testing.mock_data(num_examples=64):
+        return train_and_evaluate(config, workdir)
+    return train_and_evaluate(config, workdir)
+
+  final = run()
+  assert set(final) == EVAL_KEYS[name]
+  assert checkpoint_steps(workdir) == [2, 4]
+  with open(os.path.join(workdir, 'config.json')) as f:
+    assert json.load(f)['num_train_steps'] == 4
+
+  config.num_train_steps = 6
+  run()
+  lines = read_metrics(workdir)
+  assert [line['step'] for line in lines] == [2, 4, 6]
+  for line in lines:
+    assert TRAIN_KEYS | EVAL_KEYS[name] <= set(line)
+  assert checkpoint_steps(workdir) == [2, 4, 6]
+
+
+def test_resumed_run_repeats_the_uninterrupted_one(data_dir, tmp_path):
+  """Data order and dropout continue exactly where the checkpoint left."""
+  def config(steps):
+    config = tiny_config('algorithmic', data_dir)
+    # A constant rate: the cosine schedule depends on num_train_steps.
+    config.update(num_train_steps=steps, log_every=1, checkpoint_every=3,
+                  eval_every=0, schedule='constant')
+    config.model.dropout_rate = 0.1
+    return config
+
+  straight = str(tmp_path / 'straight')
+  train_and_evaluate(config(6), straight)
+  interrupted = str(tmp_path / 'interrupted')
+  train_and_evaluate(config(3), interrupted)
+  train_and_evaluate(config(6), interrupted)
+
+  def losses(workdir):
+    return [(line['step'], line['loss'], line['grad_norm'])
+            for line in read_metrics(workdir)]
+  assert losses(interrupted) == losses(straight)
+
+
+def run_cli(*args):
+  return subprocess.run(
+      [sys.executable, '-m', 'train.train', *args], cwd=REPO,
+      capture_output=True, text=True, timeout=120,
+      env={**os.environ, 'XLA_FLAGS': ''})
+
+
+def test_cli_rejects_a_bad_value_with_status_2(tmp_path):
+  result = run_cli('--config=configs/lm_stdlib.py', f'--workdir={tmp_path}',
+                   '--config.model.num_heads=3')
+  assert result.returncode == 2
+  assert 'config.model.num_heads=3 does not divide' in result.stderr
+  assert 'Traceback' not in result.stderr
+
+
+def test_cli_rejects_an_unknown_key_with_status_2(tmp_path):
+  result = run_cli('--config=configs/algorithmic.py:task=divide',
+                   f'--workdir={tmp_path}')
+  assert result.returncode == 2
+  assert 'task=' in result.stderr and 'Traceback' not in result.stderr

@@ -1,0 +1,131 @@
+"""Checks a training config before anything is built or compiled.
+
+Each rule names the key it checks, so a mistake is reported as, e.g.,
+`config.batch_size=12 must be divisible by the 8 devices`.
+"""
+
+import ml_collections
+
+import jax
+
+from model import ModelConfig
+from train import optim
+from train.data import datasets
+from train.errors import InputError
+
+# The model family that trains on each kind of dataset.
+FAMILY_OF_KIND = {'lm': 'decoder_lm', 'seq2seq': 'encoder_decoder',
+                  'classification': 'encoder_classifier'}
+
+
+def _fail(message: str):
+  raise InputError(message)
+
+
+def _integer(config, key: str, minimum: int) -> int:
+  value = config[key]
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    _fail(f'config.{key}={value!r} must be an integer >= {minimum}.')
+  return value
+
+
+def _number(config, key: str, low: float, high: float, *,
+            include_low: bool = True, include_high: bool = False) -> float:
+  value = config[key]
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if ok:
+    ok = (value >= low if include_low else value > low) and (
+        value <= high if include_high else value < high)
+  if not ok:
+    interval = (('[' if include_low else '(') + f'{low}, {high}'
+                + (']' if include_high else ')'))
+    _fail(f'config.{key}={value!r} must be a number in {interval}.')
+  return value
+
+
+def _choice(config, key: str, choices) -> str:
+  if config[key] not in choices:
+    _fail(f'config.{key}={config[key]!r} must be one of {list(choices)}.')
+  return config[key]
+
+
+def validate(config: ml_collections.ConfigDict) -> ModelConfig:
+  """Raises InputError naming the first bad key; returns the ModelConfig."""
+  for key in ('seq_len', 'num_train_steps', 'log_every', 'keep_checkpoints',
+              'grad_accum_steps', 'sample_length'):
+    _integer(config, key, 1 if key != 'sample_length' else 0)
+  for key in ('warmup_steps', 'eval_every', 'checkpoint_every', 'seed'):
+    _integer(config, key, 0)
+  if config.num_eval_steps != -1:
+    _integer(config, 'num_eval_steps', 1)
+  batch_size = _integer(config, 'batch_size', 1)
+
+  _number(config, 'learning_rate', 0.0, float('inf'), include_low=False)
+  _number(config, 'final_learning_rate_fraction', 0.0, 1.0, include_high=True)
+  _number(config, 'weight_decay', 0.0, float('inf'))
+  _number(config, 'grad_clip_norm', 0.0, float('inf'))
+  _number(config, 'label_smoothing', 0.0, 1.0)
+  _number(config, 'adam_b1', 0.0, 1.0)
+  _number(config, 'adam_b2', 0.0, 1.0)
+  _number(config, 'adam_eps', 0.0, float('inf'), include_low=False)
+  _number(config, 'sgd_momentum', 0.0, 1.0)
+  _number(config, 'sample_temperature', 0.0, float('inf'))
+  _choice(config, 'schedule', optim.SCHEDULES)
+  _choice(config, 'optimizer', optim.OPTIMIZERS)
+  if config.warmup_steps > config.num_train_steps:
+    _fail(f'config.warmup_steps={config.warmup_steps} exceeds '
+          f'config.num_train_steps={config.num_train_steps}.')
+
+  devices, hosts = jax.device_count(), jax.process_count()
+  if batch_size % devices:
+    _fail(f'config.batch_size={batch_size} must be divisible by the '
+          f'{devices} devices.')
+  per_device = batch_size // devices
+  if per_device % config.grad_accum_steps:
+    _fail(f'config.grad_accum_steps={config.grad_accum_steps} must divide '
+          f'the per-device batch of {per_device} (config.batch_size='
+          f'{batch_size} over {devices} devices).')
+  if config.num_eval_steps == -1 and hosts > 1:
+    _fail('config.num_eval_steps=-1 (the whole split) needs one host; set a '
+          f'number of batches for the {hosts} hosts to run alike.')
+
+  kind = datasets.kind_of(config.dataset)
+  try:
+    model_config = ModelConfig.from_mapping(config.model)
+  except ValueError as error:
+    raise InputError(str(error)) from None
+  family = FAMILY_OF_KIND[kind]
+  if model_config.family != family:
+    _fail(f'config.model.family={model_config.family!r} cannot train on '
+          f'config.dataset={config.dataset!r} ({kind}); use {family!r}.')
+  # The classifier's CLS vector takes one more position.
+  positions = config.seq_len + (
+      1 if family == 'encoder_classifier' and model_config.pooling == 'cls'
+      else 0)
+  if model_config.position == 'learned' and positions > model_config.max_len:
+    _fail(f'config.seq_len={config.seq_len} needs {positions} positions, more '
+          f'than config.model.max_len={model_config.max_len}.')
+  return model_config
+
+
+def check_dataset_fits(config: ml_collections.ConfigDict,
+                       dataset: datasets.Dataset) -> None:
+  """The dataset has the eval split, and the model's vocabulary and classes
+  cover the dataset's."""
+  if config.eval_split not in dataset.splits:
+    _fail(f'config.eval_split={config.eval_split!r} is not a split of '
+          f'config.dataset={config.dataset!r}; it has {sorted(dataset.splits)}.')
+  if dataset.vocab_size > config.model.vocab_size:
+    _fail(f'config.model.vocab_size={config.model.vocab_size} is smaller '
+          f'than the {dataset.vocab_size} token ids of config.dataset='
+          f'{config.dataset!r}.')
+  if dataset.kind == 'classification' and (
+      config.model.num_classes != dataset.num_classes):
+    _fail(f'config.model.num_classes={config.model.num_classes} must equal '
+          f'the {dataset.num_classes} classes of config.dataset='
+          f'{config.dataset!r}.')
+  if config.sample_length and dataset.kind == 'lm':
+    prompt = dataset.tokenizer.encode(config.sample_prompt)
+    if len(prompt) + 1 >= config.seq_len:
+      _fail(f'config.sample_prompt is {len(prompt)} tokens; it must be '
+            f'shorter than config.seq_len={config.seq_len} - 1.')

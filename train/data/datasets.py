@@ -1,0 +1,233 @@
+"""Datasets by name: where the examples come from and what they mean.
+
+`load(config, workdir)` returns a `Dataset` whose splits hold examples in one
+of three canonical forms, which `train.data.pipeline` turns into batches:
+  lm:              {'tokens': int32 [n]}, a document starting with EOS_ID
+  seq2seq:         {'inputs': int32 [s], 'targets': int32 [t]}, each ending
+                   with EOS_ID
+  classification:  {'inputs': int32 [s], 'label': int}
+
+The embedded datasets (python_stdlib_bytes, algorithmic, listops) are built
+on first use into `config.data_dir`. lm1b and translation datasets must have
+been prepared there beforehand (see `not_prepared_message`).
+"""
+
+from collections.abc import Callable, Iterator
+import dataclasses
+import os
+from typing import Any
+
+import grain
+import jax
+import ml_collections
+import numpy as np
+import tensorflow_datasets as tfds
+
+from train.data import algorithmic, builder_config, listops, pipeline
+from train.data import stdlib
+from train.data import tokenizers
+from train.errors import InputError
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  """A dataset's splits (canonical examples) and what reading them needs."""
+
+  # lm, seq2seq or classification: the form of the examples.
+  kind: str
+  # Split name to a MapDataset of canonical examples.
+  splits: dict[str, grain.MapDataset]
+  # Every token id is below this.
+  vocab_size: int
+  # encode(text) -> ids and decode(ids) -> text, where the data is text.
+  tokenizer: Any = None
+  # Classes of a classification dataset.
+  num_classes: int = 0
+  # Each target token is one byte, so loss in bits is bits per byte.
+  byte_level: bool = False
+
+
+def _build(builder: tfds.core.DatasetBuilder) -> dict[str, Any]:
+  """Prepares an embedded dataset once (array_record) and opens its splits."""
+  builder.download_and_prepare()
+  return builder.as_data_source()
+
+
+def _document(tokens: np.ndarray) -> dict[str, np.ndarray]:
+  return {'tokens': np.concatenate([[tokenizers.EOS_ID], tokens]).astype(
+      np.int32)}
+
+
+def _options(config, known: set[str]) -> dict[str, Any]:
+  """config.dataset_options as a dict, each key checked against `known`."""
+  options = config.dataset_options.to_dict()
+  for key in options:
+    if key not in known:
+      raise InputError(
+          f'unknown key config.dataset_options.{key} for config.dataset='
+          f'{config.dataset!r}; known keys: {sorted(known) or "none"}.')
+  return options
+
+
+def load_python_stdlib_bytes(config, data_dir, workdir) -> Dataset:
+  """The corpus is small (about 12 MB), so it is read into memory and cut
+  into windows that are shuffled one by one."""
+  del workdir  # The corpus needs no tokenizer training.
+  _options(config, set())
+  sources = _build(stdlib.PythonStdlibBytes(
+      data_dir=data_dir, file_format='array_record'))
+  tokenizer = tokenizers.ByteTokenizer()
+  splits = {}
+  for name, source in sources.items():
+    documents = [_document(tokenizer.encode(source[i]['text'].tobytes()))
+                 ['tokens'] for i in range(len(source))]
+    splits[name] = pipeline.in_memory_windows(documents, config.seq_len)
+  return Dataset('lm', splits, tokenizer.vocab_size, tokenizer,
+                 byte_level=True)
+
+
+def _builder_config(config_cls, config: ml_collections.ConfigDict):
+  """The builder config from config.dataset_options (its own fields only)."""
+  options = _options(config, set(builder_config.options_of(config_cls)))
+  try:
+    return builder_config.named(config_cls, **options)
+  except (TypeError, ValueError) as error:
+    raise InputError(f'config.dataset_options: {error}') from None
+
+
+def load_algorithmic(config, data_dir, workdir) -> Dataset:
+  del workdir
+  builder_config = _builder_config(algorithmic.AlgorithmicConfig, config)
+  if builder_config.task not in algorithmic.TASKS:
+    raise InputError(
+        f'config.dataset_options.task={builder_config.task!r} must be one of '
+        f'{list(algorithmic.TASKS)}.')
+  sources = _build(algorithmic.Algorithmic(
+      config=builder_config, data_dir=data_dir,
+      file_format='array_record'))
+  splits = {name: grain.MapDataset.source(source)
+            for name, source in sources.items()}
+  return Dataset('seq2seq', splits, algorithmic.VOCAB_SIZE)
+
+
+def load_listops(config, data_dir, workdir) -> Dataset:
+  del workdir
+  sources = _build(listops.ListOps(
+      config=_builder_config(listops.ListOpsConfig, config),
+      data_dir=data_dir, file_format='array_record'))
+  splits = {name: grain.MapDataset.source(source)
+            for name, source in sources.items()}
+  return Dataset('classification', splits, listops.VOCAB_SIZE,
+                 num_classes=listops.NUM_CLASSES)
+
+
+def not_prepared_message(name: str, data_dir: str) -> str:
+  return (
+      f'dataset {name!r} is not prepared in config.data_dir={data_dir!r}. It '
+      'cannot be downloaded at run time; prepare it once on a machine with '
+      'network access (TensorFlow is needed for this step only):\n'
+      '  pip install tensorflow\n'
+      f'  tfds build {name} --data_dir={data_dir} '
+      '--file_format=array_record\n'
+      'then copy that directory to config.data_dir.')
+
+
+def _prepared_sources(name: str, data_dir: str, splits: tuple[str, ...]
+                      ) -> dict[str, Any]:
+  """Opens `splits` of a tfds dataset already prepared in `data_dir`."""
+  try:
+    return {split: tfds.data_source(name, split=split, data_dir=data_dir,
+                                    download=False) for split in splits}
+  except (tfds.core.registered.DatasetNotFoundError, NotImplementedError,
+          FileNotFoundError, AssertionError) as error:
+    raise InputError(not_prepared_message(name, data_dir)) from error
+
+
+def _text(value) -> str:
+  return value.decode('utf-8') if isinstance(value, bytes) else value
+
+
+def _sentencepiece(config, workdir,
+                   texts: Callable[[], Iterator[str]]
+                   ) -> tokenizers.SentencePieceTokenizer:
+  """The tokenizer at config.vocab_path, trained from `texts` if absent.
+
+  The default path is inside the workdir, so a resumed run reuses it.
+  """
+  path = config.vocab_path or os.path.join(workdir, 'sentencepiece.model')
+  if os.path.exists(path):
+    return tokenizers.SentencePieceTokenizer(path)
+  if jax.process_index() == 0:
+    tokenizers.train_sentencepiece(texts(), config.model.vocab_size, path)
+  jax.experimental.multihost_utils.sync_global_devices('sentencepiece')
+  return tokenizers.SentencePieceTokenizer(path)
+
+
+def load_lm1b(config, data_dir, workdir) -> Dataset:
+  _options(config, set())
+  sources = _prepared_sources(config.dataset, data_dir, ('train', 'test'))
+  train = sources['train']
+  tokenizer = _sentencepiece(
+      config, workdir,
+      lambda: (_text(train[i]['text']) for i in range(len(train))))
+  splits = {name: grain.MapDataset.source(source).map(
+      lambda example: _document(tokenizer.encode(_text(example['text']))))
+            for name, source in sources.items()}
+  return Dataset('lm', splits, tokenizer.vocab_size, tokenizer)
+
+
+def load_translation(config, data_dir, workdir) -> Dataset:
+  """A tfds translation dataset ({language: text} examples)."""
+  options = _options(config, {'source_language', 'target_language'})
+  source_language = options['source_language']
+  target_language = options['target_language']
+  sources = _prepared_sources(config.dataset, data_dir,
+                              ('train', 'validation', 'test'))
+  for language in (source_language, target_language):
+    if language not in sources['train'][0]:
+      raise InputError(
+          f'config.dataset_options: language {language!r} is not in '
+          f'{config.dataset!r}; it has {sorted(sources["train"][0])}.')
+  train = sources['train']
+
+  def texts():
+    for i in range(len(train)):
+      yield _text(train[i][source_language])
+      yield _text(train[i][target_language])
+
+  tokenizer = _sentencepiece(config, workdir, texts)
+  eos = np.array([tokenizers.EOS_ID], np.int32)
+
+  def encode(example):
+    return {'inputs': np.concatenate(
+                [tokenizer.encode(_text(example[source_language])), eos]),
+            'targets': np.concatenate(
+                [tokenizer.encode(_text(example[target_language])), eos])}
+
+  splits = {name: grain.MapDataset.source(source).map(encode)
+            for name, source in sources.items()}
+  return Dataset('seq2seq', splits, tokenizer.vocab_size, tokenizer)
+
+
+# Name -> (kind of its examples, loader).
+LOADERS = {
+    'python_stdlib_bytes': ('lm', load_python_stdlib_bytes),
+    'algorithmic': ('seq2seq', load_algorithmic),
+    'listops': ('classification', load_listops),
+    'lm1b': ('lm', load_lm1b),
+    'wmt14_translate/de-en': ('seq2seq', load_translation),
+}
+
+
+def kind_of(name: str) -> str:
+  """lm, seq2seq or classification: the kind of dataset `name`."""
+  if name not in LOADERS:
+    raise InputError(f'config.dataset={name!r} must be one of '
+                     f'{sorted(LOADERS)}.')
+  return LOADERS[name][0]
+
+
+def load(config: ml_collections.ConfigDict, workdir: str) -> Dataset:
+  """The dataset `config.dataset`, built or opened in `config.data_dir`."""
+  kind_of(config.dataset)
+  loader = LOADERS[config.dataset][1]
+  return loader(config, os.path.expanduser(config.data_dir), workdir)

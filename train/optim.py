@@ -1,0 +1,63 @@
+"""The optimizer and learning-rate schedule named by the config."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+SCHEDULES = ('cosine', 'linear', 'rsqrt', 'constant')
+OPTIMIZERS = ('adamw', 'sgd')
+# Parameters whose names end in these are matrices and get weight decay;
+# biases, norm scales and learned vectors do not.
+DECAYED_NAMES = ('kernel', 'embedding')
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+  """Linear warmup over `warmup_steps`, then `config.schedule`:
+
+  cosine / linear: decay to `final_learning_rate_fraction * learning_rate`
+    at `num_train_steps`;
+  rsqrt: peak * sqrt(warmup_steps / step) (Vaswani et al. 2017);
+  constant: stay at the peak.
+  """
+  peak, warmup = config.learning_rate, config.warmup_steps
+  decay_steps = max(config.num_train_steps - warmup, 1)
+  final = peak * config.final_learning_rate_fraction
+  if config.schedule == 'cosine':
+    decay = optax.cosine_decay_schedule(
+        peak, decay_steps, alpha=config.final_learning_rate_fraction)
+  elif config.schedule == 'linear':
+    decay = optax.linear_schedule(peak, final, decay_steps)
+  elif config.schedule == 'rsqrt':
+    def decay(count):
+      return peak * jnp.sqrt(max(warmup, 1) / (count + max(warmup, 1)))
+  else:
+    decay = optax.constant_schedule(peak)
+  if warmup == 0:
+    return decay
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+
+
+def decay_mask(params):
+  """True for the parameters that get weight decay (see DECAYED_NAMES)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], 'key', None) in DECAYED_NAMES, params)
+
+
+def make_optimizer(config: ml_collections.ConfigDict
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """Clipping by global norm, then `config.optimizer` on the schedule."""
+  schedule = learning_rate_schedule(config)
+  if config.optimizer == 'adamw':
+    optimizer = optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2,
+                            eps=config.adam_eps,
+                            weight_decay=config.weight_decay, mask=decay_mask)
+  else:
+    optimizer = optax.chain(
+        optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
+        optax.sgd(schedule, momentum=config.sgd_momentum or None))
+  if config.grad_clip_norm > 0:
+    optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm),
+                            optimizer)
+  return optimizer, schedule

@@ -1,0 +1,160 @@
+"""The train and eval steps: pure functions of (state, batch, rng).
+
+Batches are those of `train.data.pipeline`; `kind` (lm, seq2seq,
+classification) says how a batch feeds the model. Metrics are sums over the
+batch (divided by their weight only when summarised), so that micro-batches,
+devices and eval batches add up exactly.
+"""
+
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a step changes: the step count, parameters, optimizer state."""
+
+  step: Array
+  params: Any
+  opt_state: Any
+
+
+def _model_args(kind: str, batch: dict[str, Array]) -> tuple[Array, ...]:
+  """The positional arguments of the model for this kind of batch."""
+  if kind == 'lm':
+    return batch['inputs'], batch['positions'], batch['segment_ids']
+  if kind == 'seq2seq':
+    return batch['inputs'], batch['decoder_inputs']
+  return (batch['inputs'],)
+
+
+def init_params(model: nn.Module, kind: str, rng: Array, seq_len: int):
+  """Freshly initialised parameters (unboxed from their logical axes)."""
+  row = jnp.zeros((1, seq_len), jnp.int32)
+  shapes_only = {'inputs': row, 'positions': row, 'segment_ids': row,
+                 'decoder_inputs': row}
+  variables = model.init(rng, *_model_args(kind, shapes_only))
+  return nn.meta.unbox(variables['params'])
+
+
+def logits(model: nn.Module, kind: str, params, batch: dict[str, Array], *,
+           dropout_rng: Array | None = None) -> Array:
+  """Model output for `batch`; dropout is on when `dropout_rng` is given."""
+  deterministic = dropout_rng is None
+  return model.apply({'params': params}, *_model_args(kind, batch),
+                     deterministic=deterministic,
+                     rngs={} if deterministic else {'dropout': dropout_rng})
+
+
+def cross_entropy(logits_xV: Array, targets_x: Array,
+                  label_smoothing: float = 0.0) -> Array:
+  """Per-target cross-entropy in nats, float32, shape of `targets_x`.
+
+  With label smoothing the target distribution is (1 - s) on the label plus
+  s spread uniformly over the vocabulary (Szegedy et al. 2016).
+  """
+  log_probs = jax.nn.log_softmax(logits_xV.astype(jnp.float32), axis=-1)
+  nll = -jnp.take_along_axis(log_probs, targets_x[..., None], axis=-1)[..., 0]
+  if label_smoothing == 0.0:
+    return nll
+  return (1.0 - label_smoothing) * nll - label_smoothing * jnp.mean(
+      log_probs, axis=-1)
+
+
+def metric_sums(logits_xV: Array, batch: dict[str, Array], *,
+                label_smoothing: float = 0.0,
+                exact_match: bool = False) -> dict[str, Array]:
+  """Weighted sums: loss (nats), plain nll, correct predictions, weight.
+
+  With `exact_match`, also the number of examples and of examples whose
+  every weighted target is predicted (teacher-forced exact match, which is
+  also the exact match of greedy decoding: with every prediction right, the
+  decoder is always fed the true prefix).
+  """
+  targets, weights = batch['targets'], batch['weights']
+  nll = cross_entropy(logits_xV, targets)
+  loss = (nll if label_smoothing == 0.0
+          else cross_entropy(logits_xV, targets, label_smoothing))
+  correct = (jnp.argmax(logits_xV, axis=-1) == targets).astype(jnp.float32)
+  sums = {'loss_sum': jnp.sum(loss * weights),
+          'nll_sum': jnp.sum(nll * weights),
+          'correct_sum': jnp.sum(correct * weights),
+          'weight_sum': jnp.sum(weights)}
+  if exact_match:
+    has_targets = jnp.any(weights > 0, axis=-1)
+    all_correct = jnp.all((correct > 0) | (weights == 0), axis=-1)
+    sums['example_count'] = jnp.sum(has_targets.astype(jnp.float32))
+    sums['exact_match_sum'] = jnp.sum((has_targets & all_correct).astype(
+        jnp.float32))
+  return sums
+
+
+def token_count(kind: str, batch: dict[str, Array]) -> Array:
+  """Non-padding tokens the model reads: inputs, plus targets for seq2seq."""
+  count = jnp.sum(batch['inputs'] != 0)
+  if kind == 'seq2seq':
+    count += jnp.sum(batch['weights'] > 0)
+  return count.astype(jnp.float32)
+
+
+def _micro_batches(batch: dict[str, Array], count: int) -> dict[str, Array]:
+  """[B, ...] -> [count, B / count, ...]; micro-batch j takes rows j, j +
+  count, ..., so that each device's rows split evenly and stay put."""
+  return jax.tree.map(
+      lambda x: jnp.swapaxes(x.reshape(x.shape[0] // count, count,
+                                       *x.shape[1:]), 0, 1), batch)
+
+
+def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
+               model: nn.Module, kind: str,
+               optimizer: optax.GradientTransformation,
+               schedule: optax.Schedule, label_smoothing: float = 0.0,
+               grad_accum_steps: int = 1) -> tuple[TrainState, dict]:
+  """One optimizer update on `batch`, accumulated over micro-batches.
+
+  Dropout draws from `fold_in(rng, step)`, so a resumed run draws the same.
+  """
+  step_rng = jax.random.fold_in(rng, state.step)
+
+  def micro_step(grad_sum, micro):
+    index, micro_batch = micro
+
+    def loss_fn(params):
+      out = logits(model, kind, params, micro_batch,
+                   dropout_rng=jax.random.fold_in(step_rng, index))
+      sums = metric_sums(out, micro_batch, label_smoothing=label_smoothing)
+      return sums['loss_sum'], sums
+
+    grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
+    return jax.tree.map(jnp.add, grad_sum, grads), sums
+
+  zeros = jax.tree.map(jnp.zeros_like, state.params)
+  grad_sum, sums = jax.lax.scan(
+      micro_step, zeros,
+      (jnp.arange(grad_accum_steps), _micro_batches(batch, grad_accum_steps)))
+  sums = jax.tree.map(jnp.sum, sums)
+  # The loss is the mean over every weighted target of the whole batch.
+  grads = jax.tree.map(lambda g: g / jnp.maximum(sums['weight_sum'], 1.0),
+                       grad_sum)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  new_state = TrainState(step=state.step + 1,
+                         params=optax.apply_updates(state.params, updates),
+                         opt_state=opt_state)
+  metrics = dict(sums, grad_norm=optax.tree.norm(grads),
+                 learning_rate=schedule(state.step),
+                 token_count=token_count(kind, batch))
+  return new_state, metrics
+
+
+def eval_step(params, batch: dict[str, Array], *, model: nn.Module,
+              kind: str) -> dict[str, Array]:
+  """Metric sums of `batch` without dropout or label smoothing."""
+  return metric_sums(logits(model, kind, params, batch), batch,
+                     exact_match=kind == 'seq2seq')

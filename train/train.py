@@ -1,0 +1,56 @@
+"""Command line: train a config, resuming from the workdir's checkpoints.
+
+  python -m train.train --config=configs/lm_stdlib.py --workdir=DIR \
+      [--config.key=value ...]
+
+A bad config or a missing dataset prints one message naming what to fix and
+exits with status 2.
+"""
+
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from train.errors import InputError
+from train.trainer import train_and_evaluate
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'Experiment config file, optionally with :argument.',
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    'workdir', None, 'Directory for checkpoints, metrics and config.json.')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def _fail(message: str) -> None:
+  print(f'error: {message}', file=sys.stderr)
+  sys.exit(2)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as error:
+    # A config file that raised is reported with its traceback inside the
+    # message; its first line (the flag) and last (the error) say it all.
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    _fail(lines[0] if len(lines) == 1 else f'{lines[0]} {lines[-1].strip()}')
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    _fail(f'unexpected arguments: {" ".join(argv[1:])}')
+  if not flags.FLAGS['verbosity'].present:
+    # Library INFO logs (every checkpoint write) would drown the progress.
+    logging.set_verbosity(logging.WARNING)
+  try:
+    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except InputError as error:
+    _fail(str(error))
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=_parse_flags)
