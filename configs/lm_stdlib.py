@@ -13,19 +13,19 @@ def get_config():
   config.dataset = 'python_stdlib_bytes'
   config.seq_len = 256
   config.batch_size = 32
-  config.num_train_steps = 2000
+  config.num_train_steps = 450
   config.learning_rate = 3e-3
-  config.warmup_steps = 100
-  config.eval_every = 500
-  config.checkpoint_every = 500
+  config.warmup_steps = 50
+  config.eval_every = 150
+  config.checkpoint_every = 150
   config.sample_length = 300
   config.sample_prompt = 'def '
 
   config.model.family = 'decoder_lm'
   config.model.vocab_size = 258  # 256 bytes, padding and end of sequence.
-  config.model.d_model = 256
+  config.model.d_model = 128
   config.model.num_heads = 4
   config.model.num_layers = 4
-  config.model.mlp_dim = 1024
+  config.model.mlp_dim = 512
   config.model.max_len = config.seq_len
   return config

@@ -53,8 +53,9 @@ class Embedder(nn.Module):
       self.learned_positions = positions_lib.LearnedPositions(
           config.max_len, config.d_model, config.weight_dtype)
     if not config.tie_embeddings:
+      # Logits are computed in float32 whatever config.dtype says.
       self.output_projection = nn.DenseGeneral(
-          config.vocab_size, dtype=config.compute_dtype,
+          config.vocab_size, dtype=jnp.float32,
           param_dtype=config.weight_dtype,
           kernel_init=nn.with_logical_partitioning(
               nn.initializers.xavier_uniform(), ('embed', 'vocab')),
@@ -72,8 +73,9 @@ class Embedder(nn.Module):
     if config.position == 'learned':
       if x_BxTxD.shape[1] > config.max_len:
         raise ValueError(
-            f'sequence length {x_BxTxD.shape[1]} exceeds '
-            f'config.model.max_len={config.max_len} of the learned positions.')
+            f'sequence length {x_BxTxD.shape[1]} (a classifier\'s CLS vector '
+            'included) exceeds config.model.max_len='
+            f'{config.max_len} of the learned positions.')
       x_BxTxD = x_BxTxD + self.learned_positions(positions_BxT)
     elif config.position == 'sinusoidal':
       x_BxTxD = x_BxTxD + positions_lib.sinusoidal(positions_BxT,
@@ -91,11 +93,13 @@ class Embedder(nn.Module):
 
   def logits(self, x_BxTxD: Array) -> Array:
     """Vocabulary logits, float32 [B, T, V]."""
+    x_BxTxD = x_BxTxD.astype(jnp.float32)
     if self.config.tie_embeddings:
       # x E^T / sqrt(d): the embeddings are initialised with unit variance.
-      logits = self.token_embedding.attend(x_BxTxD).astype(jnp.float32)
+      embedding_VxD = self.token_embedding.embedding.astype(jnp.float32)
+      logits = jnp.einsum('btd,vd->btv', x_BxTxD, embedding_VxD)
       return logits / jnp.sqrt(self.config.d_model)
-    return self.output_projection(x_BxTxD).astype(jnp.float32)
+    return self.output_projection(x_BxTxD)
 
 
 class DecoderLM(nn.Module):
@@ -200,20 +204,21 @@ class EncoderClassifier(nn.Module):
                                    x_BxTxD,
                                    self_mask=keys_valid_BxT[:, None, None, :],
                                    deterministic=deterministic)
+    x_BxTxD = x_BxTxD.astype(jnp.float32)  # The head computes in float32.
     if config.pooling == 'cls':
       pooled_BxD = x_BxTxD[:, 0]
     else:
       weights_BxTx1 = keys_valid_BxT[..., None].astype(jnp.float32)
-      pooled_BxD = (jnp.sum(x_BxTxD.astype(jnp.float32) * weights_BxTx1, axis=1)
+      pooled_BxD = (jnp.sum(x_BxTxD * weights_BxTx1, axis=1)
                     / jnp.maximum(jnp.sum(weights_BxTx1, axis=1), 1.0))
-    logits = nn.DenseGeneral(
-        config.num_classes, dtype=config.compute_dtype,
+    classifier = nn.DenseGeneral(
+        config.num_classes, dtype=jnp.float32,
         param_dtype=config.weight_dtype, name='classifier',
         kernel_init=nn.with_logical_partitioning(
             nn.initializers.xavier_uniform(), ('embed', None)),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros,
-                                               (None,)))(pooled_BxD)
-    return logits.astype(jnp.float32)
+                                               (None,)))
+    return classifier(pooled_BxD)
 
 
 FAMILY_CLASSES = {

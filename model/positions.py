@@ -25,7 +25,8 @@ def sinusoidal(positions_BxT: Array, d_model: int,
 
 
 class LearnedPositions(nn.Module):
-  """A learned [max_len, d_model] table, looked up by position."""
+  """A learned [max_len, d_model] table, looked up by position; a position
+  outside [0, max_len) gives NaN."""
 
   max_len: int
   d_model: int
@@ -38,4 +39,7 @@ class LearnedPositions(nn.Module):
         nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02),
                                      (None, 'embed')),
         (self.max_len, self.d_model), self.param_dtype)
-    return jnp.take(table, positions_BxT, axis=0)
+    # Positions are traced values, so a position >= max_len cannot raise an
+    # error here; it reads NaN, which the loss makes impossible to miss.
+    return jnp.take(table, positions_BxT, axis=0, mode='fill',
+                    fill_value=jnp.nan)

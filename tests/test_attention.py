@@ -28,8 +28,8 @@ def numpy_attention(q, k, v, bias=None, mask=None, scale=None, causal=False):
     allowed &= np.asarray(mask)
   if causal:
     t_len, s_len = logits.shape[-2:]
-    for i in range(t_len):
-      allowed[..., i, i + (s_len - t_len) + 1:] = False
+    allowed &= (np.arange(s_len)[None, :]
+                <= np.arange(t_len)[:, None] + (s_len - t_len))
   probs = np.zeros_like(logits)
   for idx in np.ndindex(*logits.shape[:-1]):
     keep = allowed[idx]
@@ -131,6 +131,18 @@ def test_causal_with_shorter_query_aligns_bottom_right():
   np.testing.assert_allclose(out, full[:, kv_len - T:], atol=1e-6)
 
 
+def test_causal_with_longer_query_leaves_early_rows_empty():
+  # T > S: queries i < T - S precede every key and attend nothing.
+  q, _, _ = make_qkv(11, q_len=T)
+  _, k, v = make_qkv(12, kv_len=3)
+  out = attention.causal_attention(q, k, v)
+  expected, _ = numpy_attention(q, k, v, causal=True)
+  np.testing.assert_array_equal(out[:, :T - 3], 0.0)
+  np.testing.assert_allclose(out, expected, atol=2e-6)
+  grads = jax.grad(lambda q: jnp.sum(attention.causal_attention(q, k, v)))(q)
+  assert np.isfinite(grads).all()
+
+
 def test_fully_masked_rows_are_zero_with_finite_gradients():
   q, k, v = make_qkv(5)
   # Queries 0..2 of example 1 may attend nothing.
@@ -169,6 +181,13 @@ def test_bfloat16_inputs_agree_with_float32_reference():
   # before they meet the values, and so is the output.
   np.testing.assert_allclose(out.astype(jnp.float32), expected, atol=3e-2,
                              rtol=3e-2)
+  # The weights themselves come from float32 logits: products of bfloat16
+  # values are exact in float32, so only summation rounding remains.
+  _, expected_weights = numpy_attention(
+      q.astype(jnp.float32), k.astype(jnp.float32), k.astype(jnp.float32),
+      causal=True)
+  np.testing.assert_allclose(attention.attention_weights(q, k, is_causal=True),
+                             expected_weights, atol=1e-5)
 
 
 def test_cross_attention_key_padding_mask_equals_explicit_mask():
@@ -194,6 +213,9 @@ def test_dropout_zeroes_or_rescales_each_weight():
   zeroed = np.asarray(dropped_BxNxTxS) == 0
   assert np.all(kept | zeroed)
   assert 0.3 < kept.mean() < 0.7
+  # Each weight is dropped on its own, not whole rows or columns.
+  assert (kept & ~zeroed).any(-1).mean() > 0.9 and zeroed.any(-1).mean() > 0.9
+  assert (kept & ~zeroed).any(-2).mean() > 0.9 and zeroed.any(-2).mean() > 0.9
   no_rng = attention.scaled_dot_product_attention(q, k, value,
                                                    dropout_rate=0.5)
   np.testing.assert_allclose(jnp.transpose(no_rng, (0, 2, 1, 3)), weights,

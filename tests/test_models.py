@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from model import DecoderLM, EncoderClassifier, EncoderDecoder, ModelConfig
+from model import positions as positions_lib
 from model.families import build
 
 B, T = 2, 8
@@ -200,14 +201,67 @@ def test_self_attention_is_permutation_equivariant_only_without_positions(
                      atol=1e-5) == equivariant
 
 
-def test_mean_pooled_classifier_ignores_padding():
-  config = small_config(family='encoder_classifier', pooling='mean')
+def test_encoder_ignores_padding_tokens():
+  """Real positions encode as they would with no padding after them."""
+  config = small_config(family='encoder_decoder')
+  model = EncoderDecoder(config)
+  variables = init(config)
+  source = tokens(0)  # Example 1 ends in 3 padding tokens.
+  encoded = model.apply(variables, source, method='encode')
+  trimmed = model.apply(variables, source[1:, :T - 3], method='encode')
+  np.testing.assert_allclose(encoded[1, :T - 3], trimmed[0], atol=1e-5)
+
+
+@pytest.mark.parametrize('pooling', ['cls', 'mean'])
+def test_classifier_ignores_padding(pooling):
+  config = small_config(family='encoder_classifier', pooling=pooling,
+                        position='learned', max_len=MAX_LEN + 1)
   model = EncoderClassifier(config)
   variables = init(config)
   source = tokens(0)
   longer = jnp.pad(source, ((0, 0), (0, 4)))
-  np.testing.assert_allclose(model.apply(variables, source),
-                             model.apply(variables, longer), atol=1e-5)
+  logits = model.apply(variables, source)
+  np.testing.assert_allclose(logits, model.apply(variables, longer), atol=1e-5)
+  # The pooled vector depends on the tokens themselves.
+  assert not np.allclose(logits, model.apply(variables, source.at[:, 0].set(5)))
+
+
+def test_sinusoidal_positions_follow_the_formula():
+  positions = np.array([[0, 1, 5, 17]])
+  d_model = 6
+  expected = np.zeros((1, 4, d_model))
+  for t, p in enumerate(positions[0]):
+    for i in range(d_model // 2):
+      angle = p / 10000 ** (2 * i / d_model)
+      expected[0, t, 2 * i], expected[0, t, 2 * i + 1] = (np.sin(angle),
+                                                          np.cos(angle))
+  np.testing.assert_allclose(positions_lib.sinusoidal(positions, d_model),
+                             expected, atol=1e-5)
+
+
+def test_tied_logits_are_the_embedding_transposed_over_sqrt_d():
+  config = small_config()
+  variables = init(config)
+  logits, state = build(config).apply(variables, tokens(),
+                                      capture_intermediates=True)
+  hidden = state['intermediates']['decoder']['final_norm']['__call__'][0]
+  embedding = nn.meta.unbox(
+      variables['params'])['embedder']['token_embedding']['embedding']
+  np.testing.assert_allclose(logits, hidden @ embedding.T / np.sqrt(D),
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize('norm_position', ['pre', 'post'])
+def test_only_post_norm_blocks_end_in_a_norm(norm_position):
+  config = small_config(norm_position=norm_position)
+  _, state = build(config).apply(init(config), tokens(),
+                                 capture_intermediates=True)
+  out_BxTxD = state['intermediates']['decoder']['block_0']['__call__'][0]
+  # A fresh LayerNorm (scale 1, bias 0) leaves each position at mean 0 and
+  # variance 1; a pre-norm block returns the residual sum, which is not.
+  normalized = (np.allclose(out_BxTxD.mean(-1), 0.0, atol=1e-4)
+                and np.allclose(out_BxTxD.var(-1), 1.0, atol=1e-2))
+  assert normalized == (norm_position == 'post')
 
 
 def test_learned_positions_reject_sequences_longer_than_max_len():
@@ -230,8 +284,10 @@ def test_remat_gives_the_same_gradients():
                nn.meta.unbox(plain), nn.meta.unbox(remat))
 
 
-def test_dropout_is_active_only_when_not_deterministic():
-  config = small_config(dropout_rate=0.3, attention_dropout_rate=0.3)
+@pytest.mark.parametrize('rates', [dict(dropout_rate=0.3),
+                                   dict(attention_dropout_rate=0.3)])
+def test_dropout_is_active_only_when_not_deterministic(rates):
+  config = small_config(**rates)
   model = build(config)
   variables = init(config)
   apply = lambda seed, deterministic: model.apply(

@@ -12,7 +12,6 @@ import os
 import time
 
 import jax
-import numpy as np
 import tensorboardX
 import tqdm
 
@@ -83,59 +82,57 @@ class MetricWriter:
 
 
 class TrainLog:
-  """Summarises training metrics every `log_every` steps, one step late.
+  """Training-metric summaries every `log_every` steps, fetched one step late.
 
-  `add` is called right after a step is dispatched. The metrics of a logging
-  interval are fetched only after the following step has been dispatched, so
-  the host never waits for the device just to log.
+  `add` is called right after a step is dispatched; it fetches the metrics
+  of the step before, which waits for that step only. So the device always
+  has the next step queued, and the host never runs more than one step
+  ahead: the progress bar and the throughput are what the device does.
   """
+
+  _SUMMED = ('loss_sum', 'correct_sum', 'weight_sum', 'token_count')
 
   def __init__(self, writer: MetricWriter, log_every: int, last_step: int):
     self._writer, self._log_every, self._last_step = (writer, log_every,
                                                       last_step)
-    self._interval = []
     self._pending = None
+    self._sums = dict.fromkeys(self._SUMMED, 0.0)
+    self._steps = 0
     self._interval_start = time.perf_counter()
 
-  def add(self, step: int, metrics: dict) -> None:
-    self._write_pending()
-    self._interval.append(metrics)
-    self._writer.advance()
-    if is_due(step, self._log_every, self._last_step):
-      self._pending = (step, self._interval)
-      self._interval = []
+  def add(self, step: int, metrics: dict) -> tuple[int, dict] | None:
+    """Records the dispatched `step`; returns (step, summary) of the step
+    before if that one ended a logging interval."""
+    completed = self.complete()
+    self._pending = (step, metrics)
+    return completed
 
-  def flush(self, step: int, extra: dict[str, float] | None = None) -> None:
-    """Writes any pending summary now, merging `extra` (e.g. eval metrics,
-    which `step` names) into it when it is for the same step."""
-    extra = extra or {}
-    if self._pending is not None and self._pending[0] == step:
-      self._write_pending(extra)
-    else:
-      self._write_pending()
-      if extra:
-        self._writer.write(step, extra)
+  def complete(self) -> tuple[int, dict] | None:
+    """Waits for the last dispatched step; returns (step, summary) if it
+    ends a logging interval."""
+    if self._pending is None:
+      return None
+    step, metrics = self._pending
+    self._pending = None
+    values = jax.device_get(metrics)
+    for key in self._SUMMED:
+      self._sums[key] += float(values[key])
+    self._steps += 1
+    self._writer.advance()
+    if not is_due(step, self._log_every, self._last_step):
+      return None
+    seconds = max(time.perf_counter() - self._interval_start, 1e-9)
+    summary = summarize_train(self._sums)
+    summary['learning_rate'] = float(values['learning_rate'])
+    summary['grad_norm'] = float(values['grad_norm'])
+    summary['tokens_per_s'] = self._sums['token_count'] / seconds
+    summary['steps_per_s'] = self._steps / seconds
+    self._sums = dict.fromkeys(self._SUMMED, 0.0)
+    self._steps = 0
+    self.restart_clock()
+    return step, summary
 
   def restart_clock(self) -> None:
     """Excludes time spent outside training steps (eval, saving) from the
     next throughput figure."""
     self._interval_start = time.perf_counter()
-
-  def _write_pending(self, extra: dict[str, float] | None = None) -> None:
-    if self._pending is None:
-      return
-    step, interval = self._pending
-    self._pending = None
-    interval = jax.device_get(interval)
-    now = time.perf_counter()
-    seconds = max(now - self._interval_start, 1e-9)
-    self._interval_start = now
-    sums = {key: float(np.sum([m[key] for m in interval]))
-            for key in ('loss_sum', 'correct_sum', 'weight_sum',
-                        'token_count')}
-    summary = summarize_train(sums)
-    summary['learning_rate'] = float(interval[-1]['learning_rate'])
-    summary['grad_norm'] = float(interval[-1]['grad_norm'])
-    summary['tokens_per_s'] = sums['token_count'] / seconds
-    summary['steps_per_s'] = len(interval) / seconds
-    self._writer.write(step, summary | (extra or {}))

@@ -125,15 +125,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       state, step_metrics = train_step(
           state, global_batch(next(train_iterator)), dropout_rng)
       done = step + 1
-      train_log.add(done, step_metrics)
-      evaluated = {}
-      if metrics.is_due(done, config.eval_every, last_step):
-        evaluated = final = evaluate(state.params)
-      train_log.flush(done, evaluated)
-      if metrics.is_due(done, config.checkpoint_every, last_step):
-        checkpointer.save(done, state, train_iterator)
-      if evaluated or metrics.is_due(done, config.checkpoint_every,
-                                     last_step):
+      logged = train_log.add(done, step_metrics)
+      if logged:
+        writer.write(*logged)
+      evaluate_now = metrics.is_due(done, config.eval_every, last_step)
+      save_now = metrics.is_due(done, config.checkpoint_every, last_step)
+      if evaluate_now or save_now:
+        logged = train_log.complete()
+        summary = logged[1] if logged else {}
+        if evaluate_now:
+          final = evaluate(state.params)
+          summary |= final
+        if summary:
+          writer.write(done, summary)
+        if save_now:
+          checkpointer.save(done, state, train_iterator)
         train_log.restart_clock()
     if final is None:  # Trained to the end before; evaluate again only.
       final = evaluate(state.params)

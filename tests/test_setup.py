@@ -1,0 +1,7 @@
+"""The test set-up itself."""
+
+import jax
+
+
+def test_conftest_simulates_eight_devices():
+  assert jax.device_count() == 8
