@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# The default experiment; running it again resumes from its last checkpoint.
 train: $(STAMP)
-	$(BIN)/python -m train.smoke
+	$(BIN)/python -m train.train --config=configs/lm_stdlib.py --workdir=workdirs/lm_stdlib
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
