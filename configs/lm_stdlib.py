@@ -13,11 +13,11 @@ def get_config():
   config.dataset = 'python_stdlib_bytes'
   config.seq_len = 256
   config.batch_size = 32
-  config.num_train_steps = 450
+  config.num_train_steps = 550
   config.learning_rate = 3e-3
   config.warmup_steps = 50
-  config.eval_every = 150
-  config.checkpoint_every = 150
+  config.eval_every = 275
+  config.checkpoint_every = 275
   config.sample_length = 300
   config.sample_prompt = 'def '
 

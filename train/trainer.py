@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from model import build
 from train import checkpointing, config_validation, metrics, optim, sampling
 from train import steps
-from train.data import datasets, pipeline
+from train.data import datasets, pipeline, tokenizers
 from train.errors import InputError
 
 
@@ -150,7 +150,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     checkpointer.close()
 
   if dataset.kind == 'lm' and config.sample_length:
-    prompt = np.concatenate([[1], dataset.tokenizer.encode(
+    prompt = np.concatenate([[tokenizers.EOS_ID], dataset.tokenizer.encode(
         config.sample_prompt)])
     tokens = sampling.sample(
         model, state.params, prompt, num_tokens=config.sample_length,

@@ -24,9 +24,9 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from train.data import algorithmic, builder_config, listops, pipeline
-from train.data import stdlib
-from train.data import tokenizers
+from train.data import stdlib, tokenizers
 from train.errors import InputError
+
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
@@ -52,9 +52,9 @@ def _build(builder: tfds.core.DatasetBuilder) -> dict[str, Any]:
   return builder.as_data_source()
 
 
-def _document(tokens: np.ndarray) -> dict[str, np.ndarray]:
-  return {'tokens': np.concatenate([[tokenizers.EOS_ID], tokens]).astype(
-      np.int32)}
+def _document(tokens: np.ndarray) -> np.ndarray:
+  """An LM document: EOS_ID (which starts each document), then the tokens."""
+  return np.concatenate([[tokenizers.EOS_ID], tokens]).astype(np.int32)
 
 
 def _options(config, known: set[str]) -> dict[str, Any]:
@@ -79,7 +79,7 @@ def load_python_stdlib_bytes(config, data_dir, workdir) -> Dataset:
   splits = {}
   for name, source in sources.items():
     documents = [_document(tokenizer.encode(source[i]['text'].tobytes()))
-                 ['tokens'] for i in range(len(source))]
+                 for i in range(len(source))]
     splits[name] = pipeline.in_memory_windows(documents, config.seq_len)
   return Dataset('lm', splits, tokenizer.vocab_size, tokenizer,
                  byte_level=True)
@@ -96,13 +96,13 @@ def _builder_config(config_cls, config: ml_collections.ConfigDict):
 
 def load_algorithmic(config, data_dir, workdir) -> Dataset:
   del workdir
-  builder_config = _builder_config(algorithmic.AlgorithmicConfig, config)
-  if builder_config.task not in algorithmic.TASKS:
+  task_config = _builder_config(algorithmic.AlgorithmicConfig, config)
+  if task_config.task not in algorithmic.TASKS:
     raise InputError(
-        f'config.dataset_options.task={builder_config.task!r} must be one of '
+        f'config.dataset_options.task={task_config.task!r} must be one of '
         f'{list(algorithmic.TASKS)}.')
   sources = _build(algorithmic.Algorithmic(
-      config=builder_config, data_dir=data_dir,
+      config=task_config, data_dir=data_dir,
       file_format='array_record'))
   splits = {name: grain.MapDataset.source(source)
             for name, source in sources.items()}
@@ -170,7 +170,8 @@ def load_lm1b(config, data_dir, workdir) -> Dataset:
       config, workdir,
       lambda: (_text(train[i]['text']) for i in range(len(train))))
   splits = {name: grain.MapDataset.source(source).map(
-      lambda example: _document(tokenizer.encode(_text(example['text']))))
+      lambda example: {'tokens': _document(
+          tokenizer.encode(_text(example['text'])))})
             for name, source in sources.items()}
   return Dataset('lm', splits, tokenizer.vocab_size, tokenizer)
 
