@@ -4,7 +4,8 @@
   python -m train.train --config=configs/listops.py:full \
       --workdir=workdirs/listops_full
 
-Result on 2 CPU cores (default): (to be measured).
+Result on 2 CPU cores (default, expressions of 17-127 tokens): 39.5%
+validation accuracy after 2000 steps, 5m22s.
 `:full` (expressions of 500-2000 tokens, embedding 512, 8 heads, 4 layers,
 MLP 1024, batch 32, 5K steps, as in the LRA) is for accelerators; it was
 not run on this machine, so no result is claimed for it here.

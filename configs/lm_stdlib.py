@@ -2,7 +2,9 @@
 
   python -m train.train --config=configs/lm_stdlib.py --workdir=workdirs/lm_stdlib
 
-Result on 2 CPU cores: (to be measured).
+Result on 2 CPU cores: validation 2.24 bits per byte (eval_loss 1.55 nats)
+after 550 steps, 8m14s for `make train` on a fresh clone, installation
+included; the sample it prints is Python-shaped but not yet Python.
 """
 
 from configs import default
