@@ -21,6 +21,8 @@ def model_defaults() -> ml_collections.ConfigDict:
     # None; a typed placeholder lets `--config.model.head_dim=64` parse.
     values[field.name] = (config_dict.placeholder(int) if field.default is None
                           else field.default)
+  # Options are named per variant, e.g. config.model.attention_options.window.
+  values['attention_options'] = ml_collections.ConfigDict()
   return ml_collections.ConfigDict(values)
 
 
@@ -40,6 +42,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Tokens per row: the packed row length of LMs, the longest input (and
   # target) of the other kinds; longer examples are left out.
   config.seq_len = 256
+  # Language models: pack several windows into a row, told apart by
+  # segment ids (which need an attention that takes any mask); False puts
+  # one window in a row, padded.
+  config.pack_sequences = True
   # Examples per optimizer step, over all devices and hosts.
   config.batch_size = 32
   # Split evaluated every `eval_every` steps.

@@ -35,16 +35,19 @@ class TransformerBlock(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD: Array, self_mask: Array | None,
                encoded_BxSxD: Array | None, cross_mask: Array | None,
-               deterministic: bool) -> Array:
+               positions_BxT: Array, deterministic: bool) -> Array:
     config = self.config
     self_attention = MultiHeadAttention(config, name='self_attention')
     x_BxTxD = self._residual(
         x_BxTxD,
         lambda y: self_attention(y, y, mask=self_mask, is_causal=self.causal,
+                                 q_positions_BxT=positions_BxT,
+                                 kv_positions_BxS=positions_BxT,
                                  deterministic=deterministic),
         'self_attention', deterministic)
     if self.cross:
-      cross_attention = MultiHeadAttention(config, name='cross_attention')
+      cross_attention = MultiHeadAttention(config, cross=True,
+                                           name='cross_attention')
       x_BxTxD = self._residual(
           x_BxTxD,
           lambda y: cross_attention(y, encoded_BxSxD, mask=cross_mask,
@@ -62,19 +65,21 @@ class TransformerStack(nn.Module):
   cross: bool
 
   @nn.compact
-  def __call__(self, x_BxTxD: Array, *, self_mask: Array | None = None,
+  def __call__(self, x_BxTxD: Array, positions_BxT: Array, *,
+               self_mask: Array | None = None,
                encoded_BxSxD: Array | None = None,
                cross_mask: Array | None = None,
                deterministic: bool = True) -> Array:
+    """`positions_BxT` are each token's position, for relative schemes."""
     block_cls = TransformerBlock
     if self.config.remat:
-      # Index 5 is `deterministic`, counting `self` as 0.
-      block_cls = nn.remat(TransformerBlock, static_argnums=(5,))
+      # Index 6 is `deterministic`, counting `self` as 0.
+      block_cls = nn.remat(TransformerBlock, static_argnums=(6,))
     for layer in range(self.config.num_layers):
       x_BxTxD = block_cls(self.config, self.causal, self.cross,
                           name=f'block_{layer}')(
                               x_BxTxD, self_mask, encoded_BxSxD, cross_mask,
-                              deterministic)
+                              positions_BxT, deterministic)
     if self.config.norm_position == 'pre':
       x_BxTxD = make_norm(self.config, 'final_norm')(x_BxTxD)
     return x_BxTxD

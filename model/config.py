@@ -18,7 +18,11 @@ FAMILIES = ('decoder_lm', 'encoder_decoder', 'encoder_classifier')
 ACTIVATIONS = ('relu', 'gelu', 'swiglu')
 NORMS = ('layernorm', 'rmsnorm')
 NORM_POSITIONS = ('pre', 'post')
-POSITIONS = ('sinusoidal', 'learned', 'none')
+# Absolute positions are added to the embeddings; relative ones act inside
+# self-attention (a bias on the logits, or a rotation of queries and keys).
+ABSOLUTE_POSITIONS = ('sinusoidal', 'learned')
+RELATIVE_POSITIONS = ('relative', 't5_bias', 'rope', 'alibi')
+POSITIONS = ('none',) + ABSOLUTE_POSITIONS + RELATIVE_POSITIONS
 POOLINGS = ('cls', 'mean')
 DTYPES = ('float32', 'bfloat16', 'float16')
 
@@ -52,17 +56,33 @@ class ModelConfig:
   # pre: x + f(norm(x)) with a final norm (GPT-2); post: norm(x + f(x))
   # (Vaswani et al. 2017).
   norm_position: str = 'pre'
-  # Absolute position information added to the embeddings: sinusoidal,
-  # learned, or none.
+  # Position information: none; absolute, added to the embeddings:
+  # sinusoidal (Vaswani et al. 2017) or learned; or relative, in
+  # self-attention: relative (Shaw et al. 2018, learned per clipped
+  # distance), t5_bias (Raffel et al. 2020, learned per distance bucket),
+  # rope (Su et al. 2021, rotated queries and keys) or alibi (Press et al.
+  # 2022, a fixed linear penalty on distance).
   position: str = 'sinusoidal'
-  # Longest sequence (in tokens) the learned position table covers.
+  # Longest sequence (in tokens) the model reads: the learned position
+  # table's size, and Linformer's projected length.
   max_len: int = 512
+  # relative: distances are clipped to +-this; t5_bias: distances beyond it
+  # share the last bucket.
+  relative_max_distance: int = 128
+  # t5_bias: buckets of distance (half exact, half logarithmic).
+  relative_buckets: int = 32
+  # rope: the longest wavelength of the rotation frequencies.
+  rope_max_wavelength: float = 10_000.0
   # Dropout on the embeddings and on every sublayer's output.
   dropout_rate: float = 0.0
   # Dropout on the attention weights.
   attention_dropout_rate: float = 0.0
-  # Attention function, by its name in model.attention.names().
+  # Self-attention function, by its name in model.attention.names();
+  # cross-attention is always dense.
   attention: str = 'dense'
+  # Options of that function (e.g. window for local, rank for linformer),
+  # as (name, value) pairs; from_mapping accepts a dict.
+  attention_options: tuple = ()
   # Output projection shares the token embedding matrix (Press & Wolf 2017).
   tie_embeddings: bool = True
   # encoder_classifier only: number of classes of the head.
@@ -92,7 +112,8 @@ class ModelConfig:
         fail(f'config.model.{name}={value!r} must be a positive integer.')
 
     for name in ('vocab_size', 'd_model', 'num_heads', 'num_layers', 'mlp_dim',
-                 'max_len', 'num_classes'):
+                 'max_len', 'num_classes', 'relative_max_distance',
+                 'relative_buckets'):
       check_positive(name)
     check_choice('family', FAMILIES)
     check_choice('mlp_activation', ACTIVATIONS)
@@ -112,6 +133,24 @@ class ModelConfig:
         fail(f'config.model.{name}={getattr(self, name)!r} must be True or '
              'False.')
 
+    if isinstance(self.attention_options, dict):
+      object.__setattr__(self, 'attention_options',
+                         tuple(sorted(self.attention_options.items())))
+    variant = attention.spec(self.attention)
+    if self.attention_dropout_rate > 0 and not variant.dropout:
+      fail(f'config.model.attention={self.attention!r} has no attention '
+           'dropout; set config.model.attention_dropout_rate=0.')
+    if self.family != 'encoder_classifier' and not variant.causal:
+      fail(f'config.model.attention={self.attention!r} cannot be causal, '
+           f'which the decoder of config.model.family={self.family!r} needs.')
+    if self.position in ('relative', 't5_bias', 'alibi') and not variant.bias:
+      fail(f'config.model.position={self.position!r} adds a bias to the '
+           f'logits, which config.model.attention={self.attention!r} cannot '
+           'take.')
+    if (not isinstance(self.rope_max_wavelength, (int, float))
+        or self.rope_max_wavelength <= 1):
+      fail(f'config.model.rope_max_wavelength={self.rope_max_wavelength!r} '
+           'must be a number > 1.')
     if self.head_dim is None:
       if self.d_model % self.num_heads:
         fail(f'config.model.num_heads={self.num_heads} does not divide '
@@ -125,6 +164,9 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       fail(f'config.model.num_kv_heads={self.num_kv_heads} does not divide '
            f'config.model.num_heads={self.num_heads}.')
+    if self.position == 'rope' and self.head_dim % 2:
+      fail(f'config.model.position=\'rope\' rotates pairs of channels: '
+           f'config.model.head_dim={self.head_dim} must be even.')
 
   @classmethod
   def from_mapping(cls, values: Mapping[str, Any]) -> 'ModelConfig':
@@ -135,7 +177,11 @@ class ModelConfig:
       raise ValueError(
           f'unknown key config.model.{unknown[0]}; known keys: '
           f'{", ".join(sorted(known))}.')
-    return cls(**dict(values))
+    values = dict(values)
+    options = values.get('attention_options', ())
+    if hasattr(options, 'to_dict'):  # An ml_collections ConfigDict.
+      values['attention_options'] = options.to_dict()
+    return cls(**values)
 
   @property
   def compute_dtype(self) -> jnp.dtype:

@@ -117,6 +117,8 @@ class DecoderLM(nn.Module):
     (and its position within its sequence): tokens attend only within their
     own segment.
     """
+    if positions_BxT is None:
+      positions_BxT = default_positions(tokens_BxT)
     embedder = Embedder(self.config, name='embedder')
     x_BxTxD = embedder(tokens_BxT, positions_BxT, deterministic=deterministic)
     # A zero-valued hook: the gradient with respect to the 'perturbations'
@@ -127,7 +129,7 @@ class DecoderLM(nn.Module):
       self_mask = segment_mask(segment_ids_BxT, segment_ids_BxT)
     x_BxTxD = TransformerStack(self.config, causal=True, cross=False,
                                name='decoder')(
-                                   x_BxTxD, self_mask=self_mask,
+                                   x_BxTxD, positions_BxT, self_mask=self_mask,
                                    deterministic=deterministic)
     return embedder.logits(x_BxTxD)
 
@@ -147,7 +149,8 @@ class EncoderDecoder(nn.Module):
   def encode(self, inputs_BxS: Array, *, deterministic: bool = True) -> Array:
     """Encoder output [B, S, D] for source tokens [B, S]."""
     x_BxSxD = self.embedder(inputs_BxS, deterministic=deterministic)
-    return self.encoder(x_BxSxD, self_mask=padding_mask(inputs_BxS),
+    return self.encoder(x_BxSxD, default_positions(inputs_BxS),
+                        self_mask=padding_mask(inputs_BxS),
                         deterministic=deterministic)
 
   def decode(self, encoded_BxSxD: Array, inputs_BxS: Array,
@@ -158,7 +161,8 @@ class EncoderDecoder(nn.Module):
     `inputs_BxS` supplies the source padding mask.
     """
     y_BxTxD = self.embedder(decoder_inputs_BxT, deterministic=deterministic)
-    y_BxTxD = self.decoder(y_BxTxD, encoded_BxSxD=encoded_BxSxD,
+    y_BxTxD = self.decoder(y_BxTxD, default_positions(decoder_inputs_BxT),
+                           encoded_BxSxD=encoded_BxSxD,
                            cross_mask=padding_mask(inputs_BxS),
                            deterministic=deterministic)
     return self.embedder.logits(y_BxTxD)
@@ -197,11 +201,12 @@ class EncoderClassifier(nn.Module):
       x_BxTxD = jnp.concatenate([cls_Bx1xD, x_BxTxD], axis=1)
       keys_valid_BxT = jnp.pad(keys_valid_BxT, ((0, 0), (1, 0)),
                                constant_values=True)
-    x_BxTxD = embedder.add_positions(
-        x_BxTxD, default_positions(keys_valid_BxT), deterministic=deterministic)
+    positions_BxT = default_positions(keys_valid_BxT)
+    x_BxTxD = embedder.add_positions(x_BxTxD, positions_BxT,
+                                     deterministic=deterministic)
     x_BxTxD = TransformerStack(config, causal=False, cross=False,
                                name='encoder')(
-                                   x_BxTxD,
+                                   x_BxTxD, positions_BxT,
                                    self_mask=keys_valid_BxT[:, None, None, :],
                                    deterministic=deterministic)
     x_BxTxD = x_BxTxD.astype(jnp.float32)  # The head computes in float32.

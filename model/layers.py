@@ -8,8 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import attention
-from model.config import ModelConfig
+from model import attention, attention_parameters, positions
+from model.config import RELATIVE_POSITIONS, ModelConfig
 
 Array = jax.Array
 
@@ -33,18 +33,54 @@ def _dense(features, axes, config: ModelConfig, name: str,
 
 
 class MultiHeadAttention(nn.Module):
-  """Q/K/V/O projections around the attention function `config.attention`.
+  """Q/K/V/O projections around an attention function.
 
+  Self-attention uses `config.attention` with `config.attention_options`
+  (creating the parameters a variant owns, see model/attention_parameters)
+  and applies relative position information; cross-attention is dense.
   Query heads are `config.num_heads`, key/value heads `config.num_kv_heads`
   (grouped-query or multi-query attention when fewer).
   """
 
   config: ModelConfig
+  cross: bool = False
+
+  def _relative_positions(self, q_BxTxNxH, k_BxSxKxH, q_positions_BxT,
+                          kv_positions_BxS, is_causal):
+    """Queries and keys (rotated for rope) and the bias of the relative
+    position scheme, if any."""
+    config = self.config
+    if config.position == 'rope':
+      return (positions.rotate(q_BxTxNxH, q_positions_BxT,
+                               config.rope_max_wavelength),
+              positions.rotate(k_BxSxKxH, kv_positions_BxS,
+                               config.rope_max_wavelength), None)
+    bias = None
+    if config.position == 'alibi':
+      bias = positions.alibi_bias(q_positions_BxT, kv_positions_BxS,
+                                  config.num_heads)
+    elif config.position == 't5_bias':
+      bias = positions.T5Bias(
+          config.num_heads, config.relative_buckets,
+          config.relative_max_distance, bidirectional=not is_causal,
+          param_dtype=config.weight_dtype, name='t5_bias')(
+              q_positions_BxT, kv_positions_BxS)
+    elif config.position == 'relative':
+      bias = positions.ShawRelative(
+          config.head_dim, config.relative_max_distance,
+          param_dtype=config.weight_dtype, name='relative')(
+              q_BxTxNxH, q_positions_BxT, kv_positions_BxS,
+              scale=config.head_dim ** -0.5)
+    return q_BxTxNxH, k_BxSxKxH, bias
 
   @nn.compact
   def __call__(self, inputs_q_BxTxD: Array, inputs_kv_BxSxD: Array, *,
                mask: Array | None = None, is_causal: bool = False,
+               q_positions_BxT: Array | None = None,
+               kv_positions_BxS: Array | None = None,
                deterministic: bool = True) -> Array:
+    """Attention output [B, T, D]; positions are needed by relative schemes
+    (self-attention only)."""
     config = self.config
     heads, kv_heads, head_dim = (config.num_heads, config.num_kv_heads,
                                  config.head_dim)
@@ -54,14 +90,22 @@ class MultiHeadAttention(nn.Module):
                        config, 'key')(inputs_kv_BxSxD)
     v_BxSxKxH = _dense((kv_heads, head_dim), ('embed', 'kv_heads', 'kv'),
                        config, 'value')(inputs_kv_BxSxD)
-    dropout_rng = None
-    if not deterministic and config.attention_dropout_rate > 0.0:
-      dropout_rng = self.make_rng('dropout')
-    attend = attention.get(config.attention)
-    out_BxTxNxH = attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask,
-                         is_causal=is_causal,
-                         dropout_rate=config.attention_dropout_rate,
-                         dropout_rng=dropout_rng)
+    bias = None
+    if self.cross:
+      variant, kwargs = attention.spec('dense'), {}
+    else:
+      variant = attention.spec(config.attention)
+      kwargs = attention_parameters.variant_kwargs(self, config)
+      if config.position in RELATIVE_POSITIONS:
+        q_BxTxNxH, k_BxSxKxH, bias = self._relative_positions(
+            q_BxTxNxH, k_BxSxKxH, q_positions_BxT, kv_positions_BxS,
+            is_causal)
+    if variant.dropout and not deterministic and (
+        config.attention_dropout_rate > 0.0):
+      kwargs |= {'dropout_rate': config.attention_dropout_rate,
+                 'dropout_rng': self.make_rng('dropout')}
+    out_BxTxNxH = variant.fn(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias, mask,
+                             is_causal=is_causal, **kwargs)
     return _dense(inputs_q_BxTxD.shape[-1], ('heads', 'kv', 'embed'), config,
                   'out', in_axis=(-2, -1))(out_BxTxNxH)
 

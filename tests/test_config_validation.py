@@ -71,7 +71,7 @@ INVALID = [
     ('model.num_kv_heads', 3, 'config.model.num_kv_heads=3 does not divide'),
     ('model.family', 'encoder_decoder',
      "config.model.family='encoder_decoder' cannot train on"),
-    ('model.position', 'rope', "config.model.position='rope'"),
+    ('model.position', 'rotary', "config.model.position='rotary'"),
     ('model.dropout_rate', 1.0, 'config.model.dropout_rate=1.0'),
     ('model.dtype', 'int8', "config.model.dtype='int8'"),
     ('model.max_len', 100, 'config.seq_len=256 needs 256 positions, more '

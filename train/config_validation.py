@@ -8,7 +8,7 @@ import ml_collections
 
 import jax
 
-from model import ModelConfig
+from model import ModelConfig, attention
 from train import optim
 from train.data import datasets
 from train.errors import InputError
@@ -94,7 +94,15 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
     model_config = ModelConfig.from_mapping(config.model)
   except ValueError as error:
     raise InputError(str(error)) from None
+  if not isinstance(config.pack_sequences, bool):
+    _fail(f'config.pack_sequences={config.pack_sequences!r} must be True or '
+          'False.')
   family = FAMILY_OF_KIND[kind]
+  variant = attention.spec(model_config.attention)
+  if kind == 'lm' and config.pack_sequences and variant.masks != 'any':
+    _fail(f'config.model.attention={model_config.attention!r} cannot keep '
+          'packed sequences apart (it takes key padding masks only); set '
+          'config.pack_sequences=False.')
   if model_config.family != family:
     _fail(f'config.model.family={model_config.family!r} cannot train on '
           f'config.dataset={config.dataset!r} ({kind}); use {family!r}.')

@@ -29,7 +29,7 @@ class TrainState:
 def _model_args(kind: str, batch: dict[str, Array]) -> tuple[Array, ...]:
   """The positional arguments of the model for this kind of batch."""
   if kind == 'lm':
-    return batch['inputs'], batch['positions'], batch['segment_ids']
+    return batch['inputs'], batch['positions'], batch.get('segment_ids')
   if kind == 'seq2seq':
     return batch['inputs'], batch['decoder_inputs']
   return (batch['inputs'],)
@@ -38,8 +38,7 @@ def _model_args(kind: str, batch: dict[str, Array]) -> tuple[Array, ...]:
 def init_params(model: nn.Module, kind: str, rng: Array, seq_len: int):
   """Freshly initialised parameters (unboxed from their logical axes)."""
   row = jnp.zeros((1, seq_len), jnp.int32)
-  shapes_only = {'inputs': row, 'positions': row, 'segment_ids': row,
-                 'decoder_inputs': row}
+  shapes_only = {'inputs': row, 'positions': row, 'decoder_inputs': row}
   variables = model.init(rng, *_model_args(kind, shapes_only))
   return nn.meta.unbox(variables['params'])
 

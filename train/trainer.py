@@ -84,7 +84,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     totals = None
     for batch in pipeline.eval_batches(
         dataset, config.eval_split, seq_len=config.seq_len,
-        batch_size=per_host_batch, num_batches=config.num_eval_steps):
+        batch_size=per_host_batch, num_batches=config.num_eval_steps,
+        pack=config.pack_sequences):
       sums = eval_step(params, global_batch(batch))
       totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
     if totals is None:
@@ -96,7 +97,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
 
   train_iterator = pipeline.train_iterator(
       dataset, seq_len=config.seq_len, batch_size=per_host_batch,
-      seed=config.seed)
+      seed=config.seed, pack=config.pack_sequences)
   checkpointer = checkpointing.Checkpointer(workdir,
                                             keep=config.keep_checkpoints)
   latest = checkpointer.latest_step()

@@ -2,6 +2,7 @@
 
 Every batch is a dict of numpy arrays with a leading per-host batch dim:
   lm:             inputs, targets, positions, segment_ids, weights  [b, L]
+                  (no segment_ids when rows are not packed)
   seq2seq:        inputs, decoder_inputs, targets, weights          [b, L]
   classification: inputs [b, L]; targets, weights                   [b]
 `weights` is 1.0 where a target counts and 0.0 at padding. Each host reads
@@ -107,12 +108,25 @@ def _host_slice(split: grain.MapDataset) -> grain.MapDataset:
   return split[jax.process_index()::jax.process_count()]
 
 
+def _unpacked_lm_example(window, seq_len: int) -> dict[str, np.ndarray]:
+  """One window in a row of its own, padded; no segment ids are needed."""
+  length = len(window['inputs'])
+  return {'inputs': _pad_to(window['inputs'], seq_len),
+          'targets': _pad_to(window['targets'], seq_len),
+          'positions': np.arange(seq_len, dtype=np.int32),
+          'weights': (np.arange(seq_len) < length).astype(np.float32)}
+
+
 def _batches(dataset: 'Dataset', examples: grain.MapDataset, *, seq_len: int,
-             batch_size: int, seed: int, train: bool) -> grain.IterDataset:
+             batch_size: int, seed: int, train: bool,
+             pack: bool) -> grain.IterDataset:
   """Per-kind shaping and batching; partial final batches when not `train`."""
   if dataset.kind == 'lm':
     windows = grain.experimental.FlatMapIterDataset(
         examples.to_iter_dataset(), _DocumentWindows(seq_len))
+    if not pack:
+      return windows.map(lambda w: _unpacked_lm_example(w, seq_len)).batch(
+          batch_size, drop_remainder=train)
     packed = grain.experimental.FirstFitPackIterDataset(
         windows, length_struct={'inputs': seq_len, 'targets': seq_len},
         num_packing_bins=batch_size, seed=seed, shuffle_bins=train)
@@ -128,11 +142,15 @@ def _batches(dataset: 'Dataset', examples: grain.MapDataset, *, seq_len: int,
 
 
 def train_iterator(dataset: 'Dataset', *, seq_len: int, batch_size: int,
-                   seed: int) -> grain.DatasetIterator:
-  """Endless shuffled training batches; checkpointable with grain."""
+                   seed: int, pack: bool = True) -> grain.DatasetIterator:
+  """Endless shuffled training batches; checkpointable with grain.
+
+  `pack` (LM only): several windows per row, told apart by segment ids;
+  otherwise one window a row, padded.
+  """
   examples = _host_slice(dataset.splits['train']).seed(seed).shuffle().repeat()
   batches = _batches(dataset, examples, seq_len=seq_len, batch_size=batch_size,
-                     seed=seed, train=True)
+                     seed=seed, train=True, pack=pack)
   return iter(grain.experimental.ThreadPrefetchIterDataset(
       batches, prefetch_buffer_size=PREFETCH_BATCHES))
 
@@ -146,7 +164,7 @@ def _pad_batch(batch: dict[str, np.ndarray], batch_size: int
 
 
 def eval_batches(dataset: 'Dataset', split: str, *, seq_len: int,
-                 batch_size: int, num_batches: int
+                 batch_size: int, num_batches: int, pack: bool = True
                  ) -> Iterator[dict[str, np.ndarray]]:
   """Batches of `split` in order, all of `batch_size` examples.
 
@@ -156,7 +174,7 @@ def eval_batches(dataset: 'Dataset', split: str, *, seq_len: int,
   """
   batches = _batches(dataset, _host_slice(dataset.splits[split]),
                      seq_len=seq_len, batch_size=batch_size, seed=0,
-                     train=False)
+                     train=False, pack=pack)
   count = 0
   empty = None
   for batch in batches:

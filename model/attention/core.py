@@ -1,4 +1,4 @@
-"""Pure attention functions: no parameters, no state.
+"""The dense attention core: pure functions, no parameters, no state.
 
 Layout follows `jax.nn.dot_product_attention`:
   query  [B, T, N, H]   batch, query length, query heads, head dim
@@ -14,7 +14,6 @@ a bias of the same shape is added to the logits. Logits and softmax are
 float32 whatever the input dtype; the output has the query's dtype.
 """
 
-from collections.abc import Callable
 import math
 
 import jax
@@ -31,7 +30,7 @@ def _check_rank4(name: str, x: Array, full_shape: tuple[int, ...]) -> None:
         f'[B, N, T, S] = {full_shape}.')
 
 
-def _check_inputs(query, key, value, bias, mask) -> tuple[int, ...]:
+def check_inputs(query, key, value, bias, mask) -> tuple[int, ...]:
   """Validates shapes and dtypes; returns the logits shape [B, N, T, S]."""
   for name, x in (('query', query), ('key', key), ('value', value)):
     if x.ndim != 4:
@@ -73,7 +72,7 @@ def causal_mask(q_len: int, kv_len: int) -> Array:
 
 
 @jax.custom_jvp
-def _softmax_or_zero(logits: Array) -> Array:
+def softmax_or_zero(logits: Array) -> Array:
   """Softmax over the last axis where -inf marks excluded entries; a row
   with every entry excluded is all zeros instead of NaN."""
   row_max = jnp.max(logits, axis=-1, keepdims=True)
@@ -83,11 +82,11 @@ def _softmax_or_zero(logits: Array) -> Array:
   return unnormalized / jnp.where(total > 0, total, 1.0)
 
 
-@_softmax_or_zero.defjvp
+@softmax_or_zero.defjvp
 def _softmax_or_zero_jvp(primals, tangents):
   # The softmax derivative p * (dx - <p, dx>): one fused pass, and exactly
   # zero at excluded entries (p = 0) and in rows with nothing to attend.
-  probs = _softmax_or_zero(primals[0])
+  probs = softmax_or_zero(primals[0])
   tangent = tangents[0]
   return probs, probs * (tangent - jnp.sum(probs * tangent, axis=-1,
                                            keepdims=True))
@@ -101,7 +100,34 @@ def _masked_softmax(logits_BxNxTxS: Array, mask: Array | None) -> Array:
   """
   if mask is not None:
     logits_BxNxTxS = jnp.where(mask, logits_BxNxTxS, -jnp.inf)
-  return _softmax_or_zero(logits_BxNxTxS)
+  return softmax_or_zero(logits_BxNxTxS)
+
+
+def weights_from_logits(logits_BxNxTxS: Array, bias: Array | None,
+                        mask: Array | None, is_causal: bool) -> Array:
+  """Adds the bias, applies the mask and causality, and takes the softmax:
+  float32 [B, N, T, S], rows of zeros where nothing may be attended."""
+  logits_BxNxTxS = logits_BxNxTxS.astype(jnp.float32)
+  if bias is not None:
+    logits_BxNxTxS = logits_BxNxTxS + bias.astype(jnp.float32)
+  if is_causal:
+    causal = causal_mask(*logits_BxNxTxS.shape[-2:])
+    mask = causal if mask is None else jnp.logical_and(mask, causal)
+  return _masked_softmax(logits_BxNxTxS, mask)
+
+
+def weighted_values(weights_BxNxTxS: Array, value: Array, dtype) -> Array:
+  """sum_s weights[b, n, t, s] value[b, s, n // G, :]: [B, T, N, H] in dtype.
+
+  Weights meet the values in the values' dtype, accumulated in float32.
+  """
+  batch, num_heads, q_len, kv_len = weights_BxNxTxS.shape
+  num_kv_heads, head_dim = value.shape[2], value.shape[3]
+  weights = weights_BxNxTxS.reshape(batch, num_kv_heads,
+                                    num_heads // num_kv_heads, q_len, kv_len)
+  out = jnp.einsum('bkgts,bskh->btkgh', weights.astype(value.dtype), value,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(batch, q_len, num_heads, head_dim).astype(dtype)
 
 
 def _weights(query, key, bias, mask, scale, is_causal) -> Array:
@@ -117,12 +143,7 @@ def _weights(query, key, bias, mask, scale, is_causal) -> Array:
                                 preferred_element_type=jnp.float32)
   logits_BxNxTxS = logits_BxKxGxTxS.reshape(
       batch, num_heads, q_len, kv_len) * scale
-  if bias is not None:
-    logits_BxNxTxS = logits_BxNxTxS + bias.astype(jnp.float32)
-  if is_causal:
-    causal = causal_mask(q_len, kv_len)
-    mask = causal if mask is None else jnp.logical_and(mask, causal)
-  return _masked_softmax(logits_BxNxTxS, mask)
+  return weights_from_logits(logits_BxNxTxS, bias, mask, is_causal)
 
 
 def attention_weights(query: Array, key: Array, bias: Array | None = None,
@@ -133,7 +154,7 @@ def attention_weights(query: Array, key: Array, bias: Array | None = None,
   Each row sums to 1 over the keys it may attend, or is all zeros when it
   may attend none. Arguments as in `scaled_dot_product_attention`.
   """
-  _check_inputs(query, key, key, bias, mask)
+  check_inputs(query, key, key, bias, mask)
   return _weights(query, key, bias, mask, scale, is_causal)
 
 
@@ -163,18 +184,11 @@ def scaled_dot_product_attention(
   """
   if not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f'dropout_rate={dropout_rate} must be in [0, 1).')
-  _check_inputs(query, key, value, bias, mask)
+  check_inputs(query, key, value, bias, mask)
   weights_BxNxTxS = _weights(query, key, bias, mask, scale, is_causal)
   if dropout_rate > 0.0 and dropout_rng is not None:
     weights_BxNxTxS = _dropout(weights_BxNxTxS, dropout_rate, dropout_rng)
-  batch, q_len, num_heads, head_dim = query.shape
-  num_kv_heads = key.shape[2]
-  weights = weights_BxNxTxS.reshape(
-      batch, num_kv_heads, num_heads // num_kv_heads, q_len, key.shape[1])
-  # Weights meet the values in the values' dtype, accumulated in float32.
-  out = jnp.einsum('bkgts,bskh->btkgh', weights.astype(value.dtype), value,
-                   preferred_element_type=jnp.float32)
-  return out.reshape(batch, q_len, num_heads, head_dim).astype(query.dtype)
+  return weighted_values(weights_BxNxTxS, value, query.dtype)
 
 
 def causal_attention(query: Array, key: Array, value: Array, **kwargs) -> Array:
@@ -201,25 +215,3 @@ def cross_attention(query: Array, key: Array, value: Array, *,
     mask = kwargs.pop('mask', None)
     kwargs['mask'] = padding if mask is None else jnp.logical_and(mask, padding)
   return scaled_dot_product_attention(query, key, value, **kwargs)
-
-
-AttentionFn = Callable[..., Array]
-
-_REGISTRY: dict[str, AttentionFn] = {
-    'dense': scaled_dot_product_attention,
-}
-
-
-def names() -> list[str]:
-  """Names of the registered attention functions, sorted."""
-  return sorted(_REGISTRY)
-
-
-def get(name: str) -> AttentionFn:
-  """The attention function registered under `name`."""
-  try:
-    return _REGISTRY[name]
-  except KeyError:
-    raise ValueError(
-        f'unknown attention {name!r}; registered: {", ".join(names())}.'
-    ) from None

@@ -1,0 +1,90 @@
+"""Attention functions by name, all on the dense core's signature:
+
+  fn(query [B, T, N, H], key [B, S, K, H], value [B, S, K, H], bias=None,
+     mask=None, *, scale=None, is_causal=False, **options) -> [B, T, N, H]
+
+`get(name)` returns the function, `names()` lists them, and `spec(name)`
+says what a function honours (causal, which masks, bias, dropout), so that a
+config asking for something a variant cannot do is refused before anything
+is compiled. Each function also raises a ValueError itself when called with
+an input it cannot honour.
+"""
+
+from collections.abc import Callable
+import dataclasses
+
+import jax
+
+from model.attention import additive, chunked, kernel, linformer, sparse
+from model.attention.core import (attention_weights, causal_attention,
+                                  causal_mask, cross_attention,
+                                  scaled_dot_product_attention)
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """A registered attention function and the inputs it honours."""
+
+  fn: Callable[..., Array]
+  # is_causal=True.
+  causal: bool
+  # 'any' mask broadcastable to [B, N, T, S], or only 'key_padding' masks
+  # of shape [B, 1, 1, S] (with a T axis of 1).
+  masks: str
+  # An additive bias on the logits.
+  bias: bool
+  # dropout_rate and dropout_rng (dropout on the attention weights).
+  dropout: bool
+  # Self-attention only (T == S, queries and keys at the same positions).
+  self_only: bool = False
+
+
+_REGISTRY: dict[str, Variant] = {
+    'dense': Variant(scaled_dot_product_attention, causal=True, masks='any',
+                     bias=True, dropout=True),
+    'chunked': Variant(chunked.chunked_attention, causal=True, masks='any',
+                       bias=True, dropout=False),
+    'local': Variant(sparse.local_attention, causal=True, masks='any',
+                     bias=True, dropout=False, self_only=True),
+    'strided': Variant(sparse.strided_attention, causal=True, masks='any',
+                       bias=True, dropout=False, self_only=True),
+    'fixed': Variant(sparse.fixed_attention, causal=True, masks='any',
+                     bias=True, dropout=False, self_only=True),
+    'bigbird': Variant(sparse.bigbird_attention, causal=True, masks='any',
+                       bias=True, dropout=False, self_only=True),
+    'linformer': Variant(linformer.linformer_attention, causal=False,
+                         masks='key_padding', bias=False, dropout=False),
+    'performer': Variant(kernel.performer_attention, causal=True,
+                         masks='key_padding', bias=False, dropout=False),
+    'linear': Variant(kernel.linear_attention, causal=True,
+                      masks='key_padding', bias=False, dropout=False),
+    'additive': Variant(additive.additive_attention, causal=True, masks='any',
+                        bias=True, dropout=False),
+}
+
+
+def names() -> list[str]:
+  """Names of the registered attention functions, sorted."""
+  return sorted(_REGISTRY)
+
+
+def spec(name: str) -> Variant:
+  """The registry entry of `name`: its function and what it honours."""
+  try:
+    return _REGISTRY[name]
+  except KeyError:
+    raise ValueError(
+        f'unknown attention {name!r}; registered: {", ".join(names())}.'
+    ) from None
+
+
+def get(name: str) -> Callable[..., Array]:
+  """The attention function registered under `name`."""
+  return spec(name).fn
+
+
+__all__ = ['Variant', 'attention_weights', 'causal_attention', 'causal_mask',
+           'cross_attention', 'get', 'names', 'scaled_dot_product_attention',
+           'spec']

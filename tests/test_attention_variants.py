@@ -1,0 +1,348 @@
+"""Every attention variant against the dense reference it approximates or
+equals, and the memory each needs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import attention
+from model.attention import kernel, sparse
+
+B, T, N, H = 2, 10, 4, 8
+dense = attention.scaled_dot_product_attention
+
+
+def make_qkv(seed, num_kv_heads=2, q_len=T, kv_len=T, scale=1.0):
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  return (scale * jax.random.normal(kq, (B, q_len, N, H)),
+          scale * jax.random.normal(kk, (B, kv_len, num_kv_heads, H)),
+          jax.random.normal(kv, (B, kv_len, num_kv_heads, H)))
+
+
+def padding(kv_len=T, lengths=(T, 6)):
+  """[B, 1, 1, S] key padding mask: example b has lengths[b] real keys."""
+  return jnp.asarray(np.arange(kv_len)[None] < np.array(lengths)[:, None])[
+      :, None, None, :]
+
+
+def explicit(allowed: np.ndarray) -> jax.Array:
+  """A [T, T] pattern as a [1, 1, T, T] mask for the dense reference."""
+  return jnp.asarray(allowed)[None, None]
+
+
+def assert_close(x, y, atol=1e-5):
+  np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol,
+                             rtol=1e-5)
+
+
+def grads(fn, q, k, v, bias=None, **kwargs):
+  """Gradients of a nonlinear function of the output w.r.t. q, k, v (and
+  bias when given)."""
+  def loss(q, k, v, bias):
+    return jnp.sum(jnp.sin(fn(q, k, v, bias, **kwargs)))
+  argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
+  return jax.grad(loss, argnums=argnums)(q, k, v, bias)
+
+
+def test_registry_lists_every_variant():
+  assert attention.names() == sorted([
+      'additive', 'bigbird', 'chunked', 'dense', 'fixed', 'linear',
+      'linformer', 'local', 'performer', 'strided'])
+  assert attention.get('chunked') is attention.spec('chunked').fn
+
+
+# --- chunked: exact ---
+
+CHUNKED_CASES = {
+    'plain': dict(),
+    'causal': dict(is_causal=True),
+    'padding_mask': dict(mask=padding()),
+    'bias': dict(bias=jax.random.normal(jax.random.key(9), (1, N, T, T))),
+    'mqa_causal_padding': dict(num_kv_heads=1, is_causal=True,
+                               mask=padding()),
+    'shorter_queries_causal': dict(q_len=4, is_causal=True),
+}
+
+
+@pytest.mark.parametrize('name', CHUNKED_CASES)
+def test_chunked_equals_dense_in_output_and_gradients(name):
+  kwargs = dict(CHUNKED_CASES[name])
+  q, k, v = make_qkv(0, kwargs.pop('num_kv_heads', 2),
+                     q_len=kwargs.pop('q_len', T))
+  bias = kwargs.pop('bias', None)
+  # Chunks of 4 keys: T = 10 is not a multiple, so the last is padded.
+  chunked = lambda *a, **kw: attention.get('chunked')(*a, chunk_size=4, **kw)
+  assert_close(chunked(q, k, v, bias, **kwargs), dense(q, k, v, bias, **kwargs))
+  for ours, reference in zip(grads(chunked, q, k, v, bias, **kwargs),
+                             grads(dense, q, k, v, bias, **kwargs)):
+    assert_close(ours, reference)
+
+
+def test_chunked_rows_with_nothing_to_attend_are_zero_and_finite():
+  q, k, v = make_qkv(1)
+  mask = np.ones((B, 1, T, T), bool)
+  mask[1, :, :3] = False  # Three queries of example 1 see no key at all.
+  mask[0, :, :, 4:] = False  # Whole chunks of keys are masked for example 0.
+  mask = jnp.asarray(mask)
+  chunked = lambda *a, **kw: attention.get('chunked')(*a, chunk_size=4, **kw)
+  out = chunked(q, k, v, mask=mask)
+  np.testing.assert_array_equal(out[1, :3], 0.0)
+  assert_close(out, dense(q, k, v, mask=mask))
+  for g in grads(chunked, q, k, v, mask=mask):
+    assert np.isfinite(g).all()
+
+
+# --- sparse patterns: exact under their masks ---
+
+def grid(length=T):
+  """Query positions [L, 1] and key positions [1, L]."""
+  return np.arange(length)[:, None], np.arange(length)[None, :]
+
+
+def local_pattern(window, causal):
+  i, j = grid()
+  allowed = np.abs(i - j) < window
+  return allowed & (j <= i) if causal else allowed
+
+
+def strided_pattern(stride, causal):
+  # Child et al. 2019: a local window of `stride` plus every stride-th key.
+  i, j = grid()
+  allowed = (np.abs(i - j) < stride) | ((i - j) % stride == 0)
+  return allowed & (j <= i) if causal else allowed
+
+
+def fixed_pattern(block, summary, causal):
+  # Child et al. 2019: one's own block plus the last `summary` of each.
+  i, j = grid()
+  allowed = (i // block == j // block) | (j % block >= block - summary)
+  return allowed & (j <= i) if causal else allowed
+
+
+SPARSE_CASES = [
+    ('local', dict(window=3), lambda c: local_pattern(3, c)),
+    ('local', dict(window=4), lambda c: local_pattern(4, c)),
+    ('strided', dict(stride=3), lambda c: strided_pattern(3, c)),
+    ('strided', dict(stride=4), lambda c: strided_pattern(4, c)),
+    ('fixed', dict(block=3, summary=1), lambda c: fixed_pattern(3, 1, c)),
+    ('fixed', dict(block=4, summary=2), lambda c: fixed_pattern(4, 2, c)),
+]
+
+
+@pytest.mark.parametrize('causal', [False, True])
+@pytest.mark.parametrize('name, options, pattern', SPARSE_CASES,
+                         ids=[f'{n}-{o}' for n, o, _ in SPARSE_CASES])
+def test_sparse_pattern_equals_dense_under_its_explicit_mask(
+    name, options, pattern, causal):
+  q, k, v = make_qkv(2)
+  mask = padding()
+  expected = dense(q, k, v, mask=explicit(pattern(causal)) & mask)
+  out = attention.get(name)(q, k, v, mask=mask, is_causal=causal, **options)
+  assert_close(out, expected)
+
+
+def test_local_with_a_window_over_the_whole_sequence_is_dense():
+  q, k, v = make_qkv(3)
+  for causal in (False, True):
+    assert_close(attention.get('local')(q, k, v, is_causal=causal, window=T),
+                 dense(q, k, v, is_causal=causal))
+
+
+def test_sparse_bias_gradients_match_dense():
+  q, k, v = make_qkv(4)
+  bias = jax.random.normal(jax.random.key(5), (1, N, T, T))
+  pattern = explicit(strided_pattern(3, True))
+  ours = grads(attention.get('strided'), q, k, v, bias, is_causal=True,
+               stride=3)
+  reference = grads(dense, q, k, v, bias, mask=pattern)
+  for a, b in zip(ours, reference):
+    assert_close(a, b)
+
+
+def bigbird_pattern(length, block, num_global, random_blocks, causal):
+  """BigBird's mask on blocks: neighbours, global rows and columns, and the
+  given random blocks per query block."""
+  i, j = grid(length)
+  block_i, block_j = i // block, j // block
+  allowed = ((np.abs(block_i - block_j) <= 1) | (block_j < num_global)
+             | (block_i < num_global))
+  for query_block, chosen in enumerate(random_blocks):
+    for key_block in chosen[chosen >= 0]:
+      allowed |= (block_i == query_block) & (block_j == key_block)
+  return allowed & (j <= i) if causal else allowed
+
+
+@pytest.mark.parametrize('causal', [False, True])
+def test_bigbird_equals_dense_under_its_explicit_mask(causal):
+  q, k, v = make_qkv(6, q_len=16, kv_len=16)
+  random_blocks = sparse.bigbird_random_blocks(8, 1, 2, seed=7)
+  allowed = bigbird_pattern(16, 2, 1, random_blocks, causal)
+  out = attention.get('bigbird')(q, k, v, is_causal=causal, block=2,
+                                 num_global_blocks=1, num_random_blocks=2,
+                                 seed=7)
+  assert_close(out, dense(q, k, v, mask=explicit(allowed)))
+
+
+def test_bigbird_with_every_block_global_is_dense():
+  q, k, v = make_qkv(7)
+  out = attention.get('bigbird')(q, k, v, mask=padding(), block=2,
+                                 num_global_blocks=5)
+  assert_close(out, dense(q, k, v, mask=padding()))
+
+
+def test_bigbird_random_blocks_follow_the_seed():
+  first = sparse.bigbird_random_blocks(16, 2, 3, seed=1)
+  assert (first == sparse.bigbird_random_blocks(16, 2, 3, seed=1)).all()
+  assert (first != sparse.bigbird_random_blocks(16, 2, 3, seed=2)).any()
+  for i, chosen in enumerate(first):
+    assert all(j >= 2 and abs(j - i) > 1 for j in chosen)
+    assert len(set(chosen)) == len(chosen)
+
+
+# --- kernelised and low-rank: approximations that improve ---
+
+
+def kernel_reference(phi_q, phi_k, v, causal, keep=None):
+  """sum_j phi(q_i).phi(k_j) v_j / sum_j phi(q_i).phi(k_j), written out."""
+  phi_k = jnp.repeat(phi_k, N // phi_k.shape[2], axis=2)
+  v = jnp.repeat(v, N // v.shape[2], axis=2)
+  scores = jnp.einsum('btnf,bsnf->bnts', phi_q, phi_k)
+  if causal:
+    scores = jnp.where(np.tril(np.ones((T, T), bool)), scores, 0.0)
+  if keep is not None:
+    scores = jnp.where(keep, scores, 0.0)
+  return (jnp.einsum('bnts,bsnh->btnh', scores, v)
+          / jnp.sum(scores, -1).transpose(0, 2, 1)[..., None])
+
+
+@pytest.mark.parametrize('causal', [False, True])
+def test_linear_attention_matches_its_formula(causal):
+  q, k, v = make_qkv(8)
+  phi = lambda x: jax.nn.elu(x) + 1
+  out = attention.get('linear')(q, k, v, mask=padding(), is_causal=causal,
+                                chunk_size=4)
+  assert_close(out, kernel_reference(phi(q), phi(k), v, causal, padding()))
+
+
+def mean_error(fn, seeds=(0, 1, 2), **kwargs):
+  errors = []
+  for seed in seeds:
+    q, k, v = make_qkv(seed, scale=0.5)
+    reference = dense(q, k, v, is_causal=kwargs.get('is_causal', False))
+    errors.append(float(jnp.mean(jnp.abs(fn(q, k, v, **kwargs) - reference))))
+  return np.mean(errors)
+
+
+@pytest.mark.parametrize('causal', [False, True])
+def test_performer_error_falls_as_features_grow(causal):
+  errors = [mean_error(attention.get('performer'), is_causal=causal,
+                       num_features=m, seed=3) for m in (4, 32, 256)]
+  assert errors[0] > errors[1] > errors[2]
+  assert errors[2] < 0.05
+
+
+def test_performer_features_are_orthogonal_within_blocks():
+  w = kernel.orthogonal_features(jax.random.key(0), 16, 8)
+  gram = w[:8] @ w[:8].T
+  np.testing.assert_allclose(gram - np.diag(np.diag(gram)), 0.0, atol=1e-4)
+
+
+def test_linformer_at_full_rank_with_identity_projections_is_dense():
+  q, k, v = make_qkv(9)
+  identity = jnp.eye(T)
+  out = attention.get('linformer')(q, k, v, key_projection=identity,
+                                   value_projection=identity)
+  assert_close(out, dense(q, k, v))
+
+
+def test_linformer_error_falls_as_rank_grows():
+  # Projections onto a random subset of the keys (rows of a permutation):
+  # the larger the rank, the more of the keys are kept.
+  rows = np.random.default_rng(0).permutation(np.eye(T))
+
+  def linformer_rank(q, k, v, rank):
+    projection = jnp.asarray(rows[:rank])
+    return attention.get('linformer')(q, k, v, key_projection=projection,
+                                      value_projection=projection)
+  errors = [mean_error(linformer_rank, rank=r) for r in (2, 5, 8, 10)]
+  assert errors[0] > errors[1] > errors[2] > errors[3]
+  assert errors[3] < 1e-6
+
+
+def test_linformer_ignores_padded_keys():
+  q, k, v = make_qkv(10)
+  projection = jax.random.normal(jax.random.key(0), (4, T))
+  mask = padding()
+  changed_k = k.at[1, 6:].set(100.0)
+  changed_v = v.at[1, 6:].set(-100.0)
+  linformer = lambda k, v: attention.get('linformer')(
+      q, k, v, mask=mask, key_projection=projection,
+      value_projection=projection)
+  assert_close(linformer(k, v), linformer(changed_k, changed_v))
+
+
+def test_additive_attention_matches_bahdanau_score():
+  q, k, v = make_qkv(11, num_kv_heads=N)
+  hidden = 5
+  keys = jax.random.split(jax.random.key(1), 3)
+  w_q = jax.random.normal(keys[0], (N, H, hidden))
+  w_k = jax.random.normal(keys[1], (N, H, hidden))
+  w_v = jax.random.normal(keys[2], (N, hidden))
+  score = np.zeros((B, N, T, T))
+  for b in range(B):
+    for n in range(N):
+      for i in range(T):
+        for j in range(T):
+          score[b, n, i, j] = w_v[n] @ np.tanh(q[b, i, n] @ w_q[n]
+                                               + k[b, j, n] @ w_k[n])
+  weights = jax.nn.softmax(jnp.where(padding(), score, -jnp.inf), axis=-1)
+  expected = jnp.einsum('bnts,bsnh->btnh', weights, v)
+  out = attention.get('additive')(q, k, v, mask=padding(), query_weight=w_q,
+                                  key_weight=w_k, score_weight=w_v)
+  assert_close(out, expected)
+
+
+# --- what a variant cannot do ---
+
+
+@pytest.mark.parametrize('name, kwargs, message', [
+    ('linformer', dict(is_causal=True, key_projection=jnp.eye(T),
+                       value_projection=jnp.eye(T)), 'cannot be causal'),
+    ('linear', dict(bias=jnp.zeros((1, N, T, T))), 'bias'),
+    ('performer', dict(mask=jnp.ones((1, 1, T, T), bool)), 'key padding'),
+    ('linear', dict(scale=0.5), 'no logit scale'),
+    ('local', dict(q_len=4), 'self-attention'),
+    ('chunked', dict(chunk_size=0), 'chunk_size=0'),
+    ('fixed', dict(block=2, summary=3), 'summary=3'),
+])
+def test_unsupported_inputs_raise_a_clear_error(name, kwargs, message):
+  kwargs = dict(kwargs)
+  q, k, v = make_qkv(12, q_len=kwargs.pop('q_len', T))
+  with pytest.raises(ValueError, match=message):
+    attention.get(name)(q, k, v, **kwargs)
+
+
+# --- memory: O(T * chunk) against O(T^2) ---
+
+
+def temp_bytes(name: str, length: int, **options) -> int:
+  """Temporary memory of the compiled forward and backward pass."""
+  fn = attention.get(name)
+  shape = jax.ShapeDtypeStruct((1, length, 4, 32), jnp.float32)
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v, is_causal=True, **options))
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+      shape, shape, shape).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_memory_of_chunked_local_and_linear_grows_linearly():
+  lengths = (2048, 8192)
+  memory = {name: [temp_bytes(name, t, **options) for t in lengths]
+            for name, options in [('dense', {}), ('chunked', {}),
+                                  ('local', {'window': 256}), ('linear', {})]}
+  dense_small, dense_large = memory.pop('dense')
+  assert dense_large / dense_small > 12  # Quadratic: 16x for 4x the length.
+  for name, (small, large) in memory.items():
+    assert large <= dense_large / 8, name
+    assert large / small <= 4 * 1.5, name  # Linear, within 1.5x.

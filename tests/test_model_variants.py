@@ -1,0 +1,144 @@
+"""Every variant and position scheme inside the models, through config only."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from model import ModelConfig, attention, build
+from model.config import POSITIONS
+from train import steps
+
+B, T, V = 2, 8, 32
+
+# Options that make each variant non-trivial at length 8.
+OPTIONS = {
+    'dense': {},
+    'chunked': {'chunk_size': 3},
+    'local': {'window': 3},
+    'strided': {'stride': 3},
+    'fixed': {'block': 4, 'summary': 1},
+    'bigbird': {'block': 2, 'num_global_blocks': 1, 'num_random_blocks': 1},
+    'linformer': {'rank': 4},
+    'performer': {'num_features': 16},
+    'linear': {},
+    'additive': {'hidden': 8},
+}
+CAUSAL = [name for name in attention.names() if attention.spec(name).causal]
+
+
+def config_for(family='decoder_lm', attention_name='dense', **overrides):
+  values = dict(family=family, vocab_size=V, d_model=16, num_heads=2,
+                num_layers=1, mlp_dim=32, max_len=T + 1,
+                attention=attention_name,
+                attention_options=OPTIONS[attention_name], num_classes=3)
+  values.update(overrides)
+  return ModelConfig(**values)
+
+
+def test_every_registered_variant_has_test_options():
+  assert sorted(OPTIONS) == attention.names()
+
+
+def tokens(seed=0):
+  ids = np.random.default_rng(seed).integers(1, V, (B, T))
+  ids[1, -2:] = 0  # Padding, for the encoders' masks.
+  return jnp.asarray(ids)
+
+
+@pytest.mark.parametrize('name', CAUSAL)
+def test_decoder_lm_is_causal_with_every_causal_variant(name):
+  config = config_for(attention_name=name)
+  model = build(config)
+  variables = model.init(jax.random.key(0), tokens())
+  cotangent = jax.random.normal(jax.random.key(1), (B, T, V))
+
+  @jax.jit
+  def embedding_grads(t):
+    def loss(perturbations):
+      logits = model.apply({'params': variables['params'],
+                            'perturbations': perturbations}, tokens())
+      return jnp.sum(logits[:, t] * cotangent[:, t])
+    return jax.grad(loss)(variables['perturbations'])['embeddings']
+
+  for t in (0, 3, T - 1):
+    grads = np.asarray(embedding_grads(t))
+    np.testing.assert_array_equal(grads[:, t + 1:], 0.0)
+    assert np.abs(grads[:, t]).sum() > 0
+
+
+@pytest.mark.parametrize('position', ['rope', 'alibi', 't5_bias', 'relative'])
+def test_decoder_lm_is_causal_with_relative_positions(position):
+  config = config_for(position=position)
+  model = build(config)
+  variables = model.init(jax.random.key(0), tokens())
+
+  def prefix_logits(ids):
+    return model.apply({'params': variables['params']}, ids)[:, :4]
+
+  changed = tokens().at[:, 4:].set(5)
+  np.testing.assert_array_equal(prefix_logits(tokens()),
+                                prefix_logits(changed))
+
+
+def batch_for(family):
+  ids = tokens()
+  if family == 'decoder_lm':
+    return {'inputs': ids, 'targets': jnp.roll(ids, -1, axis=1),
+            'positions': jnp.tile(jnp.arange(T), (B, 1)),
+            'weights': (ids > 0).astype(jnp.float32)}
+  if family == 'encoder_decoder':
+    return {'inputs': ids, 'decoder_inputs': jnp.roll(ids, 1, axis=1),
+            'targets': ids, 'weights': (ids > 0).astype(jnp.float32)}
+  return {'inputs': ids, 'targets': jnp.array([0, 2]),
+          'weights': jnp.ones((B,))}
+
+
+KIND = {'decoder_lm': 'lm', 'encoder_decoder': 'seq2seq',
+        'encoder_classifier': 'classification'}
+
+
+def trains(config: ModelConfig) -> list[float]:
+  """Losses of three Adam steps on one batch."""
+  model = build(config)
+  kind = KIND[config.family]
+  params = steps.init_params(model, kind, jax.random.key(0), T)
+  optimizer = optax.adam(3e-3)
+  state = steps.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                           opt_state=optimizer.init(params))
+  step = jax.jit(lambda state, batch: steps.train_step(
+      state, batch, jax.random.key(0), model=model, kind=kind,
+      optimizer=optimizer, schedule=lambda _: 3e-3))
+  batch = batch_for(config.family)
+  losses = []
+  for _ in range(3):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics['loss_sum'] / metrics['weight_sum']))
+  return losses
+
+
+FAMILIES = ['decoder_lm', 'encoder_decoder', 'encoder_classifier']
+VARIANT_RUNS = [(family, name) for family in FAMILIES
+                for name in attention.names()
+                if family == 'encoder_classifier' or name in CAUSAL]
+
+
+@pytest.mark.parametrize('family, name', VARIANT_RUNS)
+def test_every_variant_trains_in_each_family_it_supports(family, name):
+  losses = trains(config_for(family, name))
+  assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize('family, position',
+                         [(f, p) for f in FAMILIES for p in POSITIONS])
+def test_every_position_scheme_trains_in_each_family(family, position):
+  losses = trains(config_for(family, position=position))
+  assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+def test_a_variant_that_cannot_be_causal_is_refused_for_decoders():
+  with pytest.raises(ValueError, match="attention='linformer' cannot be"):
+    config_for('decoder_lm', 'linformer')
+  with pytest.raises(ValueError, match="position='alibi' adds a bias"):
+    config_for('encoder_classifier', 'linear', position='alibi')

@@ -1,0 +1,106 @@
+"""Relative position schemes: each depends on offsets only, as it claims."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import DecoderLM, ModelConfig
+from model import positions
+
+B, T, N, H = 2, 8, 4, 8
+
+
+def test_rope_scores_depend_only_on_the_offset():
+  q = jax.random.normal(jax.random.key(0), (B, T, N, H))
+  k = jax.random.normal(jax.random.key(1), (B, T, N, H))
+  base = jnp.tile(jnp.arange(T), (B, 1))
+
+  def scores(shift):
+    rq = positions.rotate(q, base + shift)
+    rk = positions.rotate(k, base + shift)
+    return jnp.einsum('btnh,bsnh->bnts', rq, rk)
+
+  np.testing.assert_allclose(scores(0), scores(37), atol=1e-4)
+  assert not np.allclose(scores(0), jnp.einsum('btnh,bsnh->bnts', q, k),
+                         atol=1e-3)
+  np.testing.assert_allclose(jnp.linalg.norm(positions.rotate(q, base), axis=-1),
+                             jnp.linalg.norm(q, axis=-1), rtol=1e-5)
+
+
+def test_alibi_slopes_follow_the_paper():
+  np.testing.assert_allclose(positions.alibi_slopes(8),
+                             [2.0 ** -(i + 1) for i in range(8)])
+  # Six heads: the four slopes of 4 heads, then every other slope of 8.
+  np.testing.assert_allclose(positions.alibi_slopes(6),
+                             [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
+
+
+def test_alibi_bias_depends_only_on_the_offset():
+  base = jnp.tile(jnp.arange(T), (B, 1))
+  bias = positions.alibi_bias(base, base, N)
+  np.testing.assert_allclose(bias, positions.alibi_bias(base + 11, base + 11,
+                                                        N))
+  # Four heads: the first slope is 2^(-8/4).
+  np.testing.assert_allclose(bias[0, 0], -0.25 * np.abs(
+      np.arange(T)[:, None] - np.arange(T)[None, :]))
+
+
+def t5_bucket_reference(relative, bidirectional, num_buckets, max_distance):
+  """The bucketing of Raffel et al. (2020), one scalar at a time."""
+  bucket = 0
+  if bidirectional:
+    num_buckets //= 2
+    if relative > 0:
+      bucket += num_buckets
+    distance = abs(relative)
+  else:
+    distance = max(-relative, 0)
+  exact = num_buckets // 2
+  if distance < exact:
+    return bucket + distance
+  large = exact + int(math.log(distance / exact) / math.log(max_distance / exact)
+                      * (num_buckets - exact))
+  return bucket + min(large, num_buckets - 1)
+
+
+@pytest.mark.parametrize('bidirectional', [True, False])
+def test_t5_buckets_match_the_reference(bidirectional):
+  relative = np.arange(-300, 301)
+  got = positions.t5_buckets(jnp.asarray(relative), bidirectional=bidirectional,
+                             num_buckets=32, max_distance=128)
+  expected = [t5_bucket_reference(int(r), bidirectional, 32, 128)
+              for r in relative]
+  np.testing.assert_array_equal(got, expected)
+
+
+def test_shaw_relative_bias_is_query_dot_clipped_distance_embedding():
+  module = positions.ShawRelative(head_dim=H, max_distance=2)
+  q = jax.random.normal(jax.random.key(0), (1, T, N, H))
+  pos = jnp.arange(T)[None]
+  variables = module.init(jax.random.key(1), q, pos, pos, scale=0.5)
+  table = np.asarray(jax.tree.leaves(variables)[0])
+  bias = module.apply(variables, q, pos, pos, scale=0.5)
+  for i in range(T):
+    for j in range(T):
+      row = table[np.clip(j - i, -2, 2) + 2]
+      np.testing.assert_allclose(bias[0, :, i, j],
+                                 0.5 * np.asarray(q[0, i]) @ row, atol=1e-5)
+
+
+@pytest.mark.parametrize('position, relative', [
+    ('rope', True), ('alibi', True), ('t5_bias', True), ('relative', True),
+    ('sinusoidal', False), ('learned', False)])
+def test_decoder_lm_with_relative_positions_ignores_a_shift(position,
+                                                            relative):
+  config = ModelConfig(vocab_size=32, d_model=32, num_heads=N, num_layers=1,
+                       mlp_dim=32, max_len=64, position=position)
+  model = DecoderLM(config)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(1, 32, (B, T)))
+  base = jnp.tile(jnp.arange(T), (B, 1))
+  params = {'params': model.init(jax.random.key(0), tokens)['params']}
+  shifted = model.apply(params, tokens, base + 13)
+  assert np.allclose(model.apply(params, tokens, base), shifted,
+                     atol=1e-4) == relative
