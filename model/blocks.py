@@ -2,6 +2,7 @@
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from model.config import ModelConfig
 from model.layers import MultiHeadAttention, Mlp, make_norm
@@ -22,29 +23,48 @@ class TransformerBlock(nn.Module):
   # A cross-attention sublayer reads the encoder output (encoder-decoder).
   cross: bool
 
+  def _add(self, x_BxTxD: Array, update_BxTxD: Array, norm: nn.Module,
+           deterministic: bool) -> Array:
+    """The residual connection, normalised after it for post-norm."""
+    update_BxTxD = nn.Dropout(self.config.dropout_rate)(
+        update_BxTxD, deterministic=deterministic)
+    if self.config.norm_position == 'pre':
+      return x_BxTxD + update_BxTxD
+    return norm(x_BxTxD + update_BxTxD)
+
   def _residual(self, x_BxTxD: Array, sublayer, name: str,
                 deterministic: bool) -> Array:
-    dropout = nn.Dropout(self.config.dropout_rate)
-    if self.config.norm_position == 'pre':
-      update = sublayer(make_norm(self.config, f'{name}_norm')(x_BxTxD))
-      return x_BxTxD + dropout(update, deterministic=deterministic)
-    update = dropout(sublayer(x_BxTxD), deterministic=deterministic)
-    return make_norm(self.config, f'{name}_norm')(x_BxTxD + update)
+    norm = make_norm(self.config, f'{name}_norm')
+    pre = self.config.norm_position == 'pre'
+    update = sublayer(norm(x_BxTxD) if pre else x_BxTxD)
+    return self._add(x_BxTxD, update, norm, deterministic)
 
   # Arguments are positional so that nn.remat can mark `deterministic` static.
   @nn.compact
   def __call__(self, x_BxTxD: Array, self_mask: Array | None,
                encoded_BxSxD: Array | None, cross_mask: Array | None,
-               positions_BxT: Array, deterministic: bool) -> Array:
+               positions_BxT: Array, memory_BxMxD: Array | None,
+               memory_positions_BxM: Array | None,
+               deterministic: bool) -> Array:
+    """With `memory_BxMxD` (earlier hidden states entering this block, at
+    `memory_positions_BxM`), self-attention reads them as keys and values
+    before the current positions."""
     config = self.config
-    self_attention = MultiHeadAttention(config, name='self_attention')
-    x_BxTxD = self._residual(
-        x_BxTxD,
-        lambda y: self_attention(y, y, mask=self_mask, is_causal=self.causal,
-                                 q_positions_BxT=positions_BxT,
-                                 kv_positions_BxS=positions_BxT,
-                                 deterministic=deterministic),
-        'self_attention', deterministic)
+    norm = make_norm(config, 'self_attention_norm')
+    pre = config.norm_position == 'pre'
+    queries_BxTxD = norm(x_BxTxD) if pre else x_BxTxD
+    context_BxSxD, kv_positions_BxS = queries_BxTxD, positions_BxT
+    if memory_BxMxD is not None:
+      context_BxSxD = jnp.concatenate(
+          [memory_BxMxD.astype(x_BxTxD.dtype), x_BxTxD], axis=1)
+      context_BxSxD = norm(context_BxSxD) if pre else context_BxSxD
+      kv_positions_BxS = jnp.concatenate(
+          [memory_positions_BxM, positions_BxT], axis=1)
+    update = MultiHeadAttention(config, name='self_attention')(
+        queries_BxTxD, context_BxSxD, mask=self_mask, is_causal=self.causal,
+        q_positions_BxT=positions_BxT, kv_positions_BxS=kv_positions_BxS,
+        deterministic=deterministic)
+    x_BxTxD = self._add(x_BxTxD, update, norm, deterministic)
     if self.cross:
       cross_attention = MultiHeadAttention(config, cross=True,
                                            name='cross_attention')
@@ -69,17 +89,30 @@ class TransformerStack(nn.Module):
                self_mask: Array | None = None,
                encoded_BxSxD: Array | None = None,
                cross_mask: Array | None = None,
-               deterministic: bool = True) -> Array:
-    """`positions_BxT` are each token's position, for relative schemes."""
+               memory_LxBxMxD: Array | None = None,
+               memory_positions_BxM: Array | None = None,
+               deterministic: bool = True):
+    """The output [B, T, D]; with a memory, also each block's input
+    [L, B, T, D], from which the caller forms the next memory.
+
+    `positions_BxT` are each token's position, for relative schemes.
+    """
     block_cls = TransformerBlock
     if self.config.remat:
-      # Index 6 is `deterministic`, counting `self` as 0.
-      block_cls = nn.remat(TransformerBlock, static_argnums=(6,))
+      # Index 8 is `deterministic`, counting `self` as 0.
+      block_cls = nn.remat(TransformerBlock, static_argnums=(8,))
+    block_inputs = []
     for layer in range(self.config.num_layers):
+      block_inputs.append(x_BxTxD)
+      memory_BxMxD = (None if memory_LxBxMxD is None
+                      else memory_LxBxMxD[layer])
       x_BxTxD = block_cls(self.config, self.causal, self.cross,
                           name=f'block_{layer}')(
                               x_BxTxD, self_mask, encoded_BxSxD, cross_mask,
-                              positions_BxT, deterministic)
+                              positions_BxT, memory_BxMxD,
+                              memory_positions_BxM, deterministic)
     if self.config.norm_position == 'pre':
       x_BxTxD = make_norm(self.config, 'final_norm')(x_BxTxD)
-    return x_BxTxD
+    if memory_LxBxMxD is None:
+      return x_BxTxD
+    return x_BxTxD, jnp.stack(block_inputs)

@@ -96,6 +96,11 @@ class ModelConfig:
   param_dtype: str = 'float32'
   # Recompute each block's activations in the backward pass (saves memory).
   remat: bool = False
+  # decoder_lm only: Transformer-XL's segment-level recurrence (Dai et al.
+  # 2019). Each layer also attends to the hidden states it saw in the last
+  # `memory_length` positions of earlier segments (no gradient through
+  # them); needs a relative position scheme. 0: off.
+  memory_length: int = 0
 
   def __post_init__(self):
     def fail(message):
@@ -143,6 +148,21 @@ class ModelConfig:
     if self.family != 'encoder_classifier' and not variant.causal:
       fail(f'config.model.attention={self.attention!r} cannot be causal, '
            f'which the decoder of config.model.family={self.family!r} needs.')
+    if not isinstance(self.memory_length, int) or self.memory_length < 0:
+      fail(f'config.model.memory_length={self.memory_length!r} must be an '
+           'integer >= 0.')
+    if self.memory_length:
+      if self.family != 'decoder_lm':
+        fail('config.model.memory_length is for config.model.family='
+             f"'decoder_lm', not {self.family!r}.")
+      if self.position not in RELATIVE_POSITIONS:
+        fail(f'config.model.memory_length={self.memory_length} needs a '
+             'relative position scheme (config.model.position in '
+             f'{list(RELATIVE_POSITIONS)}), not {self.position!r}.')
+      if not variant.longer_keys:
+        fail(f'config.model.attention={self.attention!r} cannot attend to '
+             'more keys than queries, which config.model.memory_length '
+             'needs.')
     if self.position in ('relative', 't5_bias', 'alibi') and not variant.bias:
       fail(f'config.model.position={self.position!r} adds a bias to the '
            f'logits, which config.model.attention={self.attention!r} cannot '

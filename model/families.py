@@ -102,20 +102,33 @@ class Embedder(nn.Module):
     return self.output_projection(x_BxTxD)
 
 
+def empty_memory(config: ModelConfig, batch_size: int) -> dict[str, Array]:
+  """A Transformer-XL memory holding nothing yet: hidden [L, B, M, D] and
+  valid [B, M] (False: not yet filled)."""
+  length = config.memory_length
+  return {'hidden': jnp.zeros((config.num_layers, batch_size, length,
+                               config.d_model), config.compute_dtype),
+          'valid': jnp.zeros((batch_size, length), bool)}
+
+
 class DecoderLM(nn.Module):
-  """A GPT-2-style causal language model (Radford et al. 2019)."""
+  """A GPT-2-style causal language model (Radford et al. 2019), optionally
+  with Transformer-XL's memory (Dai et al. 2019)."""
 
   config: ModelConfig
 
   @nn.compact
   def __call__(self, tokens_BxT: Array, positions_BxT: Array | None = None,
-               segment_ids_BxT: Array | None = None, *,
-               deterministic: bool = True) -> Array:
+               segment_ids_BxT: Array | None = None,
+               memory: dict[str, Array] | None = None, *,
+               deterministic: bool = True):
     """Next-token logits, float32 [B, T, V]; logits[:, t] sees tokens <= t.
 
     Rows packed with several sequences give each token's `segment_ids_BxT`
     (and its position within its sequence): tokens attend only within their
-    own segment.
+    own segment. With a `memory` (see `empty_memory`) of the hidden states
+    before this segment, returns (logits, the memory after it): the last
+    config.memory_length positions, with no gradient.
     """
     if positions_BxT is None:
       positions_BxT = default_positions(tokens_BxT)
@@ -124,14 +137,35 @@ class DecoderLM(nn.Module):
     # A zero-valued hook: the gradient with respect to the 'perturbations'
     # collection is d(loss)/d(embeddings); a no-op unless that is passed.
     x_BxTxD = self.perturb('embeddings', x_BxTxD)
-    self_mask = None
+    decoder = TransformerStack(self.config, causal=True, cross=False,
+                               name='decoder')
+    if memory is None:
+      self_mask = None
+      if segment_ids_BxT is not None:
+        self_mask = segment_mask(segment_ids_BxT, segment_ids_BxT)
+      x_BxTxD = decoder(x_BxTxD, positions_BxT, self_mask=self_mask,
+                        deterministic=deterministic)
+      return embedder.logits(x_BxTxD)
     if segment_ids_BxT is not None:
-      self_mask = segment_mask(segment_ids_BxT, segment_ids_BxT)
-    x_BxTxD = TransformerStack(self.config, causal=True, cross=False,
-                               name='decoder')(
-                                   x_BxTxD, positions_BxT, self_mask=self_mask,
-                                   deterministic=deterministic)
-    return embedder.logits(x_BxTxD)
+      raise ValueError('a Transformer-XL memory reads contiguous text, not '
+                       'packed segments.')
+    length = memory['valid'].shape[1]
+    # The memory holds the positions just before the segment's first.
+    memory_positions_BxM = (positions_BxT[:, :1] - length
+                            + jnp.arange(length)[None])
+    valid_BxS = jnp.concatenate(
+        [memory['valid'], jnp.ones(tokens_BxT.shape, bool)], axis=1)
+    x_BxTxD, inputs_LxBxTxD = decoder(
+        x_BxTxD, positions_BxT, self_mask=valid_BxS[:, None, None, :],
+        memory_LxBxMxD=memory['hidden'],
+        memory_positions_BxM=memory_positions_BxM,
+        deterministic=deterministic)
+    hidden = jnp.concatenate(
+        [memory['hidden'], inputs_LxBxTxD.astype(memory['hidden'].dtype)],
+        axis=2)
+    new_memory = jax.lax.stop_gradient({'hidden': hidden[:, :, -length:],
+                                        'valid': valid_BxS[:, -length:]})
+    return embedder.logits(x_BxTxD), new_memory
 
 
 class EncoderDecoder(nn.Module):

@@ -79,6 +79,24 @@ INVALID = [
 ]
 
 
+def test_packed_rows_need_an_attention_that_takes_any_mask():
+  config = lm_stdlib.get_config()
+  config.model.attention = 'linear'
+  with pytest.raises(InputError, match='set config.pack_sequences=False'):
+    config_validation.validate(config)
+  config.pack_sequences = False
+  config_validation.validate(config)
+
+
+def test_a_memory_needs_streams():
+  config = lm_stdlib.get_config()
+  config.model.update(memory_length=64, position='rope')
+  with pytest.raises(InputError, match='reads contiguous streams'):
+    config_validation.validate(config)
+  config.pack_sequences = False
+  config_validation.validate(config)
+
+
 @pytest.mark.parametrize('key, value, message', INVALID,
                          ids=[f'{key}={value}' for key, value, _ in INVALID])
 def test_invalid_value_is_rejected_naming_its_key(key, value, message):

@@ -62,16 +62,22 @@ def test_stdlib_split_is_a_stable_hash_of_the_path():
   assert 0.02 < splits.count('validation') / len(files) < 0.10
 
 
-def test_stdlib_windows_hold_every_byte_of_the_corpus_once(stdlib_dataset):
+def test_stdlib_documents_hold_every_byte_of_the_corpus_once(stdlib_dataset):
   root = stdlib.stdlib_root()
   corpus_bytes = sum((root / path).stat().st_size
                      for path in stdlib.source_files(root))
   assert stdlib_dataset.kind == 'lm' and stdlib_dataset.byte_level
-  # Each window's tokens after the first are its targets: the bytes.
-  targets = sum(len(split[i]['tokens']) - 1
-                for split in stdlib_dataset.splits.values()
-                for i in range(len(split)))
-  assert targets == corpus_bytes
+  # Each document is EOS_ID, then its bytes.
+  documents = [split[i]['tokens'] for split in stdlib_dataset.splits.values()
+               for i in range(len(split))]
+  assert all(d[0] == tokenizers.EOS_ID for d in documents)
+  assert sum(len(d) - 1 for d in documents) == corpus_bytes
+  windows = pipeline.in_memory_windows(stdlib_dataset.splits['validation'],
+                                       seq_len=256)
+  assert sum(len(windows[i]['tokens']) - 1 for i in range(len(windows))) == (
+      sum(len(split[i]['tokens']) - 1
+          for split in (stdlib_dataset.splits['validation'],)
+          for i in range(len(split))))
 
 
 # --- algorithmic ---
@@ -287,7 +293,8 @@ def test_unknown_dataset_option_is_named(tmp_path):
 
 def test_in_memory_windows_cover_documents_as_the_pipeline_does():
   documents = [np.arange(1, 1 + n, dtype=np.int32) for n in (3, 20, 7, 2, 9)]
-  windows = pipeline.in_memory_windows(documents, seq_len=8)
+  windows = pipeline.in_memory_windows([{'tokens': d} for d in documents],
+                                       seq_len=8)
   assert all(len(windows[i]['tokens']) <= 9 for i in range(len(windows)))
 
   def targets(dataset):
@@ -301,3 +308,42 @@ def test_in_memory_windows_cover_documents_as_the_pipeline_does():
           [{'tokens': d} for d in documents])}, 100)
   assert targets(as_windows) == targets(as_documents)
   assert len(targets(as_windows)) == sum(len(d) - 1 for d in documents)
+
+
+def test_streams_continue_each_row_across_batches():
+  documents = [np.arange(100 * d + 1, 100 * d + n + 1) for d, n in
+               enumerate((5, 12, 3, 9, 7, 4))]
+  dataset = _lm_dataset(documents)
+  batches = list(pipeline.eval_batches(dataset, 'validation', seq_len=4,
+                                       batch_size=2, num_batches=-1,
+                                       layout='streams'))
+  for row in range(2):
+    targets = np.concatenate([b['targets'][row][b['weights'][row] > 0]
+                              for b in batches])
+    inputs = np.concatenate([b['inputs'][row][b['weights'][row] > 0]
+                             for b in batches])
+    # Row r reads documents r, r + 2, ... whole, in order, EOS first.
+    own = [np.concatenate([[1], d]) for d in documents[row::2]]
+    np.testing.assert_array_equal(targets,
+                                  np.concatenate([d[1:] for d in own]))
+    np.testing.assert_array_equal(inputs,
+                                  np.concatenate([d[:-1] for d in own]))
+
+
+def test_streams_resume_in_the_middle_of_a_document(stdlib_dataset):
+  def make():
+    return pipeline.train_iterator(stdlib_dataset, seq_len=32, batch_size=2,
+                                   seed=1, layout='streams')
+  iterator = make()
+  for _ in range(5):
+    next(iterator)
+  state = iterator.get_state()
+  expected = [next(iterator) for _ in range(3)]
+  resumed = make()
+  resumed.set_state(state)
+  for batch in expected:
+    got = next(resumed)
+    for key in batch:
+      np.testing.assert_array_equal(got[key], batch[key])
+  iterator.close()
+  resumed.close()

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from model import ModelConfig, attention, build
+from model import ModelConfig, attention, build, families
 from model.config import POSITIONS
 from train import steps
 
@@ -142,3 +142,55 @@ def test_a_variant_that_cannot_be_causal_is_refused_for_decoders():
     config_for('decoder_lm', 'linformer')
   with pytest.raises(ValueError, match="position='alibi' adds a bias"):
     config_for('encoder_classifier', 'linear', position='alibi')
+
+
+@pytest.mark.parametrize('memory_length', [T, T + 3])
+@pytest.mark.parametrize('position', ['rope', 'alibi', 't5_bias', 'relative'])
+def test_transformer_xl_memory_equals_one_long_causal_pass(memory_length,
+                                                           position):
+  """Segment 2 read with the memory of segment 1 gives the logits of one
+  pass over both, when the memory holds all of segment 1."""
+  config = config_for(position=position, memory_length=memory_length,
+                      num_layers=2)
+  model = build(config)
+  ids = jnp.asarray(np.random.default_rng(3).integers(1, V, (B, 2 * T)))
+  params = {'params': model.init(jax.random.key(0), ids[:, :T])['params']}
+  long_pass = model.apply(params, ids)
+  first, memory = model.apply(params, ids[:, :T],
+                              memory=families.empty_memory(config, B))
+  second, _ = model.apply(params, ids[:, T:], memory=memory)
+  np.testing.assert_allclose(first, long_pass[:, :T], atol=1e-5)
+  np.testing.assert_allclose(second, long_pass[:, T:], atol=1e-5)
+
+
+def test_transformer_xl_memory_forgets_beyond_its_length():
+  config = config_for(position='rope', memory_length=3)
+  model = build(config)
+  ids = jnp.asarray(np.random.default_rng(4).integers(1, V, (B, 2 * T)))
+  params = {'params': model.init(jax.random.key(0), ids[:, :T])['params']}
+  _, memory = model.apply(params, ids[:, :T],
+                          memory=families.empty_memory(config, B))
+  changed = ids.at[:, :T - 3].set(7)  # Before what the memory keeps.
+  _, changed_memory = model.apply(params, changed[:, :T],
+                                  memory=families.empty_memory(config, B))
+  second, _ = model.apply(params, ids[:, T:], memory=memory)
+  changed_second, _ = model.apply(params, ids[:, T:], memory=changed_memory)
+  # Earlier layers' memories changed (they saw the tokens), so outputs may;
+  # but with one layer the memory is the embeddings of the last 3 tokens.
+  assert config.num_layers == 1
+  np.testing.assert_allclose(second, changed_second, atol=1e-6)
+
+
+@pytest.mark.parametrize('overrides, message', [
+    (dict(memory_length=4), "needs a relative position scheme"),
+    (dict(memory_length=4, position='rope', attention='linear',
+          attention_options={}), 'more keys than queries'),
+    (dict(memory_length=4, position='rope', family='encoder_classifier'),
+     "for config.model.family='decoder_lm'"),
+])
+def test_memory_needs_what_it_reads(overrides, message):
+  values = dict(family='decoder_lm', vocab_size=V, d_model=16, num_heads=2,
+                num_layers=1, mlp_dim=32, max_len=T)
+  values.update(overrides)
+  with pytest.raises(ValueError, match=message):
+    ModelConfig(**values)

@@ -132,10 +132,21 @@ def test_config_trains_saves_and_resumes(name, data_dir, tmp_path):
   assert checkpoint_steps(workdir) == [2, 4, 6]
 
 
-def test_resumed_run_repeats_the_uninterrupted_one(data_dir, tmp_path):
-  """Data order and dropout continue exactly where the checkpoint left."""
+def transformer_xl_config(data_dir):
+  """lm_stdlib with a Transformer-XL memory, reading document streams."""
+  config = tiny_config('lm_stdlib', data_dir)
+  config.pack_sequences = False
+  config.model.update(memory_length=16, position='rope')
+  return config
+
+
+@pytest.mark.parametrize('name', ['algorithmic', 'transformer_xl'])
+def test_resumed_run_repeats_the_uninterrupted_one(name, data_dir, tmp_path):
+  """Data order, dropout and any memory continue exactly where the
+  checkpoint left them."""
   def config(steps):
-    config = tiny_config('algorithmic', data_dir)
+    config = (transformer_xl_config(data_dir) if name == 'transformer_xl'
+              else tiny_config(name, data_dir))
     # A constant rate: the cosine schedule depends on num_train_steps.
     config.update(num_train_steps=steps, log_every=1, checkpoint_every=3,
                   eval_every=0, schedule='constant')

@@ -99,6 +99,11 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
           'False.')
   family = FAMILY_OF_KIND[kind]
   variant = attention.spec(model_config.attention)
+  if model_config.memory_length and (config.pack_sequences
+                                     or config.grad_accum_steps != 1):
+    _fail(f'config.model.memory_length={model_config.memory_length} reads '
+          'contiguous streams of whole batches: set config.pack_sequences='
+          'False and config.grad_accum_steps=1.')
   if kind == 'lm' and config.pack_sequences and variant.masks != 'any':
     _fail(f'config.model.attention={model_config.attention!r} cannot keep '
           'packed sequences apart (it takes key padding masks only); set '

@@ -19,11 +19,13 @@ Array = jax.Array
 
 @flax.struct.dataclass
 class TrainState:
-  """Everything a step changes: the step count, parameters, optimizer state."""
+  """Everything a step changes: the step count, parameters, optimizer state,
+  and a Transformer-XL model's memory of the segments before (else None)."""
 
   step: Array
   params: Any
   opt_state: Any
+  memory: Any = None
 
 
 def _model_args(kind: str, batch: dict[str, Array]) -> tuple[Array, ...]:
@@ -43,13 +45,19 @@ def init_params(model: nn.Module, kind: str, rng: Array, seq_len: int):
   return nn.meta.unbox(variables['params'])
 
 
-def logits(model: nn.Module, kind: str, params, batch: dict[str, Array], *,
-           dropout_rng: Array | None = None) -> Array:
-  """Model output for `batch`; dropout is on when `dropout_rng` is given."""
+def forward(model: nn.Module, kind: str, params, batch: dict[str, Array], *,
+            dropout_rng: Array | None = None, memory=None):
+  """(model output, memory after it) for `batch`: the memory is that of a
+  Transformer-XL language model, None otherwise. Dropout is on when
+  `dropout_rng` is given."""
   deterministic = dropout_rng is None
+  kwargs = dict(deterministic=deterministic,
+                rngs={} if deterministic else {'dropout': dropout_rng})
+  if memory is None:
+    return model.apply({'params': params}, *_model_args(kind, batch),
+                       **kwargs), None
   return model.apply({'params': params}, *_model_args(kind, batch),
-                     deterministic=deterministic,
-                     rngs={} if deterministic else {'dropout': dropout_rng})
+                     memory=memory, **kwargs)
 
 
 def cross_entropy(logits_xV: Array, targets_x: Array,
@@ -119,24 +127,30 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
   """One optimizer update on `batch`, accumulated over micro-batches.
 
   Dropout draws from `fold_in(rng, step)`, so a resumed run draws the same.
+  A Transformer-XL memory (state.memory) is read and replaced; it needs the
+  whole batch at once (grad_accum_steps == 1).
   """
+  if state.memory is not None and grad_accum_steps != 1:
+    raise ValueError('a Transformer-XL memory needs grad_accum_steps == 1.')
   step_rng = jax.random.fold_in(rng, state.step)
 
-  def micro_step(grad_sum, micro):
+  def micro_step(carry, micro):
+    grad_sum, memory = carry
     index, micro_batch = micro
 
     def loss_fn(params):
-      out = logits(model, kind, params, micro_batch,
-                   dropout_rng=jax.random.fold_in(step_rng, index))
+      out, new_memory = forward(
+          model, kind, params, micro_batch, memory=memory,
+          dropout_rng=jax.random.fold_in(step_rng, index))
       sums = metric_sums(out, micro_batch, label_smoothing=label_smoothing)
-      return sums['loss_sum'], sums
+      return sums['loss_sum'], (sums, new_memory)
 
-    grads, sums = jax.grad(loss_fn, has_aux=True)(state.params)
-    return jax.tree.map(jnp.add, grad_sum, grads), sums
+    grads, (sums, memory) = jax.grad(loss_fn, has_aux=True)(state.params)
+    return (jax.tree.map(jnp.add, grad_sum, grads), memory), sums
 
   zeros = jax.tree.map(jnp.zeros_like, state.params)
-  grad_sum, sums = jax.lax.scan(
-      micro_step, zeros,
+  (grad_sum, memory), sums = jax.lax.scan(
+      micro_step, (zeros, state.memory),
       (jnp.arange(grad_accum_steps), _micro_batches(batch, grad_accum_steps)))
   sums = jax.tree.map(jnp.sum, sums)
   # The loss is the mean over every weighted target of the whole batch.
@@ -145,15 +159,16 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   new_state = TrainState(step=state.step + 1,
                          params=optax.apply_updates(state.params, updates),
-                         opt_state=opt_state)
+                         opt_state=opt_state, memory=memory)
   metrics = dict(sums, grad_norm=optax.tree.norm(grads),
                  learning_rate=schedule(state.step),
                  token_count=token_count(kind, batch))
   return new_state, metrics
 
 
-def eval_step(params, batch: dict[str, Array], *, model: nn.Module,
-              kind: str) -> dict[str, Array]:
-  """Metric sums of `batch` without dropout or label smoothing."""
-  return metric_sums(logits(model, kind, params, batch), batch,
-                     exact_match=kind == 'seq2seq')
+def eval_step(params, batch: dict[str, Array], memory=None, *,
+              model: nn.Module, kind: str) -> tuple[dict[str, Array], Any]:
+  """Metric sums of `batch` without dropout or label smoothing, and the
+  Transformer-XL memory after it (None without one)."""
+  out, memory = forward(model, kind, params, batch, memory=memory)
+  return metric_sums(out, batch, exact_match=kind == 'seq2seq'), memory

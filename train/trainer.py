@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from model import build
+from model import build, families
 from train import checkpointing, config_validation, metrics, optim, sampling
 from train import steps
 from train.data import datasets, pipeline, tokenizers
@@ -48,6 +48,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
 
   model = build(model_config)
   optimizer, schedule = optim.make_optimizer(config)
+  layout = ('streams' if model_config.memory_length else
+            'packed' if config.pack_sequences else 'padded')
   init_rng, dropout_rng, sample_rng = jax.random.split(
       jax.random.key(config.seed), 3)
   per_host_batch = config.batch_size // jax.process_count()
@@ -56,13 +58,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   replicated = NamedSharding(mesh, PartitionSpec())
   batch_sharding = NamedSharding(mesh, PartitionSpec('data'))
 
+  def empty_memory():
+    """A Transformer-XL memory of nothing yet, or None without one."""
+    if not model_config.memory_length:
+      return None
+    return families.empty_memory(model_config, config.batch_size)
+
   def init_state(rng):
     params = steps.init_params(model, dataset.kind, rng, config.seq_len)
     return steps.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                            opt_state=optimizer.init(params))
+                            opt_state=optimizer.init(params),
+                            memory=empty_memory())
 
   abstract_state = jax.eval_shape(init_state, init_rng)
   state_sharding = jax.tree.map(lambda _: replicated, abstract_state)
+  # A memory is per example: split over the devices like the batch.
+  memory_sharding = {'hidden': NamedSharding(mesh, PartitionSpec(None, 'data')),
+                     'valid': batch_sharding} if layout == 'streams' else None
+  state_sharding = state_sharding.replace(memory=memory_sharding)
   train_step = jax.jit(
       functools.partial(steps.train_step, model=model, kind=dataset.kind,
                         optimizer=optimizer, schedule=schedule,
@@ -72,21 +85,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       out_shardings=(state_sharding, replicated), donate_argnums=0)
   eval_step = jax.jit(
       functools.partial(steps.eval_step, model=model, kind=dataset.kind),
-      in_shardings=(state_sharding.params, batch_sharding),
-      out_shardings=replicated)
+      in_shardings=(state_sharding.params, batch_sharding, memory_sharding),
+      out_shardings=(replicated, memory_sharding))
 
   def global_batch(batch):
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(batch_sharding, x),
         batch)
 
+  fresh_memory = jax.jit(empty_memory, out_shardings=memory_sharding)
+
   def evaluate(params) -> dict[str, float]:
-    totals = None
+    totals, memory = None, fresh_memory()
     for batch in pipeline.eval_batches(
         dataset, config.eval_split, seq_len=config.seq_len,
         batch_size=per_host_batch, num_batches=config.num_eval_steps,
-        pack=config.pack_sequences):
-      sums = eval_step(params, global_batch(batch))
+        layout=layout):
+      sums, memory = eval_step(params, global_batch(batch), memory)
       totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
     if totals is None:
       raise InputError(
@@ -97,7 +112,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
 
   train_iterator = pipeline.train_iterator(
       dataset, seq_len=config.seq_len, batch_size=per_host_batch,
-      seed=config.seed, pack=config.pack_sequences)
+      seed=config.seed, layout=layout)
   checkpointer = checkpointing.Checkpointer(workdir,
                                             keep=config.keep_checkpoints)
   latest = checkpointer.latest_step()

@@ -39,13 +39,16 @@ class Variant:
   dropout: bool
   # Self-attention only (T == S, queries and keys at the same positions).
   self_only: bool = False
+  # Causal attention with more keys than queries (T < S, the queries being
+  # the last T positions): what a Transformer-XL memory or a cache needs.
+  longer_keys: bool = False
 
 
 _REGISTRY: dict[str, Variant] = {
     'dense': Variant(scaled_dot_product_attention, causal=True, masks='any',
-                     bias=True, dropout=True),
+                     bias=True, dropout=True, longer_keys=True),
     'chunked': Variant(chunked.chunked_attention, causal=True, masks='any',
-                       bias=True, dropout=False),
+                       bias=True, dropout=False, longer_keys=True),
     'local': Variant(sparse.local_attention, causal=True, masks='any',
                      bias=True, dropout=False, self_only=True),
     'strided': Variant(sparse.strided_attention, causal=True, masks='any',
@@ -61,7 +64,7 @@ _REGISTRY: dict[str, Variant] = {
     'linear': Variant(kernel.linear_attention, causal=True,
                       masks='key_padding', bias=False, dropout=False),
     'additive': Variant(additive.additive_attention, causal=True, masks='any',
-                        bias=True, dropout=False),
+                        bias=True, dropout=False, longer_keys=True),
 }
 
 

@@ -23,8 +23,8 @@ import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 
-from train.data import algorithmic, builder_config, listops, pipeline
-from train.data import stdlib, tokenizers
+from train.data import algorithmic, builder_config, listops, stdlib
+from train.data import tokenizers
 from train.errors import InputError
 
 
@@ -44,6 +44,9 @@ class Dataset:
   num_classes: int = 0
   # Each target token is one byte, so loss in bits is bits per byte.
   byte_level: bool = False
+  # LM documents are long and held in memory: shuffle their windows one by
+  # one rather than whole documents.
+  shuffle_windows: bool = False
 
 
 def _build(builder: tfds.core.DatasetBuilder) -> dict[str, Any]:
@@ -69,20 +72,18 @@ def _options(config, known: set[str]) -> dict[str, Any]:
 
 
 def load_python_stdlib_bytes(config, data_dir, workdir) -> Dataset:
-  """The corpus is small (about 12 MB), so it is read into memory and cut
-  into windows that are shuffled one by one."""
+  """The corpus is small (about 12 MB), so it is read into memory, and its
+  windows are shuffled one by one."""
   del workdir  # The corpus needs no tokenizer training.
   _options(config, set())
   sources = _build(stdlib.PythonStdlibBytes(
       data_dir=data_dir, file_format='array_record'))
   tokenizer = tokenizers.ByteTokenizer()
-  splits = {}
-  for name, source in sources.items():
-    documents = [_document(tokenizer.encode(source[i]['text'].tobytes()))
-                 for i in range(len(source))]
-    splits[name] = pipeline.in_memory_windows(documents, config.seq_len)
+  splits = {name: grain.MapDataset.source([
+      {'tokens': _document(tokenizer.encode(source[i]['text'].tobytes()))}
+      for i in range(len(source))]) for name, source in sources.items()}
   return Dataset('lm', splits, tokenizer.vocab_size, tokenizer,
-                 byte_level=True)
+                 byte_level=True, shuffle_windows=True)
 
 
 def _builder_config(config_cls, config: ml_collections.ConfigDict):

@@ -1,31 +1,35 @@
 """Batches from canonical examples (see `train.data.datasets`), with grain.
 
 Every batch is a dict of numpy arrays with a leading per-host batch dim:
-  lm:             inputs, targets, positions, segment_ids, weights  [b, L]
-                  (no segment_ids when rows are not packed)
+  lm:             inputs, targets, positions, weights               [b, L]
+                  and segment_ids when rows are packed
   seq2seq:        inputs, decoder_inputs, targets, weights          [b, L]
   classification: inputs [b, L]; targets, weights                   [b]
 `weights` is 1.0 where a target counts and 0.0 at padding. Each host reads
 its own slice of every split (`jax.process_index()` of
 `jax.process_count()`); `batch_size` here is the per-host batch.
 
-Language-model documents are cut into windows of at most L + 1 tokens
-(inputs are tokens[:-1], targets tokens[1:], so every token after the first
-is a target exactly once) and packed first-fit into rows of L, with segment
-ids and positions within each document. Shuffling is by document; a corpus
-of long documents that fits in memory is better given as `in_memory_windows`,
-whose windows are shuffled one by one, so that a batch mixes many documents.
+Language-model documents are laid out in one of three ways (LAYOUTS):
+  packed:  cut into windows of at most L + 1 tokens (inputs tokens[:-1],
+           targets tokens[1:], so every token after the first is a target
+           exactly once), packed first-fit into rows of L with segment ids
+           and positions within each document;
+  padded:  the same windows, one a row, padded;
+  streams: each row a stream of whole documents, one after another, cut
+           into consecutive rows of L: row b of a batch continues row b of
+           the batch before, as Transformer-XL's memory needs.
+Shuffling is by document, or window by window for a corpus held in memory
+(`Dataset.shuffle_windows`), so that a batch mixes many documents.
 """
 
+import collections
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import grain
 import jax
 import numpy as np
 
-if TYPE_CHECKING:  # datasets.py builds its splits with this module.
-  from train.data.datasets import Dataset
+from train.data.datasets import Dataset
 
 # Batches prepared ahead of the training step, in a background thread.
 PREFETCH_BATCHES = 2
@@ -65,11 +69,98 @@ class _WindowSource(grain.sources.RandomAccessDataSource):
     return {'tokens': self._documents[document][start:start + self._length]}
 
 
-def in_memory_windows(documents: list[np.ndarray], seq_len: int
-                      ) -> grain.MapDataset:
-  """LM examples of at most L + 1 tokens that cover `documents` exactly as
-  the pipeline's own windowing would, but can be shuffled individually."""
-  return grain.MapDataset.source(_WindowSource(documents, seq_len))
+def in_memory_windows(documents, seq_len: int) -> grain.MapDataset:
+  """The windows of LM examples {'tokens': document} held in memory, as the
+  pipeline's own windowing would cut them, but shuffled one by one."""
+  tokens = [documents[i]['tokens'] for i in range(len(documents))]
+  return grain.MapDataset.source(_WindowSource(tokens, seq_len))
+
+
+class _StreamsIterator(grain.DatasetIterator):
+  """Rows of `seq_len` (input, target) pairs, row b reading the documents of
+  its own parent one after another. Its state is, per row, the parent's
+  state before the first document not yet fully emitted and how many of
+  that document's pairs were, so a restored iterator continues exactly."""
+
+  def __init__(self, parents: list[grain.DatasetIterator], seq_len: int):
+    super().__init__(parents)
+    self._seq_len = seq_len
+    # Per row: [(parent state before the document, inputs, targets)].
+    self._documents = [collections.deque() for _ in parents]
+    self._emitted = [0] * len(parents)  # Pairs of the first document.
+    self._exhausted = [False] * len(parents)
+
+  def _fill(self, row: int) -> int:
+    """Reads documents until a row's worth is buffered; returns how many
+    pairs are available."""
+    documents = self._documents[row]
+    available = sum(len(d[1]) for d in documents) - self._emitted[row]
+    parent = self._parents[row]
+    while available < self._seq_len and not self._exhausted[row]:
+      state = parent.get_state()
+      try:
+        tokens = next(parent)['tokens']
+      except StopIteration:
+        self._exhausted[row] = True
+        break
+      documents.append((state, tokens[:-1], tokens[1:]))
+      available += len(tokens) - 1
+    return available
+
+  def _row(self, row: int) -> dict[str, np.ndarray]:
+    count = min(self._fill(row), self._seq_len)
+    inputs, targets = [], []
+    documents, needed = self._documents[row], count
+    while needed:
+      _, doc_inputs, doc_targets = documents[0]
+      start = self._emitted[row]
+      take = min(needed, len(doc_inputs) - start)
+      inputs.append(doc_inputs[start:start + take])
+      targets.append(doc_targets[start:start + take])
+      needed -= take
+      self._emitted[row] += take
+      if self._emitted[row] == len(doc_inputs):
+        documents.popleft()
+        self._emitted[row] = 0
+    pieces = lambda x: _pad_to(np.concatenate(x or [np.zeros(0, np.int32)])
+                               .astype(np.int32), self._seq_len)
+    return {'inputs': pieces(inputs), 'targets': pieces(targets),
+            'positions': np.arange(self._seq_len, dtype=np.int32),
+            'weights': (np.arange(self._seq_len) < count).astype(np.float32)}
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    rows = [self._row(row) for row in range(len(self._parents))]
+    if not any(row['weights'].any() for row in rows):
+      raise StopIteration
+    return {key: np.stack([row[key] for row in rows]) for key in rows[0]}
+
+  def get_state(self):
+    return {'rows': [
+        {'parent': documents[0][0] if documents else parent.get_state(),
+         'emitted': emitted}
+        for documents, parent, emitted in zip(
+            self._documents, self._parents, self._emitted)]}
+
+  def set_state(self, state) -> None:
+    for row, row_state in enumerate(state['rows']):
+      self._parents[row].set_state(row_state['parent'])
+      self._documents[row].clear()
+      self._emitted[row] = row_state['emitted']
+      self._exhausted[row] = False
+
+
+class _Streams(grain.IterDataset):
+  """Batches of `batch_size` document streams; see `_StreamsIterator`."""
+
+  def __init__(self, documents: grain.MapDataset, seq_len: int,
+               batch_size: int):
+    self._rows = [documents[row::batch_size].to_iter_dataset()
+                  for row in range(batch_size)]
+    super().__init__(self._rows)
+    self._seq_len = seq_len
+
+  def __iter__(self) -> _StreamsIterator:
+    return _StreamsIterator([iter(row) for row in self._rows], self._seq_len)
 
 
 def _packed_lm_batch(batch) -> dict[str, np.ndarray]:
@@ -108,6 +199,9 @@ def _host_slice(split: grain.MapDataset) -> grain.MapDataset:
   return split[jax.process_index()::jax.process_count()]
 
 
+LAYOUTS = ('packed', 'padded', 'streams')
+
+
 def _unpacked_lm_example(window, seq_len: int) -> dict[str, np.ndarray]:
   """One window in a row of its own, padded; no segment ids are needed."""
   length = len(window['inputs'])
@@ -117,14 +211,25 @@ def _unpacked_lm_example(window, seq_len: int) -> dict[str, np.ndarray]:
           'weights': (np.arange(seq_len) < length).astype(np.float32)}
 
 
-def _batches(dataset: 'Dataset', examples: grain.MapDataset, *, seq_len: int,
+def _examples(dataset: Dataset, split: str, seq_len: int,
+              layout: str) -> grain.MapDataset:
+  """What gets shuffled: LM windows one by one for a corpus in memory
+  (except for streams, which need whole documents), else the examples."""
+  if dataset.kind == 'lm' and dataset.shuffle_windows and layout != 'streams':
+    return in_memory_windows(dataset.splits[split], seq_len)
+  return dataset.splits[split]
+
+
+def _batches(dataset: Dataset, examples: grain.MapDataset, *, seq_len: int,
              batch_size: int, seed: int, train: bool,
-             pack: bool) -> grain.IterDataset:
+             layout: str) -> grain.IterDataset:
   """Per-kind shaping and batching; partial final batches when not `train`."""
   if dataset.kind == 'lm':
+    if layout == 'streams':
+      return _Streams(examples, seq_len, batch_size)
     windows = grain.experimental.FlatMapIterDataset(
         examples.to_iter_dataset(), _DocumentWindows(seq_len))
-    if not pack:
+    if layout == 'padded':
       return windows.map(lambda w: _unpacked_lm_example(w, seq_len)).batch(
           batch_size, drop_remainder=train)
     packed = grain.experimental.FirstFitPackIterDataset(
@@ -141,16 +246,16 @@ def _batches(dataset: 'Dataset', examples: grain.MapDataset, *, seq_len: int,
   return examples.to_iter_dataset().batch(batch_size, drop_remainder=train)
 
 
-def train_iterator(dataset: 'Dataset', *, seq_len: int, batch_size: int,
-                   seed: int, pack: bool = True) -> grain.DatasetIterator:
+def train_iterator(dataset: Dataset, *, seq_len: int, batch_size: int,
+                   seed: int, layout: str = 'packed') -> grain.DatasetIterator:
   """Endless shuffled training batches; checkpointable with grain.
 
-  `pack` (LM only): several windows per row, told apart by segment ids;
-  otherwise one window a row, padded.
+  `layout` (LM only) is one of LAYOUTS, see the module docstring.
   """
-  examples = _host_slice(dataset.splits['train']).seed(seed).shuffle().repeat()
-  batches = _batches(dataset, examples, seq_len=seq_len, batch_size=batch_size,
-                     seed=seed, train=True, pack=pack)
+  examples = _host_slice(_examples(dataset, 'train', seq_len, layout))
+  batches = _batches(dataset, examples.seed(seed).shuffle().repeat(),
+                     seq_len=seq_len, batch_size=batch_size, seed=seed,
+                     train=True, layout=layout)
   return iter(grain.experimental.ThreadPrefetchIterDataset(
       batches, prefetch_buffer_size=PREFETCH_BATCHES))
 
@@ -163,8 +268,8 @@ def _pad_batch(batch: dict[str, np.ndarray], batch_size: int
           for key, value in batch.items()}
 
 
-def eval_batches(dataset: 'Dataset', split: str, *, seq_len: int,
-                 batch_size: int, num_batches: int, pack: bool = True
+def eval_batches(dataset: Dataset, split: str, *, seq_len: int,
+                 batch_size: int, num_batches: int, layout: str = 'packed'
                  ) -> Iterator[dict[str, np.ndarray]]:
   """Batches of `split` in order, all of `batch_size` examples.
 
@@ -172,9 +277,10 @@ def eval_batches(dataset: 'Dataset', split: str, *, seq_len: int,
   batches, the last ones empty (zero weight) if the split runs out first, so
   that every host runs the same number of evaluation steps.
   """
-  batches = _batches(dataset, _host_slice(dataset.splits[split]),
+  batches = _batches(dataset,
+                     _host_slice(_examples(dataset, split, seq_len, layout)),
                      seq_len=seq_len, batch_size=batch_size, seed=0,
-                     train=False, pack=pack)
+                     train=False, layout=layout)
   count = 0
   empty = None
   for batch in batches:
