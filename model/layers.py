@@ -6,7 +6,6 @@ vocab) so sharding rules can be attached later without touching the models.
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from model import attention, attention_parameters, positions
 from model.config import RELATIVE_POSITIONS, ModelConfig

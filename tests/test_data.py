@@ -249,16 +249,15 @@ def test_seq2seq_batches_shift_targets_and_drop_long_examples():
   np.testing.assert_array_equal(batch['weights'][1], 0)  # Padding example.
 
 
-def test_train_iterator_resumes_at_the_same_batch(stdlib_dataset):
-  def make():
-    return pipeline.train_iterator(stdlib_dataset, seq_len=64, batch_size=4,
-                                   seed=3)
-  iterator = make()
-  for _ in range(3):
+def assert_resumes(make_iterator, consumed: int, compared: int) -> None:
+  """A fresh iterator set to the state after `consumed` batches yields the
+  same next `compared` batches as the original."""
+  iterator = make_iterator()
+  for _ in range(consumed):
     next(iterator)
   state = iterator.get_state()
-  expected = [next(iterator) for _ in range(2)]
-  resumed = make()
+  expected = [next(iterator) for _ in range(compared)]
+  resumed = make_iterator()
   resumed.set_state(state)
   for batch in expected:
     got = next(resumed)
@@ -266,6 +265,12 @@ def test_train_iterator_resumes_at_the_same_batch(stdlib_dataset):
       np.testing.assert_array_equal(got[key], batch[key])
   iterator.close()
   resumed.close()
+
+
+def test_train_iterator_resumes_at_the_same_batch(stdlib_dataset):
+  assert_resumes(lambda: pipeline.train_iterator(
+      stdlib_dataset, seq_len=64, batch_size=4, seed=3), consumed=3,
+                 compared=2)
 
 
 # --- Dataset loading errors ---
@@ -331,19 +336,6 @@ def test_streams_continue_each_row_across_batches():
 
 
 def test_streams_resume_in_the_middle_of_a_document(stdlib_dataset):
-  def make():
-    return pipeline.train_iterator(stdlib_dataset, seq_len=32, batch_size=2,
-                                   seed=1, layout='streams')
-  iterator = make()
-  for _ in range(5):
-    next(iterator)
-  state = iterator.get_state()
-  expected = [next(iterator) for _ in range(3)]
-  resumed = make()
-  resumed.set_state(state)
-  for batch in expected:
-    got = next(resumed)
-    for key in batch:
-      np.testing.assert_array_equal(got[key], batch[key])
-  iterator.close()
-  resumed.close()
+  assert_resumes(lambda: pipeline.train_iterator(
+      stdlib_dataset, seq_len=32, batch_size=2, seed=1, layout='streams'),
+                 consumed=5, compared=3)
