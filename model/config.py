@@ -163,6 +163,10 @@ class ModelConfig:
         fail(f'config.model.attention={self.attention!r} cannot attend to '
              'more keys than queries, which config.model.memory_length '
              'needs.')
+    if self.position == 'rope' and not variant.dot_product:
+      fail(f"config.model.position='rope' makes scores relative only when "
+           f'they are dot products q . k, which those of config.model.'
+           f'attention={self.attention!r} are not.')
     if self.position in ('relative', 't5_bias', 'alibi') and not variant.bias:
       fail(f'config.model.position={self.position!r} adds a bias to the '
            f'logits, which config.model.attention={self.attention!r} cannot '

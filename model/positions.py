@@ -1,10 +1,14 @@
 """Position information: absolute encodings added to the token embeddings,
 and relative ones applied inside self-attention."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from model import attention
 
 Array = jax.Array
 
@@ -86,13 +90,24 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
   return np.asarray(slopes, np.float32)
 
 
+def _relative(data, q_index, k_index) -> Array:
+  """key position - query position at index pairs: [B, *I]."""
+  return (jnp.take(data['kv_positions'], k_index, axis=1)
+          - jnp.take(data['q_positions'], q_index, axis=1))
+
+
+def _alibi_at(data, q_index, k_index) -> Array:
+  distance = jnp.abs(_relative(data, q_index, k_index)).astype(jnp.float32)
+  slopes = data['slopes'].reshape((1, -1) + (1,) * (distance.ndim - 1))
+  return -slopes * distance[:, None]
+
+
 def alibi_bias(q_positions_BxT: Array, kv_positions_BxS: Array,
-               num_heads: int) -> Array:
-  """[B, N, T, S]: -slope_n * |i - j|, a penalty growing with distance."""
-  distance = jnp.abs(q_positions_BxT[:, None, :, None]
-                     - kv_positions_BxS[:, None, None, :])
-  slopes = alibi_slopes(num_heads)[None, :, None, None]
-  return -slopes * distance.astype(jnp.float32)
+               num_heads: int) -> attention.PositionBias:
+  """-slope_n * |i - j| for head n: a penalty growing with distance."""
+  return attention.PositionBias(
+      {'q_positions': q_positions_BxT, 'kv_positions': kv_positions_BxS,
+       'slopes': jnp.asarray(alibi_slopes(num_heads))}, _alibi_at)
 
 
 def t5_buckets(relative_BxTxS: Array, *, bidirectional: bool,
@@ -116,7 +131,7 @@ def t5_buckets(relative_BxTxS: Array, *, bidirectional: bool,
 
 
 class T5Bias(nn.Module):
-  """A learned bias per head and relative-distance bucket: [B, N, T, S]."""
+  """A learned bias per head and relative-distance bucket."""
 
   num_heads: int
   num_buckets: int
@@ -125,17 +140,24 @@ class T5Bias(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, q_positions_BxT: Array, kv_positions_BxS: Array):
+  def __call__(self, q_positions_BxT: Array, kv_positions_BxS: Array
+               ) -> attention.PositionBias:
     table = self.param(
         'embedding', nn.with_logical_partitioning(
             nn.initializers.normal(stddev=0.02), (None, 'heads')),
         (self.num_buckets, self.num_heads), self.param_dtype)
-    relative = kv_positions_BxS[:, None, :] - q_positions_BxT[:, :, None]
-    buckets_BxTxS = t5_buckets(relative, bidirectional=self.bidirectional,
-                               num_buckets=self.num_buckets,
-                               max_distance=self.max_distance)
-    bias_BxTxSxN = jnp.take(table, buckets_BxTxS, axis=0)
-    return jnp.transpose(bias_BxTxSxN, (0, 3, 1, 2)).astype(jnp.float32)
+    buckets = functools.partial(
+        t5_buckets, bidirectional=self.bidirectional,
+        num_buckets=self.num_buckets, max_distance=self.max_distance)
+
+    def at(data, q_index, k_index):
+      bucket = buckets(_relative(data, q_index, k_index))  # [B, *I]
+      values = jnp.take(data['table'].astype(jnp.float32), bucket, axis=0)
+      return jnp.moveaxis(values, -1, 1)  # [B, N, *I]
+
+    return attention.PositionBias(
+        {'q_positions': q_positions_BxT, 'kv_positions': kv_positions_BxS,
+         'table': table}, at)
 
 
 class ShawRelative(nn.Module):
@@ -149,19 +171,26 @@ class ShawRelative(nn.Module):
 
   @nn.compact
   def __call__(self, query_BxTxNxH: Array, q_positions_BxT: Array,
-               kv_positions_BxS: Array, scale: float) -> Array:
-    """The bias [B, N, T, S] this adds to the logits."""
+               kv_positions_BxS: Array, scale: float
+               ) -> attention.PositionBias:
     table = self.param(
         'embedding', nn.with_logical_partitioning(
             nn.initializers.normal(stddev=0.02), (None, 'kv')),
         (2 * self.max_distance + 1, self.head_dim), self.param_dtype)
-    scores_BxTxNxR = jnp.einsum('btnh,rh->btnr',
-                                query_BxTxNxH.astype(jnp.float32),
-                                table.astype(jnp.float32))
-    relative = jnp.clip(kv_positions_BxS[:, None, :]
-                        - q_positions_BxT[:, :, None],
-                        -self.max_distance, self.max_distance)
-    index_BxTxS = relative + self.max_distance
-    bias_BxTxNxS = jnp.take_along_axis(
-        scores_BxTxNxR, index_BxTxS[:, :, None, :], axis=-1)
-    return scale * jnp.transpose(bias_BxTxNxS, (0, 2, 1, 3))
+    # Each query against each distance: [B, N, T, R], linear in T.
+    scores_BxNxTxR = scale * jnp.einsum(
+        'btnh,rh->bntr', query_BxTxNxH.astype(jnp.float32),
+        table.astype(jnp.float32))
+    max_distance = self.max_distance
+
+    def at(data, q_index, k_index):
+      distance = jnp.clip(_relative(data, q_index, k_index), -max_distance,
+                          max_distance) + max_distance
+      scores = data['scores']
+      flat = scores.reshape(*scores.shape[:2], -1)  # [B, N, T * R]
+      index = q_index * scores.shape[-1] + distance  # [B, *I]
+      return jax.vmap(lambda s, i: s[:, i])(flat, index)
+
+    return attention.PositionBias(
+        {'q_positions': q_positions_BxT, 'kv_positions': kv_positions_BxS,
+         'scores': scores_BxNxTxR}, at)

@@ -42,7 +42,7 @@ def grads(fn, q, k, v, bias=None, **kwargs):
   def loss(q, k, v, bias):
     return jnp.sum(jnp.sin(fn(q, k, v, bias, **kwargs)))
   argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
-  return jax.grad(loss, argnums=argnums)(q, k, v, bias)
+  return jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, bias)
 
 
 def test_registry_lists_every_variant():
@@ -62,6 +62,11 @@ CHUNKED_CASES = {
     'mqa_causal_padding': dict(num_kv_heads=1, is_causal=True,
                                mask=padding()),
     'shorter_queries_causal': dict(q_len=4, is_causal=True),
+    'longer_queries_causal': dict(q_len=13, is_causal=True),
+    'bias_per_example_key': dict(
+        bias=jax.random.normal(jax.random.key(10), (B, 1, 1, T))),
+    'bias_per_head_query': dict(
+        bias=jax.random.normal(jax.random.key(11), (1, N, T, 1))),
 }
 
 
@@ -91,6 +96,52 @@ def test_chunked_rows_with_nothing_to_attend_are_zero_and_finite():
   assert_close(out, dense(q, k, v, mask=mask))
   for g in grads(chunked, q, k, v, mask=mask):
     assert np.isfinite(g).all()
+
+
+def position_biases(length=T):
+  """An ALiBi, a T5 and a Shaw relative bias over `length` positions, and
+  the parameters each is differentiable in."""
+  from model import positions  # The position schemes build PositionBias.
+  base = jnp.tile(jnp.arange(length), (B, 1)) + 2
+  q = jax.random.normal(jax.random.key(20), (B, length, N, H))
+  t5 = positions.T5Bias(N, 8, 6, bidirectional=True)
+  shaw = positions.ShawRelative(H, 3)
+  t5_params = t5.init(jax.random.key(21), base, base)
+  shaw_params = shaw.init(jax.random.key(22), q, base, base, 0.5)
+  return {
+      'alibi': (lambda _: positions.alibi_bias(base, base, N), {}),
+      't5_bias': (lambda p: t5.apply(p, base, base), t5_params),
+      'relative': (lambda p: shaw.apply(p, q, base, base, 0.5), shaw_params),
+  }
+
+
+@pytest.mark.parametrize('position', ['alibi', 't5_bias', 'relative'])
+@pytest.mark.parametrize('name, options', [
+    ('chunked', dict(chunk_size=4)), ('local', dict(window=3)),
+    ('bigbird', dict(block=2, num_random_blocks=1))])
+def test_position_biases_give_dense_results_without_a_full_bias(
+    name, options, position):
+  make_bias, params = position_biases()[position]
+  q, k, v = make_qkv(13)
+  allowed = {'chunked': np.ones((T, T), bool),
+             'local': local_pattern(3, causal=True)}.get(name)
+  if name == 'bigbird':
+    allowed = bigbird_pattern(T, 2, 1, sparse.bigbird_random_blocks(
+        5, 1, 1, seed=0), causal=True)
+
+  def ours(params, q):
+    return attention.get(name)(q, k, v, make_bias(params), is_causal=True,
+                               **options)
+
+  def reference(params, q):
+    return dense(q, k, v, make_bias(params), mask=explicit(allowed),
+                 is_causal=True)
+
+  assert_close(ours(params, q), reference(params, q))
+  loss = lambda fn: lambda p, q: jnp.sum(jnp.sin(fn(p, q)))
+  ours_grads = jax.grad(loss(ours), argnums=(0, 1))(params, q)
+  reference_grads = jax.grad(loss(reference), argnums=(0, 1))(params, q)
+  jax.tree.map(assert_close, ours_grads, reference_grads)
 
 
 # --- sparse patterns: exact under their masks ---
@@ -149,13 +200,21 @@ def test_local_with_a_window_over_the_whole_sequence_is_dense():
                  dense(q, k, v, is_causal=causal))
 
 
-def test_sparse_bias_gradients_match_dense():
-  q, k, v = make_qkv(4)
-  bias = jax.random.normal(jax.random.key(5), (1, N, T, T))
-  pattern = explicit(strided_pattern(3, True))
-  ours = grads(attention.get('strided'), q, k, v, bias, is_causal=True,
-               stride=3)
-  reference = grads(dense, q, k, v, bias, mask=pattern)
+@pytest.mark.parametrize('name, options, pattern', [
+    ('local', dict(window=3), local_pattern(3, True)),
+    ('strided', dict(stride=3), strided_pattern(3, True)),
+    ('fixed', dict(block=4, summary=1), fixed_pattern(4, 1, True)),
+])
+@pytest.mark.parametrize('num_kv_heads', [1, 4])
+def test_sparse_bias_and_gradients_match_dense(name, options, pattern,
+                                               num_kv_heads):
+  q, k, v = make_qkv(4, num_kv_heads)
+  bias = jax.random.normal(jax.random.key(5), (B, 1, T, T))
+  mask = jnp.asarray(np.random.default_rng(0).random((1, N, T, T)) > 0.2)
+  ours = grads(attention.get(name), q, k, v, bias, mask=mask, is_causal=True,
+               **options)
+  reference = grads(dense, q, k, v, bias, mask=explicit(pattern) & mask,
+                    is_causal=True)
   for a, b in zip(ours, reference):
     assert_close(a, b)
 
@@ -182,6 +241,26 @@ def test_bigbird_equals_dense_under_its_explicit_mask(causal):
                                  num_global_blocks=1, num_random_blocks=2,
                                  seed=7)
   assert_close(out, dense(q, k, v, mask=explicit(allowed)))
+
+
+def test_bigbird_global_rows_take_bias_and_per_query_masks():
+  # T = 11 is not a multiple of the block; K = 1 (multi-query).
+  length = 11
+  q, k, v = make_qkv(14, num_kv_heads=1, q_len=length, kv_len=length)
+  bias = jax.random.normal(jax.random.key(15), (1, N, length, length))
+  mask = jnp.asarray(
+      np.random.default_rng(1).random((B, 1, length, length)) > 0.3)
+  allowed = bigbird_pattern(length, 2, 2, sparse.bigbird_random_blocks(
+      6, 2, 1, seed=4), causal=False)
+  bigbird = lambda q, k, v, bias, **kw: attention.get('bigbird')(
+      q, k, v, bias, block=2, num_global_blocks=2, num_random_blocks=1,
+      seed=4, **kw)
+  ours = grads(bigbird, q, k, v, bias, mask=mask)
+  reference = grads(dense, q, k, v, bias, mask=explicit(allowed) & mask)
+  assert_close(bigbird(q, k, v, bias, mask=mask),
+               dense(q, k, v, bias, mask=explicit(allowed) & mask))
+  for a, b in zip(ours, reference):
+    assert_close(a, b)
 
 
 def test_bigbird_with_every_block_global_is_dense():
@@ -225,7 +304,17 @@ def test_linear_attention_matches_its_formula(causal):
   assert_close(out, kernel_reference(phi(q), phi(k), v, causal, padding()))
 
 
-def mean_error(fn, seeds=(0, 1, 2), **kwargs):
+def test_linear_attention_honours_a_key_mask_per_query_head():
+  q, k, v = make_qkv(16)  # Two query heads per key head.
+  keep = np.ones((B, N, 1, T), bool)
+  keep[:, 1, :, 3:] = False  # Only head 1 loses keys 3 and later.
+  keep = jnp.asarray(keep)
+  phi = lambda x: jax.nn.elu(x) + 1
+  out = attention.get('linear')(q, k, v, mask=keep)
+  assert_close(out, kernel_reference(phi(q), phi(k), v, False, keep))
+
+
+def mean_error(fn, seeds=(0, 1, 2), **kwargs) -> float:
   errors = []
   for seed in seeds:
     q, k, v = make_qkv(seed, scale=0.5)
@@ -236,16 +325,30 @@ def mean_error(fn, seeds=(0, 1, 2), **kwargs):
 
 @pytest.mark.parametrize('causal', [False, True])
 def test_performer_error_falls_as_features_grow(causal):
+  # chunk_size 4: T = 10 is not a multiple of the causal chunk.
   errors = [mean_error(attention.get('performer'), is_causal=causal,
-                       num_features=m, seed=3) for m in (4, 32, 256)]
-  assert errors[0] > errors[1] > errors[2]
-  assert errors[2] < 0.05
+                       num_features=m, seed=3, chunk_size=4)
+            for m in (4, 64, 1024, 16384)]
+  assert errors[0] > errors[1] > errors[2] > errors[3]
+  # An unbiased estimate's error falls like 1 / sqrt(m).
+  assert errors[3] < 0.006
 
 
-def test_performer_features_are_orthogonal_within_blocks():
-  w = kernel.orthogonal_features(jax.random.key(0), 16, 8)
+def test_performer_features_are_orthogonal_and_unbiased():
+  w = kernel.orthogonal_features(jax.random.key(0), 2**15, 8)
   gram = w[:8] @ w[:8].T
   np.testing.assert_allclose(gram - np.diag(np.diag(gram)), 0.0, atol=1e-4)
+  # Directions uniform on the sphere: the mean of w tends to 0.
+  assert np.abs(np.asarray(w).mean(0)).max() < 0.03
+
+
+def test_causal_performer_keeps_earlier_chunks_from_a_large_later_key():
+  q, k, v = make_qkv(17, scale=0.5)
+  large = k.at[:, -1].multiply(40.0)
+  performer = lambda k: attention.get('performer')(
+      q, k, v, is_causal=True, num_features=64, chunk_size=4)
+  # Queries 0..7 lie in chunks before the one holding the changed key.
+  assert_close(performer(k)[:, :8], performer(large)[:, :8])
 
 
 def test_linformer_at_full_rank_with_identity_projections_is_dense():
@@ -340,9 +443,33 @@ def test_memory_of_chunked_local_and_linear_grows_linearly():
   lengths = (2048, 8192)
   memory = {name: [temp_bytes(name, t, **options) for t in lengths]
             for name, options in [('dense', {}), ('chunked', {}),
-                                  ('local', {'window': 256}), ('linear', {})]}
+                                  ('local', {'window': 256}), ('linear', {}),
+                                  ('performer', {'num_features': 64}),
+                                  ('bigbird', {'num_random_blocks': 2})]}
   dense_small, dense_large = memory.pop('dense')
   assert dense_large / dense_small > 12  # Quadratic: 16x for 4x the length.
   for name, (small, large) in memory.items():
-    assert large <= dense_large / 8, name
+    if name in ('chunked', 'local', 'linear'):
+      assert large <= dense_large / 8, name
     assert large / small <= 4 * 1.5, name  # Linear, within 1.5x.
+
+
+@pytest.mark.parametrize('name, options', [('chunked', {}),
+                                           ('local', {'window': 256})])
+def test_memory_stays_linear_with_a_relative_position_bias(name, options):
+  from model import positions  # The position schemes build PositionBias.
+
+  def temp_bytes_with_alibi(length):
+    fn = attention.get(name)
+    shape = jax.ShapeDtypeStruct((1, length, 4, 32), jnp.float32)
+    positions_1xT = jax.ShapeDtypeStruct((1, length), jnp.int32)
+
+    def loss(q, k, v, at):
+      bias = positions.alibi_bias(at, at, 4)
+      return jnp.sum(fn(q, k, v, bias, is_causal=True, **options))
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+        shape, shape, shape, positions_1xT).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  small, large = temp_bytes_with_alibi(2048), temp_bytes_with_alibi(8192)
+  assert large / small <= 4 * 1.5

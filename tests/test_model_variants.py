@@ -115,21 +115,30 @@ def test_every_position_scheme_trains_in_each_family(family, position):
   assert np.isfinite(losses).all() and losses[-1] < losses[0]
 
 
-def test_a_variant_that_cannot_be_causal_is_refused_for_decoders():
+def test_a_variant_is_refused_what_it_cannot_honour():
   with pytest.raises(ValueError, match="attention='linformer' cannot be"):
     config_for('decoder_lm', 'linformer')
   with pytest.raises(ValueError, match="position='alibi' adds a bias"):
     config_for('encoder_classifier', 'linear', position='alibi')
+  with pytest.raises(ValueError, match="position='rope' makes scores"):
+    config_for('decoder_lm', 'additive', position='rope')
 
 
-@pytest.mark.parametrize('memory_length', [T, T + 3])
-@pytest.mark.parametrize('position', ['rope', 'alibi', 't5_bias', 'relative'])
-def test_transformer_xl_memory_equals_one_long_causal_pass(memory_length,
-                                                           position):
+TRANSFORMER_XL_CASES = (
+    [('dense', position, length) for position in
+     ('rope', 'alibi', 't5_bias', 'relative') for length in (T, T + 3)]
+    + [('chunked', 'rope', T), ('chunked', 'alibi', T + 3),
+       ('additive', 'alibi', T)])
+
+
+@pytest.mark.parametrize('name, position, memory_length',
+                         TRANSFORMER_XL_CASES)
+def test_transformer_xl_memory_equals_one_long_causal_pass(
+    name, position, memory_length):
   """Segment 2 read with the memory of segment 1 gives the logits of one
   pass over both, when the memory holds all of segment 1."""
-  config = config_for(position=position, memory_length=memory_length,
-                      num_layers=2)
+  config = config_for(attention_name=name, position=position,
+                      memory_length=memory_length, num_layers=2)
   model = build(config)
   ids = jnp.asarray(np.random.default_rng(3).integers(1, V, (B, 2 * T)))
   params = {'params': model.init(jax.random.key(0), ids[:, :T])['params']}

@@ -38,14 +38,37 @@ def test_alibi_slopes_follow_the_paper():
                              [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
 
 
+def full(bias, q_len=T, kv_len=T):
+  """A PositionBias at every (query, key) pair: [B, N, T, S]."""
+  return bias.at(np.arange(q_len)[:, None], np.arange(kv_len)[None, :])
+
+
 def test_alibi_bias_depends_only_on_the_offset():
   base = jnp.tile(jnp.arange(T), (B, 1))
-  bias = positions.alibi_bias(base, base, N)
-  np.testing.assert_allclose(bias, positions.alibi_bias(base + 11, base + 11,
-                                                        N))
+  bias = full(positions.alibi_bias(base, base, N))
+  np.testing.assert_allclose(
+      bias, full(positions.alibi_bias(base + 11, base + 11, N)))
   # Four heads: the first slope is 2^(-8/4).
   np.testing.assert_allclose(bias[0, 0], -0.25 * np.abs(
       np.arange(T)[:, None] - np.arange(T)[None, :]))
+
+
+def test_position_biases_read_any_pairs_as_the_full_bias_does():
+  """At index arrays of any broadcast shape, as the block-sparse and
+  chunked variants ask, a PositionBias equals the full bias there."""
+  base = jnp.tile(jnp.arange(T), (B, 1)) + 3
+  q = jax.random.normal(jax.random.key(0), (B, T, N, H))
+  t5 = positions.T5Bias(N, 8, 16, bidirectional=True)
+  shaw = positions.ShawRelative(H, 3)
+  biases = [positions.alibi_bias(base, base, N),
+            t5.apply(t5.init(jax.random.key(1), base, base), base, base),
+            shaw.apply(shaw.init(jax.random.key(2), q, base, base, 0.5), q,
+                       base, base, 0.5)]
+  q_index = np.array([[[1], [4]], [[7], [0]]])  # [G=2, gq=2, 1]
+  k_index = np.array([[[2, 5, 6]], [[0, 3, 7]]])  # [G=2, 1, gk=3]
+  for bias in biases:
+    expected = full(bias)[:, :, q_index, k_index]
+    np.testing.assert_allclose(bias.at(q_index, k_index), expected)
 
 
 def t5_bucket_reference(relative, bidirectional, num_buckets, max_distance):
@@ -82,7 +105,7 @@ def test_shaw_relative_bias_is_query_dot_clipped_distance_embedding():
   pos = jnp.arange(T)[None]
   variables = module.init(jax.random.key(1), q, pos, pos, scale=0.5)
   table = np.asarray(jax.tree.leaves(variables)[0])
-  bias = module.apply(variables, q, pos, pos, scale=0.5)
+  bias = full(module.apply(variables, q, pos, pos, scale=0.5))
   for i in range(T):
     for j in range(T):
       row = table[np.clip(j - i, -2, 2) + 2]

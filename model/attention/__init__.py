@@ -16,8 +16,9 @@ import dataclasses
 import jax
 
 from model.attention import additive, chunked, kernel, linformer, sparse
-from model.attention.core import (attention_weights, causal_attention,
-                                  causal_mask, cross_attention,
+from model.attention.core import (PositionBias, attention_weights,
+                                  causal_attention, causal_mask,
+                                  cross_attention,
                                   scaled_dot_product_attention)
 
 Array = jax.Array
@@ -42,6 +43,9 @@ class Variant:
   # Causal attention with more keys than queries (T < S, the queries being
   # the last T positions): what a Transformer-XL memory or a cache needs.
   longer_keys: bool = False
+  # Scores are functions of q . k (exactly, or estimated as by performer),
+  # so rotating queries and keys by position (rope) makes them relative.
+  dot_product: bool = True
 
 
 _REGISTRY: dict[str, Variant] = {
@@ -58,13 +62,16 @@ _REGISTRY: dict[str, Variant] = {
     'bigbird': Variant(sparse.bigbird_attention, causal=True, masks='any',
                        bias=True, dropout=False, self_only=True),
     'linformer': Variant(linformer.linformer_attention, causal=False,
-                         masks='key_padding', bias=False, dropout=False),
+                         masks='key_padding', bias=False, dropout=False,
+                         dot_product=False),
     'performer': Variant(kernel.performer_attention, causal=True,
                          masks='key_padding', bias=False, dropout=False),
     'linear': Variant(kernel.linear_attention, causal=True,
-                      masks='key_padding', bias=False, dropout=False),
+                      masks='key_padding', bias=False, dropout=False,
+                      dot_product=False),
     'additive': Variant(additive.additive_attention, causal=True, masks='any',
-                        bias=True, dropout=False, longer_keys=True),
+                        bias=True, dropout=False, longer_keys=True,
+                        dot_product=False),
 }
 
 
@@ -88,6 +95,6 @@ def get(name: str) -> Callable[..., Array]:
   return spec(name).fn
 
 
-__all__ = ['Variant', 'attention_weights', 'causal_attention', 'causal_mask',
-           'cross_attention', 'get', 'names', 'scaled_dot_product_attention',
+__all__ = ['PositionBias', 'Variant', 'attention_weights', 'causal_attention',
+           'causal_mask', 'cross_attention', 'get', 'names', 'scaled_dot_product_attention',
            'spec']

@@ -10,16 +10,57 @@ attention (Ainslie et al. 2023), K == 1 multi-query attention (Shazeer 2019).
 Query head n reads key/value head n // (N // K).
 
 Masks are boolean, True = attend, with shape broadcastable to [B, N, T, S];
-a bias of the same shape is added to the logits. Logits and softmax are
+a bias of the same shape (or a PositionBias, computed where it is needed) is
+added to the logits. Logits and softmax are
 float32 whatever the input dtype; the output has the query's dtype.
 """
 
+from collections.abc import Callable
+import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PositionBias:
+  """A bias given as a function of (query index, key index), not an array.
+
+  `at(q_index, k_index)` is the bias at those pairs, float32 [B?, N?, *I]
+  where I is the broadcast shape of the two index arrays. A variant that
+  visits blocks of pairs asks for those blocks only, so relative position
+  biases never make it build the whole [B, N, T, S]. `data` holds the arrays
+  the function reads (positions, learned tables) and is differentiated.
+  """
+
+  data: Any
+  fn: Callable[[Any, Array, Array], Array] = dataclasses.field(
+      metadata={'static': True})
+
+  def at(self, q_index, k_index) -> Array:
+    return self.fn(self.data, q_index, k_index)
+
+
+def bias_at(bias, q_index, k_index) -> Array:
+  """The bias (an array broadcastable to [B, N, T, S] or a PositionBias) at
+  pairs (q_index, k_index): [B?, N?, *I]; a broadcast axis reads index 0."""
+  if isinstance(bias, PositionBias):
+    return bias.at(q_index, k_index)
+  return pairs(bias, q_index, k_index)
+
+
+def pairs(x: Array, q_index, k_index) -> Array:
+  """x [B?, N?, T?, S?] at pairs (q_index, k_index): [B?, N?, *I]; a
+  broadcast axis of x reads its index 0."""
+  rows = q_index if x.shape[2] != 1 else np.zeros_like(q_index)
+  cols = k_index if x.shape[3] != 1 else np.zeros_like(k_index)
+  return x[:, :, rows, cols]
 
 
 def _check_rank4(name: str, x: Array, full_shape: tuple[int, ...]) -> None:
@@ -56,7 +97,7 @@ def check_inputs(query, key, value, bias, mask) -> tuple[int, ...]:
     _check_rank4('mask', mask, full_shape)
     if mask.dtype != jnp.bool_:
       raise ValueError(f'mask must be boolean (True = attend), got {mask.dtype}.')
-  if bias is not None:
+  if bias is not None and not isinstance(bias, PositionBias):
     _check_rank4('bias', bias, full_shape)
   return full_shape
 
@@ -108,6 +149,9 @@ def weights_from_logits(logits_BxNxTxS: Array, bias: Array | None,
   """Adds the bias, applies the mask and causality, and takes the softmax:
   float32 [B, N, T, S], rows of zeros where nothing may be attended."""
   logits_BxNxTxS = logits_BxNxTxS.astype(jnp.float32)
+  if isinstance(bias, PositionBias):
+    q_len, kv_len = logits_BxNxTxS.shape[-2:]
+    bias = bias.at(np.arange(q_len)[:, None], np.arange(kv_len)[None, :])
   if bias is not None:
     logits_BxNxTxS = logits_BxNxTxS + bias.astype(jnp.float32)
   if is_causal:

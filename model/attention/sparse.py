@@ -52,14 +52,6 @@ def neighbour_blocks(num_blocks: int, size: int, offsets) -> np.ndarray:
   return np.where(inside[:, :, None], positions, -1).reshape(num_blocks, -1)
 
 
-def _gather_pairs(x: Array, q_pos: np.ndarray, k_pos: np.ndarray) -> Array:
-  """x [B?, N?, T?, S?] at pairs (q_pos [G, gq, 1], k_pos [G, 1, gk]):
-  [B?, N?, G, gq, gk]; a broadcast axis of x reads its index 0."""
-  rows = q_pos if x.shape[2] != 1 else np.zeros_like(q_pos)
-  cols = k_pos if x.shape[3] != 1 else np.zeros_like(k_pos)
-  return x[:, :, rows, cols]
-
-
 def attend_parts(query: Array, key: Array, value: Array,
                  bias: Array | None, mask: Array | None, *, scale: float,
                  is_causal: bool, parts: list[Part]) -> Array:
@@ -89,10 +81,10 @@ def attend_parts(query: Array, key: Array, value: Array,
     logits = logits.reshape(batch, num_heads, *logits.shape[3:])
     inside = (q_pos.clip(0, length - 1), k_pos.clip(0, length - 1))
     if bias is not None:
-      logits = logits + _gather_pairs(bias, *inside).astype(jnp.float32)
+      logits = logits + core.bias_at(bias, *inside).astype(jnp.float32)
     valid = jnp.asarray(valid)
     if mask is not None:
-      valid = valid & _gather_pairs(mask, *inside)
+      valid = valid & core.pairs(mask, *inside)
     logits = jnp.where(valid, logits, -jnp.inf)
     # Per-query layout [B, N, T, gk], so that all parts share one softmax.
     logits = logits.reshape(batch, num_heads, padded, -1)
@@ -269,7 +261,7 @@ def bigbird_attention(query: Array, key: Array, value: Array,
     row_mask = gathered if row_mask is None else row_mask & gathered
   row_bias = None
   if bias is not None:
-    row_bias = bias[:, :, rows] if bias.shape[2] != 1 else bias
+    row_bias = core.bias_at(bias, rows[:, None], np.arange(length)[None, :])
   if rows.size:
     global_out = core.scaled_dot_product_attention(
         query[:, rows], key, value, row_bias, row_mask, scale=scale)

@@ -215,9 +215,12 @@ def _examples(dataset: Dataset, split: str, seq_len: int,
               layout: str) -> grain.MapDataset:
   """What gets shuffled: LM windows one by one for a corpus in memory
   (except for streams, which need whole documents), else the examples."""
-  if dataset.kind == 'lm' and dataset.shuffle_windows and layout != 'streams':
+  if dataset.kind != 'lm':
+    return dataset.splits[split]
+  if dataset.shuffle_windows and layout != 'streams':
     return in_memory_windows(dataset.splits[split], seq_len)
-  return dataset.splits[split]
+  # A document of EOS alone has no target.
+  return dataset.splits[split].filter(lambda doc: len(doc['tokens']) > 1)
 
 
 def _batches(dataset: Dataset, examples: grain.MapDataset, *, seq_len: int,
