@@ -11,6 +11,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from model.config import ModelConfig
+from train import parallel
 
 
 def model_defaults() -> ml_collections.ConfigDict:
@@ -103,6 +104,26 @@ def get_config() -> ml_collections.ConfigDict:
   config.sample_prompt = ''
   # Softmax temperature of sampling; 0 is greedy.
   config.sample_temperature = 0.8
+
+  # --- Devices (README 'Scaling out'; train/mesh.py, train/parallel.py) ---
+  # Mesh axis sizes, whose product is the number of devices of all hosts;
+  # one of them may be -1 for the devices the others leave. data and fsdp
+  # split the batch (fsdp the parameters too), tensor splits heads, MLP
+  # units and vocabulary, sequence splits activations along the length
+  # (with attention 'ring', keys and values travel round it).
+  # strategy: pjit (jax.jit with shardings; any layout) or pmap (a
+  # per-device program with an explicit gradient psum; data parallel only).
+  # dcn_data: TPU slices the data axis spans (multi-slice); 1 for one slice.
+  config.parallelism = ml_collections.ConfigDict(dict(
+      data=-1, fsdp=1, tensor=1, sequence=1, strategy='pjit', dcn_data=1))
+  # (logical axis name, mesh axis or tuple of them) pairs, tried in order;
+  # names with no rule are not split. The defaults give data parallelism,
+  # FSDP over embed and tensor parallelism over heads, mlp and vocab.
+  config.logical_axis_rules = parallel.DEFAULT_RULES
+  # Start jax.distributed, the cluster telling JAX the processes (Cloud TPU,
+  # Slurm, ...). Also started by train.train's --coordinator_address flag or
+  # the JAX_COORDINATOR_ADDRESS variable.
+  config.distributed = False
 
   # The model: see model/config.py for each key.
   config.model = model_defaults()

@@ -103,6 +103,12 @@ class TransformerStack(nn.Module):
       block_cls = nn.remat(TransformerBlock, static_argnums=(8,))
     block_inputs = []
     for layer in range(self.config.num_layers):
+      # Under a mesh with logical axis rules, each block's input is laid out
+      # as the rules say (e.g. split by example and along the length);
+      # elsewhere this does nothing.
+      x_BxTxD = nn.with_logical_constraint(
+          x_BxTxD, ('activation_batch', 'activation_length',
+                    'activation_embed'))
       block_inputs.append(x_BxTxD)
       memory_BxMxD = (None if memory_LxBxMxD is None
                       else memory_LxBxMxD[layer])

@@ -64,7 +64,15 @@ class Embedder(nn.Module):
     self.dropout = nn.Dropout(config.dropout_rate)
 
   def embed_tokens(self, tokens_BxT: Array) -> Array:
-    return self.token_embedding(tokens_BxT)
+    """[B, T, D]. Under a mesh, the lookup reads the whole table (gathered,
+    as FSDP does for any weight) and gives rows laid out like the blocks'
+    inputs; a lookup in a split table would need a costly reshuffle."""
+    table_VxD = nn.with_logical_constraint(
+        self.token_embedding.embedding, (None, None))
+    x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0).astype(
+        self.config.compute_dtype)
+    return nn.with_logical_constraint(
+        x_BxTxD, ('activation_batch', 'activation_length', 'activation_embed'))
 
   def add_positions(self, x_BxTxD: Array, positions_BxT: Array, *,
                     deterministic: bool) -> Array:

@@ -4,6 +4,8 @@ Every parameter carries logical axis names (embed, mlp, heads, kv_heads, kv,
 vocab) so sharding rules can be attached later without touching the models.
 """
 
+import math
+
 import flax.linen as nn
 import jax
 
@@ -15,20 +17,48 @@ Array = jax.Array
 _KERNEL_INIT = nn.initializers.xavier_uniform()
 
 
-def _dense(features, axes, config: ModelConfig, name: str,
-           in_axis=-1) -> nn.DenseGeneral:
-  """A DenseGeneral whose kernel and bias carry the logical axes `axes`.
+class Projection(nn.Module):
+  """x @ kernel + bias, contracting the last `num_in` dims of x into the
+  dims `features`; the kernel's dims carry the logical names `axes` (input
+  dims, then output dims) and the bias the output ones.
 
-  `axes` names the kernel's input dims then its output dims; the bias takes
-  the output dims.
+  Like nn.DenseGeneral, and initialised identically (Xavier over the
+  flattened kernel), but its parameters are created at their full shape, so
+  their logical names hold when read under sharding rules.
   """
-  num_out = len(features) if isinstance(features, tuple) else 1
-  return nn.DenseGeneral(
-      features=features, axis=in_axis, dtype=config.compute_dtype,
-      param_dtype=config.weight_dtype, name=name,
-      kernel_init=nn.with_logical_partitioning(_KERNEL_INIT, axes),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros,
-                                             axes[-num_out:]))
+
+  features: tuple[int, ...]
+  axes: tuple[str, ...]
+  num_in: int
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    in_shape = x.shape[x.ndim - self.num_in:]
+
+    def kernel_init(rng, shape, dtype):
+      flat = (math.prod(in_shape), math.prod(self.features))
+      return _KERNEL_INIT(rng, flat, dtype).reshape(shape)
+
+    kernel = self.param('kernel', nn.with_logical_partitioning(
+        kernel_init, self.axes), in_shape + self.features,
+                        self.config.weight_dtype)
+    bias = self.param('bias', nn.with_logical_partitioning(
+        nn.initializers.zeros, self.axes[self.num_in:]), self.features,
+                      self.config.weight_dtype)
+    x, kernel, bias = nn.dtypes.promote_dtype(
+        x, kernel, bias, dtype=self.config.compute_dtype)
+    contract = (tuple(range(x.ndim - self.num_in, x.ndim)),
+                tuple(range(self.num_in)))
+    return jax.lax.dot_general(x, kernel, (contract, ((), ()))) + bias
+
+
+def _dense(features, axes, config: ModelConfig, name: str,
+           num_in: int = 1) -> Projection:
+  """A Projection of the last `num_in` dims into `features` (an int or a
+  tuple), its kernel carrying the logical axes `axes`."""
+  features = features if isinstance(features, tuple) else (features,)
+  return Projection(features, axes, num_in, config, name=name)
 
 
 class MultiHeadAttention(nn.Module):
@@ -106,7 +136,7 @@ class MultiHeadAttention(nn.Module):
     out_BxTxNxH = variant.fn(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias, mask,
                              is_causal=is_causal, **kwargs)
     return _dense(inputs_q_BxTxD.shape[-1], ('heads', 'kv', 'embed'), config,
-                  'out', in_axis=(-2, -1))(out_BxTxNxH)
+                  'out', num_in=2)(out_BxTxNxH)
 
 
 class Mlp(nn.Module):

@@ -48,7 +48,7 @@ def grads(fn, q, k, v, bias=None, **kwargs):
 def test_registry_lists_every_variant():
   assert attention.names() == sorted([
       'additive', 'bigbird', 'chunked', 'dense', 'fixed', 'linear',
-      'linformer', 'local', 'performer', 'strided'])
+      'linformer', 'local', 'performer', 'ring', 'strided'])
   assert attention.get('chunked') is attention.spec('chunked').fn
 
 

@@ -41,7 +41,8 @@ def _set(config, key: str, value):
 
 
 INVALID = [
-    ('batch_size', 12, 'config.batch_size=12 must be divisible by the 8'),
+    ('batch_size', 12, 'config.batch_size=12 must be divisible by the 8 '
+     'batch slices'),
     ('batch_size', 0, 'config.batch_size=0 must be an integer >= 1'),
     ('seq_len', -5, 'config.seq_len=-5'),
     ('num_train_steps', -1, 'config.num_train_steps=-1'),
@@ -52,7 +53,7 @@ INVALID = [
     ('checkpoint_every', -2, 'config.checkpoint_every=-2'),
     ('keep_checkpoints', 0, 'config.keep_checkpoints=0'),
     ('num_eval_steps', 0, 'config.num_eval_steps=0'),
-    ('grad_accum_steps', 3, 'config.grad_accum_steps=3 must divide'),
+    ('grad_accum_steps', 3, 'config.grad_accum_steps=3 must split'),
     ('learning_rate', 0.0, 'config.learning_rate=0.0'),
     ('learning_rate', -1e-3, 'config.learning_rate=-0.001'),
     ('final_learning_rate_fraction', 1.5,

@@ -25,6 +25,7 @@ OPTIONS = {
     'performer': {'num_features': 16},
     'linear': {},
     'additive': {'hidden': 8},
+    'ring': {},
 }
 CAUSAL = [name for name in attention.names() if attention.spec(name).causal]
 

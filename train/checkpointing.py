@@ -2,6 +2,11 @@
 
 Saves are asynchronous; orbax writes each checkpoint under a temporary name
 and renames it when complete, so only complete checkpoints are ever found.
+Every process takes part in saving its shards of the state, and a state is
+restored into whatever shardings the caller asks for: a checkpoint written
+on one mesh resumes on another. The data iterator's position is the same on
+every host (see train/data/pipeline.py) and is saved once, as JSON, so it
+too resumes with any number of hosts.
 """
 
 import os
@@ -20,7 +25,7 @@ class Checkpointer:
         os.path.join(os.path.abspath(workdir), 'checkpoints'),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
         item_handlers={'state': ocp.StandardCheckpointHandler(),
-                       'data': grain.checkpoint.CheckpointHandler()})
+                       'data': ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -33,7 +38,8 @@ class Checkpointer:
     """
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state),
-        data=grain.checkpoint.CheckpointRestore(data_iterator)))
+        data=ocp.args.JsonRestore()))
+    data_iterator.set_state(restored['data'])
     return restored['state']
 
   def save(self, step: int, state: TrainState,
@@ -41,7 +47,7 @@ class Checkpointer:
     """Starts saving; returns once the arrays are copied off the device."""
     self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
-        data=grain.checkpoint.CheckpointSave(data_iterator)))
+        data=ocp.args.JsonSave(data_iterator.get_state())))
 
   def close(self) -> None:
     """Waits for any save in flight to finish."""

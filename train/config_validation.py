@@ -1,15 +1,16 @@
 """Checks a training config before anything is built or compiled.
 
 Each rule names the key it checks, so a mistake is reported as, e.g.,
-`config.batch_size=12 must be divisible by the 8 devices`.
+`config.model.num_heads=6 does not split over config.parallelism.tensor=4`.
 """
 
-import ml_collections
+import functools
 
 import jax
+import ml_collections
 
-from model import ModelConfig, attention
-from train import optim
+from model import ModelConfig, attention, build
+from train import mesh, optim, parallel, steps
 from train.data import datasets
 from train.errors import InputError
 
@@ -58,7 +59,7 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
     _integer(config, key, 0)
   if config.num_eval_steps != -1:
     _integer(config, 'num_eval_steps', 1)
-  batch_size = _integer(config, 'batch_size', 1)
+  _integer(config, 'batch_size', 1)
 
   _number(config, 'learning_rate', 0.0, float('inf'), include_low=False)
   _number(config, 'final_learning_rate_fraction', 0.0, 1.0, include_high=True)
@@ -75,19 +76,6 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   if config.warmup_steps > config.num_train_steps:
     _fail(f'config.warmup_steps={config.warmup_steps} exceeds '
           f'config.num_train_steps={config.num_train_steps}.')
-
-  devices, hosts = jax.device_count(), jax.process_count()
-  if batch_size % devices:
-    _fail(f'config.batch_size={batch_size} must be divisible by the '
-          f'{devices} devices.')
-  per_device = batch_size // devices
-  if per_device % config.grad_accum_steps:
-    _fail(f'config.grad_accum_steps={config.grad_accum_steps} must divide '
-          f'the per-device batch of {per_device} (config.batch_size='
-          f'{batch_size} over {devices} devices).')
-  if config.num_eval_steps == -1 and hosts > 1:
-    _fail('config.num_eval_steps=-1 (the whole split) needs one host; set a '
-          f'number of batches for the {hosts} hosts to run alike.')
 
   kind = datasets.kind_of(config.dataset)
   try:
@@ -111,14 +99,39 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   if model_config.family != family:
     _fail(f'config.model.family={model_config.family!r} cannot train on '
           f'config.dataset={config.dataset!r} ({kind}); use {family!r}.')
-  # The classifier's CLS vector takes one more position.
-  positions = config.seq_len + (
-      1 if family == 'encoder_classifier' and model_config.pooling == 'cls'
-      else 0)
+  positions = model_positions(config)
   if model_config.position == 'learned' and positions > model_config.max_len:
     _fail(f'config.seq_len={config.seq_len} needs {positions} positions, more '
           f'than config.model.max_len={model_config.max_len}.')
+  _check_parallelism(config, model_config, kind)
   return model_config
+
+
+def _check_parallelism(config: ml_collections.ConfigDict,
+                       model_config: ModelConfig, kind: str) -> None:
+  """The mesh fits the devices, and the batch, the length and every
+  parameter split evenly over it (shapes only: nothing is computed)."""
+  if not isinstance(config.distributed, bool):
+    _fail(f'config.distributed={config.distributed!r} must be True or False.')
+  sizes = dict(mesh.make_mesh(config.parallelism).shape)
+  parallel.check_layout(config, sizes, model_positions(config))
+  boxed_params = jax.eval_shape(functools.partial(
+      steps.init_params, build(model_config), kind, seq_len=config.seq_len,
+      boxed=True), jax.random.key(0))
+  # Unset, the key/value heads are the query heads.
+  kv_heads = ('model.num_kv_heads' if config.model.num_kv_heads is not None
+              else 'model.num_heads')
+  parallel.check_parameters(boxed_params, sizes,
+                            parallel.logical_rules(config),
+                            size_keys={'kv_heads': kv_heads})
+
+
+def model_positions(config: ml_collections.ConfigDict) -> int:
+  """The length of the model's activations: config.seq_len, plus one for
+  a classifier's CLS vector."""
+  cls = (FAMILY_OF_KIND[datasets.kind_of(config.dataset)]
+         == 'encoder_classifier' and config.model.pooling == 'cls')
+  return config.seq_len + int(cls)
 
 
 def check_dataset_fits(config: ml_collections.ConfigDict,

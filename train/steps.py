@@ -6,6 +6,7 @@ batch (divided by their weight only when summarised), so that micro-batches,
 devices and eval batches add up exactly.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import flax
@@ -37,12 +38,14 @@ def _model_args(kind: str, batch: dict[str, Array]) -> tuple[Array, ...]:
   return (batch['inputs'],)
 
 
-def init_params(model: nn.Module, kind: str, rng: Array, seq_len: int):
-  """Freshly initialised parameters (unboxed from their logical axes)."""
+def init_params(model: nn.Module, kind: str, rng: Array, seq_len: int, *,
+                boxed: bool = False):
+  """Freshly initialised parameters, unboxed from their logical axis names
+  unless `boxed` (nn.Partitioned leaves, which say how to shard them)."""
   row = jnp.zeros((1, seq_len), jnp.int32)
   shapes_only = {'inputs': row, 'positions': row, 'decoder_inputs': row}
-  variables = model.init(rng, *_model_args(kind, shapes_only))
-  return nn.meta.unbox(variables['params'])
+  params = model.init(rng, *_model_args(kind, shapes_only))['params']
+  return params if boxed else nn.meta.unbox(params)
 
 
 def forward(model: nn.Module, kind: str, params, batch: dict[str, Array], *,
@@ -123,12 +126,16 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
                model: nn.Module, kind: str,
                optimizer: optax.GradientTransformation,
                schedule: optax.Schedule, label_smoothing: float = 0.0,
-               grad_accum_steps: int = 1) -> tuple[TrainState, dict]:
+               grad_accum_steps: int = 1,
+               all_reduce: Callable[[Any], Any] | None = None
+               ) -> tuple[TrainState, dict]:
   """One optimizer update on `batch`, accumulated over micro-batches.
 
   Dropout draws from `fold_in(rng, step)`, so a resumed run draws the same.
   A Transformer-XL memory (state.memory) is read and replaced; it needs the
-  whole batch at once (grad_accum_steps == 1).
+  whole batch at once (grad_accum_steps == 1). `all_reduce` sums a tree over
+  the devices when each runs this on its own part of the batch (the pmap
+  strategy); the update then divides by the global target count.
   """
   if state.memory is not None and grad_accum_steps != 1:
     raise ValueError('a Transformer-XL memory needs grad_accum_steps == 1.')
@@ -153,6 +160,10 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
       micro_step, (zeros, state.memory),
       (jnp.arange(grad_accum_steps), _micro_batches(batch, grad_accum_steps)))
   sums = jax.tree.map(jnp.sum, sums)
+  sums['token_count'] = token_count(kind, batch)
+  if all_reduce is not None:
+    # Sums, not means: devices whose examples hold more targets weigh more.
+    grad_sum, sums = all_reduce((grad_sum, sums))
   # The loss is the mean over every weighted target of the whole batch.
   grads = jax.tree.map(lambda g: g / jnp.maximum(sums['weight_sum'], 1.0),
                        grad_sum)
@@ -161,8 +172,7 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
                          params=optax.apply_updates(state.params, updates),
                          opt_state=opt_state, memory=memory)
   metrics = dict(sums, grad_norm=optax.tree.norm(grads),
-                 learning_rate=schedule(state.step),
-                 token_count=token_count(kind, batch))
+                 learning_rate=schedule(state.step))
   return new_state, metrics
 
 

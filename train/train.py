@@ -3,6 +3,10 @@
   python -m train.train --config=configs/lm_stdlib.py --workdir=DIR \
       [--config.key=value ...]
 
+On several hosts, the same command runs on each: with --config.distributed
+on a cluster JAX knows (Cloud TPU, Slurm), or with --coordinator_address,
+--num_processes and --process_id elsewhere.
+
 A bad config or a missing dataset prints one message naming what to fix and
 exits with status 2.
 """
@@ -14,6 +18,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from train import mesh
 from train.errors import InputError
 from train.trainer import train_and_evaluate
 
@@ -22,6 +27,14 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True)
 _WORKDIR = flags.DEFINE_string(
     'workdir', None, 'Directory for checkpoints, metrics and config.json.')
+_COORDINATOR = flags.DEFINE_string(
+    'coordinator_address', None,
+    'host:port of process 0 of a multi-host run, where the cluster does not '
+    'tell JAX itself.')
+_NUM_PROCESSES = flags.DEFINE_integer(
+    'num_processes', None, 'Processes of the multi-host run.')
+_PROCESS_ID = flags.DEFINE_integer(
+    'process_id', None, 'This process\'s index, 0 to num_processes - 1.')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -46,6 +59,10 @@ def main(argv: list[str]) -> None:
   if not flags.FLAGS['verbosity'].present:
     # Library INFO logs (every checkpoint write) would drown the progress.
     logging.set_verbosity(logging.WARNING)
+  mesh.start_distributed(_CONFIG.value,
+                         coordinator_address=_COORDINATOR.value,
+                         num_processes=_NUM_PROCESSES.value,
+                         process_id=_PROCESS_ID.value)
   try:
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except InputError as error:

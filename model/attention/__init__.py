@@ -15,7 +15,8 @@ import dataclasses
 
 import jax
 
-from model.attention import additive, chunked, kernel, linformer, sparse
+from model.attention import (additive, chunked, kernel, linformer, ring,
+                             sparse)
 from model.attention.core import (PositionBias, attention_weights,
                                   causal_attention, causal_mask,
                                   cross_attention,
@@ -69,6 +70,8 @@ _REGISTRY: dict[str, Variant] = {
     'linear': Variant(kernel.linear_attention, causal=True,
                       masks='key_padding', bias=False, dropout=False,
                       dot_product=False),
+    'ring': Variant(ring.ring_attention, causal=True, masks='any', bias=True,
+                    dropout=False, self_only=True),
     'additive': Variant(additive.additive_attention, causal=True, masks='any',
                         bias=True, dropout=False, longer_keys=True,
                         dot_product=False),

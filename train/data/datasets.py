@@ -50,7 +50,16 @@ class Dataset:
 
 
 def _build(builder: tfds.core.DatasetBuilder) -> dict[str, Any]:
-  """Prepares an embedded dataset once (array_record) and opens its splits."""
+  """Prepares an embedded dataset once (array_record) and opens its splits.
+
+  On several hosts, the first builds before the others look: with a shared
+  data_dir they find it built, with a disk of their own they build their
+  own copy.
+  """
+  if jax.process_index() == 0:
+    builder.download_and_prepare()
+  jax.experimental.multihost_utils.sync_global_devices(
+      f'built {builder.info.full_name}')
   builder.download_and_prepare()
   return builder.as_data_source()
 

@@ -1,13 +1,15 @@
 """Batches from canonical examples (see `train.data.datasets`), with grain.
 
-Every batch is a dict of numpy arrays with a leading per-host batch dim:
+Every batch is a dict of numpy arrays with a leading (global) batch dim:
   lm:             inputs, targets, positions, weights               [b, L]
                   and segment_ids when rows are packed
   seq2seq:        inputs, decoder_inputs, targets, weights          [b, L]
   classification: inputs [b, L]; targets, weights                   [b]
-`weights` is 1.0 where a target counts and 0.0 at padding. Each host reads
-its own slice of every split (`jax.process_index()` of
-`jax.process_count()`); `batch_size` here is the per-host batch.
+`weights` is 1.0 where a target counts and 0.0 at padding. Every host
+prepares the same global batches and the trainer places each host's rows on
+its devices: the data stream does not depend on the number of hosts, so a
+run resumes on another topology exactly where it stopped, at the price of
+each host reading the whole batch.
 
 Language-model documents are laid out in one of three ways (LAYOUTS):
   packed:  cut into windows of at most L + 1 tokens (inputs tokens[:-1],
@@ -195,10 +197,6 @@ def _fits(example, seq_len: int) -> bool:
              for key in ('inputs', 'targets') if key in example)
 
 
-def _host_slice(split: grain.MapDataset) -> grain.MapDataset:
-  return split[jax.process_index()::jax.process_count()]
-
-
 LAYOUTS = ('packed', 'padded', 'streams')
 
 
@@ -255,7 +253,7 @@ def train_iterator(dataset: Dataset, *, seq_len: int, batch_size: int,
 
   `layout` (LM only) is one of LAYOUTS, see the module docstring.
   """
-  examples = _host_slice(_examples(dataset, 'train', seq_len, layout))
+  examples = _examples(dataset, 'train', seq_len, layout)
   batches = _batches(dataset, examples.seed(seed).shuffle().repeat(),
                      seq_len=seq_len, batch_size=batch_size, seed=seed,
                      train=True, layout=layout)
@@ -277,11 +275,10 @@ def eval_batches(dataset: Dataset, split: str, *, seq_len: int,
   """Batches of `split` in order, all of `batch_size` examples.
 
   The whole split when `num_batches` is -1; otherwise exactly `num_batches`
-  batches, the last ones empty (zero weight) if the split runs out first, so
-  that every host runs the same number of evaluation steps.
+  batches, the last ones empty (zero weight) if the split runs out first.
   """
   batches = _batches(dataset,
-                     _host_slice(_examples(dataset, split, seq_len, layout)),
+                     _examples(dataset, split, seq_len, layout),
                      seq_len=seq_len, batch_size=batch_size, seed=0,
                      train=False, layout=layout)
   count = 0

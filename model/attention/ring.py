@@ -1,0 +1,161 @@
+"""`ring`: exact attention with the sequence split over devices.
+
+Ring attention (Liu et al. 2023). Queries, keys and values are split along
+the length over the mesh axis `axis` (default 'sequence') of the mesh in
+context (`jax.set_mesh`). Each device keeps its block of queries; the blocks
+of keys and values travel round the ring of devices with `ppermute`, one hop
+a step, and each device folds every block that visits into its queries'
+online softmax (that of `chunked`). After n steps every query has met every
+key, and no device ever held more than its own block and the one in flight.
+Under a causal mask the blocks wholly after a device's queries are computed
+and masked out rather than skipped: the ring advances in lockstep, so the
+last device, which needs every block, sets the pace either way.
+
+Only the sequence axis is manual inside the `shard_map`: the batch and head
+dims keep whatever sharding the compiler gave them (data, FSDP, tensor). With
+no mesh in context, or none with `axis` of size > 1, the ring has one device
+and this is dense attention computed blockwise in one block.
+
+Masks and array biases are split by query rows, each device holding its rows
+against every key (a [B, 1, 1, S] padding mask is O(S) on each); a
+PositionBias is computed block by block from its (replicated) data.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from model.attention import chunked, core
+
+Array = jax.Array
+
+
+def _columns(x: Array | None, start: Array, size: int) -> Array | None:
+  """Keys [start, start + size) of x's last axis, unless it broadcasts."""
+  if x is None or x.shape[-1] == 1:
+    return x
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis=-1)
+
+
+def _ring_body(query, key, value, bias, mask, *, scale: float,
+               is_causal: bool, axis: str, ring_size: int):
+  """One device's share: queries [B, t, N, H] of block i against the key
+  blocks that pass round the ring; returns its output [B, t, N, H]."""
+  batch, block, num_heads, head_dim = query.shape
+  num_kv_heads = key.shape[2]
+  group = num_heads // num_kv_heads
+  index = 0
+  if ring_size > 1:
+    index = jax.lax.axis_index(axis)
+    # Inputs the same on every device (a bias without query rows, a
+    # PositionBias's data) become per-device values here, once: their
+    # gradients are then summed over the ring once, not at every step.
+    bias, mask = jax.tree.map(lambda x: _per_device(x, axis), (bias, mask))
+  q_BxKxGxTxH = jnp.transpose(
+      query.reshape(batch, block, num_kv_heads, group, head_dim),
+      (0, 2, 3, 1, 4)).astype(jnp.float32)
+  q_positions = index * block + jnp.arange(block)
+  bias = (bias if isinstance(bias, core.PositionBias)
+          else chunked.split_heads(bias, num_kv_heads))
+  mask = chunked.split_heads(mask, num_kv_heads)
+
+  def fold(stats, k_blk, v_blk, source):
+    """Folds the key block that started on device `source` into `stats`."""
+    k_positions = source * block + jnp.arange(block)
+    logits = jnp.einsum('bkgth,bckh->bkgtc', q_BxKxGxTxH,
+                        k_blk.astype(jnp.float32)) * scale
+    if isinstance(bias, core.PositionBias):
+      logits = logits + chunked.split_heads(
+          bias.at(q_positions[:, None], k_positions[None, :]), num_kv_heads)
+    elif bias is not None:
+      logits = logits + _columns(bias, source * block, block).astype(
+          jnp.float32)
+    valid = jnp.ones((block, block), bool)
+    if is_causal:
+      valid = k_positions[None, :] <= q_positions[:, None]
+    if mask is not None:
+      valid = valid & _columns(mask, source * block, block)
+    return chunked.online_softmax_step(
+        stats, jnp.where(valid, logits, -jnp.inf), v_blk)
+
+  # Recompute each step's logits in the backward pass rather than keep them:
+  # the saved residuals are the key blocks, O(S) per device.
+  fold = jax.checkpoint(fold)
+
+  def step(carry, hop):
+    stats, k_blk, v_blk = carry
+    stats = fold(stats, k_blk, v_blk, (index - hop) % ring_size)
+    if ring_size > 1:
+      k_blk, v_blk = jax.lax.ppermute(
+          (k_blk, v_blk), axis,
+          perm=[(j, (j + 1) % ring_size) for j in range(ring_size)])
+    return (stats, k_blk, v_blk), None
+
+  init = chunked.online_softmax_init(
+      (batch, num_kv_heads, group, block), head_dim)
+  if ring_size > 1:  # The statistics differ from device to device.
+    init = jax.lax.pcast(init, axis, to='varying')
+  (stats, _, _), _ = jax.lax.scan(step, (init, key, value),
+                                  jnp.arange(ring_size))
+  out, _ = chunked.online_softmax_result(stats)
+  out = jnp.transpose(out, (0, 3, 1, 2, 4))
+  return out.reshape(batch, block, num_heads, head_dim).astype(query.dtype)
+
+
+def _per_device(x: Array, axis: str) -> Array:
+  if axis in jax.typeof(x).manual_axis_type.varying:
+    return x
+  return jax.lax.pcast(x, axis, to='varying')
+
+
+def _ring_size(axis: str) -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or axis not in mesh.axis_names:
+    return 1
+  return mesh.shape[axis]
+
+
+def _row_spec(x, axis: str):
+  """A mask or bias [B?, N?, T?, S?] split by query rows where it has them."""
+  if x is None:
+    return None
+  if isinstance(x, core.PositionBias):
+    return jax.tree.map(lambda _: P(), x)
+  return P(None, None, axis if x.shape[2] != 1 else None, None)
+
+
+def ring_attention(query: Array, key: Array, value: Array,
+                   bias: Array | None = None, mask: Array | None = None, *,
+                   scale: float | None = None, is_causal: bool = False,
+                   axis: str = 'sequence') -> Array:
+  """`scaled_dot_product_attention`, exactly, the length split over `axis`.
+
+  Self-attention only (S == T); T must divide evenly over the axis.
+
+  Args:
+    axis: the mesh axis the sequence is split over.
+  """
+  core.check_inputs(query, key, value, bias, mask)
+  length = query.shape[1]
+  if key.shape[1] != length:
+    raise ValueError(
+        f'ring attention needs as many keys as queries (S == T), got '
+        f'T={length}, S={key.shape[1]}.')
+  ring_size = _ring_size(axis)
+  if length % ring_size:
+    raise ValueError(
+        f'length {length} does not split evenly over the {ring_size} '
+        f'devices of mesh axis {axis!r}.')
+  body = functools.partial(
+      _ring_body, scale=1.0 / math.sqrt(query.shape[-1]) if scale is None
+      else scale, is_causal=is_causal, axis=axis, ring_size=ring_size)
+  if ring_size == 1:
+    return body(query, key, value, bias, mask)
+  sequence = P(None, axis)
+  return jax.shard_map(
+      body, in_specs=(sequence, sequence, sequence, _row_spec(bias, axis),
+                      _row_spec(mask, axis)),
+      out_specs=sequence, axis_names={axis})(query, key, value, bias, mask)

@@ -1,0 +1,330 @@
+"""One train step on any mesh: layouts agree with one device, ring attention
+is exact, checkpoints move between meshes, bad layouts are refused."""
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import default, lm_stdlib
+from model import attention, positions
+from train import checkpointing, config_validation, mesh, parallel
+from train.errors import InputError
+from train.trainer import train_and_evaluate
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+B, T, V = 8, 16, 64
+
+
+def small_config(**parallelism):
+  config = default.get_config()
+  config.batch_size = B
+  config.seq_len = T
+  config.warmup_steps = 1
+  config.model.update(vocab_size=V, d_model=32, num_heads=4, num_layers=2,
+                      mlp_dim=64, max_len=T, position='rope')
+  config.parallelism.update(parallelism)
+  return config
+
+
+def lm_batches(count: int):
+  """Packed LM batches: two documents a row, with segment ids."""
+  rng = np.random.default_rng(0)
+  for _ in range(count):
+    tokens = rng.integers(1, V, (B, T + 1)).astype(np.int32)
+    split = T // 2 - 3
+    segments = np.where(np.arange(T) < split, 1, 2).astype(np.int32)
+    segments = np.broadcast_to(segments, (B, T)).copy()
+    positions_ = np.where(np.arange(T) < split, np.arange(T),
+                          np.arange(T) - split).astype(np.int32)
+    yield {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+           'positions': np.broadcast_to(positions_, (B, T)).copy(),
+           'segment_ids': segments,
+           'weights': np.ones((B, T), np.float32)}
+
+
+def program_for(config, devices):
+  model_config = config_validation.validate(config)
+  return parallel.compile_program(config, model_config, 'lm',
+                                  mesh.make_mesh(config.parallelism, devices))
+
+
+def train(program, steps: int = 5):
+  """(losses of `steps` steps, final state)."""
+  state = program.init()
+  losses = []
+  with program.scope():
+    for batch in lm_batches(steps):
+      state, sums = program.train_step(state, program.batch(batch),
+                                       program.key(1))
+      losses.append(float(sums['loss_sum'] / sums['weight_sum']))
+  return losses, state
+
+
+@pytest.fixture(scope='module')
+def one_device_losses():
+  return train(program_for(small_config(), jax.devices()[:1]))[0]
+
+
+def query_kernel(state):
+  return state.params['decoder']['block_0']['self_attention']['query'][
+      'kernel']
+
+
+LAYOUTS = {
+    'data8': (dict(data=8), None),
+    'fsdp8': (dict(data=1, fsdp=8), None),
+    'data2_fsdp2_tensor2': (dict(data=2, fsdp=2, tensor=2), None),
+    'data4_sequence2_ring': (dict(data=4, sequence=2), 'ring'),
+    'pmap_data8': (dict(data=8, strategy='pmap'), None),
+}
+
+
+@pytest.mark.parametrize('name', LAYOUTS)
+def test_layout_trains_like_one_device(name, one_device_losses):
+  layout, attention_name = LAYOUTS[name]
+  config = small_config(**layout)
+  if attention_name:
+    config.model.attention = attention_name
+  losses, state = train(program_for(config, jax.devices()))
+  np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
+  # The query kernel [embed 32, heads 4, head_dim 8] on each device: split
+  # by FSDP along embed, by tensor parallelism along heads.
+  shard_shape = {'data8': (32, 4, 8), 'fsdp8': (4, 4, 8),
+                 'data2_fsdp2_tensor2': (16, 2, 8),
+                 'data4_sequence2_ring': (32, 4, 8),
+                 'pmap_data8': (32, 4, 8)}[name]
+  kernel = query_kernel(state)
+  assert {s.data.shape for s in kernel.addressable_shards} == {shard_shape}
+  if name == 'fsdp8':
+    leaves = jax.tree.leaves(state.params)
+    total = sum(x.nbytes for x in leaves)
+    on_device_0 = sum(x.addressable_shards[0].data.nbytes for x in leaves)
+    assert on_device_0 < 0.15 * total  # 1/8, plus the unsplit biases.
+
+
+# --- ring attention ---
+
+
+def random_qkv(batch=2, length=16, heads=4, kv_heads=2, head_dim=8):
+  rng = np.random.default_rng(1)
+  make = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  return (make(batch, length, heads, head_dim),
+          make(batch, length, kv_heads, head_dim),
+          make(batch, length, kv_heads, head_dim))
+
+
+def ring_mesh(**sizes):
+  config = default.get_config()
+  config.parallelism.update(dict(data=1) | sizes)
+  return mesh.make_mesh(config.parallelism)
+
+
+RING_CASES = {
+    'plain': dict(),
+    'causal': dict(is_causal=True),
+    'padding_mask': dict(mask=jnp.arange(16)[None, None, None, :] < 13),
+    'row_mask_and_bias': dict(
+        mask=jnp.asarray(np.random.default_rng(2).random((2, 1, 16, 16))
+                         > 0.3),
+        bias=jnp.asarray(np.random.default_rng(3).normal(size=(2, 4, 16, 16)),
+                         jnp.float32), is_causal=True),
+}
+
+
+@pytest.mark.parametrize('case', RING_CASES)
+@pytest.mark.parametrize('sizes', [dict(sequence=8),
+                                   dict(data=2, sequence=4)],
+                         ids=['sequence8', 'data2_sequence4'])
+def test_ring_attention_equals_dense_with_gradients(case, sizes):
+  q, k, v = random_qkv()
+  kwargs = RING_CASES[case]
+
+  def loss(fn, q, k, v):
+    return jnp.sum(jnp.sin(fn(q, k, v, **kwargs)))
+
+  dense = attention.get('dense')
+  expected = dense(q, k, v, **kwargs)
+  expected_grads = jax.grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2))(
+      q, k, v)
+  ring = attention.get('ring')
+  with jax.set_mesh(ring_mesh(**sizes)):
+    out = jax.jit(lambda q, k, v: ring(q, k, v, **kwargs))(q, k, v)
+    grads = jax.jit(jax.grad(lambda *a: loss(ring, *a), argnums=(0, 1, 2)))(
+        q, k, v)
+  np.testing.assert_allclose(out, expected, atol=1e-5)
+  for got, want in zip(grads, expected_grads):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_ring_attention_passes_blocks_round_the_ring():
+  q, k, v = random_qkv()
+  ring = attention.get('ring')
+  with jax.set_mesh(ring_mesh(sequence=8)):
+    hlo = jax.jit(lambda q, k, v: ring(q, k, v, is_causal=True)).lower(
+        q, k, v).compile().as_text()
+  assert 'collective-permute' in hlo
+  # Sequence-split: no device computes logits for the whole length.
+  assert 'f32[2,2,2,16,16]' not in hlo
+
+
+def test_ring_attention_with_a_position_bias_and_its_gradient():
+  q, k, v = random_qkv()
+  pos = jnp.tile(jnp.arange(16), (2, 1))
+  slopes = jnp.asarray(positions.alibi_slopes(4), jnp.float32)
+
+  def loss(fn, q, slopes):
+    bias = positions.alibi_bias(pos, pos, 4)
+    bias = dataclasses.replace(bias, data=bias.data | {'slopes': slopes})
+    return jnp.sum(jnp.sin(fn(q, k, v, bias, is_causal=True)))
+
+  want = jax.grad(lambda *a: loss(attention.get('dense'), *a),
+                  argnums=(0, 1))(q, slopes)
+  with jax.set_mesh(ring_mesh(sequence=4, data=2)):
+    got = jax.jit(jax.grad(lambda *a: loss(attention.get('ring'), *a),
+                           argnums=(0, 1)))(q, slopes)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_ring_attention_refuses_what_it_cannot_split():
+  q, k, v = random_qkv(length=12)
+  ring = attention.get('ring')
+  with jax.set_mesh(ring_mesh(sequence=8)):
+    with pytest.raises(ValueError, match='does not split evenly'):
+      ring(q, k, v)
+  with pytest.raises(ValueError, match='S == T'):
+    ring(q, k[:, :8], v[:, :8])
+
+
+# --- checkpoints across meshes ---
+
+
+@pytest.mark.parametrize('save_on, restore_on', [('fsdp8', 'one'),
+                                                 ('one', 'fsdp8')])
+def test_checkpoint_restores_onto_another_mesh(save_on, restore_on, tmp_path):
+  layouts = {'fsdp8': (dict(data=1, fsdp=8), jax.devices()),
+             'one': (dict(), jax.devices()[:1])}
+  source = program_for(small_config(**layouts[save_on][0]),
+                       layouts[save_on][1])
+  _, state = train(source, steps=1)
+  iterator = iter(grain_iterator())
+  checkpointer = checkpointing.Checkpointer(str(tmp_path), keep=1)
+  checkpointer.save(1, state, iterator)
+  checkpointer.close()
+
+  target = program_for(small_config(**layouts[restore_on][0]),
+                       layouts[restore_on][1])
+  checkpointer = checkpointing.Checkpointer(str(tmp_path), keep=1)
+  restored = checkpointer.restore(1, target.abstract_state,
+                                  iter(grain_iterator()))
+  checkpointer.close()
+  for got, want, sharding in zip(
+      jax.tree.leaves(restored), jax.tree.leaves(state),
+      jax.tree.leaves(target.state_sharding)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert got.sharding == sharding
+  num_devices = len(query_kernel(restored).sharding.device_set)
+  assert num_devices == (8 if restore_on == 'fsdp8' else 1)
+
+
+def grain_iterator():
+  return grain.MapDataset.range(10).to_iter_dataset()
+
+
+# --- refused layouts ---
+
+BAD_LAYOUTS = [
+    (dict(data=3), 'config.parallelism: data=3'),
+    (dict(data=-1, fsdp=-1), 'only one axis may be -1'),
+    (dict(data=-1, tensor=3), 'config.parallelism.data=-1'),
+    (dict(data=2, tensor=4, model=dict(num_heads=6, d_model=48)),
+     'config.model.num_heads=6 does not split over '
+     'config.parallelism.tensor=4'),
+    (dict(data=8, batch_size=12), 'config.batch_size=12'),
+    (dict(data=2, sequence=4, seq_len=18), 'config.seq_len=18'),
+    (dict(data=2, fsdp=4, strategy='pmap'), 'config.parallelism.fsdp=4'),
+    (dict(strategy='pmapp'), 'config.parallelism.strategy'),
+    (dict(rules=(('embed', 'model'),)), 'config.logical_axis_rules'),
+    (dict(dcn_data=2), 'config.parallelism.dcn_data=2'),
+]
+
+
+@pytest.mark.parametrize('overrides, message', BAD_LAYOUTS)
+def test_bad_layouts_are_refused_naming_the_key(overrides, message):
+  overrides = dict(overrides)
+  config = small_config()
+  config.model.update(overrides.pop('model', {}))
+  if 'batch_size' in overrides:
+    config.batch_size = overrides.pop('batch_size')
+  if 'seq_len' in overrides:
+    config.seq_len = config.model.max_len = overrides.pop('seq_len')
+  if 'rules' in overrides:
+    config.logical_axis_rules = overrides.pop('rules')
+  config.parallelism.update(overrides)
+  with pytest.raises(InputError, match=message.replace('(', r'\(')):
+    config_validation.validate(config)
+
+
+# --- two processes ---
+
+TWO_PROCESS_OVERRIDES = {
+    'num_train_steps': 3, 'warmup_steps': 1, 'batch_size': 8, 'seq_len': 32,
+    'log_every': 1, 'eval_every': 0, 'checkpoint_every': 0,
+    'num_eval_steps': 1, 'sample_length': 0, 'model.num_layers': 1,
+    'model.d_model': 32, 'parallelism.fsdp': 2}
+
+
+def train_losses(workdir) -> list[float]:
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line)['loss'] for line in f if '"loss"' in line]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_train_like_one(tmp_path, data_dir, stdlib_dataset):
+  del stdlib_dataset  # Built once here, so the processes only read it.
+  flags = ['--config=configs/lm_stdlib.py', f'--config.data_dir={data_dir}']
+  flags += [f'--config.{key}={value}'
+            for key, value in TWO_PROCESS_OVERRIDES.items()]
+  flags += [            f'--workdir={tmp_path / "two"}',
+            f'--coordinator_address=127.0.0.1:{free_port()}',
+            '--num_processes=2']
+  env = dict(os.environ, JAX_PLATFORMS='cpu',
+             XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  processes = [subprocess.Popen(
+      [sys.executable, '-m', 'train.train', *flags, f'--process_id={i}'],
+      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True) for i in range(2)]
+  try:
+    outputs = [process.communicate(timeout=300)[0] for process in processes]
+  finally:
+    for process in processes:
+      process.kill()
+  for process, output in zip(processes, outputs):
+    assert process.returncode == 0, output[-3000:]
+
+  config = lm_stdlib.get_config()
+  config.data_dir = data_dir
+  for key, value in TWO_PROCESS_OVERRIDES.items():
+    *parents, leaf = key.split('.')
+    functools.reduce(getattr, parents, config)[leaf] = value
+  train_and_evaluate(config, str(tmp_path / 'one'))
+  one = train_losses(tmp_path / 'one')
+  assert len(one) == 3
+  np.testing.assert_allclose(train_losses(tmp_path / 'two'), one, rtol=1e-5)
