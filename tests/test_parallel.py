@@ -32,6 +32,8 @@ def small_config(**parallelism):
   config.batch_size = B
   config.seq_len = T
   config.warmup_steps = 1
+  # Plain SGD, unclipped: a gradient of the wrong scale changes the losses.
+  config.update(optimizer='sgd', grad_clip_norm=0.0, learning_rate=0.5)
   config.model.update(vocab_size=V, d_model=32, num_heads=4, num_layers=2,
                       mlp_dim=64, max_len=T, position='rope')
   config.parallelism.update(parallelism)
@@ -61,7 +63,7 @@ def program_for(config, devices):
 
 
 def train(program, steps: int = 5):
-  """(losses of `steps` steps, final state)."""
+  """(losses and gradient norms of `steps` steps, final state)."""
   state = program.init()
   losses = []
   with program.scope():
@@ -69,6 +71,7 @@ def train(program, steps: int = 5):
       state, sums = program.train_step(state, program.batch(batch),
                                        program.key(1))
       losses.append(float(sums['loss_sum'] / sums['weight_sum']))
+      losses.append(float(sums['grad_norm']))
   return losses, state
 
 
@@ -99,6 +102,7 @@ def test_layout_trains_like_one_device(name, one_device_losses):
     config.model.attention = attention_name
   losses, state = train(program_for(config, jax.devices()))
   np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
+  assert losses[-2] < losses[0]  # It learns.
   # The query kernel [embed 32, heads 4, head_dim 8] on each device: split
   # by FSDP along embed, by tensor parallelism along heads.
   shard_shape = {'data8': (32, 4, 8), 'fsdp8': (4, 4, 8),
@@ -220,6 +224,7 @@ def test_checkpoint_restores_onto_another_mesh(save_on, restore_on, tmp_path):
                        layouts[save_on][1])
   _, state = train(source, steps=1)
   iterator = iter(grain_iterator())
+  next(iterator), next(iterator), next(iterator)
   checkpointer = checkpointing.Checkpointer(str(tmp_path), keep=1)
   checkpointer.save(1, state, iterator)
   checkpointer.close()
@@ -227,9 +232,11 @@ def test_checkpoint_restores_onto_another_mesh(save_on, restore_on, tmp_path):
   target = program_for(small_config(**layouts[restore_on][0]),
                        layouts[restore_on][1])
   checkpointer = checkpointing.Checkpointer(str(tmp_path), keep=1)
+  restored_iterator = iter(grain_iterator())
   restored = checkpointer.restore(1, target.abstract_state,
-                                  iter(grain_iterator()))
+                                  restored_iterator)
   checkpointer.close()
+  assert next(restored_iterator) == next(iterator) == 3
   for got, want, sharding in zip(
       jax.tree.leaves(restored), jax.tree.leaves(state),
       jax.tree.leaves(target.state_sharding)):
@@ -282,7 +289,7 @@ def test_bad_layouts_are_refused_naming_the_key(overrides, message):
 TWO_PROCESS_OVERRIDES = {
     'num_train_steps': 3, 'warmup_steps': 1, 'batch_size': 8, 'seq_len': 32,
     'log_every': 1, 'eval_every': 0, 'checkpoint_every': 0,
-    'num_eval_steps': 1, 'sample_length': 0, 'model.num_layers': 1,
+    'num_eval_steps': 1, 'sample_length': 4, 'model.num_layers': 1,
     'model.d_model': 32, 'parallelism.fsdp': 2}
 
 

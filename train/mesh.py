@@ -105,10 +105,10 @@ def start_distributed(config: ml_collections.ConfigDict, *,
                       process_id: int | None = None) -> None:
   """Joins this process to a multi-host run, before any JAX computation.
 
-  With a coordinator address (argument or JAX_COORDINATOR_ADDRESS), the
-  process count and this process's id are taken as given; with
-  `config.distributed` alone, JAX reads them from the cluster (Cloud TPU,
-  Slurm, Open MPI, Kubernetes). Otherwise this is a single-host run.
+  With `coordinator_address`, `num_processes` and `process_id` given, they
+  say how to join; with `config.distributed` (or JAX_COORDINATOR_ADDRESS
+  set), JAX reads what is not given from the cluster (Cloud TPU, Slurm,
+  Open MPI, Kubernetes). Otherwise this is a single-host run.
   """
   if coordinator_address is None and not config.distributed and (
       'JAX_COORDINATOR_ADDRESS' not in os.environ):

@@ -192,7 +192,7 @@ def global_batch(batch, sharding: NamedSharding):
 
 def jit_train_step(step_fn: Callable, strategy: str, mesh: Mesh,
                    state_sharding: TrainState) -> Callable:
-  """`step_fn(state, batch, rng, all_reduce=None) -> (state, metrics)` as
+  """`step_fn(state, batch, rng, device_axes=None) -> (state, metrics)` as
   the compiled step of `strategy`; the state argument is donated."""
   replicated = NamedSharding(mesh, P())
   batch = batch_sharding(mesh)
@@ -209,8 +209,7 @@ def jit_train_step(step_fn: Callable, strategy: str, mesh: Mesh,
     rng = jax.random.fold_in(rng, jax.lax.axis_index(BATCH_AXES))
     # Every axis is manual here: no logical constraints apply.
     with nn.logical_axis_rules(()):
-      return step_fn(state, batch, rng, all_reduce=functools.partial(
-          jax.lax.psum, axis_name=BATCH_AXES))
+      return step_fn(state, batch, rng, device_axes=BATCH_AXES)
 
   program = jax.shard_map(per_device, mesh=mesh,
                           in_specs=(state_specs, batch.spec, P()),
@@ -248,6 +247,11 @@ class Program:
     return jax.jit(lambda: jax.random.split(jax.random.key(self.seed),
                                             3)[index],
                    out_shardings=NamedSharding(self.mesh, P()))()
+
+  def replicate(self, tree):
+    """`tree` whole on every device (so any host can read it)."""
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(self.mesh, P()))(
+        tree)
 
   def batch(self, host_batch):
     """Global arrays of a batch every host holds whole."""

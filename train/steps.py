@@ -6,7 +6,6 @@ batch (divided by their weight only when summarised), so that micro-batches,
 devices and eval batches add up exactly.
 """
 
-from collections.abc import Callable
 from typing import Any
 
 import flax
@@ -127,15 +126,19 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
                optimizer: optax.GradientTransformation,
                schedule: optax.Schedule, label_smoothing: float = 0.0,
                grad_accum_steps: int = 1,
-               all_reduce: Callable[[Any], Any] | None = None
+               device_axes: tuple[str, ...] | None = None
                ) -> tuple[TrainState, dict]:
   """One optimizer update on `batch`, accumulated over micro-batches.
 
   Dropout draws from `fold_in(rng, step)`, so a resumed run draws the same.
   A Transformer-XL memory (state.memory) is read and replaced; it needs the
-  whole batch at once (grad_accum_steps == 1). `all_reduce` sums a tree over
-  the devices when each runs this on its own part of the batch (the pmap
-  strategy); the update then divides by the global target count.
+  whole batch at once (grad_accum_steps == 1).
+
+  `device_axes` names the mesh axes when this runs on every device on its
+  own part of the batch (inside `jax.shard_map`, the pmap strategy): each
+  device takes the gradient of its own examples' loss, and an explicit
+  `psum` over those axes adds the gradients and metric sums of all devices
+  before the (replicated) update.
   """
   if state.memory is not None and grad_accum_steps != 1:
     raise ValueError('a Transformer-XL memory needs grad_accum_steps == 1.')
@@ -152,18 +155,23 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
       sums = metric_sums(out, micro_batch, label_smoothing=label_smoothing)
       return sums['loss_sum'], (sums, new_memory)
 
-    grads, (sums, memory) = jax.grad(loss_fn, has_aux=True)(state.params)
+    grads, (sums, memory) = jax.grad(loss_fn, has_aux=True)(params)
     return (jax.tree.map(jnp.add, grad_sum, grads), memory), sums
 
-  zeros = jax.tree.map(jnp.zeros_like, state.params)
+  params = state.params
+  if device_axes is not None:
+    # Marked per-device, the parameters get this device's gradient; left
+    # replicated, shard_map would sum the gradients over the devices itself.
+    params = jax.lax.pcast(params, device_axes, to='varying')
+  zeros = jax.tree.map(jnp.zeros_like, params)
   (grad_sum, memory), sums = jax.lax.scan(
       micro_step, (zeros, state.memory),
       (jnp.arange(grad_accum_steps), _micro_batches(batch, grad_accum_steps)))
   sums = jax.tree.map(jnp.sum, sums)
   sums['token_count'] = token_count(kind, batch)
-  if all_reduce is not None:
+  if device_axes is not None:
     # Sums, not means: devices whose examples hold more targets weigh more.
-    grad_sum, sums = all_reduce((grad_sum, sums))
+    grad_sum, sums = jax.lax.psum((grad_sum, sums), device_axes)
   # The loss is the mean over every weighted target of the whole batch.
   grads = jax.tree.map(lambda g: g / jnp.maximum(sums['weight_sum'], 1.0),
                        grad_sum)

@@ -126,8 +126,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   if dataset.kind == 'lm' and config.sample_length:
     prompt = np.concatenate([[tokenizers.EOS_ID], dataset.tokenizer.encode(
         config.sample_prompt)])
+    # Whole on every device: every host runs the sampling and can read it.
     tokens = sampling.sample(
-        build(model_config), state.params, prompt, num_tokens=config.sample_length,
+        build(model_config), program.replicate(state.params), prompt,
+        num_tokens=config.sample_length,
         max_len=config.seq_len, temperature=config.sample_temperature,
         rng=program.key(2))
     _say(f'--- sample (temperature {config.sample_temperature}) ---\n'

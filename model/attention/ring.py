@@ -86,20 +86,22 @@ def _ring_body(query, key, value, bias, mask, *, scale: float,
   fold = jax.checkpoint(fold)
 
   def step(carry, hop):
+    """Receives the next key block from the device before; folds it in."""
     stats, k_blk, v_blk = carry
+    k_blk, v_blk = jax.lax.ppermute(
+        (k_blk, v_blk), axis,
+        perm=[(j, (j + 1) % ring_size) for j in range(ring_size)])
     stats = fold(stats, k_blk, v_blk, (index - hop) % ring_size)
-    if ring_size > 1:
-      k_blk, v_blk = jax.lax.ppermute(
-          (k_blk, v_blk), axis,
-          perm=[(j, (j + 1) % ring_size) for j in range(ring_size)])
     return (stats, k_blk, v_blk), None
 
-  init = chunked.online_softmax_init(
+  stats = chunked.online_softmax_init(
       (batch, num_kv_heads, group, block), head_dim)
   if ring_size > 1:  # The statistics differ from device to device.
-    init = jax.lax.pcast(init, axis, to='varying')
-  (stats, _, _), _ = jax.lax.scan(step, (init, key, value),
-                                  jnp.arange(ring_size))
+    stats = jax.lax.pcast(stats, axis, to='varying')
+  stats = fold(stats, key, value, index)  # The device's own block first.
+  if ring_size > 1:
+    (stats, _, _), _ = jax.lax.scan(step, (stats, key, value),
+                                    jnp.arange(1, ring_size))
   out, _ = chunked.online_softmax_result(stats)
   out = jnp.transpose(out, (0, 3, 1, 2, 4))
   return out.reshape(batch, block, num_heads, head_dim).astype(query.dtype)

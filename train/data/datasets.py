@@ -19,6 +19,7 @@ from typing import Any
 
 import grain
 import jax
+from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
@@ -58,7 +59,7 @@ def _build(builder: tfds.core.DatasetBuilder) -> dict[str, Any]:
   """
   if jax.process_index() == 0:
     builder.download_and_prepare()
-  jax.experimental.multihost_utils.sync_global_devices(
+  multihost_utils.sync_global_devices(
       f'built {builder.info.full_name}')
   builder.download_and_prepare()
   return builder.as_data_source()
@@ -168,7 +169,7 @@ def _sentencepiece(config, workdir,
     return tokenizers.SentencePieceTokenizer(path)
   if jax.process_index() == 0:
     tokenizers.train_sentencepiece(texts(), config.model.vocab_size, path)
-  jax.experimental.multihost_utils.sync_global_devices('sentencepiece')
+  multihost_utils.sync_global_devices('sentencepiece')
   return tokenizers.SentencePieceTokenizer(path)
 
 
