@@ -3,6 +3,8 @@
   python -m train.train --config=configs/listops.py --workdir=workdirs/listops
   python -m train.train --config=configs/listops.py:full \
       --workdir=workdirs/listops_full
+  python -m experiments.sweep --config=configs/listops.py \
+      --workdir=workdirs/listops_sweep --parallel=2
 
 Result on 2 CPU cores (default, expressions of 17-127 tokens): 39.5%
 validation accuracy after 2000 steps, 5m22s.
@@ -12,6 +14,7 @@ not run on this machine, so no result is claimed for it here.
 """
 
 from configs import default
+from experiments import grid
 
 
 def get_config(arg: str = ''):
@@ -59,3 +62,9 @@ def get_config(arg: str = ''):
   # One more position for the CLS vector.
   config.model.max_len = config.seq_len + 1
   return config
+
+
+def get_sweep():
+  """Learning rates x warmups, for `python -m experiments.sweep`."""
+  return grid.product(learning_rate=[5e-4, 1e-3, 2e-3],
+                      warmup_steps=[100, 200])

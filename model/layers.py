@@ -129,6 +129,12 @@ class MultiHeadAttention(nn.Module):
         q_BxTxNxH, k_BxSxKxH, bias = self._relative_positions(
             q_BxTxNxH, k_BxSxKxH, q_positions_BxT, kv_positions_BxS,
             is_causal)
+    if self.is_mutable_collection('intermediates'):
+      # For pictures (experiments/attention_maps.py): the softmax weights
+      # [B, N, T, S] of exact attention under this layer's mask.
+      self.sow('intermediates', 'attention_weights',
+               attention.attention_weights(q_BxTxNxH, k_BxSxKxH, bias, mask,
+                                           is_causal=is_causal))
     if variant.dropout and not deterministic and (
         config.attention_dropout_rate > 0.0):
       kwargs |= {'dropout_rate': config.attention_dropout_rate,

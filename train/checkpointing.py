@@ -42,6 +42,13 @@ class Checkpointer:
     data_iterator.set_state(restored['data'])
     return restored['state']
 
+  def restore_state(self, step: int, abstract_state: TrainState
+                    ) -> TrainState:
+    """The state saved at `step` alone, without a data iterator to move."""
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state)))
+    return restored['state']
+
   def save(self, step: int, state: TrainState,
            data_iterator: grain.DatasetIterator) -> None:
     """Starts saving; returns once the arrays are copied off the device."""

@@ -99,5 +99,5 @@ def get(name: str) -> Callable[..., Array]:
 
 
 __all__ = ['PositionBias', 'Variant', 'attention_weights', 'causal_attention',
-           'causal_mask', 'cross_attention', 'get', 'names', 'scaled_dot_product_attention',
-           'spec']
+           'causal_mask', 'cross_attention', 'get', 'names',
+           'scaled_dot_product_attention', 'spec']

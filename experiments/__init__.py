@@ -1,0 +1,1 @@
+"""Experiments on train_and_evaluate: comparisons, sweeps, launchers, maps."""

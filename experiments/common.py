@@ -1,0 +1,95 @@
+"""What the experiment scripts share: config overrides, a run's metrics,
+result tables, and a description of the machine."""
+
+import ast
+import csv
+import json
+import os
+import platform
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import ml_collections
+
+
+def parse_value(text: str) -> Any:
+  """A command-line value as a Python literal where it is one (3, 1e-3,
+  True, 'x', (1, 2)), else the text itself."""
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def set_key(config: ml_collections.ConfigDict, dotted: str, value) -> None:
+  """config.<dotted> = value, e.g. set_key(c, 'model.d_model', 64); the
+  key must exist."""
+  *parents, leaf = dotted.split('.')
+  node = config
+  for parent in parents:
+    node = node[parent]
+  if leaf not in node:
+    raise KeyError(f'config.{dotted} is not a key of this config.')
+  node[leaf] = value
+
+
+def read_metrics(workdir: str) -> list[dict[str, float]]:
+  """The lines of `workdir/metrics.jsonl` (none if it is missing)."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+# The quality metric each kind of task is judged by, with its direction.
+QUALITY_METRICS = (('eval_bits_per_byte', 'min'), ('eval_exact_match', 'max'),
+                   ('eval_accuracy', 'max'))
+
+
+def quality_metric(summary: dict[str, float]) -> str:
+  """The name of the first of QUALITY_METRICS that `summary` has."""
+  for name, _ in QUALITY_METRICS:
+    if name in summary:
+      return name
+  return 'eval_loss'
+
+
+def _cell(value) -> str:
+  if isinstance(value, float):
+    return f'{value:.4g}'
+  return '' if value is None else str(value)
+
+
+def write_table(rows: Sequence[dict[str, Any]], columns: Sequence[str],
+                path_stem: str, preamble: str = '') -> str:
+  """Writes `path_stem`.csv and `path_stem`.md (the preamble, then the
+  table); returns the markdown table."""
+  with open(path_stem + '.csv', 'w', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction='ignore')
+    writer.writeheader()
+    writer.writerows(rows)
+  lines = ['| ' + ' | '.join(columns) + ' |',
+           '|' + '---|' * len(columns)]
+  lines += ['| ' + ' | '.join(_cell(row.get(c)) for c in columns) + ' |'
+            for row in rows]
+  table = '\n'.join(lines) + '\n'
+  with open(path_stem + '.md', 'w') as f:
+    f.write(preamble + table)
+  return table
+
+
+def machine_description() -> str:
+  """One line: processor, cores, JAX backend and devices."""
+  processor = platform.processor() or platform.machine()
+  try:
+    with open('/proc/cpuinfo') as f:
+      names = [line.split(':', 1)[1].strip() for line in f
+               if line.startswith('model name')]
+    processor = names[0] if names else processor
+  except OSError:
+    pass
+  devices = jax.devices()
+  return (f'{processor}, {os.cpu_count()} cores; JAX {jax.__version__} on '
+          f'{len(devices)} {devices[0].device_kind} device(s)')

@@ -1,0 +1,316 @@
+"""Trains attention variants side by side and tabulates what each costs.
+
+  python -m experiments.compare_attention --config=configs/listops.py \
+      --variants=dense,chunked,local,linformer,performer,bigbird \
+      --options=local.window=32,bigbird.block=16 --workdir=DIR \
+      [--lengths=512,1024,2048] [--config.key=value ...]
+
+Every variant trains with the same seed, data, steps and model size, through
+`train_and_evaluate`, in DIR/<variant>/; a finished variant (its
+result.json) is not trained again. For language models, if any variant
+takes key-padding masks only, every variant reads unpacked rows, so that all
+see the same data. A variant that cannot run the config (a causal
+Linformer, say) is listed as skipped, with the reason.
+
+Writes DIR/results.md and DIR/results.csv (per variant: the task's quality
+metric, eval loss, parameters, training step time and tokens/s, and the
+compiled peak memory of the train step; with --lengths, step time and
+memory at each length, on synthetic batches), DIR/curves.png (training loss
+and the quality metric against steps) and, with --lengths,
+DIR/scaling.png (step time and memory against length, log-log, with O(n)
+and O(n^2) slopes for reference). The table is printed at the end.
+"""
+
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import matplotlib
+import ml_collections
+import numpy as np
+from ml_collections import config_flags
+
+from experiments import common
+from model import attention
+from train import config_validation, mesh, parallel
+from train.data import datasets
+from train.errors import InputError
+from train.trainer import train_and_evaluate
+
+matplotlib.use('Agg')
+from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)
+
+FLAGS = flags.FLAGS
+
+
+def parse_options(items: list[str]) -> dict[str, dict]:
+  """['local.window=32', ...] -> {'local': {'window': 32}, ...}."""
+  options = {}
+  for item in items:
+    name, sep, value = item.partition('=')
+    variant, dot, key = name.partition('.')
+    if not (sep and dot and key):
+      raise InputError(f'--options item {item!r} is not variant.option=value.')
+    options.setdefault(variant, {})[key] = common.parse_value(value)
+  return options
+
+
+def variant_config(base: ml_collections.ConfigDict, name: str,
+                   options: dict[str, dict], unpacked: bool):
+  config = copy.deepcopy(base)
+  config.unlock()
+  config.model.attention = name
+  config.model.attention_options = ml_collections.ConfigDict(
+      options.get(name, {}))
+  if unpacked:
+    config.pack_sequences = False
+  return config
+
+
+def synthetic_batch(config, kind: str) -> dict[str, np.ndarray]:
+  """A batch of random tokens of the shapes the pipeline gives."""
+  rng = np.random.default_rng(0)
+  shape = (config.batch_size, config.seq_len)
+  tokens = lambda: rng.integers(1, config.model.vocab_size, shape).astype(
+      np.int32)
+  ones = np.ones(shape, np.float32)
+  if kind == 'lm':
+    batch = {'inputs': tokens(), 'targets': tokens(), 'weights': ones,
+             'positions': np.broadcast_to(np.arange(config.seq_len, dtype=
+                                                    np.int32), shape).copy()}
+    if config.pack_sequences:
+      batch['segment_ids'] = np.ones(shape, np.int32)
+    return batch
+  if kind == 'seq2seq':
+    return {'inputs': tokens(), 'decoder_inputs': tokens(),
+            'targets': tokens(), 'weights': ones}
+  return {'inputs': tokens(),
+          'targets': rng.integers(0, config.model.num_classes,
+                                  config.batch_size).astype(np.int32),
+          'weights': np.ones(config.batch_size, np.float32)}
+
+
+def measure(config, timing_steps: int) -> dict[str, float]:
+  """Parameters, compiled peak memory and (with `timing_steps`) the median
+  step time of the train step of `config`, on a synthetic batch."""
+  model_config = config_validation.validate(config)
+  kind = datasets.kind_of(config.dataset)
+  program = parallel.compile_program(config, model_config, kind,
+                                     mesh.make_mesh(config.parallelism))
+  state = program.init()
+  batch = program.batch(synthetic_batch(config, kind))
+  rng = program.key(1)
+  with program.scope():
+    compiled = program.train_step.lower(state, batch, rng).compile()
+  memory = compiled.memory_analysis()
+  peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+          + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+  result = {'params': int(sum(x.size for x in jax.tree.leaves(state.params))),
+            'peak_memory_mb': peak / 2**20}
+  if timing_steps:
+    times = []
+    for _ in range(timing_steps + 1):  # The first warms up.
+      start = time.perf_counter()
+      state, sums = compiled(state, batch, rng)
+      jax.block_until_ready(sums)
+      times.append(time.perf_counter() - start)
+    result['step_ms'] = 1e3 * statistics.median(times[1:])
+  return result
+
+
+def _load(path: str):
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  return None
+
+
+def _save(path: str, value) -> None:
+  with open(path + '.tmp', 'w') as f:
+    json.dump(value, f, indent=2)
+  os.replace(path + '.tmp', path)  # A result file is whole or absent.
+
+
+def run_variant(config, workdir: str, lengths: list[int],
+                timing_steps: int) -> dict:
+  """The row of one variant: trained (once) and measured."""
+  os.makedirs(workdir, exist_ok=True)
+  row = _load(os.path.join(workdir, 'result.json'))
+  if row is None:
+    summary = train_and_evaluate(config, workdir)
+    logged = [line for line in common.read_metrics(workdir)
+              if 'steps_per_s' in line]
+    metric = common.quality_metric(summary)
+    row = {'status': 'trained', 'metric': metric,
+           metric: float(summary[metric]),
+           'eval_loss': float(summary['eval_loss']),
+           'train_step_ms': 1e3 / logged[-1]['steps_per_s'],
+           'tokens_per_s': logged[-1]['tokens_per_s']}
+    row |= measure(config, timing_steps=0)
+    _save(os.path.join(workdir, 'result.json'), row)
+  scaling_path = os.path.join(workdir, 'lengths.json')
+  scaling = _load(scaling_path) or {}
+  for length in lengths:
+    if str(length) in scaling:
+      continue
+    long = copy.deepcopy(config)
+    long.seq_len = length
+    long.model.max_len = max(long.model.max_len, length + 1)
+    try:
+      scaling[str(length)] = measure(long, timing_steps)
+    except (InputError, ValueError) as error:
+      scaling[str(length)] = {'error': str(error)}
+    _save(scaling_path, scaling)
+  for length in lengths:
+    result = scaling[str(length)]
+    row[f'step_ms@{length}'] = result.get('step_ms')
+    row[f'memory_mb@{length}'] = result.get('peak_memory_mb')
+  return row
+
+
+def plot_curves(names: list[str], workdir: str, metric: str,
+                path: str) -> None:
+  figure, (loss_axes, metric_axes) = plt.subplots(1, 2, figsize=(11, 4))
+  for name in names:
+    lines = common.read_metrics(os.path.join(workdir, name))
+    train = [line for line in lines if 'loss' in line]
+    loss_axes.plot([l['step'] for l in train], [l['loss'] for l in train],
+                   label=name)
+    evals = [line for line in lines if metric in line]
+    metric_axes.plot([l['step'] for l in evals], [l[metric] for l in evals],
+                     marker='o', label=name)
+  loss_axes.set(xlabel='step', ylabel='training loss (nats)')
+  metric_axes.set(xlabel='step', ylabel=metric)
+  loss_axes.legend()
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+  plt.close(figure)
+
+
+def plot_scaling(rows: list[dict], lengths: list[int], path: str) -> None:
+  figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for ax, key, label in ((axes[0], 'step_ms', 'train step (ms)'),
+                         (axes[1], 'memory_mb', 'compiled peak memory (MiB)')):
+    anchor = None
+    for row in rows:
+      points = [(n, row.get(f'{key}@{n}')) for n in lengths]
+      points = [(n, v) for n, v in points if v is not None]
+      if points:
+        ax.plot(*zip(*points), marker='o', label=row['variant'])
+        anchor = anchor or points[0]
+    if anchor:
+      n = np.array(lengths, float)
+      for power, style in ((1, ':'), (2, '--')):
+        ax.plot(n, anchor[1] * (n / anchor[0]) ** power, 'k' + style,
+                linewidth=0.8, label=f'O(n{"²" if power == 2 else ""})')
+    ax.set(xscale='log', yscale='log', xlabel='sequence length',
+           ylabel=label)
+  axes[0].legend(fontsize=8)
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+  plt.close(figure)
+
+
+def compare(base: ml_collections.ConfigDict, variants: list[str],
+            workdir: str, *, options: dict[str, dict] | None = None,
+            lengths: list[int] = (), timing_steps: int = 3,
+            command: str = '') -> list[dict]:
+  """Trains and measures every variant; writes the tables and plots."""
+  options = options or {}
+  lengths = sorted(lengths)
+  for name in variants:
+    attention.spec(name)  # An unknown name fails before any training.
+  kind = datasets.kind_of(base.dataset)
+  unpacked = kind == 'lm' and base.pack_sequences and any(
+      attention.spec(name).masks != 'any' for name in variants)
+  os.makedirs(workdir, exist_ok=True)
+  rows, metric = [], None
+  for name in variants:
+    config = variant_config(base, name, options, unpacked)
+    try:
+      config_validation.validate(config)
+    except InputError as error:
+      rows.append({'variant': name, 'status': f'skipped: {error}'})
+      continue
+    row = {'variant': name} | run_variant(
+        config, os.path.join(workdir, name), list(lengths), timing_steps)
+    metric = row['metric']
+    rows.append(row)
+  columns = ['variant', 'status', metric or 'metric', 'eval_loss', 'params',
+             'train_step_ms', 'tokens_per_s', 'peak_memory_mb']
+  columns += [f'{key}@{n}' for n in lengths
+              for key in ('step_ms', 'memory_mb')]
+  trained = [row['variant'] for row in rows if row['status'] == 'trained']
+  preamble = f'# Attention variants: {base.dataset}\n\n'
+  if command:
+    preamble += f'Command: `{command}`\n\n'
+  preamble += (
+      f'Machine: {common.machine_description()}.\n\n'
+      f'Same seed, data, steps ({base.num_train_steps}) and model size for '
+      'every variant; options: '
+      f'{json.dumps(options) if options else "defaults"}'
+      f'{"; rows unpacked for every variant" if unpacked else ""}. '
+      'train_step_ms and tokens_per_s are those of the last logged interval '
+      'of training; peak_memory_mb is the compiled train step\'s (arguments '
+      '+ outputs + temporaries); the @length columns time a train step on '
+      'synthetic batches of that length.\n\n')
+  table = common.write_table(rows, columns, os.path.join(workdir, 'results'),
+                             preamble)
+  if trained:
+    plot_curves(trained, workdir, metric, os.path.join(workdir, 'curves.png'))
+  if lengths and trained:
+    plot_scaling([row for row in rows if row['status'] == 'trained'],
+                 list(lengths), os.path.join(workdir, 'scaling.png'))
+  print(table)
+  return rows
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
+  if not FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)
+  try:
+    compare(FLAGS.config, FLAGS.variants, FLAGS.workdir,
+            options=parse_options(FLAGS.options),
+            lengths=[int(n) for n in FLAGS.lengths],
+            timing_steps=FLAGS.timing_steps,
+            command='python -m experiments.compare_attention '
+            + ' '.join(sys.argv[1:]))
+  except InputError as error:
+    print(f'error: {error}', file=sys.stderr)
+    sys.exit(2)
+
+
+def _define_flags() -> None:
+  """The command line, defined only when this runs as a script (so that
+  the experiment modules can be imported together)."""
+  config_flags.DEFINE_config_file(
+      'config', None, 'Experiment config file, optionally with :argument.',
+      lock_config=True)
+  flags.DEFINE_list(
+      'variants', None, 'Attention variants to compare, e.g. dense,chunked.')
+  flags.DEFINE_list(
+      'options', [], 'Variant options as variant.option=value items, e.g. '
+      'local.window=32,bigbird.block=16.')
+  flags.DEFINE_string(
+      'workdir', None, 'Directory of the comparison; each variant trains in a '
+      'sub-directory.')
+  flags.DEFINE_list(
+      'lengths', [], 'Sequence lengths at which to time a train step and '
+      'compile its memory, on synthetic batches.')
+  flags.DEFINE_integer(
+      'timing_steps', 3, 'Steps timed (after one warm-up) at each length.')
+  flags.mark_flags_as_required(['config', 'variants', 'workdir'])
+
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main)

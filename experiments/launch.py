@@ -1,0 +1,183 @@
+"""Starts one training command on every host of a TPU pod slice or a Slurm
+GPU cluster.
+
+TPU (Cloud TPU VMs, through gcloud):
+
+  python -m experiments.launch --tpu=NAME --zone=ZONE --accelerator=v5p-64 \
+      [--create] [--dry_run] -- python -m train.train \
+      --config=configs/lm1b.py --workdir=gs://BUCKET/run
+
+creates the slice if asked, copies this checkout (`git archive HEAD`) to
+every worker and installs it with JAX for TPU, then starts the command on
+all workers at once (`--worker=all`) with `--config.distributed=True`, so
+that `jax.distributed.initialize()` reads the pod from the environment. A
+`gs://BUCKET/...` workdir is mounted on every worker with gcsfuse at
+/gcs/BUCKET (the convention of Vertex AI), so that all hosts write their
+checkpoint shards, and process 0 its metrics, to the bucket.
+
+GPU clusters (Slurm):
+
+  python -m experiments.launch --slurm --nodes=4 --gpus_per_node=8 \
+      [--partition=P] [--time=24:00:00] [--dry_run] -- python -m train.train ...
+
+writes an sbatch script that starts one process per node (each seeing its
+node's GPUs) and submits it; `jax.distributed.initialize()` reads the
+Slurm environment. With --dry_run, both print what they would run.
+"""
+
+import os
+import shlex
+import subprocess
+
+from absl import app
+from absl import flags
+
+
+FLAGS = flags.FLAGS
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARCHIVE = '/tmp/attnlab.tar.gz'
+JAX_TPU = ('"jax[tpu]>=0.10.2,<0.11" -f '
+           'https://storage.googleapis.com/jax-releases/libtpu_releases.html')
+JAX_CUDA = '"jax[cuda12]>=0.10.2,<0.11"'
+# The TPU VM image of each accelerator generation (the prefix of its type).
+RUNTIMES = {'v4': 'tpu-ubuntu2204-base', 'v5p': 'v2-alpha-tpuv5',
+            'v5litepod': 'v2-alpha-tpuv5-lite', 'v6e': 'v2-alpha-tpuv6e'}
+
+
+def distributed(train_command: list[str]) -> list[str]:
+  """The command with --config.distributed=True (once)."""
+  if any(arg.startswith('--config.distributed') for arg in train_command):
+    return train_command
+  return train_command + ['--config.distributed=True']
+
+
+def gcs_workdir(train_command: list[str]) -> tuple[list[str], str | None]:
+  """The command with a gs://BUCKET/... workdir read at /gcs/BUCKET/...,
+  and the bucket (None when the workdir is not on GCS)."""
+  command, bucket = [], None
+  for arg in train_command:
+    if arg.startswith('--workdir=gs://'):
+      path = arg[len('--workdir=gs://'):]
+      bucket = path.split('/', 1)[0]
+      arg = f'--workdir=/gcs/{path}'
+    command.append(arg)
+  return command, bucket
+
+
+def tpu_commands(name: str, zone: str, accelerator: str, runtime: str | None,
+                 create: bool, train_command: list[str]) -> list[list[str]]:
+  """The commands, in order, that start `train_command` on every worker."""
+  def on_workers(script: str) -> list[str]:
+    return ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', name,
+            f'--zone={zone}', '--worker=all', f'--command={script}']
+
+  commands = []
+  if create:
+    commands.append(['gcloud', 'compute', 'tpus', 'tpu-vm', 'create', name,
+                     f'--zone={zone}', f'--accelerator-type={accelerator}',
+                     f'--version={runtime}'])
+  commands.append(['git', '-C', REPO, 'archive', '--format=tar.gz',
+                   f'--output={ARCHIVE}', 'HEAD'])
+  commands.append(['gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', ARCHIVE,
+                   f'{name}:~/attnlab.tar.gz', f'--zone={zone}',
+                   '--worker=all'])
+  commands.append(on_workers(
+      'rm -rf ~/attnlab && mkdir -p ~/attnlab && '
+      'tar -xzf ~/attnlab.tar.gz -C ~/attnlab && cd ~/attnlab && '
+      'python3 -m venv .venv && .venv/bin/pip install -q -e . '
+      f'{JAX_TPU}'))
+  command, bucket = gcs_workdir(distributed(train_command))
+  if bucket:
+    commands.append(on_workers(
+        f'sudo mkdir -p /gcs/{bucket} && sudo chmod a+rwx /gcs/{bucket} && '
+        f'(mountpoint -q /gcs/{bucket} || gcsfuse --implicit-dirs '
+        f'{bucket} /gcs/{bucket})'))
+  commands.append(on_workers(
+      f'cd ~/attnlab && .venv/bin/{shlex.join(command)}'))
+  return commands
+
+
+def sbatch_script(train_command: list[str], *, nodes: int,
+                  gpus_per_node: int, partition: str | None,
+                  time_limit: str) -> str:
+  """An sbatch script: one task per node, each with its node's GPUs."""
+  lines = ['#!/bin/bash',
+           '#SBATCH --job-name=attnlab',
+           f'#SBATCH --nodes={nodes}',
+           '#SBATCH --ntasks-per-node=1',
+           f'#SBATCH --gpus-per-node={gpus_per_node}',
+           f'#SBATCH --time={time_limit}',
+           '#SBATCH --output=attnlab-%j.out']
+  if partition:
+    lines.append(f'#SBATCH --partition={partition}')
+  lines += ['set -euo pipefail',
+            f'cd {shlex.quote(REPO)}',
+            '# Once per checkout: python3 -m venv .venv && '
+            f'.venv/bin/pip install -e . {JAX_CUDA}',
+            '# One process per node; jax.distributed.initialize() reads '
+            'SLURM_* for the coordinator, process count and id.',
+            f'srun .venv/bin/{shlex.join(distributed(train_command))}']
+  return '\n'.join(lines) + '\n'
+
+
+def _python(train_command: list[str]) -> list[str]:
+  """`python -m train.train ...` -> ['python', '-m', ...], checked."""
+  if not train_command or 'train.train' not in train_command:
+    raise app.UsageError('give the training command after --, e.g. -- '
+                         'python -m train.train --config=... --workdir=...')
+  return ['python'] + train_command[train_command.index('-m'):]
+
+
+def main(argv: list[str]) -> None:
+  train_command = _python(argv[1:])
+  if FLAGS.slurm:
+    script = sbatch_script(train_command, nodes=FLAGS.nodes,
+                           gpus_per_node=FLAGS.gpus_per_node,
+                           partition=FLAGS.partition, time_limit=FLAGS.time)
+    if FLAGS.dry_run:
+      print(script, end='')
+      return
+    with open(FLAGS.script, 'w') as f:
+      f.write(script)
+    subprocess.run(['sbatch', FLAGS.script], check=True)
+    return
+  if not (FLAGS.tpu and FLAGS.zone and FLAGS.accelerator):
+    raise app.UsageError('--tpu, --zone and --accelerator are required '
+                         '(or --slurm).')
+  generation = FLAGS.accelerator.rsplit('-', 1)[0]
+  runtime = FLAGS.runtime or RUNTIMES.get(generation)
+  if FLAGS.create and runtime is None:
+    raise app.UsageError(f'no default --runtime for {FLAGS.accelerator}; '
+                         'give one.')
+  for command in tpu_commands(FLAGS.tpu, FLAGS.zone, FLAGS.accelerator,
+                              runtime, FLAGS.create, train_command):
+    print(shlex.join(command), flush=True)
+    if not FLAGS.dry_run:
+      subprocess.run(command, check=True)
+
+
+def _define_flags() -> None:
+  """The command line, defined only when this runs as a script (so that
+  the experiment modules can be imported together)."""
+  flags.DEFINE_string('tpu', None, 'Name of the TPU VM (pod slice).')
+  flags.DEFINE_string('zone', None, 'Zone of the TPU.')
+  flags.DEFINE_string(
+      'accelerator', None, 'Accelerator type, e.g. v5p-64 or v6e-256.')
+  flags.DEFINE_string(
+      'runtime', None, 'TPU VM software version (--version); default: the '
+      "accelerator generation's (RUNTIMES).")
+  flags.DEFINE_bool('create', False, 'Create the slice first.')
+  flags.DEFINE_bool('slurm', False, 'Launch on Slurm instead.')
+  flags.DEFINE_integer('nodes', 1, 'Slurm nodes.')
+  flags.DEFINE_integer('gpus_per_node', 8, 'GPUs per node.')
+  flags.DEFINE_string('partition', None, 'Slurm partition.')
+  flags.DEFINE_string('time', '24:00:00', 'Slurm time limit.')
+  flags.DEFINE_string('script', 'attnlab.sbatch',
+                      'Where to write the sbatch script.')
+  flags.DEFINE_bool('dry_run', False,
+                    'Print the commands instead of running them.')
+
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main)

@@ -1,0 +1,212 @@
+"""The experiment scripts: comparisons, sweeps, launch commands, maps."""
+
+import csv
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import attention_maps, compare_attention, grid, launch
+from experiments import sweep
+from model import build
+from model.config import ModelConfig
+from test_train import tiny_config
+from train import steps
+from train.errors import InputError
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PNG = b'\x89PNG'
+
+
+@pytest.fixture(scope='module')
+def comparison(data_dir, tmp_path_factory):
+  """dense and chunked trained on tiny ListOps, measured at two lengths."""
+  workdir = str(tmp_path_factory.mktemp('compare'))
+  config = tiny_config('listops', data_dir)
+  rows = compare_attention.compare(
+      config, ['dense', 'chunked', 'linformer'], workdir,
+      options={'chunked': {'chunk_size': 8}}, lengths=[32, 16],
+      timing_steps=1, command='test')
+  return workdir, rows
+
+
+def test_compare_writes_the_table_csv_and_plots(comparison):
+  workdir, rows = comparison
+  with open(os.path.join(workdir, 'results.csv')) as f:
+    table = list(csv.DictReader(f))
+  assert [row['variant'] for row in table] == ['dense', 'chunked',
+                                               'linformer']
+  assert list(table[0]) == [
+      'variant', 'status', 'eval_accuracy', 'eval_loss', 'params',
+      'train_step_ms', 'tokens_per_s', 'peak_memory_mb', 'step_ms@16',
+      'memory_mb@16', 'step_ms@32', 'memory_mb@32']
+  for row in table:
+    assert row['status'] == 'trained'
+    assert 0.0 <= float(row['eval_accuracy']) <= 1.0
+    for key in ('train_step_ms', 'tokens_per_s', 'step_ms@32'):
+      assert float(row[key]) > 0
+    assert float(row['memory_mb@32']) > float(row['memory_mb@16'])
+  # Linformer owns its projections; the exact variants share a size.
+  assert table[0]['params'] == table[1]['params'] != table[2]['params']
+  results = open(os.path.join(workdir, 'results.md')).read()
+  assert 'Command: `test`' in results and '| dense | trained |' in results
+  for name in ('curves.png', 'scaling.png'):
+    with open(os.path.join(workdir, name), 'rb') as f:
+      assert f.read(4) == PNG
+
+
+def test_compare_does_not_train_a_finished_variant_again(comparison,
+                                                         data_dir,
+                                                         monkeypatch):
+  workdir, rows = comparison
+  config = tiny_config('listops', data_dir)
+
+  def refuse(*args):
+    raise AssertionError('trained again')
+
+  monkeypatch.setattr(compare_attention, 'train_and_evaluate', refuse)
+  again = compare_attention.compare(
+      config, ['dense'], workdir, lengths=[32, 16], timing_steps=1)
+  assert again[0] == rows[0]
+
+
+def test_compare_lists_a_variant_the_config_cannot_run(data_dir, tmp_path):
+  config = tiny_config('lm_stdlib', data_dir)
+  rows = compare_attention.compare(config, ['linformer'], str(tmp_path))
+  assert rows[0]['status'].startswith('skipped: ')
+  assert 'causal' in rows[0]['status']
+
+
+def test_attention_maps_of_a_trained_checkpoint(comparison):
+  workdir = os.path.join(comparison[0], 'dense')
+  path = attention_maps.attention_maps(workdir, example=0)
+  with open(path, 'rb') as f:
+    assert f.read(4) == PNG
+  with pytest.raises(InputError, match='exact softmax attention'):
+    attention_maps.attention_maps(os.path.join(comparison[0], 'linformer'),
+                                  example=0)
+
+
+def test_attention_weights_are_one_softmax_row_per_query(comparison):
+  config = attention_maps.load_config(os.path.join(comparison[0], 'dense'))
+  model = build(ModelConfig.from_mapping(config.model))
+  params = steps.init_params(model, 'classification', jax.random.key(0), 8)
+  tokens = np.array([3, 4, 5, 6, 0, 0], np.int32)  # Two padding tokens.
+  (name, weights), = attention_maps.attention_weights(
+      model, params, 'classification', tokens)
+  assert name == 'encoder/block_0'
+  assert weights.shape == (2, 7, 7)  # Heads; the CLS vector, then tokens.
+  np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
+  np.testing.assert_array_equal(weights[..., -2:], 0.0)  # Padding unseen.
+
+
+# --- sweeps ---
+
+SWEEP_CONFIG = '''
+from configs import listops
+from experiments import grid
+
+
+def get_config():
+  """tests/test_train.py's tiny ListOps, whose dataset is built already."""
+  config = listops.get_config()
+  config.data_dir = {data_dir!r}
+  config.update(batch_size=8, num_train_steps=4, warmup_steps=1, log_every=2,
+                eval_every=4, checkpoint_every=4, num_eval_steps=2,
+                seq_len=32)
+  config.model.update(d_model=16, num_heads=2, num_layers=1, mlp_dim=32,
+                      max_len=33, dtype='float32')
+  config.dataset_options.update(min_length=5, max_length=32, num_train=200,
+                                num_eval=20)
+  return config
+
+
+def get_sweep():
+  # The last trial fails: a negative learning rate is refused.
+  return grid.product(learning_rate=[1e-3, 3e-3, -1.0])
+'''
+
+
+def test_sweep_records_a_failure_and_skips_finished_trials(comparison,
+                                                           data_dir,
+                                                           tmp_path):
+  del comparison  # Its tiny ListOps dataset is the trials' (built once).
+  config_path = tmp_path / 'sweep_config.py'
+  config_path.write_text(SWEEP_CONFIG.format(data_dir=data_dir))
+  workdir = str(tmp_path / 'sweep')
+  rows = sweep.sweep(str(config_path), workdir, parallel=2)
+  assert [row['status'] for row in rows] == ['finished', 'finished', 'failed']
+  assert [row['rank'] for row in rows[:2]] == [1, 2]
+  assert rows[0]['eval_accuracy'] >= rows[1]['eval_accuracy']
+  assert 'config.learning_rate=-1.0' in rows[2]['error']
+  board = open(os.path.join(workdir, 'leaderboard.md')).read()
+  assert 'failed' in board and 'learning_rate' in board
+  with open(os.path.join(workdir, 'sweep.png'), 'rb') as f:
+    assert f.read(4) == PNG
+
+  finished = os.path.join(workdir, 'learning_rate=0.001', 'trial.json')
+  before = os.path.getmtime(finished)
+  again = sweep.sweep(str(config_path), workdir, parallel=2)
+  assert os.path.getmtime(finished) == before  # Not run again.
+  assert [row['status'] for row in again] == ['finished', 'finished',
+                                              'failed']
+
+
+def test_grid_helpers():
+  assert grid.product(a=[1, 2], b=['x']) == [{'a': 1, 'b': 'x'},
+                                              {'a': 2, 'b': 'x'}]
+  assert grid.zipped(a=[1, 2], b=[3, 4]) == [{'a': 1, 'b': 3},
+                                             {'a': 2, 'b': 4}]
+  with pytest.raises(ValueError, match='one length'):
+    grid.zipped(a=[1], b=[1, 2])
+
+
+def test_listops_config_defines_a_sweep():
+  trials = sweep.load_sweep(str(REPO / 'configs' / 'listops.py') + ':full')
+  assert len(trials) == 6 and {'learning_rate', 'warmup_steps'} == set(
+      trials[0])
+
+
+# --- launch ---
+
+TRAIN = ['python', '-m', 'train.train', '--config=configs/lm1b.py',
+         '--workdir=gs://bucket/run']
+
+
+def test_tpu_launch_commands_run_on_every_worker():
+  commands = launch.tpu_commands('pod', 'us-east5-a', 'v5p-64',
+                                 'v2-alpha-tpuv5', True, TRAIN)
+  create, archive, copy, install, mount, start = commands
+  assert create[:6] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'create',
+                        'pod']
+  assert '--accelerator-type=v5p-64' in create
+  assert archive[3:5] == ['archive', '--format=tar.gz']
+  assert copy[4] == 'scp' and '--worker=all' in copy
+  for command in (install, mount, start):
+    assert command[4:6] == ['ssh', 'pod'] and '--worker=all' in command
+  assert 'jax[tpu]' in install[-1]
+  assert 'gcsfuse --implicit-dirs bucket /gcs/bucket' in mount[-1]
+  assert start[-1].endswith(
+      '.venv/bin/python -m train.train --config=configs/lm1b.py '
+      '--workdir=/gcs/bucket/run --config.distributed=True')
+
+
+def test_launch_dry_run_prints_commands_and_slurm_script():
+  run = lambda *args: subprocess.run(
+      [sys.executable, '-m', 'experiments.launch', *args, '--dry_run', '--',
+       *TRAIN[:-1], '--workdir=/shared/run'], cwd=REPO, capture_output=True,
+      text=True, check=True).stdout
+  tpu = run('--tpu=pod', '--zone=z', '--accelerator=v6e-64').splitlines()
+  assert len(tpu) == 4  # Archive, copy, install, start: no create.
+  assert '--worker=all' in tpu[-1]
+  script = run('--slurm', '--nodes=4', '--gpus_per_node=8')
+  assert '#SBATCH --nodes=4' in script
+  assert '#SBATCH --ntasks-per-node=1' in script
+  assert script.rstrip().endswith(
+      'srun .venv/bin/python -m train.train --config=configs/lm1b.py '
+      '--workdir=/shared/run --config.distributed=True')
+
