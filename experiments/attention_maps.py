@@ -154,8 +154,8 @@ def attention_maps(workdir: str, *, text: str | None = None,
   layers = attention_weights(build(model_config), state.params, dataset.kind,
                              tokens)
   labels = [label(dataset, int(t)) for t in tokens]
-  if layers[0][1].shape[-1] == len(labels) + 1:  # A classifier's CLS first.
-    labels = ['[CLS]'] + labels
+  if dataset.kind == 'classification' and model_config.pooling == 'cls':
+    labels = ['[CLS]'] + labels  # The classifier's vector before the tokens.
   output = output or os.path.join(workdir, 'attention_maps.png')
   draw(layers, labels, output)
   return output

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import ml_collections
 
 
 def parse_value(text: str) -> Any:
@@ -22,25 +21,33 @@ def parse_value(text: str) -> Any:
     return text
 
 
-def set_key(config: ml_collections.ConfigDict, dotted: str, value) -> None:
-  """config.<dotted> = value, e.g. set_key(c, 'model.d_model', 64); the
-  key must exist."""
-  *parents, leaf = dotted.split('.')
-  node = config
-  for parent in parents:
-    node = node[parent]
-  if leaf not in node:
-    raise KeyError(f'config.{dotted} is not a key of this config.')
-  node[leaf] = value
+def load_json(path: str):
+  """The JSON value in `path`, or None if there is no such file."""
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def save_json(path: str, value) -> None:
+  """Writes `value` so that the file is whole or absent, never half."""
+  with open(path + '.tmp', 'w') as f:
+    json.dump(value, f, indent=2)
+  os.replace(path + '.tmp', path)
 
 
 def read_metrics(workdir: str) -> list[dict[str, float]]:
-  """The lines of `workdir/metrics.jsonl` (none if it is missing)."""
+  """The lines of `workdir/metrics.jsonl` (none if it is missing). A
+  resumed run logs again the steps after its checkpoint: of lines logged
+  for the same step with the same keys, the last is kept."""
   path = os.path.join(workdir, 'metrics.jsonl')
   if not os.path.exists(path):
     return []
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = [json.loads(line) for line in f if line.strip()]
+  last = {(line['step'], tuple(sorted(line))): i
+          for i, line in enumerate(lines)}
+  return [lines[i] for i in sorted(last.values())]
 
 
 # The quality metric each kind of task is judged by, with its direction.

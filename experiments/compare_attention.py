@@ -98,8 +98,10 @@ def synthetic_batch(config, kind: str) -> dict[str, np.ndarray]:
 
 
 def measure(config, timing_steps: int) -> dict[str, float]:
-  """Parameters, compiled peak memory and (with `timing_steps`) the median
-  step time of the train step of `config`, on a synthetic batch."""
+  """Parameters, compiled memory (peak: arguments + outputs + temporaries;
+  temp: the temporaries, which hold the activations) and (with
+  `timing_steps`) the median step time of the train step of `config`, on a
+  synthetic batch."""
   model_config = config_validation.validate(config)
   kind = datasets.kind_of(config.dataset)
   program = parallel.compile_program(config, model_config, kind,
@@ -113,7 +115,8 @@ def measure(config, timing_steps: int) -> dict[str, float]:
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
   result = {'params': int(sum(x.size for x in jax.tree.leaves(state.params))),
-            'peak_memory_mb': peak / 2**20}
+            'peak_memory_mb': peak / 2**20,
+            'temp_memory_mb': memory.temp_size_in_bytes / 2**20}
   if timing_steps:
     times = []
     for _ in range(timing_steps + 1):  # The first warms up.
@@ -125,24 +128,15 @@ def measure(config, timing_steps: int) -> dict[str, float]:
   return result
 
 
-def _load(path: str):
-  if os.path.exists(path):
-    with open(path) as f:
-      return json.load(f)
-  return None
-
-
-def _save(path: str, value) -> None:
-  with open(path + '.tmp', 'w') as f:
-    json.dump(value, f, indent=2)
-  os.replace(path + '.tmp', path)  # A result file is whole or absent.
-
-
 def run_variant(config, workdir: str, lengths: list[int],
                 timing_steps: int) -> dict:
   """The row of one variant: trained (once) and measured."""
   os.makedirs(workdir, exist_ok=True)
-  row = _load(os.path.join(workdir, 'result.json'))
+  described = config.to_json_best_effort(sort_keys=True)
+  row = common.load_json(os.path.join(workdir, 'result.json'))
+  if row is not None and row.pop('config') != described:
+    raise InputError(f'{workdir} holds a run of another config; compare '
+                     'in a new --workdir.')
   if row is None:
     summary = train_and_evaluate(config, workdir)
     logged = [line for line in common.read_metrics(workdir)
@@ -154,9 +148,10 @@ def run_variant(config, workdir: str, lengths: list[int],
            'train_step_ms': 1e3 / logged[-1]['steps_per_s'],
            'tokens_per_s': logged[-1]['tokens_per_s']}
     row |= measure(config, timing_steps=0)
-    _save(os.path.join(workdir, 'result.json'), row)
+    common.save_json(os.path.join(workdir, 'result.json'),
+                     row | {'config': described})
   scaling_path = os.path.join(workdir, 'lengths.json')
-  scaling = _load(scaling_path) or {}
+  scaling = common.load_json(scaling_path) or {}
   for length in lengths:
     if str(length) in scaling:
       continue
@@ -165,13 +160,15 @@ def run_variant(config, workdir: str, lengths: list[int],
     long.model.max_len = max(long.model.max_len, length + 1)
     try:
       scaling[str(length)] = measure(long, timing_steps)
-    except (InputError, ValueError) as error:
-      scaling[str(length)] = {'error': str(error)}
-    _save(scaling_path, scaling)
+    except Exception as error:  # pylint: disable=broad-except
+      # Out of memory, or a length the variant cannot take: recorded, so
+      # that a re-run does not try it again.
+      scaling[str(length)] = {'error': str(error).splitlines()[0]}
+    common.save_json(scaling_path, scaling)
   for length in lengths:
     result = scaling[str(length)]
     row[f'step_ms@{length}'] = result.get('step_ms')
-    row[f'memory_mb@{length}'] = result.get('peak_memory_mb')
+    row[f'temp_mb@{length}'] = result.get('temp_memory_mb')
   return row
 
 
@@ -197,7 +194,8 @@ def plot_curves(names: list[str], workdir: str, metric: str,
 def plot_scaling(rows: list[dict], lengths: list[int], path: str) -> None:
   figure, axes = plt.subplots(1, 2, figsize=(11, 4))
   for ax, key, label in ((axes[0], 'step_ms', 'train step (ms)'),
-                         (axes[1], 'memory_mb', 'compiled peak memory (MiB)')):
+                         (axes[1], 'temp_mb',
+                          'compiled temporary memory (MiB)')):
     anchor = None
     for row in rows:
       points = [(n, row.get(f'{key}@{n}')) for n in lengths]
@@ -244,9 +242,9 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
     metric = row['metric']
     rows.append(row)
   columns = ['variant', 'status', metric or 'metric', 'eval_loss', 'params',
-             'train_step_ms', 'tokens_per_s', 'peak_memory_mb']
-  columns += [f'{key}@{n}' for n in lengths
-              for key in ('step_ms', 'memory_mb')]
+             'train_step_ms', 'tokens_per_s', 'peak_memory_mb',
+             'temp_memory_mb']
+  columns += [f'{key}@{n}' for n in lengths for key in ('step_ms', 'temp_mb')]
   trained = [row['variant'] for row in rows if row['status'] == 'trained']
   preamble = f'# Attention variants: {base.dataset}\n\n'
   if command:
@@ -259,8 +257,10 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
       f'{"; rows unpacked for every variant" if unpacked else ""}. '
       'train_step_ms and tokens_per_s are those of the last logged interval '
       'of training; peak_memory_mb is the compiled train step\'s (arguments '
-      '+ outputs + temporaries); the @length columns time a train step on '
-      'synthetic batches of that length.\n\n')
+      '+ outputs + temporaries), temp_memory_mb its temporaries (the '
+      'activations); the @length columns time a train step and compile its '
+      'temporaries on synthetic batches of that length (empty: it failed, '
+      'see DIR/<variant>/lengths.json).\n\n')
   table = common.write_table(rows, columns, os.path.join(workdir, 'results'),
                              preamble)
   if trained:

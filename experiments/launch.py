@@ -9,11 +9,14 @@ TPU (Cloud TPU VMs, through gcloud):
 
 creates the slice if asked, copies this checkout (`git archive HEAD`) to
 every worker and installs it with JAX for TPU, then starts the command on
-all workers at once (`--worker=all`) with `--config.distributed=True`, so
-that `jax.distributed.initialize()` reads the pod from the environment. A
+all workers at once (`--worker=all`, detached, output in
+~/attnlab/train.log) with `--config.distributed=True`, so that
+`jax.distributed.initialize()` reads the pod from the environment. A
 `gs://BUCKET/...` workdir is mounted on every worker with gcsfuse at
 /gcs/BUCKET (the convention of Vertex AI), so that all hosts write their
-checkpoint shards, and process 0 its metrics, to the bucket.
+checkpoint shards, and process 0 its metrics, to the bucket. The workers
+need gcsfuse, and the bucket a hierarchical namespace: orbax completes a
+checkpoint by renaming its directory, which gcsfuse does only there.
 
 GPU clusters (Slurm):
 
@@ -92,8 +95,11 @@ def tpu_commands(name: str, zone: str, accelerator: str, runtime: str | None,
         f'sudo mkdir -p /gcs/{bucket} && sudo chmod a+rwx /gcs/{bucket} && '
         f'(mountpoint -q /gcs/{bucket} || gcsfuse --implicit-dirs '
         f'{bucket} /gcs/{bucket})'))
+  # Detached, so that the run outlives this ssh session; its output is in
+  # ~/attnlab/train.log on each worker.
   commands.append(on_workers(
-      f'cd ~/attnlab && .venv/bin/{shlex.join(command)}'))
+      f'cd ~/attnlab && nohup .venv/bin/{shlex.join(command)} '
+      '> train.log 2>&1 &'))
   return commands
 
 
@@ -115,7 +121,10 @@ def sbatch_script(train_command: list[str], *, nodes: int,
             '# Once per checkout: python3 -m venv .venv && '
             f'.venv/bin/pip install -e . {JAX_CUDA}',
             '# One process per node; jax.distributed.initialize() reads '
-            'SLURM_* for the coordinator, process count and id.',
+            'SLURM_* for the coordinator, process count and id,',
+            '# and this, for the GPUs each process drives (all its node\'s).',
+            'export JAX_LOCAL_DEVICE_IDS='
+            + ','.join(str(i) for i in range(gpus_per_node)),
             f'srun .venv/bin/{shlex.join(distributed(train_command))}']
   return '\n'.join(lines) + '\n'
 

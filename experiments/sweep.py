@@ -17,7 +17,7 @@ metric against each swept value).
 
 import concurrent.futures
 import importlib.util
-import json
+import math
 import os
 import re
 import subprocess
@@ -55,23 +55,29 @@ def trial_name(overrides: dict) -> str:
 
 
 def run_trial(config_arg: str, workdir: str, overrides: dict,
-              common_overrides: dict) -> dict:
+              common_overrides: dict, parallel: int = 1) -> dict:
   """Runs one trial to its end (or reads its record); returns the record."""
-  record_path = os.path.join(workdir, 'trial.json')
-  if os.path.exists(record_path):
-    with open(record_path) as f:
-      record = json.load(f)
-    if record['status'] == 'finished':
-      return record
-  os.makedirs(workdir, exist_ok=True)
   command = [sys.executable, '-m', 'train.train', f'--config={config_arg}',
              f'--workdir={workdir}']
   command += [f'--config.{key}={value}'
               for key, value in (common_overrides | overrides).items()]
+  record_path = os.path.join(workdir, 'trial.json')
+  record = common.load_json(record_path)
+  if record is not None:
+    if record['command'] != command[1:]:
+      raise ValueError(f'{workdir} holds a trial run as '
+                       f'{" ".join(record["command"])}; sweep in a new '
+                       '--workdir to change the overrides.')
+    if record['status'] == 'finished':
+      return record
+  os.makedirs(workdir, exist_ok=True)
+  env = dict(os.environ)
+  if parallel > 1:  # Trials on one accelerator share its memory.
+    env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', f'{0.9 / parallel:.2f}')
   with open(os.path.join(workdir, 'log.txt'), 'w') as log:
-    process = subprocess.run(command, cwd=REPO, stdout=log,
+    process = subprocess.run(command, cwd=REPO, env=env, stdout=log,
                              stderr=subprocess.STDOUT)
-  record = {'overrides': overrides, 'command': ' '.join(command)}
+  record = {'overrides': overrides, 'command': command[1:]}
   evaluations = [line for line in common.read_metrics(workdir)
                  if 'eval_loss' in line]
   if process.returncode == 0 and evaluations:
@@ -82,15 +88,15 @@ def run_trial(config_arg: str, workdir: str, overrides: dict,
     record |= {'status': 'failed',
                'error': lines[-1] if lines else
                f'exit status {process.returncode}'}
-  with open(record_path, 'w') as f:
-    json.dump(record, f, indent=2)
+  common.save_json(record_path, record)
   return record
 
 
 def leaderboard(records: list[dict], metric: str, mode: str) -> list[dict]:
-  """Rows sorted by `metric` (best first), failed trials last."""
+  """Rows sorted by `metric` (best first), then the trials without a
+  finite value of it (failed, or diverged), with the reason."""
   finished = [r for r in records if r['status'] == 'finished'
-              and metric in r['metrics']]
+              and math.isfinite(r['metrics'].get(metric, math.nan))]
   finished.sort(key=lambda r: r['metrics'][metric],
                 reverse=mode == 'max')
   rows = []
@@ -100,9 +106,10 @@ def leaderboard(records: list[dict], metric: str, mode: str) -> list[dict]:
                  **record['overrides']})
   for record in records:
     if record not in finished:
+      value = record.get('metrics', {}).get(metric)
       rows.append({'trial': trial_name(record['overrides']),
                    'status': record['status'],
-                   'error': record.get('error', f'no {metric} logged'),
+                   'error': record.get('error', f'{metric} is {value}'),
                    **record['overrides']})
   return rows
 
@@ -132,16 +139,24 @@ def sweep(config_arg: str, workdir: str, *, parallel: int = 1,
   names = [trial_name(trial) for trial in trials]
   if len(set(names)) != len(names):
     raise ValueError('get_sweep() gives the same overrides twice.')
+  if mode is None:
+    known = dict(common.QUALITY_METRICS) | {'eval_loss': 'min'}
+    if metric is not None and metric not in known:
+      raise ValueError(f'say whether --metric={metric} is better low or high '
+                       '(--mode=min or max).')
+    mode = known.get(metric)
   os.makedirs(workdir, exist_ok=True)
+  # Trials run from the repository root, as `python -m train.train`.
+  path, sep, argument = config_arg.partition(':')
+  config_arg = os.path.abspath(path) + sep + argument
   with concurrent.futures.ThreadPoolExecutor(max(parallel, 1)) as pool:
     records = list(pool.map(
         lambda trial: run_trial(config_arg, os.path.join(
-            workdir, trial_name(trial)), trial, common_overrides or {}),
-        trials))
+            workdir, trial_name(trial)), trial, common_overrides or {},
+                                parallel), trials))
   if metric is None:
     finished = [r['metrics'] for r in records if r['status'] == 'finished']
     metric = common.quality_metric(finished[0] if finished else {})
-  if mode is None:
     mode = dict(common.QUALITY_METRICS).get(metric, 'min')
   rows = leaderboard(records, metric, mode)
   keys = list(dict.fromkeys(key for trial in trials for key in trial))

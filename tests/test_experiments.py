@@ -42,14 +42,15 @@ def test_compare_writes_the_table_csv_and_plots(comparison):
                                                'linformer']
   assert list(table[0]) == [
       'variant', 'status', 'eval_accuracy', 'eval_loss', 'params',
-      'train_step_ms', 'tokens_per_s', 'peak_memory_mb', 'step_ms@16',
-      'memory_mb@16', 'step_ms@32', 'memory_mb@32']
+      'train_step_ms', 'tokens_per_s', 'peak_memory_mb', 'temp_memory_mb',
+      'step_ms@16', 'temp_mb@16', 'step_ms@32', 'temp_mb@32']
   for row in table:
     assert row['status'] == 'trained'
     assert 0.0 <= float(row['eval_accuracy']) <= 1.0
     for key in ('train_step_ms', 'tokens_per_s', 'step_ms@32'):
       assert float(row[key]) > 0
-    assert float(row['memory_mb@32']) > float(row['memory_mb@16'])
+    assert float(row['temp_mb@32']) > float(row['temp_mb@16'])
+    assert float(row['peak_memory_mb']) > float(row['temp_memory_mb'])
   # Linformer owns its projections; the exact variants share a size.
   assert table[0]['params'] == table[1]['params'] != table[2]['params']
   results = open(os.path.join(workdir, 'results.md')).read()
@@ -81,17 +82,26 @@ def test_compare_lists_a_variant_the_config_cannot_run(data_dir, tmp_path):
   assert 'causal' in rows[0]['status']
 
 
-def test_attention_maps_of_a_trained_checkpoint(comparison):
+def test_attention_maps_of_a_trained_checkpoint(comparison, monkeypatch):
   workdir = os.path.join(comparison[0], 'dense')
+  drawn = {}
+  draw = attention_maps.draw
+  monkeypatch.setattr(attention_maps, 'draw', lambda layers, labels, path: (
+      drawn.update(layers=layers, labels=labels), draw(layers, labels, path)))
   path = attention_maps.attention_maps(workdir, example=0)
   with open(path, 'rb') as f:
     assert f.read(4) == PNG
+  (name, weights), = drawn['layers']  # One layer of two heads.
+  labels = drawn['labels']
+  assert name == 'encoder/block_0' and labels[0] == '[CLS]'
+  assert weights.shape == (2, len(labels), len(labels))
+  np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
   with pytest.raises(InputError, match='exact softmax attention'):
     attention_maps.attention_maps(os.path.join(comparison[0], 'linformer'),
                                   example=0)
 
 
-def test_attention_weights_are_one_softmax_row_per_query(comparison):
+def test_attention_weights_mask_padding(comparison):
   config = attention_maps.load_config(os.path.join(comparison[0], 'dense'))
   model = build(ModelConfig.from_mapping(config.model))
   params = steps.init_params(model, 'classification', jax.random.key(0), 8)
@@ -141,7 +151,6 @@ def test_sweep_records_a_failure_and_skips_finished_trials(comparison,
   rows = sweep.sweep(str(config_path), workdir, parallel=2)
   assert [row['status'] for row in rows] == ['finished', 'finished', 'failed']
   assert [row['rank'] for row in rows[:2]] == [1, 2]
-  assert rows[0]['eval_accuracy'] >= rows[1]['eval_accuracy']
   assert 'config.learning_rate=-1.0' in rows[2]['error']
   board = open(os.path.join(workdir, 'leaderboard.md')).read()
   assert 'failed' in board and 'learning_rate' in board
@@ -154,6 +163,28 @@ def test_sweep_records_a_failure_and_skips_finished_trials(comparison,
   assert os.path.getmtime(finished) == before  # Not run again.
   assert [row['status'] for row in again] == ['finished', 'finished',
                                               'failed']
+
+
+def test_leaderboard_ranks_by_the_metric_and_lists_failures_last():
+  def record(rate, status='finished', value=None):
+    record = {'overrides': {'learning_rate': rate}, 'status': status}
+    if status == 'finished':
+      record['metrics'] = {'eval_loss': value}
+    else:
+      record['error'] = 'boom'
+    return record
+
+  records = [record(1, value=2.0), record(2, 'failed'),
+             record(3, value=float('nan')), record(4, value=1.0)]
+  low = sweep.leaderboard(records, 'eval_loss', 'min')
+  assert [row['trial'] for row in low] == [
+      'learning_rate=4', 'learning_rate=1', 'learning_rate=2',
+      'learning_rate=3']
+  assert [row.get('rank') for row in low] == [1, 2, None, None]
+  assert low[2]['error'] == 'boom' and low[3]['error'] == 'eval_loss is nan'
+  high = sweep.leaderboard(records, 'eval_loss', 'max')
+  assert [row['trial'] for row in high[:2]] == ['learning_rate=1',
+                                                'learning_rate=4']
 
 
 def test_grid_helpers():
@@ -191,8 +222,9 @@ def test_tpu_launch_commands_run_on_every_worker():
   assert 'jax[tpu]' in install[-1]
   assert 'gcsfuse --implicit-dirs bucket /gcs/bucket' in mount[-1]
   assert start[-1].endswith(
-      '.venv/bin/python -m train.train --config=configs/lm1b.py '
-      '--workdir=/gcs/bucket/run --config.distributed=True')
+      'nohup .venv/bin/python -m train.train --config=configs/lm1b.py '
+      '--workdir=/gcs/bucket/run --config.distributed=True '
+      '> train.log 2>&1 &')
 
 
 def test_launch_dry_run_prints_commands_and_slurm_script():
@@ -206,6 +238,7 @@ def test_launch_dry_run_prints_commands_and_slurm_script():
   script = run('--slurm', '--nodes=4', '--gpus_per_node=8')
   assert '#SBATCH --nodes=4' in script
   assert '#SBATCH --ntasks-per-node=1' in script
+  assert 'export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7' in script
   assert script.rstrip().endswith(
       'srun .venv/bin/python -m train.train --config=configs/lm1b.py '
       '--workdir=/shared/run --config.distributed=True')
