@@ -130,6 +130,16 @@ def _positive(**options):
       raise ValueError(f'{name}={value} must be positive.')
 
 
+def _band(padded: int, block: int, window: int, is_causal: bool) -> Part:
+  """Pairs with |i - j| < window, on blocks of `block` >= window (or of the
+  whole sequence) positions, each reading itself and its neighbours (the
+  earlier one only, when causal)."""
+  offsets = (-1, 0) if is_causal else (-1, 0, 1)
+  return Part(blocks(padded, block),
+              neighbour_blocks(padded // block, block, offsets),
+              lambda q, k: np.abs(q - k) < window)
+
+
 def local_attention(query: Array, key: Array, value: Array,
                     bias: Array | None = None, mask: Array | None = None, *,
                     scale: float | None = None, is_causal: bool = False,
@@ -139,13 +149,8 @@ def local_attention(query: Array, key: Array, value: Array,
   each reading its neighbour blocks: O(T * window)."""
   _check_self_attention('local', query, key, value, bias, mask)
   _positive(window=window)
-  length = query.shape[1]
-  block = min(window, length)
-  padded = _padded(length, block)
-  offsets = (-1, 0) if is_causal else (-1, 0, 1)
-  part = Part(blocks(padded, block),
-              neighbour_blocks(padded // block, block, offsets),
-              lambda q, k: np.abs(q - k) < window)
+  block = min(window, query.shape[1])
+  part = _band(_padded(query.shape[1], block), block, window, is_causal)
   return attend_parts(query, key, value, bias, mask, scale=_scale(query, scale),
                       is_causal=is_causal, parts=[part])
 
@@ -160,13 +165,9 @@ def strided_attention(query: Array, key: Array, value: Array,
   [T / stride, stride] grid: O(T * (stride + T / stride))."""
   _check_self_attention('strided', query, key, value, bias, mask)
   _positive(stride=stride)
-  length = query.shape[1]
-  stride = min(stride, length)
-  padded = _padded(length, stride)
-  offsets = (-1, 0) if is_causal else (-1, 0, 1)
-  local = Part(blocks(padded, stride),
-               neighbour_blocks(padded // stride, stride, offsets),
-               lambda q, k: np.abs(q - k) < stride)
+  stride = min(stride, query.shape[1])
+  padded = _padded(query.shape[1], stride)
+  local = _band(padded, stride, stride, is_causal)
   columns = blocks(padded, stride).T  # Positions congruent mod stride.
   strides = Part(columns, columns, lambda q, k: np.abs(q - k) >= stride)
   return attend_parts(query, key, value, bias, mask, scale=_scale(query, scale),
