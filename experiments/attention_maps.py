@@ -18,17 +18,16 @@ with approximations or patterns of their own, so they are refused.
 import json
 import os
 import re
-import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 from flax import traverse_util
 import jax
 import matplotlib
 import ml_collections
 import numpy as np
 
+from experiments import common
 from model import build
 from train import checkpointing, config_validation, mesh, parallel
 from train.data import datasets, tokenizers
@@ -162,17 +161,9 @@ def attention_maps(workdir: str, *, text: str | None = None,
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
-  if not FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)
-  try:
-    path = attention_maps(FLAGS.workdir, text=FLAGS.text,
-                          example=FLAGS.example, output=FLAGS.output,
-                          max_tokens=FLAGS.max_tokens)
-  except InputError as error:
-    print(f'error: {error}', file=sys.stderr)
-    sys.exit(2)
+  path = common.run_script(argv, lambda: attention_maps(
+      FLAGS.workdir, text=FLAGS.text, example=FLAGS.example,
+      output=FLAGS.output, max_tokens=FLAGS.max_tokens))
   print(f'Wrote {path}')
 
 

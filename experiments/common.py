@@ -2,14 +2,20 @@
 result tables, and a description of the machine."""
 
 import ast
+from collections.abc import Callable, Sequence
 import csv
 import json
 import os
 import platform
-from collections.abc import Sequence
+import sys
 from typing import Any
 
+from absl import app
+from absl import flags
+from absl import logging
 import jax
+
+from train.errors import InputError
 
 
 def parse_value(text: str) -> Any:
@@ -19,6 +25,21 @@ def parse_value(text: str) -> Any:
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):
     return text
+
+
+def run_script(argv: list[str], work: Callable[[], Any]) -> Any:
+  """The body of a script's main: no stray arguments; library logs at
+  WARNING unless --verbosity is given; a bad input (InputError) printed as
+  one line, exiting with status 2."""
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)
+  try:
+    return work()
+  except InputError as error:
+    print(f'error: {error}', file=sys.stderr)
+    sys.exit(2)
 
 
 def load_json(path: str):

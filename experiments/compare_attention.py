@@ -30,7 +30,6 @@ import time
 
 from absl import app
 from absl import flags
-from absl import logging
 import jax
 import matplotlib
 import ml_collections
@@ -273,20 +272,13 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
-  if not FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)
-  try:
-    compare(FLAGS.config, FLAGS.variants, FLAGS.workdir,
-            options=parse_options(FLAGS.options),
-            lengths=[int(n) for n in FLAGS.lengths],
-            timing_steps=FLAGS.timing_steps,
-            command='python -m experiments.compare_attention '
-            + ' '.join(sys.argv[1:]))
-  except InputError as error:
-    print(f'error: {error}', file=sys.stderr)
-    sys.exit(2)
+  common.run_script(argv, lambda: compare(
+      FLAGS.config, FLAGS.variants, FLAGS.workdir,
+      options=parse_options(FLAGS.options),
+      lengths=[int(n) for n in FLAGS.lengths],
+      timing_steps=FLAGS.timing_steps,
+      command='python -m experiments.compare_attention '
+      + ' '.join(sys.argv[1:])))
 
 
 def _define_flags() -> None:
