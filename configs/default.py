@@ -96,6 +96,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every = 500
   # Checkpoints kept; older ones are deleted.
   config.keep_checkpoints = 3
+  # A step whose loss or gradient is not finite: stop (name the step and
+  # exit, the last checkpoint intact) or skip (drop that update, count it
+  # in the metrics as skipped_steps).
+  config.nan_policy = 'stop'
+  # skip: stop anyway after more than this many skipped steps in a row.
+  config.max_skipped_steps = 10
+  # Debugging: give the batch of this step a NaN weight, to see what
+  # nan_policy does; 0 for none.
+  config.debug_poison_step = 0
 
   # --- Language models: a sample printed at the end ---
   # Tokens to sample; 0 for no sample.

@@ -143,8 +143,8 @@ def attention_maps(workdir: str, *, text: str | None = None,
   program = parallel.compile_program(
       config, model_config, dataset.kind,
       mesh.make_mesh(config.parallelism, jax.devices()[:1]))
-  checkpointer = checkpointing.Checkpointer(workdir,
-                                            keep=config.keep_checkpoints)
+  checkpointer = checkpointing.Checkpointer(
+      workdir, keep=config.keep_checkpoints, read_only=True)
   step = checkpointer.latest_step()
   if step is None:
     raise InputError(f'{workdir} has no checkpoint yet.')

@@ -15,7 +15,7 @@ from absl import flags
 from absl import logging
 import jax
 
-from train.errors import InputError
+from train.errors import InputError, Stopped, TrainingError
 
 
 def parse_value(text: str) -> Any:
@@ -29,17 +29,21 @@ def parse_value(text: str) -> Any:
 
 def run_script(argv: list[str], work: Callable[[], Any]) -> Any:
   """The body of a script's main: no stray arguments; library logs at
-  WARNING unless --verbosity is given; a bad input (InputError) printed as
-  one line, exiting with status 2."""
+  WARNING unless --verbosity is given; the exit statuses of train.train: a
+  bad input (InputError) printed as one line with status 2, a run stopped
+  by non-finite values or a failed save (TrainingError) with status 1, one
+  stopped by a signal after saving (Stopped) with status 0."""
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
   try:
     return work()
-  except InputError as error:
+  except (InputError, TrainingError) as error:
     print(f'error: {error}', file=sys.stderr)
-    sys.exit(2)
+    sys.exit(2 if isinstance(error, InputError) else 1)
+  except Stopped:
+    sys.exit(0)  # The trainer said where it saved.
 
 
 def load_json(path: str):

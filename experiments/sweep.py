@@ -6,9 +6,10 @@
 The config file defines `get_sweep()`, a list of override dicts (see
 experiments/grid.py). Each trial runs `python -m train.train` in
 DIR/<trial-name>/ with its overrides (and the --set ones, for every trial).
-A finished trial is not run again and an interrupted one resumes from its
-checkpoint, so re-running the command continues the sweep. A trial that
-fails is recorded with its error and the others go on.
+A finished trial is not run again and an interrupted one (killed, or
+stopped by a signal: status 'stopped') resumes from its checkpoint, so
+re-running the command continues the sweep. A trial that fails is recorded
+with its error and the others go on.
 
 Writes DIR/leaderboard.md and DIR/leaderboard.csv (trials sorted by the
 metric of their final evaluation, failures last) and DIR/sweep.png (the
@@ -80,8 +81,15 @@ def run_trial(config_arg: str, workdir: str, overrides: dict,
   record = {'overrides': overrides, 'command': command[1:]}
   evaluations = [line for line in common.read_metrics(workdir)
                  if 'eval_loss' in line]
-  if process.returncode == 0 and evaluations:
+  # A run stopped by SIGTERM or SIGINT also exits with 0, before its end.
+  config = common.load_json(os.path.join(workdir, 'config.json')) or {}
+  if (process.returncode == 0 and evaluations
+      and evaluations[-1]['step'] == config.get('num_train_steps')):
     record |= {'status': 'finished', 'metrics': evaluations[-1]}
+  elif process.returncode == 0:
+    record |= {'status': 'stopped',
+               'error': 'stopped before its last step; run the sweep again '
+               'to resume it'}
   else:
     with open(os.path.join(workdir, 'log.txt')) as log:
       lines = [line.strip() for line in log if line.strip()]
@@ -150,10 +158,16 @@ def sweep(config_arg: str, workdir: str, *, parallel: int = 1,
   path, sep, argument = config_arg.partition(':')
   config_arg = os.path.abspath(path) + sep + argument
   with concurrent.futures.ThreadPoolExecutor(max(parallel, 1)) as pool:
-    records = list(pool.map(
-        lambda trial: run_trial(config_arg, os.path.join(
-            workdir, trial_name(trial)), trial, common_overrides or {},
-                                parallel), trials))
+    try:
+      records = list(pool.map(
+          lambda trial: run_trial(config_arg, os.path.join(
+              workdir, trial_name(trial)), trial, common_overrides or {},
+                                  parallel), trials))
+    except KeyboardInterrupt:
+      # The running trials got the Ctrl-C too: they save and stop, and are
+      # recorded; the trials not started yet are not.
+      pool.shutdown(cancel_futures=True)
+      raise
   if metric is None:
     finished = [r['metrics'] for r in records if r['status'] == 'finished']
     metric = common.quality_metric(finished[0] if finished else {})

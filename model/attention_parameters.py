@@ -1,25 +1,29 @@
 """Parameters that some attention variants own, created by MultiHeadAttention.
 
 A variant named here gets its parameters from a function called inside
-`MultiHeadAttention`'s scope with (module, config, options); it returns the
-keyword arguments the variant's pure function takes, and the options left
-for that function. Adding such a variant needs an entry here and in the
+`MultiHeadAttention`'s scope with (module, config, **options); it takes the
+options that shape the parameters as keyword arguments and returns the
+keyword arguments of the variant's pure function: the parameters and the
+other options. Adding such a variant needs an entry here and in the
 registry, and no change to the model.
 """
 
 from collections.abc import Callable
+import inspect
 from typing import Any
 
 import flax.linen as nn
 
+from model import attention
 from model.config import ModelConfig
 
+# Keyword arguments MultiHeadAttention sets itself, never options.
+_SET_BY_THE_MODEL = frozenset({'is_causal', 'dropout_rate', 'dropout_rng'})
 
-def _linformer(module: nn.Module, config: ModelConfig,
-               options: dict[str, Any]) -> dict[str, Any]:
+
+def _linformer(module: nn.Module, config: ModelConfig, *, rank: int = 64,
+               **options) -> dict[str, Any]:
   """E and F [rank, max_len], Gaussian with variance 1 / rank."""
-  options = dict(options)
-  rank = options.pop('rank', 64)
   init = nn.with_logical_partitioning(
       nn.initializers.normal(stddev=rank ** -0.5), (None, 'length'))
   return options | {
@@ -31,11 +35,10 @@ def _linformer(module: nn.Module, config: ModelConfig,
                                        config.weight_dtype)}
 
 
-def _additive(module: nn.Module, config: ModelConfig,
-              options: dict[str, Any]) -> dict[str, Any]:
-  """W_q, W_k [N, H, A] and v [N, A]; A = options['hidden'] (default H)."""
-  options = dict(options)
-  hidden = options.pop('hidden', config.head_dim)
+def _additive(module: nn.Module, config: ModelConfig, *,
+              hidden: int | None = None, **options) -> dict[str, Any]:
+  """W_q, W_k [N, H, A] and v [N, A]; A = `hidden` (default H)."""
+  hidden = config.head_dim if hidden is None else hidden
   heads, head_dim = config.num_heads, config.head_dim
   matrix = nn.with_logical_partitioning(nn.initializers.lecun_normal(),
                                         ('heads', 'kv', None))
@@ -56,6 +59,19 @@ PARAMETERS: dict[str, Callable[..., dict[str, Any]]] = {
     'linformer': _linformer,
     'additive': _additive,
 }
+def _keyword_options(fn: Callable[..., Any]) -> set[str]:
+  """Names of `fn`'s keyword-only arguments that have defaults."""
+  return {p.name for p in inspect.signature(fn).parameters.values()
+          if p.kind == p.KEYWORD_ONLY and p.default is not p.empty}
+
+
+def option_names(name: str) -> set[str]:
+  """The keys of config.model.attention_options that attention `name`
+  takes: its function's keyword options and those its parameters read."""
+  taken = _keyword_options(attention.get(name)) - _SET_BY_THE_MODEL
+  if name in PARAMETERS:
+    taken |= _keyword_options(PARAMETERS[name])
+  return taken
 
 
 def variant_kwargs(module: nn.Module, config: ModelConfig) -> dict[str, Any]:
@@ -63,5 +79,5 @@ def variant_kwargs(module: nn.Module, config: ModelConfig) -> dict[str, Any]:
   options, with any parameters it owns created and passed in."""
   options = dict(config.attention_options)
   if config.attention in PARAMETERS:
-    return PARAMETERS[config.attention](module, config, options)
+    return PARAMETERS[config.attention](module, config, **options)
   return options

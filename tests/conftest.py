@@ -1,11 +1,23 @@
-"""Test set-up: 8 simulated CPU devices, set before jax is first imported."""
+"""Test set-up: 8 simulated CPU devices, set before jax is first imported,
+and one compilation cache for the session: programs compiled once (by
+this process or by the training subprocesses, which inherit it) are not
+compiled again."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ['XLA_FLAGS'] = ' '.join(
     [os.environ.get('XLA_FLAGS', ''),
      '--xla_force_host_platform_device_count=8']).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  _CACHE = tempfile.mkdtemp(prefix='attnlab-jax-cache-')
+  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE,
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
 
 import pytest
 

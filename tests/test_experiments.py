@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import attention_maps, compare_attention, grid, launch
-from experiments import sweep
+from experiments import attention_maps, common, compare_attention, grid
+from experiments import launch, sweep
 from model import build
 from model.config import ModelConfig
 from test_train import tiny_config
@@ -163,6 +163,23 @@ def test_sweep_records_a_failure_and_skips_finished_trials(comparison,
   assert os.path.getmtime(finished) == before  # Not run again.
   assert [row['status'] for row in again] == ['finished', 'finished',
                                               'failed']
+
+
+def test_a_trial_stopped_by_a_signal_is_not_finished(tmp_path, monkeypatch):
+  workdir = str(tmp_path / 'trial')
+
+  def stopped_at_step_5(command, **kwargs):
+    # What train.train leaves after SIGTERM at step 5 of 10: exit status 0.
+    common.save_json(os.path.join(workdir, 'config.json'),
+                     {'num_train_steps': 10})
+    with open(os.path.join(workdir, 'metrics.jsonl'), 'w') as f:
+      f.write('{"step": 5, "eval_loss": 1.0}\n')
+    return subprocess.CompletedProcess(command, returncode=0)
+
+  monkeypatch.setattr(sweep.subprocess, 'run', stopped_at_step_5)
+  record = sweep.run_trial('configs/listops.py', workdir, {}, {})
+  assert record['status'] == 'stopped'
+  assert 'run the sweep again' in record['error']
 
 
 def test_leaderboard_ranks_by_the_metric_and_lists_failures_last():

@@ -2,7 +2,6 @@
 is exact, checkpoints move between meshes, bad layouts are refused."""
 
 import dataclasses
-import functools
 import json
 import os
 import pathlib
@@ -16,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import config_overrides
 from configs import default, lm_stdlib
 from model import attention, positions
 from train import checkpointing, config_validation, mesh, parallel
@@ -287,15 +287,17 @@ def test_bad_layouts_are_refused_naming_the_key(overrides, message):
 # --- two processes ---
 
 TWO_PROCESS_OVERRIDES = {
-    'num_train_steps': 3, 'warmup_steps': 1, 'batch_size': 8, 'seq_len': 32,
+    'num_train_steps': 50, 'warmup_steps': 1, 'batch_size': 8, 'seq_len': 32,
     'log_every': 1, 'eval_every': 0, 'checkpoint_every': 0,
     'num_eval_steps': 1, 'sample_length': 4, 'model.num_layers': 1,
     'model.d_model': 32, 'parallelism.fsdp': 2}
 
 
 def train_losses(workdir) -> list[float]:
+  """Training losses by step; a resumed run's lines replace the first's."""
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    return [json.loads(line)['loss'] for line in f if '"loss"' in line]
+    lines = [json.loads(line) for line in f if '"loss"' in line]
+  return list({line['step']: line['loss'] for line in lines}.values())
 
 
 def free_port() -> int:
@@ -304,20 +306,21 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def test_two_processes_train_like_one(tmp_path, data_dir, stdlib_dataset):
-  del stdlib_dataset  # Built once here, so the processes only read it.
-  flags = ['--config=configs/lm_stdlib.py', f'--config.data_dir={data_dir}']
-  flags += [f'--config.{key}={value}'
-            for key, value in TWO_PROCESS_OVERRIDES.items()]
-  flags += [            f'--workdir={tmp_path / "two"}',
-            f'--coordinator_address=127.0.0.1:{free_port()}',
-            '--num_processes=2']
+def run_two_processes(flags: list[str], interrupts=(None, None)
+                      ) -> list[str]:
+  """Both processes' output; each must exit with status 0. `interrupts`:
+  a tests/interrupted_train.py cue for each process, or None."""
   env = dict(os.environ, JAX_PLATFORMS='cpu',
              XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  flags = flags + [f'--coordinator_address=127.0.0.1:{free_port()}',
+                   '--num_processes=2']
+  commands = [[sys.executable, '-m', 'train.train'] if cue is None else
+              [sys.executable, 'tests/interrupted_train.py',
+               f'--interrupt={cue}'] for cue in interrupts]
   processes = [subprocess.Popen(
-      [sys.executable, '-m', 'train.train', *flags, f'--process_id={i}'],
-      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-      text=True) for i in range(2)]
+      command + flags + [f'--process_id={i}'], cwd=REPO, env=env,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i, command in enumerate(commands)]
   try:
     outputs = [process.communicate(timeout=300)[0] for process in processes]
   finally:
@@ -325,13 +328,34 @@ def test_two_processes_train_like_one(tmp_path, data_dir, stdlib_dataset):
       process.kill()
   for process, output in zip(processes, outputs):
     assert process.returncode == 0, output[-3000:]
+  return outputs
 
-  config = lm_stdlib.get_config()
+
+def test_two_processes_stop_together_resume_and_train_like_one(
+    tmp_path, data_dir, stdlib_dataset):
+  """SIGTERM to one host: the preemption service has both save the same
+  step and exit 0; restarted, they finish as one process would have."""
+  del stdlib_dataset  # Built once here, so the processes only read it.
+  flags = ['--config=configs/lm_stdlib.py', f'--config.data_dir={data_dir}',
+           f'--workdir={tmp_path / "two"}']
+  flags += [f'--config.{key}={value}'
+            for key, value in TWO_PROCESS_OVERRIDES.items()]
+  first, _ = run_two_processes(flags, interrupts=(None, 'term:2'))
+  checkpointer = checkpointing.Checkpointer(str(tmp_path / 'two'), keep=1,
+                                            read_only=True)
+  saved = checkpointer.latest_step()
+  checkpointer.close()
+  assert saved is not None and 2 <= saved < 50, first[-3000:]
+  assert (f'a preemption notice: saved the checkpoint of step {saved}'
+          in first)
+  resumed, _ = run_two_processes(flags)
+  assert f'Resumed from the checkpoint at step {saved}.' in resumed
+  assert '--- sample' in resumed
+
+  config = config_overrides.apply(lm_stdlib.get_config(),
+                                  TWO_PROCESS_OVERRIDES)
   config.data_dir = data_dir
-  for key, value in TWO_PROCESS_OVERRIDES.items():
-    *parents, leaf = key.split('.')
-    functools.reduce(getattr, parents, config)[leaf] = value
   train_and_evaluate(config, str(tmp_path / 'one'))
   one = train_losses(tmp_path / 'one')
-  assert len(one) == 3
+  assert len(one) == TWO_PROCESS_OVERRIDES['num_train_steps']
   np.testing.assert_allclose(train_losses(tmp_path / 'two'), one, rtol=1e-5)

@@ -172,11 +172,16 @@ def run_cli(*args):
       env={**os.environ, 'XLA_FLAGS': ''})
 
 
-def test_cli_rejects_a_bad_value_with_status_2(tmp_path):
+@pytest.mark.parametrize('flag, message', [
+    ('--config.model.num_heads=3', 'config.model.num_heads=3 does not divide'),
+    ('--config.model.remat=maybe', 'flag --config.model.remat=maybe: '
+     "('Non-boolean argument to boolean flag', 'maybe')"),
+], ids=['value', 'type'])
+def test_cli_rejects_a_bad_value_with_status_2(flag, message, tmp_path):
   result = run_cli('--config=configs/lm_stdlib.py', f'--workdir={tmp_path}',
-                   '--config.model.num_heads=3')
+                   flag)
   assert result.returncode == 2
-  assert 'config.model.num_heads=3 does not divide' in result.stderr
+  assert message in result.stderr
   assert 'Traceback' not in result.stderr
 
 

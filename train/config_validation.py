@@ -9,8 +9,8 @@ import functools
 import jax
 import ml_collections
 
-from model import ModelConfig, attention, build
-from train import mesh, optim, parallel, steps
+from model import ModelConfig, attention, attention_parameters, build
+from train import mesh, metrics, optim, parallel, steps
 from train.data import datasets
 from train.errors import InputError
 
@@ -44,6 +44,14 @@ def _number(config, key: str, low: float, high: float, *,
   return value
 
 
+def _text(config, key: str, *, empty: bool) -> str:
+  value = config[key]
+  if not isinstance(value, str) or not (empty or value):
+    _fail(f'config.{key}={value!r} must be a{"" if empty else " non-empty"} '
+          'string.')
+  return value
+
+
 def _choice(config, key: str, choices) -> str:
   if config[key] not in choices:
     _fail(f'config.{key}={config[key]!r} must be one of {list(choices)}.')
@@ -55,7 +63,8 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   for key in ('seq_len', 'num_train_steps', 'log_every', 'keep_checkpoints',
               'grad_accum_steps', 'sample_length'):
     _integer(config, key, 1 if key != 'sample_length' else 0)
-  for key in ('warmup_steps', 'eval_every', 'checkpoint_every', 'seed'):
+  for key in ('warmup_steps', 'eval_every', 'checkpoint_every', 'seed',
+              'max_skipped_steps', 'debug_poison_step'):
     _integer(config, key, 0)
   if config.num_eval_steps != -1:
     _integer(config, 'num_eval_steps', 1)
@@ -73,6 +82,12 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   _number(config, 'sample_temperature', 0.0, float('inf'))
   _choice(config, 'schedule', optim.SCHEDULES)
   _choice(config, 'optimizer', optim.OPTIMIZERS)
+  _choice(config, 'nan_policy', metrics.NAN_POLICIES)
+  for key in ('data_dir', 'eval_split'):
+    _text(config, key, empty=False)
+  _text(config, 'sample_prompt', empty=True)
+  if config.vocab_path is not None:
+    _text(config, 'vocab_path', empty=False)
   if config.warmup_steps > config.num_train_steps:
     _fail(f'config.warmup_steps={config.warmup_steps} exceeds '
           f'config.num_train_steps={config.num_train_steps}.')
@@ -87,6 +102,12 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
           'False.')
   family = FAMILY_OF_KIND[kind]
   variant = attention.spec(model_config.attention)
+  known = attention_parameters.option_names(model_config.attention)
+  for name, _ in model_config.attention_options:
+    if name not in known:
+      _fail(f'unknown key config.model.attention_options.{name} for config.'
+            f'model.attention={model_config.attention!r}; it takes '
+            f'{sorted(known) or "none"}.')
   if model_config.memory_length and (config.pack_sequences
                                      or config.grad_accum_steps != 1):
     _fail(f'config.model.memory_length={model_config.memory_length} reads '
@@ -115,9 +136,14 @@ def _check_parallelism(config: ml_collections.ConfigDict,
     _fail(f'config.distributed={config.distributed!r} must be True or False.')
   sizes = dict(mesh.make_mesh(config.parallelism).shape)
   parallel.check_layout(config, sizes, model_positions(config))
-  boxed_params = jax.eval_shape(functools.partial(
-      steps.init_params, build(model_config), kind, seq_len=config.seq_len,
-      boxed=True), jax.random.key(0))
+  try:
+    boxed_params = jax.eval_shape(functools.partial(
+        steps.init_params, build(model_config), kind, seq_len=config.seq_len,
+        boxed=True), jax.random.key(0))
+  except ValueError as error:  # E.g. an attention refusing an option value.
+    _fail(f'config.model does not build (attention='
+          f'{model_config.attention!r}, attention_options='
+          f'{dict(model_config.attention_options)}): {error}')
   # Unset, the key/value heads are the query heads.
   kv_heads = ('model.num_kv_heads' if config.model.num_kv_heads is not None
               else 'model.num_heads')

@@ -1,6 +1,19 @@
-"""The error for bad input a person can fix."""
+"""The errors entry points report in one message, without a traceback."""
 
 
 class InputError(ValueError):
   """A wrong config value or a missing dataset; the message says which key
   or what to do. Entry points print it and exit with status 2."""
+
+
+class TrainingError(RuntimeError):
+  """The run stopped for a reason a person must look at (non-finite values,
+  a checkpoint that could not be written); the message says what happened
+  and which checkpoint is the last complete one. Entry points print it and
+  exit with status 1."""
+
+
+class Stopped(Exception):
+  """A signal or preemption notice stopped the run after it saved a
+  checkpoint; running it again resumes there. Entry points exit with
+  status 0."""

@@ -15,7 +15,11 @@ import jax
 import tensorboardX
 import tqdm
 
+from train.errors import TrainingError
+
 LN2 = math.log(2.0)
+# config.nan_policy: what a step with a non-finite loss or gradient does.
+NAN_POLICIES = ('stop', 'skip')
 
 
 def is_due(step: int, every: int, last_step: int) -> bool:
@@ -26,8 +30,55 @@ def is_due(step: int, every: int, last_step: int) -> bool:
 
 def summarize_train(sums: dict[str, float]) -> dict[str, float]:
   weight = max(sums['weight_sum'], 1.0)
-  return {'loss': sums['loss_sum'] / weight,
-          'accuracy': sums['correct_sum'] / weight}
+  summary = {'loss': sums['loss_sum'] / weight,
+             'accuracy': sums['correct_sum'] / weight}
+  if 'skipped' in sums:
+    summary['skipped_steps'] = sums['skipped']
+  return summary
+
+
+class NonFiniteStop(TrainingError):
+  """A step's loss or gradient was not finite and config.nan_policy says
+  stop (or too many steps in a row were skipped)."""
+
+
+class NonFiniteGuard:
+  """Applies config.nan_policy to the metrics of each completed step.
+
+  stop: raise NonFiniteStop naming the step and the first non-finite
+  metric. skip: the step dropped its update (train.steps.train_step) and
+  reported `skipped`; raise once more than `max_skipped_steps` in a row
+  were skipped.
+  """
+
+  # Metrics in the order they are checked, and their names in messages.
+  _CHECKED = (('loss_sum', 'loss'), ('grad_norm', 'gradient norm'))
+
+  def __init__(self, policy: str, max_skipped_steps: int):
+    self._policy, self._max_skipped = policy, max_skipped_steps
+    self._skipped_in_a_row = 0
+
+  @property
+  def skips(self) -> bool:
+    """Whether steps report `skipped` (train_step's skip_nonfinite)."""
+    return self._policy == 'skip'
+
+  def __call__(self, step: int, values: dict) -> None:
+    if self.skips:
+      self._skipped_in_a_row = (self._skipped_in_a_row + 1
+                                if values['skipped'] else 0)
+      if self._skipped_in_a_row > self._max_skipped:
+        raise NonFiniteStop(
+            f'steps {step - self._skipped_in_a_row + 1}-{step}: '
+            f'{self._skipped_in_a_row} updates in a row had a non-finite '
+            f'loss or gradient and were skipped, more than config.'
+            f'max_skipped_steps={self._max_skipped}.')
+      return
+    for key, name in self._CHECKED:
+      if not math.isfinite(float(values[key])):
+        raise NonFiniteStop(
+            f'step {step}: the {name} is {float(values[key])} '
+            "(config.nan_policy='stop').")
 
 
 def summarize_eval(sums: dict[str, float], *, byte_level: bool
@@ -62,13 +113,31 @@ class MetricWriter:
     if not self._active:
       return
     summary = {key: float(value) for key, value in summary.items()}
-    self._jsonl.write(json.dumps({'step': step, **summary}) + '\n')
-    self._jsonl.flush()
+    if self._jsonl is not None:
+      try:
+        self._jsonl.write(json.dumps({'step': step, **summary}) + '\n')
+        self._jsonl.flush()
+      except OSError as error:  # A full disk, a lost mount.
+        self._stop_jsonl(f'could not write the metrics of step {step} to '
+                         f'{self._jsonl.name} ({error.strerror})')
     for key, value in summary.items():
       self._tensorboard.add_scalar(key, value, step)
     self._tensorboard.flush()
     shown = ', '.join(f'{key} {value:.4g}' for key, value in summary.items())
     self._progress.write(f'step {step}: {shown}')
+
+  def _stop_jsonl(self, problem: str | None = None) -> None:
+    """Closes metrics.jsonl; says so if writing it failed (`problem`, or
+    the close). Training goes on, and the other hosts need not know:
+    checkpoints check their own writes."""
+    jsonl, self._jsonl = self._jsonl, None
+    try:
+      jsonl.close()
+    except OSError as error:  # Flushing what it held failed.
+      problem = problem or f'could not write {jsonl.name} ({error.strerror})'
+    if problem:
+      print(f'warning: {problem}; metrics.jsonl is not written any more in '
+            'this run.', flush=True)
 
   def advance(self, steps: int = 1) -> None:
     if self._active:
@@ -77,7 +146,8 @@ class MetricWriter:
   def close(self) -> None:
     if self._active:
       self._progress.close()
-      self._jsonl.close()
+      if self._jsonl is not None:
+        self._stop_jsonl()
       self._tensorboard.close()
 
 
@@ -92,11 +162,14 @@ class TrainLog:
 
   _SUMMED = ('loss_sum', 'correct_sum', 'weight_sum', 'token_count')
 
-  def __init__(self, writer: MetricWriter, log_every: int, last_step: int):
+  def __init__(self, writer: MetricWriter, log_every: int, last_step: int,
+               guard: NonFiniteGuard):
     self._writer, self._log_every, self._last_step = (writer, log_every,
                                                       last_step)
+    self._guard = guard
     self._pending = None
-    self._sums = dict.fromkeys(self._SUMMED, 0.0)
+    self._summed = self._SUMMED + (('skipped',) if guard.skips else ())
+    self._sums = dict.fromkeys(self._summed, 0.0)
     self._steps = 0
     self._interval_start = time.perf_counter()
 
@@ -115,7 +188,8 @@ class TrainLog:
     step, metrics = self._pending
     self._pending = None
     values = jax.device_get(metrics)
-    for key in self._SUMMED:
+    self._guard(step, values)
+    for key in self._summed:
       self._sums[key] += float(values[key])
     self._steps += 1
     self._writer.advance()
@@ -127,7 +201,7 @@ class TrainLog:
     summary['grad_norm'] = float(values['grad_norm'])
     summary['tokens_per_s'] = self._sums['token_count'] / seconds
     summary['steps_per_s'] = self._steps / seconds
-    self._sums = dict.fromkeys(self._SUMMED, 0.0)
+    self._sums = dict.fromkeys(self._summed, 0.0)
     self._steps = 0
     self.restart_clock()
     return step, summary

@@ -300,7 +300,8 @@ def compile_program(config: ml_collections.ConfigDict,
       functools.partial(steps.train_step, model=model, kind=kind,
                         optimizer=optimizer, schedule=schedule,
                         label_smoothing=config.label_smoothing,
-                        grad_accum_steps=config.grad_accum_steps),
+                        grad_accum_steps=config.grad_accum_steps,
+                        skip_nonfinite=config.nan_policy == 'skip'),
       strategy, mesh, state_sharding)
   eval_step = jax.jit(
       functools.partial(steps.eval_step, model=model, kind=kind),

@@ -125,10 +125,15 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
                model: nn.Module, kind: str,
                optimizer: optax.GradientTransformation,
                schedule: optax.Schedule, label_smoothing: float = 0.0,
-               grad_accum_steps: int = 1,
+               grad_accum_steps: int = 1, skip_nonfinite: bool = False,
                device_axes: tuple[str, ...] | None = None
                ) -> tuple[TrainState, dict]:
   """One optimizer update on `batch`, accumulated over micro-batches.
+
+  With `skip_nonfinite`, an update whose loss or gradient is not finite is
+  dropped: the parameters and optimizer state stay as they were, the step
+  count still advances (the batch is consumed), the metric sums are zeroed
+  and `skipped` is 1.
 
   Dropout draws from `fold_in(rng, step)`, so a resumed run draws the same.
   A Transformer-XL memory (state.memory) is read and replaced; it needs the
@@ -181,6 +186,19 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
                          opt_state=opt_state, memory=memory)
   metrics = dict(sums, grad_norm=optax.tree.norm(grads),
                  learning_rate=schedule(state.step))
+  if skip_nonfinite:
+    finite = jnp.isfinite(sums['loss_sum']) & jnp.isfinite(
+        metrics['grad_norm'])
+
+    def keep(new, old):
+      return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+    new_state = new_state.replace(
+        params=keep(new_state.params, state.params),
+        opt_state=keep(new_state.opt_state, state.opt_state),
+        memory=keep(new_state.memory, state.memory))
+    metrics.update(keep(sums, jax.tree.map(jnp.zeros_like, sums)),
+                   skipped=1.0 - finite.astype(jnp.float32))
   return new_state, metrics
 
 

@@ -7,8 +7,11 @@ On several hosts, the same command runs on each: with --config.distributed
 on a cluster JAX knows (Cloud TPU, Slurm), or with --coordinator_address,
 --num_processes and --process_id elsewhere.
 
-A bad config or a missing dataset prints one message naming what to fix and
-exits with status 2.
+Exit status: 0 when trained, and also when SIGTERM, SIGINT or a preemption
+notice stopped the run after saving a checkpoint (the same command
+resumes); 2 with one message naming what to fix for a bad config, workdir
+or dataset; 1 with one message when non-finite values or a failed save
+stopped the run (README 'Reliability').
 """
 
 import sys
@@ -19,7 +22,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from train import mesh
-from train.errors import InputError
+from train.errors import InputError, Stopped, TrainingError
 from train.trainer import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -38,12 +41,13 @@ _PROCESS_ID = flags.DEFINE_integer(
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, status: int = 2) -> None:
   print(f'error: {message}', file=sys.stderr)
-  sys.exit(2)
+  sys.exit(status)
 
 
-def _parse_flags(argv: list[str]) -> list[str]:
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing; a bad flag is one line and exit status 2."""
   try:
     return flags.FLAGS(argv)
   except flags.Error as error:
@@ -63,11 +67,20 @@ def main(argv: list[str]) -> None:
                          coordinator_address=_COORDINATOR.value,
                          num_processes=_NUM_PROCESSES.value,
                          process_id=_PROCESS_ID.value)
+  run(_CONFIG.value, _WORKDIR.value)
+
+
+def run(config, workdir: str) -> None:
+  """train_and_evaluate, its outcome turned into the exit status."""
   try:
-    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    train_and_evaluate(config, workdir)
   except InputError as error:
     _fail(str(error))
+  except TrainingError as error:
+    _fail(str(error), status=1)
+  except Stopped:
+    pass  # The trainer said where it saved; exit status 0.
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=parse_flags)

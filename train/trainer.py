@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from model import build
+from model import ModelConfig, build
 from train import checkpointing, config_validation, metrics, parallel
 from train import mesh as mesh_lib
-from train import sampling
+from train import preemption, sampling
 from train.data import datasets, pipeline, tokenizers
-from train.errors import InputError
+from train.errors import InputError, Stopped, TrainingError
 
 
 def _say(message: str) -> None:
@@ -26,10 +26,25 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
-def _write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True) + '\n')
+def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Creates the workdir and writes config.json there (every host checks it
+  can write there): a workdir that cannot be written is reported now,
+  before anything is built."""
+  problem = None
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    if jax.process_index() == 0:
+      with open(os.path.join(workdir, 'config.json'), 'w') as f:
+        f.write(config.to_json_best_effort(indent=2, sort_keys=True) + '\n')
+    else:  # The others only try.
+      probe = os.path.join(workdir, f'.written_by_host_{jax.process_index()}')
+      open(probe, 'w').close()
+      os.remove(probe)
+  except OSError as error:
+    problem = error.strerror or str(error)
+  if not mesh_lib.minimum_over_hosts(problem is None):
+    raise InputError(f'--workdir={workdir} cannot be written: '
+                     f'{problem or "not by every host"}.')
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict,
@@ -37,12 +52,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   """Trains `config` in `workdir`, resuming from its latest checkpoint.
 
   Returns the final evaluation summary (eval_loss, eval_accuracy, ...).
-  Raises train.errors.InputError, naming the key, for a bad config.
+  Raises train.errors.InputError, naming the key, for a bad config;
+  TrainingError when non-finite values or a failed save stop the run;
+  Stopped when SIGTERM, SIGINT or a preemption notice did, after saving.
   """
   model_config = config_validation.validate(config)
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
-  _write_config(config, workdir)
+  # Listening from here on: a stop asked for while the dataset is read or
+  # the steps compile is acted on after the first step.
+  stop = preemption.StopRequest()
+  try:
+    return _train(config, model_config, os.path.abspath(workdir), stop)
+  finally:
+    stop.close()
+
+
+def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
+           workdir: str, stop: preemption.StopRequest) -> dict[str, float]:
+  """train_and_evaluate of a validated config, `stop` listening."""
+  _prepare_workdir(config, workdir)
   dataset = datasets.load(config, workdir)
   config_validation.check_dataset_fits(config, dataset)
 
@@ -66,11 +93,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     return metrics.summarize_eval(jax.device_get(totals),
                                   byte_level=dataset.byte_level)
 
+  checkpointer = checkpointing.Checkpointer(workdir,
+                                            keep=config.keep_checkpoints)
+  checkpointer.check_space_to_train(program.abstract_state)
   train_iterator = pipeline.train_iterator(
       dataset, seq_len=config.seq_len, batch_size=config.batch_size,
       seed=config.seed, layout=layout)
-  checkpointer = checkpointing.Checkpointer(workdir,
-                                            keep=config.keep_checkpoints)
   latest = checkpointer.latest_step()
   if latest is None:
     state = program.init()
@@ -90,20 +118,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   first_step = int(state.step)
   writer = metrics.MetricWriter(workdir, total_steps=last_step,
                                 first_step=first_step)
-  train_log = metrics.TrainLog(writer, config.log_every, last_step)
+  train_log = metrics.TrainLog(
+      writer, config.log_every, last_step,
+      metrics.NonFiniteGuard(config.nan_policy, config.max_skipped_steps))
   dropout_rng = program.key(1)
   final = None
   try:
     with program.scope():
       for step in range(first_step, last_step):
-        state, step_metrics = program.train_step(
-            state, program.batch(next(train_iterator)), dropout_rng)
         done = step + 1
+        batch = next(train_iterator)
+        if done == config.debug_poison_step:
+          batch = pipeline.poisoned(batch)
+        state, step_metrics = program.train_step(
+            state, program.batch(batch), dropout_rng)
         logged = train_log.add(done, step_metrics)
         if logged:
           writer.write(*logged)
-        evaluate_now = metrics.is_due(done, config.eval_every, last_step)
-        save_now = metrics.is_due(done, config.checkpoint_every, last_step)
+        # After the last step a stop changes nothing: the run is done.
+        stopping = stop.due(done) and done < last_step
+        # A stop saves at once and leaves the evaluation to the resumed run.
+        evaluate_now = (not stopping and
+                        metrics.is_due(done, config.eval_every, last_step))
+        save_now = stopping or metrics.is_due(done, config.checkpoint_every,
+                                              last_step)
         if evaluate_now or save_now:
           logged = train_log.complete()
           summary = logged[1] if logged else {}
@@ -115,15 +153,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
           if save_now:
             checkpointer.save(done, state, train_iterator)
           train_log.restart_clock()
+        if stopping:
+          checkpointer.wait()
+          _say(f'{stop.reason}: saved the checkpoint of step {done} in '
+               f'{checkpointer.directory} and stopped; run the same command '
+               'to resume.')
+          raise Stopped(f'stopped at step {done} on {stop.reason}')
       if final is None:  # Trained to the end before; evaluate again only.
         final = evaluate(state.params)
         _say(f'Already trained to step {last_step}; evaluation: {final}')
+  except metrics.NonFiniteStop as error:
+    latest = checkpointer.wait()
+    where = ('no checkpoint was saved before it' if latest is None else
+             f'the last checkpoint, step {latest} in '
+             f'{checkpointer.directory}, is from before it')
+    raise TrainingError(f'{error} Stopped; {where}.') from None
   finally:
     train_iterator.close()
     writer.close()
     checkpointer.close()
 
-  if dataset.kind == 'lm' and config.sample_length:
+  if stop.reason:  # Asked during the final evaluation: trained, done.
+    _say(f'{stop.reason}: trained to the end; no sample.')
+  elif dataset.kind == 'lm' and config.sample_length:
     prompt = np.concatenate([[tokenizers.EOS_ID], dataset.tokenizer.encode(
         config.sample_prompt)])
     # Whole on every device: every host runs the sampling and can read it.

@@ -117,7 +117,11 @@ def _attend(phi_q: Array, log_phi_k: Array, value: Array, mask: Array | None,
       return x.reshape(batch, padded, *x.shape[3:])[:, :q_len]
 
     numerator, denominator = unchunk(numerator), unchunk(denominator)
-  out = numerator / jnp.where(denominator > 0, denominator, 1.0)[..., None]
+  denominator = jnp.where(denominator > 0, denominator, 1.0)
+  # Both divided by the denominator's value first, the division's gradient
+  # (1 / denominator^2) stays finite where the features are tiny.
+  unit = jax.lax.stop_gradient(denominator)
+  out = (numerator / unit[..., None]) / (denominator / unit)[..., None]
   return out.reshape(batch, q_len, num_heads, head_dim)
 
 
@@ -133,11 +137,11 @@ def linear_attention(query: Array, key: Array, value: Array,
   _check('linear', query, key, value, bias, mask, is_causal)
   if scale is not None:
     raise ValueError('linear attention has no logit scale; leave scale None.')
-  query, key = query.astype(jnp.float32), key.astype(jnp.float32)
+  key = key.astype(jnp.float32)
   # log(elu(x) + 1): x below 0, log(1 + x) above.
   log_phi_k = jnp.where(key < 0, key, jnp.log1p(jnp.maximum(key, 0.0)))
-  out = _attend(jax.nn.elu(query) + 1.0, log_phi_k, value, mask,
-                is_causal=is_causal, chunk_size=chunk_size)
+  out = _attend(jax.nn.elu(query.astype(jnp.float32)) + 1.0, log_phi_k,
+                value, mask, is_causal=is_causal, chunk_size=chunk_size)
   return out.astype(query.dtype)
 
 

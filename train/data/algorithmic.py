@@ -62,6 +62,48 @@ class AlgorithmicConfig(tfds.core.BuilderConfig):
   long_max_length: int = 400
   seed: int = 0
 
+  def __post_init__(self):
+    """Raises ValueError, naming the option, for values no build can
+    satisfy (before anything is generated)."""
+    if self.task not in TASKS:
+      raise ValueError(f'task={self.task!r} must be one of {list(TASKS)}.')
+    for name in ('num_train', 'num_eval', 'seed'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < (name != 'seed'):
+        raise ValueError(f'{name}={value!r} must be an integer >= '
+                         f'{int(name != "seed")}.')
+    shortest = _shortest(self.task)
+    if self.max_length < shortest:
+      raise ValueError(f'max_length={self.max_length} must be at least '
+                       f'{shortest} for task {self.task!r}.')
+    if self.long_max_length <= self.max_length:
+      raise ValueError(f'long_max_length={self.long_max_length} must exceed '
+                       f'max_length={self.max_length}.')
+    short = _distinct_inputs(self.task, shortest, self.max_length)
+    if self.num_train + self.num_eval > short:
+      raise ValueError(
+          f'num_train={self.num_train} + num_eval={self.num_eval} distinct '
+          f'inputs are more than the {short} of lengths up to max_length='
+          f'{self.max_length}.')
+    long = _distinct_inputs(self.task, self.max_length + 1,
+                            self.long_max_length)
+    if self.num_eval > long:
+      raise ValueError(f'num_eval={self.num_eval} distinct inputs are more '
+                       f'than the {long} of the long split.')
+
+
+def _shortest(task: str) -> int:
+  """The shortest input (without EOS): two digits and '+' for addition."""
+  return 3 if task == 'addition' else 1
+
+
+def _distinct_inputs(task: str, shortest: int, longest: int) -> int:
+  """How many different inputs have lengths in [shortest, longest]."""
+  if task == 'addition':  # '+' after the first 1..length - 2 digits.
+    return sum((length - 2) * NUM_SYMBOLS**(length - 1)
+               for length in range(shortest, longest + 1))
+  return sum(NUM_SYMBOLS**length for length in range(shortest, longest + 1))
+
 
 class Algorithmic(tfds.core.GeneratorBasedBuilder):
   """Algorithmic sequence-to-sequence tasks, generated from a seed."""
@@ -81,7 +123,7 @@ class Algorithmic(tfds.core.GeneratorBasedBuilder):
   def _split_generators(self, dl_manager):
     del dl_manager  # Nothing is downloaded.
     config = self.builder_config
-    min_length = 3 if config.task == 'addition' else 1
+    min_length = _shortest(config.task)
     rng = np.random.default_rng(config.seed)
     train = self._draw(rng, config.num_train, min_length, config.max_length,
                        exclude=set())

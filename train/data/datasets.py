@@ -24,8 +24,8 @@ import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 
-from train.data import algorithmic, builder_config, listops, stdlib
-from train.data import tokenizers
+from train.data import algorithmic, builder_config, integrity, listops
+from train.data import stdlib, tokenizers
 from train.errors import InputError
 
 
@@ -50,19 +50,23 @@ class Dataset:
   shuffle_windows: bool = False
 
 
-def _build(builder: tfds.core.DatasetBuilder) -> dict[str, Any]:
+def _build(make_builder: Callable[[], tfds.core.DatasetBuilder]
+           ) -> dict[str, Any]:
   """Prepares an embedded dataset once (array_record) and opens its splits.
 
   On several hosts, the first builds before the others look: with a shared
   data_dir they find it built, with a disk of their own they build their
-  own copy.
+  own copy. They look with builders made after the build, since a builder
+  reads what is on disk when it is made.
   """
   if jax.process_index() == 0:
-    builder.download_and_prepare()
-  multihost_utils.sync_global_devices(
-      f'built {builder.info.full_name}')
+    make_builder().download_and_prepare()
+  multihost_utils.sync_global_devices('embedded dataset built')
+  builder = make_builder()
   builder.download_and_prepare()
-  return builder.as_data_source()
+  return integrity.checked(
+      builder.as_data_source(),
+      f'Delete {builder.data_dir} and run again: it is rebuilt on first use.')
 
 
 def _document(tokens: np.ndarray) -> np.ndarray:
@@ -86,7 +90,7 @@ def load_python_stdlib_bytes(config, data_dir, workdir) -> Dataset:
   windows are shuffled one by one."""
   del workdir  # The corpus needs no tokenizer training.
   _options(config, set())
-  sources = _build(stdlib.PythonStdlibBytes(
+  sources = _build(lambda: stdlib.PythonStdlibBytes(
       data_dir=data_dir, file_format='array_record'))
   tokenizer = tokenizers.ByteTokenizer()
   splits = {name: grain.MapDataset.source([
@@ -101,18 +105,14 @@ def _builder_config(config_cls, config: ml_collections.ConfigDict):
   options = _options(config, set(builder_config.options_of(config_cls)))
   try:
     return builder_config.named(config_cls, **options)
-  except (TypeError, ValueError) as error:
-    raise InputError(f'config.dataset_options: {error}') from None
+  except ValueError as error:  # The config class's own check: 'key=value'.
+    raise InputError(f'config.dataset_options.{error}') from None
 
 
 def load_algorithmic(config, data_dir, workdir) -> Dataset:
   del workdir
   task_config = _builder_config(algorithmic.AlgorithmicConfig, config)
-  if task_config.task not in algorithmic.TASKS:
-    raise InputError(
-        f'config.dataset_options.task={task_config.task!r} must be one of '
-        f'{list(algorithmic.TASKS)}.')
-  sources = _build(algorithmic.Algorithmic(
+  sources = _build(lambda: algorithmic.Algorithmic(
       config=task_config, data_dir=data_dir,
       file_format='array_record'))
   splits = {name: grain.MapDataset.source(source)
@@ -122,35 +122,41 @@ def load_algorithmic(config, data_dir, workdir) -> Dataset:
 
 def load_listops(config, data_dir, workdir) -> Dataset:
   del workdir
-  sources = _build(listops.ListOps(
-      config=_builder_config(listops.ListOpsConfig, config),
-      data_dir=data_dir, file_format='array_record'))
+  lengths_config = _builder_config(listops.ListOpsConfig, config)
+  sources = _build(lambda: listops.ListOps(
+      config=lengths_config, data_dir=data_dir, file_format='array_record'))
   splits = {name: grain.MapDataset.source(source)
             for name, source in sources.items()}
   return Dataset('classification', splits, listops.VOCAB_SIZE,
                  num_classes=listops.NUM_CLASSES)
 
 
+def _how_to_prepare(name: str, data_dir: str) -> str:
+  return ('prepare it on a machine with network access (TensorFlow is '
+          'needed for this step only):\n'
+          '  pip install tensorflow\n'
+          f'  tfds build {name} --data_dir={data_dir} '
+          '--file_format=array_record\n'
+          'then copy that directory to config.data_dir.')
+
+
 def not_prepared_message(name: str, data_dir: str) -> str:
-  return (
-      f'dataset {name!r} is not prepared in config.data_dir={data_dir!r}. It '
-      'cannot be downloaded at run time; prepare it once on a machine with '
-      'network access (TensorFlow is needed for this step only):\n'
-      '  pip install tensorflow\n'
-      f'  tfds build {name} --data_dir={data_dir} '
-      '--file_format=array_record\n'
-      'then copy that directory to config.data_dir.')
+  return (f'dataset {name!r} is not prepared in config.data_dir={data_dir!r}. '
+          f'It cannot be downloaded at run time; '
+          f'{_how_to_prepare(name, data_dir)}')
 
 
 def _prepared_sources(name: str, data_dir: str, splits: tuple[str, ...]
                       ) -> dict[str, Any]:
   """Opens `splits` of a tfds dataset already prepared in `data_dir`."""
   try:
-    return {split: tfds.data_source(name, split=split, data_dir=data_dir,
-                                    download=False) for split in splits}
+    sources = {split: tfds.data_source(name, split=split, data_dir=data_dir,
+                                       download=False) for split in splits}
   except (tfds.core.registered.DatasetNotFoundError, NotImplementedError,
           FileNotFoundError, AssertionError) as error:
     raise InputError(not_prepared_message(name, data_dir)) from error
+  return integrity.checked(
+      sources, f'Delete it and {_how_to_prepare(name, data_dir)}')
 
 
 def _text(value) -> str:
@@ -190,8 +196,16 @@ def load_lm1b(config, data_dir, workdir) -> Dataset:
 def load_translation(config, data_dir, workdir) -> Dataset:
   """A tfds translation dataset ({language: text} examples)."""
   options = _options(config, {'source_language', 'target_language'})
-  source_language = options['source_language']
-  target_language = options['target_language']
+  source_language = options.get('source_language')
+  target_language = options.get('target_language')
+  for key, language in options.items():
+    if not isinstance(language, str) or not language:
+      raise InputError(f'config.dataset_options.{key}={language!r} must be '
+                       'a language code, e.g. \'en\'.')
+  if len(options) != 2 or source_language == target_language:
+    raise InputError(
+        f'config.dataset_options.source_language={source_language!r} and '
+        f'target_language={target_language!r} must be two languages.')
   sources = _prepared_sources(config.dataset, data_dir,
                               ('train', 'validation', 'test'))
   for language in (source_language, target_language):

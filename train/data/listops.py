@@ -89,6 +89,19 @@ class ListOpsConfig(tfds.core.BuilderConfig):
   max_args: int = 10
   seed: int = 0
 
+  def __post_init__(self):
+    """Raises ValueError, naming the option, for values no build can
+    satisfy (before anything is generated)."""
+    for name, minimum in (('min_length', 0), ('num_train', 1),
+                          ('num_eval', 1), ('max_depth', 1), ('max_args', 2),
+                          ('seed', 0)):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < minimum:
+        raise ValueError(f'{name}={value!r} must be an integer >= {minimum}.')
+    if self.max_length < self.min_length + 2:
+      raise ValueError(f'max_length={self.max_length} must exceed min_length='
+                       f'{self.min_length} + 1: lengths lie strictly between.')
+
 
 class ListOps(tfds.core.GeneratorBasedBuilder):
   """ListOps expressions and their values, generated from a seed."""

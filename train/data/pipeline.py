@@ -261,6 +261,14 @@ def train_iterator(dataset: Dataset, *, seq_len: int, batch_size: int,
       batches, prefetch_buffer_size=PREFETCH_BATCHES))
 
 
+def poisoned(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """A copy of `batch` whose first weight is NaN, so that the loss and the
+  gradient of its step are not finite (config.debug_poison_step)."""
+  weights = np.array(batch['weights'], copy=True)
+  weights.flat[0] = np.nan
+  return batch | {'weights': weights}
+
+
 def _pad_batch(batch: dict[str, np.ndarray], batch_size: int
                ) -> dict[str, np.ndarray]:
   """Fills a partial batch up to `batch_size` with zero-weight examples."""
