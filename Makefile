@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(BIN)/python -m train.train --config=configs/lm_stdlib.py --workdir=workdirs/lm_stdlib
 
+# Compilation dominates the suite: one worker per core (up to 4) halves it.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --maxprocesses=4
 
 clean:
 	rm -rf $(VENV)

@@ -15,21 +15,16 @@ are what `dense`, `chunked` and `ring` attend with; other variants attend
 with approximations or patterns of their own, so they are refused.
 """
 
-import json
 import os
 import re
 
 from absl import app
 from absl import flags
 from flax import traverse_util
-import jax
 import matplotlib
-import ml_collections
 import numpy as np
 
-from experiments import common
-from model import build
-from train import checkpointing, config_validation, mesh, parallel
+from train import cli, trained_run
 from train.data import datasets, tokenizers
 from train.errors import InputError
 
@@ -39,25 +34,6 @@ from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)
 
 FLAGS = flags.FLAGS
 EXACT = ('dense', 'chunked', 'ring')
-
-
-def load_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config a run was trained with, on one device (whatever the mesh
-  it trained on: the checkpoint is restored into one device's layout)."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
-    raise InputError(f'{path} does not exist: --workdir must be a training '
-                     'run\'s workdir.')
-  with open(path) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  config.parallelism.update(data=-1, fsdp=1, tensor=1, sequence=1,
-                            strategy='pjit', dcn_data=1)
-  config.distributed = False
-  # JSON has no tuples: pairs come back as lists.
-  config.logical_axis_rules = tuple(
-      (name, tuple(target) if isinstance(target, list) else target)
-      for name, target in config.logical_axis_rules)
-  return config
 
 
 def tokens_to_draw(dataset: datasets.Dataset, config, text: str | None,
@@ -132,28 +108,16 @@ def attention_maps(workdir: str, *, text: str | None = None,
                    example: int | None = None, output: str | None = None,
                    max_tokens: int = 48) -> str:
   """Draws the maps of the run in `workdir`; returns the PNG's path."""
-  config = load_config(workdir)
-  model_config = config_validation.validate(config)
-  if model_config.attention not in EXACT:
+  run = trained_run.load(workdir)
+  if run.model_config.attention not in EXACT:
     raise InputError(
-        f'config.model.attention={model_config.attention!r}: maps are drawn '
-        f'for exact softmax attention ({", ".join(EXACT)}).')
-  dataset = datasets.load(config, workdir)
-  tokens = tokens_to_draw(dataset, config, text, example, max_tokens)
-  program = parallel.compile_program(
-      config, model_config, dataset.kind,
-      mesh.make_mesh(config.parallelism, jax.devices()[:1]))
-  checkpointer = checkpointing.Checkpointer(
-      workdir, keep=config.keep_checkpoints, read_only=True)
-  step = checkpointer.latest_step()
-  if step is None:
-    raise InputError(f'{workdir} has no checkpoint yet.')
-  state = checkpointer.restore_state(step, program.abstract_state)
-  checkpointer.close()
-  layers = attention_weights(build(model_config), state.params, dataset.kind,
-                             tokens)
-  labels = [label(dataset, int(t)) for t in tokens]
-  if dataset.kind == 'classification' and model_config.pooling == 'cls':
+        f'config.model.attention={run.model_config.attention!r}: maps are '
+        f'drawn for exact softmax attention ({", ".join(EXACT)}).')
+  tokens = tokens_to_draw(run.dataset, run.config, text, example, max_tokens)
+  layers = attention_weights(run.model, run.params, run.dataset.kind, tokens)
+  labels = [label(run.dataset, int(t)) for t in tokens]
+  if (run.dataset.kind == 'classification'
+      and run.model_config.pooling == 'cls'):
     labels = ['[CLS]'] + labels  # The classifier's vector before the tokens.
   output = output or os.path.join(workdir, 'attention_maps.png')
   draw(layers, labels, output)
@@ -161,7 +125,7 @@ def attention_maps(workdir: str, *, text: str | None = None,
 
 
 def main(argv: list[str]) -> None:
-  path = common.run_script(argv, lambda: attention_maps(
+  path = cli.run_main(argv, lambda: attention_maps(
       FLAGS.workdir, text=FLAGS.text, example=FLAGS.example,
       output=FLAGS.output, max_tokens=FLAGS.max_tokens))
   print(f'Wrote {path}')

@@ -2,20 +2,14 @@
 result tables, and a description of the machine."""
 
 import ast
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 import csv
 import json
 import os
 import platform
-import sys
 from typing import Any
 
-from absl import app
-from absl import flags
-from absl import logging
 import jax
-
-from train.errors import InputError, Stopped, TrainingError
 
 
 def parse_value(text: str) -> Any:
@@ -25,25 +19,6 @@ def parse_value(text: str) -> Any:
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):
     return text
-
-
-def run_script(argv: list[str], work: Callable[[], Any]) -> Any:
-  """The body of a script's main: no stray arguments; library logs at
-  WARNING unless --verbosity is given; the exit statuses of train.train: a
-  bad input (InputError) printed as one line with status 2, a run stopped
-  by non-finite values or a failed save (TrainingError) with status 1, one
-  stopped by a signal after saving (Stopped) with status 0."""
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)
-  try:
-    return work()
-  except (InputError, TrainingError) as error:
-    print(f'error: {error}', file=sys.stderr)
-    sys.exit(2 if isinstance(error, InputError) else 1)
-  except Stopped:
-    sys.exit(0)  # The trainer said where it saved.
 
 
 def load_json(path: str):

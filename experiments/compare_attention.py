@@ -38,7 +38,7 @@ from ml_collections import config_flags
 
 from experiments import common
 from model import attention
-from train import config_validation, mesh, parallel
+from train import cli, config_validation, mesh, parallel
 from train.data import datasets
 from train.errors import InputError
 from train.trainer import train_and_evaluate
@@ -272,7 +272,7 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
 
 
 def main(argv: list[str]) -> None:
-  common.run_script(argv, lambda: compare(
+  cli.run_main(argv, lambda: compare(
       FLAGS.config, FLAGS.variants, FLAGS.workdir,
       options=parse_options(FLAGS.options),
       lengths=[int(n) for n in FLAGS.lengths],

@@ -45,10 +45,11 @@ class TransformerBlock(nn.Module):
                encoded_BxSxD: Array | None, cross_mask: Array | None,
                positions_BxT: Array, memory_BxMxD: Array | None,
                memory_positions_BxM: Array | None,
-               deterministic: bool) -> Array:
+               cache: dict[str, Array] | None, deterministic: bool):
     """With `memory_BxMxD` (earlier hidden states entering this block, at
     `memory_positions_BxM`), self-attention reads them as keys and values
-    before the current positions."""
+    before the current positions. With a self-attention `cache` (see
+    MultiHeadAttention), returns (output, cache)."""
     config = self.config
     norm = make_norm(config, 'self_attention_norm')
     pre = config.norm_position == 'pre'
@@ -63,7 +64,9 @@ class TransformerBlock(nn.Module):
     update = MultiHeadAttention(config, name='self_attention')(
         queries_BxTxD, context_BxSxD, mask=self_mask, is_causal=self.causal,
         q_positions_BxT=positions_BxT, kv_positions_BxS=kv_positions_BxS,
-        deterministic=deterministic)
+        cache=cache, deterministic=deterministic)
+    if cache is not None:
+      update, cache = update
     x_BxTxD = self._add(x_BxTxD, update, norm, deterministic)
     if self.cross:
       cross_attention = MultiHeadAttention(config, cross=True,
@@ -73,8 +76,9 @@ class TransformerBlock(nn.Module):
           lambda y: cross_attention(y, encoded_BxSxD, mask=cross_mask,
                                     deterministic=deterministic),
           'cross_attention', deterministic)
-    return self._residual(x_BxTxD, Mlp(config, name='mlp'), 'mlp',
-                          deterministic)
+    x_BxTxD = self._residual(x_BxTxD, Mlp(config, name='mlp'), 'mlp',
+                             deterministic)
+    return x_BxTxD if cache is None else (x_BxTxD, cache)
 
 
 class TransformerStack(nn.Module):
@@ -91,17 +95,20 @@ class TransformerStack(nn.Module):
                cross_mask: Array | None = None,
                memory_LxBxMxD: Array | None = None,
                memory_positions_BxM: Array | None = None,
+               cache: dict[str, Array] | None = None,
                deterministic: bool = True):
     """The output [B, T, D]; with a memory, also each block's input
-    [L, B, T, D], from which the caller forms the next memory.
+    [L, B, T, D], from which the caller forms the next memory; with a
+    `cache` (every layer's, stacked: [L, B, C, K, H]), also the cache after
+    this call.
 
     `positions_BxT` are each token's position, for relative schemes.
     """
     block_cls = TransformerBlock
     if self.config.remat:
-      # Index 8 is `deterministic`, counting `self` as 0.
-      block_cls = nn.remat(TransformerBlock, static_argnums=(8,))
-    block_inputs = []
+      # Index 9 is `deterministic`, counting `self` as 0.
+      block_cls = nn.remat(TransformerBlock, static_argnums=(9,))
+    block_inputs, caches = [], []
     for layer in range(self.config.num_layers):
       # Under a mesh with logical axis rules, each block's input is laid out
       # as the rules say (e.g. split by example and along the length);
@@ -112,13 +119,20 @@ class TransformerStack(nn.Module):
       block_inputs.append(x_BxTxD)
       memory_BxMxD = (None if memory_LxBxMxD is None
                       else memory_LxBxMxD[layer])
+      layer_cache = (None if cache is None else
+                     jax.tree.map(lambda x, i=layer: x[i], cache))
       x_BxTxD = block_cls(self.config, self.causal, self.cross,
                           name=f'block_{layer}')(
                               x_BxTxD, self_mask, encoded_BxSxD, cross_mask,
                               positions_BxT, memory_BxMxD,
-                              memory_positions_BxM, deterministic)
+                              memory_positions_BxM, layer_cache, deterministic)
+      if cache is not None:
+        x_BxTxD, layer_cache = x_BxTxD
+        caches.append(layer_cache)
     if self.config.norm_position == 'pre':
       x_BxTxD = make_norm(self.config, 'final_norm')(x_BxTxD)
+    if cache is not None:
+      return x_BxTxD, jax.tree.map(lambda *x: jnp.stack(x), *caches)
     if memory_LxBxMxD is None:
       return x_BxTxD
     return x_BxTxD, jnp.stack(block_inputs)

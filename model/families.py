@@ -119,6 +119,17 @@ def empty_memory(config: ModelConfig, batch_size: int) -> dict[str, Array]:
           'valid': jnp.zeros((batch_size, length), bool)}
 
 
+def init_cache(config: ModelConfig, batch_size: int,
+               length: int) -> dict[str, Array]:
+  """An empty key/value cache for decoding up to `length` positions: every
+  layer's self-attention keys and values, {'key', 'value'}
+  [L, B, length, K, H], in the compute dtype."""
+  shape = (config.num_layers, batch_size, length, config.num_kv_heads,
+           config.head_dim)
+  return {'key': jnp.zeros(shape, config.compute_dtype),
+          'value': jnp.zeros(shape, config.compute_dtype)}
+
+
 class DecoderLM(nn.Module):
   """A GPT-2-style causal language model (Radford et al. 2019), optionally
   with Transformer-XL's memory (Dai et al. 2019)."""
@@ -129,6 +140,7 @@ class DecoderLM(nn.Module):
   def __call__(self, tokens_BxT: Array, positions_BxT: Array | None = None,
                segment_ids_BxT: Array | None = None,
                memory: dict[str, Array] | None = None, *,
+               cache: dict[str, Array] | None = None,
                deterministic: bool = True):
     """Next-token logits, float32 [B, T, V]; logits[:, t] sees tokens <= t.
 
@@ -136,7 +148,9 @@ class DecoderLM(nn.Module):
     (and its position within its sequence): tokens attend only within their
     own segment. With a `memory` (see `empty_memory`) of the hidden states
     before this segment, returns (logits, the memory after it): the last
-    config.memory_length positions, with no gradient.
+    config.memory_length positions, with no gradient. With a `cache` (see
+    `init_cache`), the tokens are read at `positions_BxT` after those the
+    cache holds, and returns (logits, the cache with them).
     """
     if positions_BxT is None:
       positions_BxT = default_positions(tokens_BxT)
@@ -147,6 +161,10 @@ class DecoderLM(nn.Module):
     x_BxTxD = self.perturb('embeddings', x_BxTxD)
     decoder = TransformerStack(self.config, causal=True, cross=False,
                                name='decoder')
+    if cache is not None:
+      x_BxTxD, cache = decoder(x_BxTxD, positions_BxT, cache=cache,
+                               deterministic=deterministic)
+      return embedder.logits(x_BxTxD), cache
     if memory is None:
       self_mask = None
       if segment_ids_BxT is not None:
@@ -196,17 +214,27 @@ class EncoderDecoder(nn.Module):
                         deterministic=deterministic)
 
   def decode(self, encoded_BxSxD: Array, inputs_BxS: Array,
-             decoder_inputs_BxT: Array, *, deterministic: bool = True) -> Array:
+             decoder_inputs_BxT: Array, positions_BxT: Array | None = None, *,
+             cache: dict[str, Array] | None = None,
+             deterministic: bool = True):
     """Target logits, float32 [B, T, V], given the encoder output.
 
     `decoder_inputs_BxT` are the targets shifted right (a start token first);
-    `inputs_BxS` supplies the source padding mask.
+    `inputs_BxS` supplies the source padding mask. With a `cache` (see
+    `init_cache`) of the decoder's self-attention, the tokens are read at
+    `positions_BxT` after those it holds; returns (logits, cache).
     """
-    y_BxTxD = self.embedder(decoder_inputs_BxT, deterministic=deterministic)
-    y_BxTxD = self.decoder(y_BxTxD, default_positions(decoder_inputs_BxT),
+    if positions_BxT is None:
+      positions_BxT = default_positions(decoder_inputs_BxT)
+    y_BxTxD = self.embedder(decoder_inputs_BxT, positions_BxT,
+                            deterministic=deterministic)
+    y_BxTxD = self.decoder(y_BxTxD, positions_BxT,
                            encoded_BxSxD=encoded_BxSxD,
-                           cross_mask=padding_mask(inputs_BxS),
+                           cross_mask=padding_mask(inputs_BxS), cache=cache,
                            deterministic=deterministic)
+    if cache is not None:
+      y_BxTxD, cache = y_BxTxD
+      return self.embedder.logits(y_BxTxD), cache
     return self.embedder.logits(y_BxTxD)
 
   def __call__(self, inputs_BxS: Array, decoder_inputs_BxT: Array, *,

@@ -8,6 +8,7 @@ import math
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from model import attention, attention_parameters, positions
 from model.config import RELATIVE_POSITIONS, ModelConfig
@@ -74,42 +75,51 @@ class MultiHeadAttention(nn.Module):
   config: ModelConfig
   cross: bool = False
 
-  def _relative_positions(self, q_BxTxNxH, k_BxSxKxH, q_positions_BxT,
-                          kv_positions_BxS, is_causal):
-    """Queries and keys (rotated for rope) and the bias of the relative
-    position scheme, if any."""
+  def _position_bias(self, q_BxTxNxH, q_positions_BxT, kv_positions_BxS,
+                     is_causal):
+    """The logit bias of the relative position scheme (None for rope and
+    the absolute schemes)."""
     config = self.config
-    if config.position == 'rope':
-      return (positions.rotate(q_BxTxNxH, q_positions_BxT,
-                               config.rope_max_wavelength),
-              positions.rotate(k_BxSxKxH, kv_positions_BxS,
-                               config.rope_max_wavelength), None)
-    bias = None
     if config.position == 'alibi':
-      bias = positions.alibi_bias(q_positions_BxT, kv_positions_BxS,
+      return positions.alibi_bias(q_positions_BxT, kv_positions_BxS,
                                   config.num_heads)
-    elif config.position == 't5_bias':
-      bias = positions.T5Bias(
+    if config.position == 't5_bias':
+      return positions.T5Bias(
           config.num_heads, config.relative_buckets,
           config.relative_max_distance, bidirectional=not is_causal,
           param_dtype=config.weight_dtype, name='t5_bias')(
               q_positions_BxT, kv_positions_BxS)
-    elif config.position == 'relative':
-      bias = positions.ShawRelative(
+    if config.position == 'relative':
+      return positions.ShawRelative(
           config.head_dim, config.relative_max_distance,
           param_dtype=config.weight_dtype, name='relative')(
               q_BxTxNxH, q_positions_BxT, kv_positions_BxS,
               scale=config.head_dim ** -0.5)
-    return q_BxTxNxH, k_BxSxKxH, bias
+    return None
+
+  def _rotate(self, x, positions_BxT):
+    """`x` [B, T, heads, H] rotated by position for rope; else `x`."""
+    if self.config.position != 'rope':
+      return x
+    return positions.rotate(x, positions_BxT, self.config.rope_max_wavelength)
 
   @nn.compact
   def __call__(self, inputs_q_BxTxD: Array, inputs_kv_BxSxD: Array, *,
                mask: Array | None = None, is_causal: bool = False,
                q_positions_BxT: Array | None = None,
                kv_positions_BxS: Array | None = None,
-               deterministic: bool = True) -> Array:
+               cache: dict[str, Array] | None = None,
+               deterministic: bool = True):
     """Attention output [B, T, D]; positions are needed by relative schemes
-    (self-attention only)."""
+    (self-attention only).
+
+    With a `cache` (self-attention; see `init_cache` in model/families.py):
+    {'key', 'value'} [B, C, K, H], the keys and values of positions 0..C-1
+    written so far. This call's keys and values are written at
+    `q_positions_BxT`, each query attends to the cached positions up to its
+    own, and the result is (output, cache): a prompt of any length is read
+    in one call, then one token a call.
+    """
     config = self.config
     heads, kv_heads, head_dim = (config.num_heads, config.num_kv_heads,
                                  config.head_dim)
@@ -125,24 +135,52 @@ class MultiHeadAttention(nn.Module):
     else:
       variant = attention.spec(config.attention)
       kwargs = attention_parameters.variant_kwargs(self, config)
-      if config.position in RELATIVE_POSITIONS:
-        q_BxTxNxH, k_BxSxKxH, bias = self._relative_positions(
-            q_BxTxNxH, k_BxSxKxH, q_positions_BxT, kv_positions_BxS,
-            is_causal)
+      q_BxTxNxH = self._rotate(q_BxTxNxH, q_positions_BxT)
+      k_BxSxKxH = self._rotate(k_BxSxKxH, kv_positions_BxS)
+    if cache is not None:
+      if self.cross or not (variant.longer_keys and variant.masks == 'any'):
+        raise ValueError(
+            f'config.model.attention={config.attention!r} cannot read a cache '
+            '(cached decoding needs dense, chunked or additive attention).')
+      cache = _write(cache, k_BxSxKxH, v_BxSxKxH, q_positions_BxT)
+      k_BxSxKxH, v_BxSxKxH = cache['key'], cache['value']
+      kv_positions_BxS = jnp.broadcast_to(
+          jnp.arange(k_BxSxKxH.shape[1]), k_BxSxKxH.shape[:2])
+      written = (kv_positions_BxS[:, None, None, :]
+                 <= q_positions_BxT[:, None, :, None])
+      mask = written if mask is None else mask & written
+    if not self.cross and config.position in RELATIVE_POSITIONS:
+      bias = self._position_bias(q_BxTxNxH, q_positions_BxT, kv_positions_BxS,
+                                 is_causal)
+    # With a cache, the mask says what each query sees.
+    causal = is_causal and cache is None
     if self.is_mutable_collection('intermediates'):
       # For pictures (experiments/attention_maps.py): the softmax weights
       # [B, N, T, S] of exact attention under this layer's mask.
       self.sow('intermediates', 'attention_weights',
                attention.attention_weights(q_BxTxNxH, k_BxSxKxH, bias, mask,
-                                           is_causal=is_causal))
+                                           is_causal=causal))
     if variant.dropout and not deterministic and (
         config.attention_dropout_rate > 0.0):
       kwargs |= {'dropout_rate': config.attention_dropout_rate,
                  'dropout_rng': self.make_rng('dropout')}
     out_BxTxNxH = variant.fn(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias, mask,
-                             is_causal=is_causal, **kwargs)
-    return _dense(inputs_q_BxTxD.shape[-1], ('heads', 'kv', 'embed'), config,
-                  'out', num_in=2)(out_BxTxNxH)
+                             is_causal=causal, **kwargs)
+    out_BxTxD = _dense(inputs_q_BxTxD.shape[-1], ('heads', 'kv', 'embed'),
+                       config, 'out', num_in=2)(out_BxTxNxH)
+    return out_BxTxD if cache is None else (out_BxTxD, cache)
+
+
+def _write(cache: dict[str, Array], k_BxTxKxH: Array, v_BxTxKxH: Array,
+           positions_BxT: Array) -> dict[str, Array]:
+  """The cache with each example's new keys and values at its positions."""
+  rows_BxT = jnp.broadcast_to(jnp.arange(positions_BxT.shape[0])[:, None],
+                              positions_BxT.shape)
+  return {
+      'key': cache['key'].at[rows_BxT, positions_BxT].set(
+          k_BxTxKxH.astype(cache['key'].dtype)),
+      'value': cache['value'].at[rows_BxT, positions_BxT].set(
+          v_BxTxKxH.astype(cache['value'].dtype))}
 
 
 class Mlp(nn.Module):

@@ -25,7 +25,7 @@ import time
 from absl import app
 from orbax.checkpoint._src.path import atomicity
 
-from train import checkpointing, preemption, train
+from train import checkpointing, cli, preemption, train
 
 # Seconds each step takes after a SIGTERM cue.
 SLOWED_STEP_S = 0.2
@@ -73,4 +73,4 @@ if __name__ == '__main__':
   flag = next(arg for arg in sys.argv if arg.startswith('--interrupt='))
   sys.argv.remove(flag)
   _cue(flag.split('=', 1)[1])
-  app.run(train.main, flags_parser=train.parse_flags)
+  app.run(train.main, flags_parser=cli.parse_flags)

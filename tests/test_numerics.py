@@ -20,10 +20,10 @@ def parameters(name: str, heads: int, length: int, dtype) -> dict:
   if name == 'linformer':
     projection = jax.random.normal(rng[0], (16, length), dtype) / length**0.5
     return dict(key_projection=projection, value_projection=projection)
-  if name == 'additive':
-    return dict(query_weight=jax.random.normal(rng[0], (heads, H, 4), dtype),
-                key_weight=jax.random.normal(rng[1], (heads, H, 4), dtype),
-                score_weight=jax.random.normal(rng[2], (heads, 4), dtype))
+  if name == 'additive':  # A hidden width of 2: its [T, S, A] is large.
+    return dict(query_weight=jax.random.normal(rng[0], (heads, H, 2), dtype),
+                key_weight=jax.random.normal(rng[1], (heads, H, 2), dtype),
+                score_weight=jax.random.normal(rng[2], (heads, 2), dtype))
   return {'chunked': dict(chunk_size=256), 'local': dict(window=64),
           'strided': dict(stride=64), 'fixed': dict(block=64, summary=4),
           'bigbird': dict(block=64), 'performer': dict(num_features=32),

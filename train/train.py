@@ -14,15 +14,11 @@ or dataset; 1 with one message when non-finite values or a failed save
 stopped the run (README 'Reliability').
 """
 
-import sys
-
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
-from train import mesh
-from train.errors import InputError, Stopped, TrainingError
+from train import cli, mesh
 from train.trainer import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -41,46 +37,20 @@ _PROCESS_ID = flags.DEFINE_integer(
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
-def _fail(message: str, status: int = 2) -> None:
-  print(f'error: {message}', file=sys.stderr)
-  sys.exit(status)
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing; a bad flag is one line and exit status 2."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as error:
-    # A config file that raised is reported with its traceback inside the
-    # message; its first line (the flag) and last (the error) say it all.
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    _fail(lines[0] if len(lines) == 1 else f'{lines[0]} {lines[-1].strip()}')
-
-
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    _fail(f'unexpected arguments: {" ".join(argv[1:])}')
-  if not flags.FLAGS['verbosity'].present:
-    # Library INFO logs (every checkpoint write) would drown the progress.
-    logging.set_verbosity(logging.WARNING)
-  mesh.start_distributed(_CONFIG.value,
-                         coordinator_address=_COORDINATOR.value,
-                         num_processes=_NUM_PROCESSES.value,
-                         process_id=_PROCESS_ID.value)
-  run(_CONFIG.value, _WORKDIR.value)
+  def work():
+    mesh.start_distributed(_CONFIG.value,
+                           coordinator_address=_COORDINATOR.value,
+                           num_processes=_NUM_PROCESSES.value,
+                           process_id=_PROCESS_ID.value)
+    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  cli.run_main(argv, work)
 
 
 def run(config, workdir: str) -> None:
   """train_and_evaluate, its outcome turned into the exit status."""
-  try:
-    train_and_evaluate(config, workdir)
-  except InputError as error:
-    _fail(str(error))
-  except TrainingError as error:
-    _fail(str(error), status=1)
-  except Stopped:
-    pass  # The trainer said where it saved; exit status 0.
+  cli.outcome(lambda: train_and_evaluate(config, workdir))
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

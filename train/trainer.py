@@ -5,6 +5,7 @@ The state and batches are laid out on the mesh of `config.parallelism`
 same loop runs on one CPU, a GPU node or a multi-host TPU pod.
 """
 
+import functools
 import os
 
 import jax
@@ -13,9 +14,9 @@ import ml_collections
 import numpy as np
 
 from model import ModelConfig, build
-from train import checkpointing, config_validation, metrics, parallel
+from train import checkpointing, config_validation, decoding, metrics
 from train import mesh as mesh_lib
-from train import preemption, sampling
+from train import parallel, preemption
 from train.data import datasets, pipeline, tokenizers
 from train.errors import InputError, Stopped, TrainingError
 
@@ -177,13 +178,17 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
     _say(f'{stop.reason}: trained to the end; no sample.')
   elif dataset.kind == 'lm' and config.sample_length:
     prompt = np.concatenate([[tokenizers.EOS_ID], dataset.tokenizer.encode(
-        config.sample_prompt)])
+        config.sample_prompt)]).astype(np.int32)
+    # Positions stay below seq_len, the longest the model was trained on.
+    generate = jax.jit(functools.partial(
+        decoding.sample_lm, build(model_config),
+        num_tokens=min(config.sample_length, config.seq_len - len(prompt)),
+        temperature=config.sample_temperature, eos_id=tokenizers.EOS_ID,
+        vocab_size=dataset.vocab_size))
     # Whole on every device: every host runs the sampling and can read it.
-    tokens = sampling.sample(
-        build(model_config), program.replicate(state.params), prompt,
-        num_tokens=config.sample_length,
-        max_len=config.seq_len, temperature=config.sample_temperature,
-        rng=program.key(2))
+    tokens = generate(program.replicate(state.params), prompt[None],
+                      np.array([len(prompt)]), rng=program.key(2))
+    text = dataset.tokenizer.decode(np.concatenate([prompt, tokens[0]]))
     _say(f'--- sample (temperature {config.sample_temperature}) ---\n'
-         f'{dataset.tokenizer.decode(tokens)}\n---')
+         f'{text}\n---')
   return final

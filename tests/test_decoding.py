@@ -1,0 +1,262 @@
+"""Cached decoding: a prompt read in one call, then one token a call, gives
+the logits of a full forward pass at every position; the ways of choosing
+tokens do what they say."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import ModelConfig, build
+from model.families import init_cache
+from test_train import tiny_config
+from train import decoding, generate
+from train.errors import InputError
+from train.trainer import train_and_evaluate
+
+B, T, V = 2, 10, 16
+# Real prompt tokens per example; the prompts are right-padded to the
+# longest, and each example's own positions continue after its prompt.
+PROMPT_LENGTHS = np.array([3, 6])
+
+
+def tiny(family: str, position: str, **overrides) -> ModelConfig:
+  return ModelConfig(**dict(
+      family=family, vocab_size=V, d_model=16, num_heads=4, num_kv_heads=2,
+      num_layers=2, mlp_dim=32, max_len=T, position=position,
+      relative_max_distance=4, relative_buckets=8) | overrides)
+
+
+def cached_logits(step, positions_to_read: int) -> np.ndarray:
+  """[B, T, V] logits from `step(tokens_BxT, positions_BxT, cache)`: the
+  padded prompts in one call, then each example's next tokens one a call.
+  Positions never read stay zero."""
+  tokens = np.asarray(jax.random.randint(jax.random.key(0), (B, T), 1, V))
+  prompt_len = PROMPT_LENGTHS.max()
+  prompts = np.where(np.arange(prompt_len) < PROMPT_LENGTHS[:, None],
+                     tokens[:, :prompt_len], 0)
+  logits, cache = step(prompts, np.tile(np.arange(prompt_len), (B, 1)),
+                       None)
+  got = np.zeros((B, T, V), np.float32)
+  for b in range(B):
+    got[b, :PROMPT_LENGTHS[b]] = logits[b, :PROMPT_LENGTHS[b]]
+  for t in range(positions_to_read - PROMPT_LENGTHS.min()):
+    positions = np.minimum(PROMPT_LENGTHS + t, T - 1)
+    logits, cache = step(tokens[np.arange(B), positions][:, None],
+                         positions[:, None], cache)
+    for b in range(B):
+      if PROMPT_LENGTHS[b] + t < T:
+        got[b, positions[b]] = logits[b, 0]
+  return tokens, got
+
+
+@pytest.mark.parametrize('position', ['learned', 'sinusoidal', 'rope',
+                                      'alibi', 'relative', 't5_bias'])
+def test_decoder_lm_cached_logits_equal_a_full_pass(position):
+  config = tiny('decoder_lm', position)
+  model = build(config)
+  params = {'params': model.init(jax.random.key(1),
+                                 jnp.zeros((1, T), jnp.int32))['params']}
+
+  @jax.jit
+  def step(tokens, positions, cache):
+    return model.apply(params, tokens, positions, cache=cache)
+
+  def step_or_start(tokens, positions, cache):
+    cache = init_cache(config, B, T) if cache is None else cache
+    return step(tokens, positions, cache)
+
+  tokens, got = cached_logits(step_or_start, T)
+  want = jax.jit(model.apply)(params, tokens)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('position', ['sinusoidal', 'relative'])
+def test_encoder_decoder_cached_logits_equal_a_full_pass(position):
+  config = tiny('encoder_decoder', position)
+  model = build(config)
+  source = jnp.asarray(np.array([[3, 4, 5, 1, 0, 0], [6, 7, 8, 9, 2, 1]]))
+  params = {'params': model.init(jax.random.key(1), source,
+                                 jnp.zeros((B, T), jnp.int32))['params']}
+  encoded = model.apply(params, source, method=model.encode)
+
+  @jax.jit
+  def step(tokens, positions, cache):
+    return model.apply(params, encoded, source, tokens, positions,
+                       cache=cache, method=model.decode)
+
+  def step_or_start(tokens, positions, cache):
+    cache = init_cache(config, B, T) if cache is None else cache
+    return step(tokens, positions, cache)
+
+  tokens, got = cached_logits(step_or_start, T)
+  want = jax.jit(model.apply)(params, source, tokens)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_variant_that_cannot_read_a_cache_is_refused():
+  config = tiny('decoder_lm', 'rope', attention='local',
+                attention_options={'window': 4})
+  model = build(config)
+  params = {'params': model.init(jax.random.key(1),
+                                 jnp.zeros((1, T), jnp.int32))['params']}
+  with pytest.raises(ValueError, match="attention='local' cannot read a "
+                     'cache'):
+    model.apply(params, jnp.ones((B, 1), jnp.int32), jnp.zeros((B, 1),
+                                                               jnp.int32),
+                cache=init_cache(config, B, T))
+
+
+# --- choosing tokens ---
+
+
+def test_top_p_keeps_exactly_the_smallest_set_that_reaches_p():
+  logits = jax.random.normal(jax.random.key(2), (64, V)) * 2
+  probs = np.asarray(jax.nn.softmax(logits, axis=-1), np.float64)
+  for p in (0.05, 0.3, 0.61, 0.9, 0.999):
+    got = np.asarray(decoding.top_p_mask(logits, p))
+    for row, mask in zip(probs, got):
+      order = np.argsort(-row)
+      size = int(np.argmax(np.cumsum(row[order]) >= p)) + 1
+      want = np.zeros(V, bool)
+      want[order[:size]] = True
+      np.testing.assert_array_equal(mask, want)
+
+
+def test_top_k_keeps_the_k_largest():
+  logits = jax.random.normal(jax.random.key(3), (8, V))
+  mask = np.asarray(decoding.top_k_mask(logits, 3))
+  assert (mask.sum(axis=-1) == 3).all()
+  smallest_kept = np.where(mask, logits, np.inf).min(axis=-1)
+  largest_dropped = np.where(mask, -np.inf, logits).max(axis=-1)
+  assert (smallest_kept > largest_dropped).all()
+
+
+@pytest.fixture(scope='module')
+def lm():
+  config = tiny('decoder_lm', 'rope', max_len=16)
+  model = build(config)
+  params = model.init(jax.random.key(4), jnp.zeros((1, T), jnp.int32))
+  prompts = np.array([[1, 5, 7, 0], [1, 2, 3, 4]], np.int32)
+  return model, params['params'], prompts, np.array([3, 4])
+
+
+def greedy_by_full_passes(model, params, prompts, lengths, num_tokens):
+  """Greedy decoding that recomputes a full forward pass per token."""
+  rows = [list(prompt[:length]) for prompt, length in zip(prompts, lengths)]
+  forward = jax.jit(lambda tokens: model.apply({'params': params}, tokens))
+  for _ in range(num_tokens):
+    buffer = np.zeros((len(rows), 16), np.int32)
+    for b, row in enumerate(rows):
+      buffer[b, :len(row)] = row
+    logits = np.asarray(forward(buffer))
+    for b, row in enumerate(rows):
+      row.append(int(np.argmax(logits[b, len(row) - 1])))
+  return np.array([row[length:] for row, length in zip(rows, lengths)])
+
+
+@pytest.mark.parametrize('choice', [
+    dict(temperature=0.0), dict(temperature=1e-6),
+    dict(temperature=1.0, top_k=1)], ids=['greedy', 'cold', 'top_k_1'])
+def test_greedy_cold_and_top_1_sampling_equal_greedy_decoding(lm, choice):
+  model, params, prompts, lengths = lm
+  got = jax.jit(functools.partial(
+      decoding.sample_lm, model, num_tokens=6, **choice))(
+          params, prompts, lengths, rng=jax.random.key(5))
+  np.testing.assert_array_equal(
+      got, greedy_by_full_passes(model, params, prompts, lengths, 6))
+
+
+def test_rows_end_at_eos(lm):
+  model, params, prompts, lengths = lm
+  greedy = greedy_by_full_passes(model, params, prompts, lengths, 6)
+  eos = int(greedy[0, 1])  # Row 0 says it by its second token.
+  got = np.asarray(decoding.sample_lm(
+      model, params, prompts, lengths, num_tokens=6, rng=jax.random.key(5),
+      temperature=0.0, eos_id=eos))
+  for row, want in zip(got, greedy):
+    stop = list(want).index(eos) + 1 if eos in want else 6
+    np.testing.assert_array_equal(row, list(want[:stop]) + [0] * (6 - stop))
+  assert (got == 0).any()
+
+
+# --- beam search ---
+
+
+def beam_lm(model, params, prompts, lengths, **options):
+  cache = init_cache(model.config, prompts.shape[0],
+                     prompts.shape[1] + options['num_tokens'])
+  return jax.jit(functools.partial(
+      decoding.beam_search, decoding.lm_step(model, params), **options))(
+          cache, prompts, lengths)
+
+
+def test_beam_of_one_is_greedy(lm):
+  model, params, prompts, lengths = lm
+  greedy = greedy_by_full_passes(model, params, prompts, lengths, 6)
+  eos = int(greedy[0, 2])
+  tokens, _ = beam_lm(model, params, prompts, lengths, beam_size=1,
+                      num_tokens=6, eos_id=eos, alpha=0.0)
+  for row, want in zip(np.asarray(tokens)[:, 0], greedy):
+    stop = list(want).index(eos) + 1 if eos in want else 6
+    np.testing.assert_array_equal(row, list(want[:stop]) + [0] * (6 - stop))
+
+
+def test_a_wide_beam_finds_the_best_sequence_of_brute_force():
+  config = tiny('decoder_lm', 'sinusoidal', vocab_size=4, max_len=8)
+  model = build(config)
+  params = model.init(jax.random.key(6), jnp.zeros((1, 8), jnp.int32))[
+      'params']
+  prompt, eos, steps, alpha = np.array([[2, 3]], np.int32), 1, 3, 0.6
+  tokens, scores = beam_lm(model, params, prompt, np.array([2]),
+                           beam_size=64, num_tokens=steps, eos_id=eos,
+                           alpha=alpha)
+
+  log_probs = jax.jit(lambda row: jax.nn.log_softmax(
+      model.apply({'params': params}, row[None])[0]))
+
+  def score(continuation):
+    row = np.zeros(8, np.int32)
+    row[:2 + len(continuation)] = np.concatenate([prompt[0], continuation])
+    logp = np.asarray(log_probs(row))
+    total = sum(float(logp[1 + i, token])
+                for i, token in enumerate(continuation))
+    return total / float(decoding.length_penalty(len(continuation), alpha))
+
+  # Every continuation that ends with EOS within `steps` tokens.
+  ended = [list(body) + [eos] for length in range(steps)
+           for body in itertools.product([0, 2, 3], repeat=length)]
+  best = max(ended, key=score)
+  np.testing.assert_array_equal(np.asarray(tokens)[0, 0],
+                                best + [0] * (steps - len(best)))
+  np.testing.assert_allclose(scores[0, 0], score(best), rtol=1e-5)
+
+
+# --- the command line ---
+
+
+@pytest.fixture(scope='module')
+def lm_workdir(data_dir, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('lm'))
+  train_and_evaluate(tiny_config('lm_stdlib', data_dir), workdir)
+  return workdir
+
+
+def test_generate_continues_the_prompt(lm_workdir):
+  texts = generate.generate(lm_workdir, 'def ', max_new_tokens=8,
+                            temperature=0.0, num_samples=2)
+  assert len(texts) == 2 and texts[0] == texts[1]  # Greedy.
+  assert texts[0].startswith('def ') and len(texts[0].encode()) <= 4 + 8
+  drawn = generate.generate(lm_workdir, 'def ', max_new_tokens=8,
+                            temperature=1.0, top_p=0.9, num_samples=3,
+                            seed=1)
+  assert all(text.startswith('def ') for text in drawn)
+
+
+def test_generate_names_a_bad_flag(lm_workdir):
+  with pytest.raises(InputError, match=r'--top_p=1.5 must be in \(0, 1\]'):
+    generate.generate(lm_workdir, 'x', max_new_tokens=4, temperature=1.0,
+                      top_p=1.5)

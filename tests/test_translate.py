@@ -1,0 +1,63 @@
+"""Decoding a seq2seq split from a trained run, and its scores: BLEU as
+sacrebleu's command line gives it, exact match, per-token accuracy."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_train import LocalWmt14, tiny_config
+from train import scores, translate
+from train.errors import InputError
+from train.trainer import train_and_evaluate
+
+
+def test_bleu_of_files_equals_the_sacrebleu_command_line(tmp_path):
+  hypotheses = ['the cat sat on the mat .', 'a dog barked loudly',
+                'it rained all day , then it stopped']
+  references = ['the cat sat on a mat .', 'the dog barked loudly',
+                'it rained the whole day , then stopped']
+  hyp, ref = tmp_path / 'test.hyp', tmp_path / 'test.ref'
+  hyp.write_text('\n'.join(hypotheses) + '\n')
+  ref.write_text('\n'.join(references) + '\n')
+  command_line = subprocess.run(
+      [sys.executable, '-m', 'sacrebleu', str(ref), '-i', str(hyp), '-b'],
+      capture_output=True, text=True, check=True).stdout
+  assert round(scores.bleu_of_files(str(hyp), str(ref)), 1) == float(
+      command_line)
+  assert 0 < float(command_line) < 100
+
+
+def test_exact_match_and_token_accuracy():
+  references = [[5, 6, 1], [7, 1]]
+  assert scores.exact_match([[5, 6, 1], [7, 7, 1]], references) == 0.5
+  # 3 of 5 reference tokens are where they belong.
+  assert scores.token_accuracy([[5, 6, 1], [1]], references) == 0.6
+
+
+@pytest.fixture(scope='module')
+def translation_workdir(data_dir, tmp_path_factory):
+  LocalWmt14(data_dir=data_dir, file_format='array_record'
+             ).download_and_prepare()
+  workdir = str(tmp_path_factory.mktemp('wmt'))
+  train_and_evaluate(tiny_config('wmt14_ende', data_dir), workdir)
+  return workdir
+
+
+def test_translate_writes_hypotheses_and_scores_them(translation_workdir):
+  result = translate.translate(translation_workdir, 'validation',
+                               beam_size=2, batch_size=4, max_examples=6)
+  assert result['examples'] == 6
+  assert {'exact_match', 'token_accuracy', 'bleu'} <= set(result)
+  for name in ('hyp', 'ref'):
+    with open(os.path.join(translation_workdir, f'validation.{name}')) as f:
+      assert len(f.read().splitlines()) == 6
+  assert result['bleu'] == scores.bleu_of_files(
+      os.path.join(translation_workdir, 'validation.hyp'),
+      os.path.join(translation_workdir, 'validation.ref'))
+
+
+def test_translate_names_a_split_the_dataset_lacks(translation_workdir):
+  with pytest.raises(InputError, match="--split='dev' is not a split"):
+    translate.translate(translation_workdir, 'dev')

@@ -1,0 +1,248 @@
+"""Decoding with a key/value cache: the prompts in one call, then one token
+a call, inside `lax.while_loop` (no Python loop per token).
+
+A model is seen through `step(tokens_BxT, positions_BxT, cache) ->
+(logits_BxTxV, cache)`: a DecoderLM, or an EncoderDecoder's decoder with
+the encoder output bound (see `lm_step`, `seq2seq_step`). Prompts are
+right-padded to a common length and each example continues after its own
+(`prompt_lengths_B`), so examples of different lengths share a batch.
+"""
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model.families import PAD_ID, init_cache
+
+Array = jax.Array
+Step = Callable[[Array, Array, dict], tuple[Array, dict]]
+
+
+def _only_known(logits_BxTxV: Array, vocab_size: int | None) -> Array:
+  """Logits with the ids from `vocab_size` on (which a model whose
+  vocabulary is larger than its data's never saw as targets) impossible."""
+  if vocab_size is None:
+    return logits_BxTxV
+  known_V = jnp.arange(logits_BxTxV.shape[-1]) < vocab_size
+  return jnp.where(known_V, logits_BxTxV, -jnp.inf)
+
+
+def lm_step(model: nn.Module, params, vocab_size: int | None = None) -> Step:
+  """The step of a DecoderLM, choosing among ids below `vocab_size`."""
+  def step(tokens_BxT, positions_BxT, cache):
+    logits_BxTxV, cache = model.apply({'params': params}, tokens_BxT,
+                                      positions_BxT, cache=cache)
+    return _only_known(logits_BxTxV, vocab_size), cache
+  return step
+
+
+def seq2seq_step(model: nn.Module, params, inputs_BxS: Array,
+                 vocab_size: int | None = None) -> Step:
+  """The step of an EncoderDecoder's decoder, the sources encoded once,
+  choosing among ids below `vocab_size`. Called with k consecutive copies
+  of each row (as beam search lays out its beams), it reads each source k
+  times."""
+  encoded_BxSxD = model.apply({'params': params}, inputs_BxS,
+                              method=model.encode)
+
+  def step(tokens_BxT, positions_BxT, cache):
+    copies = tokens_BxT.shape[0] // inputs_BxS.shape[0]
+    logits_BxTxV, cache = model.apply(
+        {'params': params}, jnp.repeat(encoded_BxSxD, copies, axis=0),
+        jnp.repeat(inputs_BxS, copies, axis=0), tokens_BxT, positions_BxT,
+        cache=cache, method=model.decode)
+    return _only_known(logits_BxTxV, vocab_size), cache
+  return step
+
+
+def top_k_mask(logits_BxV: Array, k: int) -> Array:
+  """True at each row's k largest logits (exactly k, ties broken by
+  index)."""
+  _, indices_Bxk = jax.lax.top_k(logits_BxV, k)
+  rows_Bxk = jnp.arange(logits_BxV.shape[0])[:, None]
+  return jnp.zeros(logits_BxV.shape, bool).at[rows_Bxk, indices_Bxk].set(True)
+
+
+def top_p_mask(logits_BxV: Array, p: float) -> Array:
+  """True at each row's nucleus (Holtzman et al. 2020): the smallest set of
+  most probable tokens whose probability mass reaches `p`."""
+  order_BxV = jnp.argsort(-logits_BxV, axis=-1)
+  probs_BxV = jnp.take_along_axis(jax.nn.softmax(logits_BxV, axis=-1),
+                                  order_BxV, axis=-1)
+  # A token is needed while the more probable ones hold less than p.
+  before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+  keep_BxV = before_BxV < p
+  rows_Bx1 = jnp.arange(logits_BxV.shape[0])[:, None]
+  return jnp.zeros(logits_BxV.shape, bool).at[rows_Bx1, order_BxV].set(
+      keep_BxV)
+
+
+def choose(logits_BxV: Array, rng: Array, *, temperature: float,
+           top_k: int = 0, top_p: float = 1.0) -> Array:
+  """The next token of each row [B]: greedy at temperature 0, else drawn
+  from softmax(logits / temperature) restricted to the top_k tokens (0:
+  all) and to the top_p nucleus (1: all)."""
+  if temperature == 0.0:
+    return jnp.argmax(logits_BxV, axis=-1)
+  keep_BxV = jnp.ones(logits_BxV.shape, bool)
+  if top_k:
+    keep_BxV &= top_k_mask(logits_BxV, top_k)
+  if top_p < 1.0:
+    keep_BxV &= top_p_mask(logits_BxV, top_p)
+  logits_BxV = jnp.where(keep_BxV, logits_BxV / temperature, -jnp.inf)
+  return jax.random.categorical(rng, logits_BxV, axis=-1)
+
+
+def sample(step: Step, cache: dict, prompts_BxP: Array,
+           prompt_lengths_B: Array, *, num_tokens: int, rng: Array,
+           temperature: float, top_k: int = 0, top_p: float = 1.0,
+           eos_id: int | None = None) -> Array:
+  """[B, num_tokens] tokens after each prompt (see `choose`); after an
+  `eos_id` a row holds PAD_ID. The cache must hold P + num_tokens
+  positions."""
+  batch, prompt_len = prompts_BxP.shape
+  positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), prompts_BxP.shape)
+  logits_BxPxV, cache = step(prompts_BxP, positions_BxP, cache)
+  # Each example's next token follows its own last prompt token.
+  logits_BxV = logits_BxPxV[jnp.arange(batch), prompt_lengths_B - 1]
+
+  def not_done(carry):
+    t, _, _, _, finished_B, _ = carry
+    return (t < num_tokens) & ~jnp.all(finished_B)
+
+  def next_token(carry):
+    t, logits_BxV, cache, out_BxN, finished_B, rng = carry
+    rng, draw = jax.random.split(rng)
+    token_B = choose(logits_BxV, draw, temperature=temperature, top_k=top_k,
+                     top_p=top_p)
+    token_B = jnp.where(finished_B, PAD_ID, token_B).astype(jnp.int32)
+    out_BxN = out_BxN.at[:, t].set(token_B)
+    if eos_id is not None:
+      finished_B = finished_B | (token_B == eos_id)
+    logits_Bx1xV, cache = step(token_B[:, None],
+                               (prompt_lengths_B + t)[:, None], cache)
+    return t + 1, logits_Bx1xV[:, 0], cache, out_BxN, finished_B, rng
+
+  carry = (jnp.int32(0), logits_BxV, cache,
+           jnp.full((batch, num_tokens), PAD_ID, jnp.int32),
+           jnp.zeros((batch,), bool), rng)
+  return jax.lax.while_loop(not_done, next_token, carry)[3]
+
+
+def length_penalty(length: Array, alpha: float) -> Array:
+  """GNMT's length normalisation ((5 + length) / 6)^alpha (Wu et al. 2016):
+  a hypothesis is ranked by its log-probability divided by this."""
+  return ((5.0 + length) / 6.0) ** alpha
+
+
+def _gather_beams(tree, index_BxK: Array):
+  """Rows of [B, K, ...] arrays picked by beam index per row."""
+  return jax.tree.map(
+      lambda x: jnp.take_along_axis(
+          x, index_BxK.reshape(index_BxK.shape + (1,) * (x.ndim - 2)),
+          axis=1), tree)
+
+
+def _best(scores_BxM: Array, tree, k: int):
+  """The k best of M hypotheses per row by score: (scores, tree)."""
+  scores_Bxk, index_Bxk = jax.lax.top_k(scores_BxM, k)
+  return scores_Bxk, _gather_beams(tree, index_Bxk)
+
+
+def beam_search(step: Step, cache: dict, prompts_BxP: Array,
+                prompt_lengths_B: Array, *, beam_size: int, num_tokens: int,
+                eos_id: int, alpha: float = 0.6) -> tuple[Array, Array]:
+  """The `beam_size` best continuations of each prompt, [B, K, num_tokens]
+  (best first; PAD_ID after EOS), and their scores [B, K]: log-probability
+  over `length_penalty` of the tokens up to and including EOS.
+
+  K hypotheses stay alive (the most probable that have not ended); those
+  that end with `eos_id` among the K most probable extensions compete for
+  K finished places by score. The search
+  stops when no alive hypothesis can overtake the worst finished one, or
+  after num_tokens; a row with no finished hypothesis returns its alive
+  ones, scored at length num_tokens. `cache` is for B rows of
+  P + num_tokens positions.
+  """
+  batch, prompt_len = prompts_BxP.shape
+  k = beam_size
+  positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), prompts_BxP.shape)
+  logits_BxPxV, cache = step(prompts_BxP, positions_BxP, cache)
+  logits_BxV = logits_BxPxV[jnp.arange(batch), prompt_lengths_B - 1]
+  vocab = logits_BxV.shape[-1]
+  # Each row's cache, and its last logits, copied for its K beams.
+  beams = lambda x, axis: jnp.repeat(x, k, axis=axis)
+  cache = jax.tree.map(lambda x: beams(x, 1), cache)
+  logits_BKxV = beams(logits_BxV, 0)
+  lengths_BK = beams(prompt_lengths_B, 0)
+  # One live beam at first, so that the first K tokens are distinct.
+  alive_logp_BxK = jnp.tile(
+      jnp.array([0.0] + [-jnp.inf] * (k - 1)), (batch, 1))
+  empty_BxKxN = jnp.full((batch, k, num_tokens), PAD_ID, jnp.int32)
+  finished_score_BxK = jnp.full((batch, k), -jnp.inf)
+  final_penalty = length_penalty(num_tokens, alpha)
+
+  def not_done(carry):
+    t, _, alive_logp_BxK, _, finished_score_BxK, _, _ = carry
+    # The best an alive hypothesis can still reach: its log-probability
+    # only falls, and the penalty is largest at the longest length.
+    best_alive_B = jnp.max(alive_logp_BxK, axis=1) / final_penalty
+    can_improve_B = best_alive_B > jnp.min(finished_score_BxK, axis=1)
+    return (t < num_tokens) & jnp.any(can_improve_B)
+
+  def extend(carry):
+    (t, logits_BKxV, alive_logp_BxK, alive_BxKxN, finished_score_BxK,
+     finished_BxKxN, cache) = carry
+    logp_BxKxV = jax.nn.log_softmax(logits_BKxV, axis=-1).reshape(
+        batch, k, vocab)
+    scores_BxKV = (alive_logp_BxK[..., None] + logp_BxKxV).reshape(
+        batch, k * vocab)
+    # 2K candidates: at most K end here, so K stay alive.
+    logp_Bx2K, index_Bx2K = jax.lax.top_k(scores_BxKV, 2 * k)
+    parent_Bx2K, token_Bx2K = index_Bx2K // vocab, index_Bx2K % vocab
+    seqs_Bx2KxN = _gather_beams(alive_BxKxN, parent_Bx2K).at[:, :, t].set(
+        token_Bx2K)
+    # An EOS among the K best ends its hypothesis; one below them is
+    # dropped (so that a beam of one is greedy decoding).
+    ends_Bx2K = token_Bx2K == eos_id
+    finishes_Bx2K = ends_Bx2K & (jnp.arange(2 * k) < k)
+    # Finished: the old and the new, ranked by normalised score.
+    ended_Bx2K = jnp.where(finishes_Bx2K, logp_Bx2K,
+                           -jnp.inf) / length_penalty(t + 1.0, alpha)
+    finished_score_BxK, finished_BxKxN = _best(
+        jnp.concatenate([finished_score_BxK, ended_Bx2K], axis=1),
+        jnp.concatenate([finished_BxKxN, seqs_Bx2KxN], axis=1), k)
+    # Alive: the K most probable that did not end.
+    alive_logp_BxK, (alive_BxKxN, parent_BxK, token_BxK) = _best(
+        jnp.where(ends_Bx2K, -jnp.inf, logp_Bx2K),
+        (seqs_Bx2KxN, parent_Bx2K, token_Bx2K), k)
+    rows_BK = (jnp.arange(batch)[:, None] * k + parent_BxK).reshape(-1)
+    cache = jax.tree.map(lambda x: jnp.take(x, rows_BK, axis=1), cache)
+    logits_BKx1xV, cache = step(token_BxK.reshape(-1, 1),
+                                (lengths_BK + t)[:, None], cache)
+    return (t + 1, logits_BKx1xV[:, 0], alive_logp_BxK, alive_BxKxN,
+            finished_score_BxK, finished_BxKxN, cache)
+
+  carry = (jnp.int32(0), logits_BKxV, alive_logp_BxK, empty_BxKxN,
+           finished_score_BxK, empty_BxKxN, cache)
+  (_, _, alive_logp_BxK, alive_BxKxN, finished_score_BxK, finished_BxKxN,
+   _) = jax.lax.while_loop(not_done, extend, carry)
+  any_finished_B = jnp.isfinite(finished_score_BxK[:, 0])
+  tokens_BxKxN = jnp.where(any_finished_B[:, None, None], finished_BxKxN,
+                           alive_BxKxN)
+  scores_BxK = jnp.where(any_finished_B[:, None], finished_score_BxK,
+                         alive_logp_BxK / final_penalty)
+  return tokens_BxKxN, scores_BxK
+
+
+def sample_lm(model: nn.Module, params, prompts_BxP: Array,
+              prompt_lengths_B: Array, *, num_tokens: int, rng: Array,
+              vocab_size: int | None = None, **choice) -> Array:
+  """`sample` from a DecoderLM with a fresh cache, among ids below
+  `vocab_size`; `choice`: temperature, top_k, top_p, eos_id."""
+  cache = init_cache(model.config, prompts_BxP.shape[0],
+                     prompts_BxP.shape[1] + num_tokens)
+  return sample(lm_step(model, params, vocab_size), cache, prompts_BxP,
+                prompt_lengths_B, num_tokens=num_tokens, rng=rng, **choice)

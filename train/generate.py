@@ -1,0 +1,83 @@
+"""Command line: text from a trained language model.
+
+  python -m train.generate --workdir=DIR --prompt="def " \
+      [--max_new_tokens=200 --temperature=0.8 --top_k=0 --top_p=1.0 \
+       --num_samples=1 --seed=0]
+
+Loads the run's latest checkpoint; reads the prompt in one call, then
+generates up to --max_new_tokens tokens with a key/value cache, stopping a
+sample at the end of a document. Prints each sample, prompt included.
+"""
+
+import functools
+
+from absl import app
+from absl import flags
+import jax
+import numpy as np
+
+from train import cli, decoding, trained_run
+from train.data import tokenizers
+from train.errors import InputError
+
+FLAGS = flags.FLAGS
+
+
+def generate(workdir: str, prompt: str, *, max_new_tokens: int,
+             temperature: float, top_k: int = 0, top_p: float = 1.0,
+             num_samples: int = 1, seed: int = 0) -> list[str]:
+  """`num_samples` texts continuing `prompt` (see decoding.choose)."""
+  for name, value, ok, must in (
+      ('max_new_tokens', max_new_tokens, max_new_tokens >= 1, 'at least 1'),
+      ('temperature', temperature, temperature >= 0, '>= 0 (0 is greedy)'),
+      ('top_k', top_k, top_k >= 0, '>= 0 (0 keeps every token)'),
+      ('top_p', top_p, 0 < top_p <= 1, 'in (0, 1]'),
+      ('num_samples', num_samples, num_samples >= 1, 'at least 1')):
+    if not ok:
+      raise InputError(f'--{name}={value} must be {must}.')
+  run = trained_run.load(workdir)
+  if run.dataset.kind != 'lm':
+    raise InputError(f'{workdir} holds a {run.model_config.family}; '
+                     'train.generate continues language models '
+                     '(train.translate decodes encoder-decoders).')
+  tokenizer = run.dataset.tokenizer
+  prompt_ids = np.concatenate([[tokenizers.EOS_ID],
+                               tokenizer.encode(prompt)]).astype(np.int32)
+  # Positions stay below config.model.max_len.
+  room = run.model_config.max_len - len(prompt_ids)
+  if room < 1:
+    raise InputError(f'--prompt is {len(prompt_ids)} tokens; the model '
+                     f'reads at most {run.model_config.max_len}.')
+  sample = jax.jit(functools.partial(
+      decoding.sample_lm, run.model, num_tokens=min(max_new_tokens, room),
+      temperature=temperature, top_k=top_k, top_p=top_p,
+      eos_id=tokenizers.EOS_ID, vocab_size=run.dataset.vocab_size))
+  prompts = np.tile(prompt_ids, (num_samples, 1))
+  tokens = sample(run.params, prompts, np.full(num_samples, len(prompt_ids)),
+                  rng=jax.random.key(seed))
+  return [tokenizer.decode(np.concatenate([prompt_ids, row]))
+          for row in np.asarray(tokens)]
+
+
+def main(argv: list[str]) -> None:
+  texts = cli.run_main(argv, lambda: generate(
+      FLAGS.workdir, FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens,
+      temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+      num_samples=FLAGS.num_samples, seed=FLAGS.seed))
+  for number, text in enumerate(texts):
+    print(f'--- sample {number} ---\n{text}')
+
+
+if __name__ == '__main__':
+  flags.DEFINE_string('workdir', None, 'A language model\'s training workdir.')
+  flags.DEFINE_string('prompt', '', 'Text to continue.')
+  flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to generate at most.')
+  flags.DEFINE_float('temperature', 0.8, 'Softmax temperature; 0 is greedy.')
+  flags.DEFINE_integer('top_k', 0, 'Sample among the k most likely tokens; '
+                       '0 for all.')
+  flags.DEFINE_float('top_p', 1.0, 'Sample within the smallest set of tokens '
+                     'holding this much probability (nucleus); 1 for all.')
+  flags.DEFINE_integer('num_samples', 1, 'Samples to draw.')
+  flags.DEFINE_integer('seed', 0, 'Seeds the draws.')
+  flags.mark_flags_as_required(['workdir'])
+  app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,68 @@
+"""A training run's workdir, loaded for use: its config, dataset and the
+parameters of its latest checkpoint, on one device whatever mesh it trained
+on (generation, translation, attention maps)."""
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+
+from model import ModelConfig, build
+from train import checkpointing, config_validation, mesh, parallel
+from train.data import datasets
+from train.errors import InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedRun:
+  config: ml_collections.ConfigDict
+  model_config: ModelConfig
+  model: nn.Module
+  dataset: datasets.Dataset
+  # The latest checkpoint's parameters, and its step.
+  params: Any
+  step: int
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config a run was trained with, set for one device (whatever the
+  mesh it trained on: the checkpoint is restored into one device's
+  layout)."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.exists(path):
+    raise InputError(f'{path} does not exist: --workdir must be a training '
+                     'run\'s workdir.')
+  with open(path) as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  config.parallelism.update(data=-1, fsdp=1, tensor=1, sequence=1,
+                            strategy='pjit', dcn_data=1)
+  config.distributed = False
+  # JSON has no tuples: pairs come back as lists.
+  config.logical_axis_rules = tuple(
+      (name, tuple(target) if isinstance(target, list) else target)
+      for name, target in config.logical_axis_rules)
+  return config
+
+
+def load(workdir: str) -> TrainedRun:
+  """The run in `workdir` at its latest checkpoint; InputError if it has
+  none."""
+  config = load_config(workdir)
+  model_config = config_validation.validate(config)
+  dataset = datasets.load(config, workdir)
+  program = parallel.compile_program(
+      config, model_config, dataset.kind,
+      mesh.make_mesh(config.parallelism, jax.devices()[:1]))
+  checkpointer = checkpointing.Checkpointer(
+      workdir, keep=config.keep_checkpoints, read_only=True)
+  step = checkpointer.latest_step()
+  if step is None:
+    raise InputError(f'{workdir} has no checkpoint yet.')
+  state = checkpointer.restore_state(step, program.abstract_state)
+  checkpointer.close()
+  return TrainedRun(config, model_config, build(model_config), dataset,
+                    state.params, step)
