@@ -7,6 +7,12 @@ Result on 2 CPU cores after 2000 steps (about 8 minutes each), validation
 exact match (teacher-forced, the same as greedy decoding's): reverse 99.4%,
 copy 100.0%, sort 95.0%, addition 3.2% (69.3% of digits right: carrying
 needs a longer run than this).
+
+Decoded: after a few hundred steps (reverse, --config.num_train_steps=300,
+1.3 minutes), `python -m train.translate --workdir=DIR --beam_size=4`
+reverses 9.7% of the 1000 validation inputs exactly (greedy, --beam_size=1:
+9.9%, equal to the teacher-forced figure), where guessing gets about one in
+10^length right.
 """
 
 from configs import default

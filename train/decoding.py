@@ -173,10 +173,9 @@ def beam_search(step: Step, cache: dict, prompts_BxP: Array,
   logits_BxV = logits_BxPxV[jnp.arange(batch), prompt_lengths_B - 1]
   vocab = logits_BxV.shape[-1]
   # Each row's cache, and its last logits, copied for its K beams.
-  beams = lambda x, axis: jnp.repeat(x, k, axis=axis)
-  cache = jax.tree.map(lambda x: beams(x, 1), cache)
-  logits_BKxV = beams(logits_BxV, 0)
-  lengths_BK = beams(prompt_lengths_B, 0)
+  cache = jax.tree.map(lambda x: jnp.repeat(x, k, axis=1), cache)
+  logits_BKxV = jnp.repeat(logits_BxV, k, axis=0)
+  lengths_BK = jnp.repeat(prompt_lengths_B, k, axis=0)
   # One live beam at first, so that the first K tokens are distinct.
   alive_logp_BxK = jnp.tile(
       jnp.array([0.0] + [-jnp.inf] * (k - 1)), (batch, 1))
