@@ -43,11 +43,13 @@ def generate(workdir: str, prompt: str, *, max_new_tokens: int,
   tokenizer = run.dataset.tokenizer
   prompt_ids = np.concatenate([[tokenizers.EOS_ID],
                                tokenizer.encode(prompt)]).astype(np.int32)
-  # Positions stay below config.model.max_len.
-  room = run.model_config.max_len - len(prompt_ids)
-  if room < 1:
-    raise InputError(f'--prompt is {len(prompt_ids)} tokens; the model '
-                     f'reads at most {run.model_config.max_len}.')
+  room = max_new_tokens
+  if run.model_config.position == 'learned':
+    # A learned table has no position from max_len on.
+    room = run.model_config.max_len - len(prompt_ids)
+    if room < 1:
+      raise InputError(f'--prompt is {len(prompt_ids)} tokens; the model '
+                       f'has {run.model_config.max_len} learned positions.')
   sample = jax.jit(functools.partial(
       decoding.sample_lm, run.model, num_tokens=min(max_new_tokens, room),
       temperature=temperature, top_k=top_k, top_p=top_p,

@@ -58,9 +58,14 @@ def translate(workdir: str, split: str = 'validation', *, beam_size: int = 4,
   references = [_until_eos(examples[i]['targets']) for i in range(count)]
   source_len = max(len(s) for s in sources)
   num_tokens = max_length or int(1.5 * source_len) + 10
-  # The decoder reads a start token, then its outputs, at positions below
-  # the model's longest.
-  num_tokens = min(num_tokens, run.model_config.max_len - 1)
+  if run.model_config.position == 'learned':
+    # A learned table has no position from max_len on; the decoder reads a
+    # start token, then its outputs.
+    if source_len > run.model_config.max_len:
+      raise InputError(
+          f'--split={split!r} has inputs of {source_len} tokens, more than '
+          f'the {run.model_config.max_len} learned positions of the model.')
+    num_tokens = min(num_tokens, run.model_config.max_len - 1)
 
   @jax.jit
   def decode(params, inputs_BxS):
