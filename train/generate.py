@@ -13,11 +13,12 @@ import functools
 
 from absl import app
 from absl import flags
+import flax.linen as nn
 import jax
 import numpy as np
 
 from train import cli, decoding, trained_run
-from train.data import tokenizers
+from train.data import datasets, tokenizers
 from train.errors import InputError
 
 FLAGS = flags.FLAGS
@@ -40,26 +41,38 @@ def generate(workdir: str, prompt: str, *, max_new_tokens: int,
     raise InputError(f'{workdir} holds a {run.model_config.family}; '
                      'train.generate continues language models '
                      '(train.translate decodes encoder-decoders).')
-  tokenizer = run.dataset.tokenizer
+  # A learned table has no position from max_len on.
+  return continue_text(
+      run.model, run.params, run.dataset, prompt, num_tokens=max_new_tokens,
+      rng=jax.random.key(seed), num_samples=num_samples,
+      max_positions=(run.model_config.max_len
+                     if run.model_config.position == 'learned' else None),
+      temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def continue_text(model: nn.Module, params, dataset: datasets.Dataset,
+                  prompt: str, *, num_tokens: int, rng: jax.Array,
+                  num_samples: int = 1, max_positions: int | None = None,
+                  **choice) -> list[str]:
+  """`num_samples` texts: `prompt` (after the end-of-sequence id that
+  starts a document) and up to `num_tokens` tokens after it, fewer where
+  the positions would reach `max_positions`, ending at the end of a
+  document; `choice`: temperature, top_k, top_p (decoding.choose)."""
+  tokenizer = dataset.tokenizer
   prompt_ids = np.concatenate([[tokenizers.EOS_ID],
                                tokenizer.encode(prompt)]).astype(np.int32)
-  room = max_new_tokens
-  if run.model_config.position == 'learned':
-    # A learned table has no position from max_len on.
-    room = run.model_config.max_len - len(prompt_ids)
-    if room < 1:
-      raise InputError(f'--prompt is {len(prompt_ids)} tokens; the model '
-                       f'has {run.model_config.max_len} learned positions.')
+  if max_positions is not None:
+    num_tokens = min(num_tokens, max_positions - len(prompt_ids))
+    if num_tokens < 1:
+      raise InputError(f'the prompt is {len(prompt_ids)} tokens; the model '
+                       f'reads positions below {max_positions}.')
   sample = jax.jit(functools.partial(
-      decoding.sample_lm, run.model, num_tokens=min(max_new_tokens, room),
-      temperature=temperature, top_k=top_k, top_p=top_p,
-      eos_id=tokenizers.EOS_ID, vocab_size=run.dataset.vocab_size))
-  prompts = np.tile(prompt_ids, (num_samples, 1))
-  tokens = sample(run.params, prompts, np.full(num_samples, len(prompt_ids)),
-                  rng=jax.random.key(seed))
+      decoding.sample_lm, model, num_tokens=num_tokens,
+      eos_id=tokenizers.EOS_ID, vocab_size=dataset.vocab_size, **choice))
+  tokens = sample(params, np.tile(prompt_ids, (num_samples, 1)),
+                  np.full(num_samples, len(prompt_ids)), rng=rng)
   return [tokenizer.decode(np.concatenate([prompt_ids, row]))
           for row in np.asarray(tokens)]
-
 
 def main(argv: list[str]) -> None:
   texts = cli.run_main(argv, lambda: generate(

@@ -5,19 +5,17 @@ The state and batches are laid out on the mesh of `config.parallelism`
 same loop runs on one CPU, a GPU node or a multi-host TPU pod.
 """
 
-import functools
 import os
 
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 
 from model import ModelConfig, build
-from train import checkpointing, config_validation, decoding, metrics
+from train import checkpointing, config_validation, generate, metrics
 from train import mesh as mesh_lib
 from train import parallel, preemption
-from train.data import datasets, pipeline, tokenizers
+from train.data import datasets, pipeline
 from train.errors import InputError, Stopped, TrainingError
 
 
@@ -177,18 +175,13 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
   if stop.reason:  # Asked during the final evaluation: trained, done.
     _say(f'{stop.reason}: trained to the end; no sample.')
   elif dataset.kind == 'lm' and config.sample_length:
-    prompt = np.concatenate([[tokenizers.EOS_ID], dataset.tokenizer.encode(
-        config.sample_prompt)]).astype(np.int32)
-    # Positions stay below seq_len, the longest the model was trained on.
-    generate = jax.jit(functools.partial(
-        decoding.sample_lm, build(model_config),
-        num_tokens=min(config.sample_length, config.seq_len - len(prompt)),
-        temperature=config.sample_temperature, eos_id=tokenizers.EOS_ID,
-        vocab_size=dataset.vocab_size))
     # Whole on every device: every host runs the sampling and can read it.
-    tokens = generate(program.replicate(state.params), prompt[None],
-                      np.array([len(prompt)]), rng=program.key(2))
-    text = dataset.tokenizer.decode(np.concatenate([prompt, tokens[0]]))
+    # Positions stay below seq_len, the longest the model was trained on.
+    [text] = generate.continue_text(
+        build(model_config), program.replicate(state.params), dataset,
+        config.sample_prompt, num_tokens=config.sample_length,
+        rng=program.key(2), max_positions=config.seq_len,
+        temperature=config.sample_temperature)
     _say(f'--- sample (temperature {config.sample_temperature}) ---\n'
          f'{text}\n---')
   return final
