@@ -48,8 +48,10 @@ class TransformerBlock(nn.Module):
                cache: dict[str, Array] | None, deterministic: bool):
     """With `memory_BxMxD` (earlier hidden states entering this block, at
     `memory_positions_BxM`), self-attention reads them as keys and values
-    before the current positions. With a self-attention `cache` (see
-    MultiHeadAttention), returns (output, cache)."""
+    before the current positions. With a `cache` (see MultiHeadAttention):
+    self-attention's {'key', 'value'} and, in a decoder with
+    cross-attention, the source's {'cross_key', 'cross_value'} once a call
+    has projected them; returns (output, cache with both)."""
     config = self.config
     norm = make_norm(config, 'self_attention_norm')
     pre = config.norm_position == 'pre'
@@ -61,21 +63,27 @@ class TransformerBlock(nn.Module):
       context_BxSxD = norm(context_BxSxD) if pre else context_BxSxD
       kv_positions_BxS = jnp.concatenate(
           [memory_positions_BxM, positions_BxT], axis=1)
+    self_cache = cross_cache = None
+    if cache is not None:
+      self_cache = {'key': cache['key'], 'value': cache['value']}
+      cross_cache = ({'key': cache['cross_key'], 'value': cache['cross_value']}
+                     if 'cross_key' in cache else {})
     update = MultiHeadAttention(config, name='self_attention')(
         queries_BxTxD, context_BxSxD, mask=self_mask, is_causal=self.causal,
         q_positions_BxT=positions_BxT, kv_positions_BxS=kv_positions_BxS,
-        cache=cache, deterministic=deterministic)
+        cache=self_cache, deterministic=deterministic)
     if cache is not None:
       update, cache = update
     x_BxTxD = self._add(x_BxTxD, update, norm, deterministic)
     if self.cross:
-      cross_attention = MultiHeadAttention(config, cross=True,
-                                           name='cross_attention')
-      x_BxTxD = self._residual(
-          x_BxTxD,
-          lambda y: cross_attention(y, encoded_BxSxD, mask=cross_mask,
-                                    deterministic=deterministic),
-          'cross_attention', deterministic)
+      norm = make_norm(config, 'cross_attention_norm')
+      update = MultiHeadAttention(config, cross=True, name='cross_attention')(
+          norm(x_BxTxD) if pre else x_BxTxD, encoded_BxSxD, mask=cross_mask,
+          cache=cross_cache, deterministic=deterministic)
+      if cache is not None:
+        update, source = update
+        cache |= {'cross_key': source['key'], 'cross_value': source['value']}
+      x_BxTxD = self._add(x_BxTxD, update, norm, deterministic)
     x_BxTxD = self._residual(x_BxTxD, Mlp(config, name='mlp'), 'mlp',
                              deterministic)
     return x_BxTxD if cache is None else (x_BxTxD, cache)
@@ -95,12 +103,12 @@ class TransformerStack(nn.Module):
                cross_mask: Array | None = None,
                memory_LxBxMxD: Array | None = None,
                memory_positions_BxM: Array | None = None,
-               cache: dict[str, Array] | None = None,
+               cache: tuple[dict[str, Array], ...] | None = None,
                deterministic: bool = True):
     """The output [B, T, D]; with a memory, also each block's input
     [L, B, T, D], from which the caller forms the next memory; with a
-    `cache` (every layer's, stacked: [L, B, C, K, H]), also the cache after
-    this call.
+    `cache` (each layer's, see TransformerBlock), also the cache after this
+    call.
 
     `positions_BxT` are each token's position, for relative schemes.
     """
@@ -119,8 +127,7 @@ class TransformerStack(nn.Module):
       block_inputs.append(x_BxTxD)
       memory_BxMxD = (None if memory_LxBxMxD is None
                       else memory_LxBxMxD[layer])
-      layer_cache = (None if cache is None else
-                     jax.tree.map(lambda x, i=layer: x[i], cache))
+      layer_cache = None if cache is None else cache[layer]
       x_BxTxD = block_cls(self.config, self.causal, self.cross,
                           name=f'block_{layer}')(
                               x_BxTxD, self_mask, encoded_BxSxD, cross_mask,
@@ -132,7 +139,7 @@ class TransformerStack(nn.Module):
     if self.config.norm_position == 'pre':
       x_BxTxD = make_norm(self.config, 'final_norm')(x_BxTxD)
     if cache is not None:
-      return x_BxTxD, jax.tree.map(lambda *x: jnp.stack(x), *caches)
+      return x_BxTxD, tuple(caches)
     if memory_LxBxMxD is None:
       return x_BxTxD
     return x_BxTxD, jnp.stack(block_inputs)

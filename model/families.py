@@ -120,14 +120,16 @@ def empty_memory(config: ModelConfig, batch_size: int) -> dict[str, Array]:
 
 
 def init_cache(config: ModelConfig, batch_size: int,
-               length: int) -> dict[str, Array]:
-  """An empty key/value cache for decoding up to `length` positions: every
-  layer's self-attention keys and values, {'key', 'value'}
-  [L, B, length, K, H], in the compute dtype."""
-  shape = (config.num_layers, batch_size, length, config.num_kv_heads,
-           config.head_dim)
-  return {'key': jnp.zeros(shape, config.compute_dtype),
-          'value': jnp.zeros(shape, config.compute_dtype)}
+               length: int) -> tuple[dict[str, Array], ...]:
+  """An empty key/value cache for decoding up to `length` positions: each
+  layer's self-attention keys and values, {'key', 'value'} [B, length, K,
+  H], in the compute dtype. Layers hold arrays of their own, so that a
+  decoding step writes one position in place rather than copying a
+  stacked cache."""
+  shape = (batch_size, length, config.num_kv_heads, config.head_dim)
+  return tuple({'key': jnp.zeros(shape, config.compute_dtype),
+                'value': jnp.zeros(shape, config.compute_dtype)}
+               for _ in range(config.num_layers))
 
 
 class DecoderLM(nn.Module):
@@ -213,7 +215,7 @@ class EncoderDecoder(nn.Module):
                         self_mask=padding_mask(inputs_BxS),
                         deterministic=deterministic)
 
-  def decode(self, encoded_BxSxD: Array, inputs_BxS: Array,
+  def decode(self, encoded_BxSxD: Array | None, inputs_BxS: Array,
              decoder_inputs_BxT: Array, positions_BxT: Array | None = None, *,
              cache: dict[str, Array] | None = None,
              deterministic: bool = True):
@@ -222,7 +224,11 @@ class EncoderDecoder(nn.Module):
     `decoder_inputs_BxT` are the targets shifted right (a start token first);
     `inputs_BxS` supplies the source padding mask. With a `cache` (see
     `init_cache`) of the decoder's self-attention, the tokens are read at
-    `positions_BxT` after those it holds; returns (logits, cache).
+    `positions_BxT` after those it holds; returns (logits, cache), the
+    cache holding also every layer's cross-attention keys and values of the
+    source, {'cross_key', 'cross_value'} [B, S, K, H] per layer. Given those, the
+    encoder output is not read (pass None) and the tokens may be `copies`
+    consecutive rows per source (see MultiHeadAttention).
     """
     if positions_BxT is None:
       positions_BxT = default_positions(decoder_inputs_BxT)

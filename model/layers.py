@@ -119,18 +119,25 @@ class MultiHeadAttention(nn.Module):
     `q_positions_BxT`, each query attends to the cached positions up to its
     own, and the result is (output, cache): a prompt of any length is read
     in one call, then one token a call.
+
+    With a `cache` for cross-attention: {} (project `inputs_kv_BxSxD`) or
+    the {'key', 'value'} [B, S, K, H] a call returned (`inputs_kv_BxSxD` is
+    not read); the queries may be `copies` consecutive rows per source row
+    (beam search's layout). Returns (output, {'key', 'value'}).
     """
     config = self.config
-    heads, kv_heads, head_dim = (config.num_heads, config.num_kv_heads,
-                                 config.head_dim)
-    q_BxTxNxH = _dense((heads, head_dim), ('embed', 'heads', 'kv'), config,
+    q_BxTxNxH = _dense((config.num_heads, config.head_dim),
+                       ('embed', 'heads', 'kv'), config,
                        'query')(inputs_q_BxTxD)
-    k_BxSxKxH = _dense((kv_heads, head_dim), ('embed', 'kv_heads', 'kv'),
-                       config, 'key')(inputs_kv_BxSxD)
-    v_BxSxKxH = _dense((kv_heads, head_dim), ('embed', 'kv_heads', 'kv'),
-                       config, 'value')(inputs_kv_BxSxD)
+    if self.cross and cache is not None:
+      return self._cached_cross(q_BxTxNxH, inputs_kv_BxSxD, mask, cache,
+                                inputs_q_BxTxD.shape[-1])
+    k_BxSxKxH, v_BxSxKxH = self._keys_values(inputs_kv_BxSxD)
     bias = None
     if self.cross:
+      if cache is not None:
+        return self._cross_from_cache(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask,
+                                      inputs_q_BxTxD.shape[-1])
       variant, kwargs = attention.spec('dense'), {}
     else:
       variant = attention.spec(config.attention)
@@ -138,7 +145,7 @@ class MultiHeadAttention(nn.Module):
       q_BxTxNxH = self._rotate(q_BxTxNxH, q_positions_BxT)
       k_BxSxKxH = self._rotate(k_BxSxKxH, kv_positions_BxS)
     if cache is not None:
-      if self.cross or not (variant.longer_keys and variant.masks == 'any'):
+      if not variant.reads_cache:
         raise ValueError(
             f'config.model.attention={config.attention!r} cannot read a cache '
             '(cached decoding needs dense, chunked or additive attention).')
@@ -166,9 +173,38 @@ class MultiHeadAttention(nn.Module):
                  'dropout_rng': self.make_rng('dropout')}
     out_BxTxNxH = variant.fn(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias, mask,
                              is_causal=causal, **kwargs)
-    out_BxTxD = _dense(inputs_q_BxTxD.shape[-1], ('heads', 'kv', 'embed'),
-                       config, 'out', num_in=2)(out_BxTxNxH)
+    out_BxTxD = self._out(out_BxTxNxH, inputs_q_BxTxD.shape[-1])
     return out_BxTxD if cache is None else (out_BxTxD, cache)
+
+  def _out(self, x_BxTxNxH: Array, features: int) -> Array:
+    return _dense(features, ('heads', 'kv', 'embed'), self.config, 'out',
+                  num_in=2)(x_BxTxNxH)
+
+  def _keys_values(self, inputs_kv_BxSxD: Array) -> tuple[Array, Array]:
+    """Keys and values [B, S, K, H] of the inputs."""
+    config = self.config
+    features = (config.num_kv_heads, config.head_dim)
+    return tuple(_dense(features, ('embed', 'kv_heads', 'kv'), config,
+                        name)(inputs_kv_BxSxD) for name in ('key', 'value'))
+
+  def _cached_cross(self, q_BxTxNxH: Array, inputs_kv_BxSxD: Array | None,
+                    mask: Array | None, cache: dict[str, Array],
+                    features: int) -> tuple[Array, dict[str, Array]]:
+    """Cross-attention while decoding: the source's keys and values are
+    projected once and read by every beam of it, never copied."""
+    if cache:
+      k_BxSxKxH, v_BxSxKxH = cache['key'], cache['value']
+    else:
+      k_BxSxKxH, v_BxSxKxH = self._keys_values(inputs_kv_BxSxD)
+    rows, length = q_BxTxNxH.shape[:2]
+    copies = rows // k_BxSxKxH.shape[0]
+    # [B * copies, T] queries as [B, copies * T]: each row's beams together.
+    q_BxCTxNxH = q_BxTxNxH.reshape(k_BxSxKxH.shape[0], copies * length,
+                                   *q_BxTxNxH.shape[2:])
+    out_BxCTxNxH = attention.scaled_dot_product_attention(
+        q_BxCTxNxH, k_BxSxKxH, v_BxSxKxH, None, mask)
+    out_BxTxD = self._out(out_BxCTxNxH.reshape(q_BxTxNxH.shape), features)
+    return out_BxTxD, {'key': k_BxSxKxH, 'value': v_BxSxKxH}
 
 
 def _write(cache: dict[str, Array], k_BxTxKxH: Array, v_BxTxKxH: Array,

@@ -76,25 +76,27 @@ def test_decoder_lm_cached_logits_equal_a_full_pass(position):
 
 @pytest.mark.parametrize('position', ['sinusoidal', 'relative'])
 def test_encoder_decoder_cached_logits_equal_a_full_pass(position):
+  """The sources' cross-attention keys and values are projected once; rows
+  decoded in two copies each (beam search's layout) read them alike."""
   config = tiny('encoder_decoder', position)
   model = build(config)
   source = jnp.asarray(np.array([[3, 4, 5, 1, 0, 0], [6, 7, 8, 9, 2, 1]]))
-  params = {'params': model.init(jax.random.key(1), source,
-                                 jnp.zeros((B, T), jnp.int32))['params']}
-  encoded = model.apply(params, source, method=model.encode)
-
-  @jax.jit
-  def step(tokens, positions, cache):
-    return model.apply(params, encoded, source, tokens, positions,
-                       cache=cache, method=model.decode)
+  params = model.init(jax.random.key(1), source,
+                      jnp.zeros((B, T), jnp.int32))['params']
+  step = jax.jit(decoding.seq2seq_step(model, params, source))
 
   def step_or_start(tokens, positions, cache):
     cache = init_cache(config, B, T) if cache is None else cache
     return step(tokens, positions, cache)
 
   tokens, got = cached_logits(step_or_start, T)
-  want = jax.jit(model.apply)(params, source, tokens)
+  want = jax.jit(model.apply)({'params': params}, source, tokens)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  twice, _ = step(np.repeat(tokens, 2, axis=0),
+                  np.tile(np.arange(T), (2 * B, 1)),
+                  init_cache(config, 2 * B, T))
+  np.testing.assert_allclose(twice, np.repeat(want, 2, axis=0), atol=1e-5,
+                             rtol=1e-5)
 
 
 def test_a_variant_that_cannot_read_a_cache_is_refused():

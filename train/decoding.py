@@ -40,20 +40,29 @@ def lm_step(model: nn.Module, params, vocab_size: int | None = None) -> Step:
 
 def seq2seq_step(model: nn.Module, params, inputs_BxS: Array,
                  vocab_size: int | None = None) -> Step:
-  """The step of an EncoderDecoder's decoder, the sources encoded once,
-  choosing among ids below `vocab_size`. Called with k consecutive copies
-  of each row (as beam search lays out its beams), it reads each source k
-  times."""
-  encoded_BxSxD = model.apply({'params': params}, inputs_BxS,
-                              method=model.encode)
+  """The step of an EncoderDecoder's decoder, choosing among ids below
+  `vocab_size`. The sources are encoded, and every layer's cross-attention
+  keys and values projected, once; called with k consecutive copies of
+  each row (as beam search lays out its beams), the copies read them."""
+  variables = {'params': params}
+  encoded_BxSxD = model.apply(variables, inputs_BxS, method=model.encode)
+  # The projections live inside the decoder's blocks: a pass over one token
+  # (its logits unused) makes them.
+  start_Bx1 = jnp.zeros((inputs_BxS.shape[0], 1), jnp.int32)
+  _, filled = model.apply(
+      variables, encoded_BxSxD, inputs_BxS, start_Bx1, start_Bx1,
+      cache=init_cache(model.config, inputs_BxS.shape[0], 1),
+      method=model.decode)
+  sources = tuple({name: layer[name] for name in ('cross_key', 'cross_value')}
+                  for layer in filled)
 
   def step(tokens_BxT, positions_BxT, cache):
-    copies = tokens_BxT.shape[0] // inputs_BxS.shape[0]
     logits_BxTxV, cache = model.apply(
-        {'params': params}, jnp.repeat(encoded_BxSxD, copies, axis=0),
-        jnp.repeat(inputs_BxS, copies, axis=0), tokens_BxT, positions_BxT,
-        cache=cache, method=model.decode)
-    return _only_known(logits_BxTxV, vocab_size), cache
+        variables, None, inputs_BxS, tokens_BxT, positions_BxT,
+        cache=tuple(own | source for own, source in zip(cache, sources)),
+        method=model.decode)
+    return _only_known(logits_BxTxV, vocab_size), tuple(
+        {name: layer[name] for name in ('key', 'value')} for layer in cache)
   return step
 
 
@@ -173,7 +182,7 @@ def beam_search(step: Step, cache: dict, prompts_BxP: Array,
   logits_BxV = logits_BxPxV[jnp.arange(batch), prompt_lengths_B - 1]
   vocab = logits_BxV.shape[-1]
   # Each row's cache, and its last logits, copied for its K beams.
-  cache = jax.tree.map(lambda x: jnp.repeat(x, k, axis=1), cache)
+  cache = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), cache)
   logits_BKxV = jnp.repeat(logits_BxV, k, axis=0)
   lengths_BK = jnp.repeat(prompt_lengths_B, k, axis=0)
   # One live beam at first, so that the first K tokens are distinct.
@@ -218,7 +227,8 @@ def beam_search(step: Step, cache: dict, prompts_BxP: Array,
         jnp.where(ends_Bx2K, -jnp.inf, logp_Bx2K),
         (seqs_Bx2KxN, parent_Bx2K, token_Bx2K), k)
     rows_BK = (jnp.arange(batch)[:, None] * k + parent_BxK).reshape(-1)
-    cache = jax.tree.map(lambda x: jnp.take(x, rows_BK, axis=1), cache)
+    if k > 1:  # (A beam of one continues its only hypothesis.)
+      cache = jax.tree.map(lambda x: jnp.take(x, rows_BK, axis=0), cache)
     logits_BKx1xV, cache = step(token_BxK.reshape(-1, 1),
                                 (lengths_BK + t)[:, None], cache)
     return (t + 1, logits_BKx1xV[:, 0], alive_logp_BxK, alive_BxKxN,

@@ -48,6 +48,12 @@ class Variant:
   # so rotating queries and keys by position (rope) makes them relative.
   dot_product: bool = True
 
+  @property
+  def reads_cache(self) -> bool:
+    """Decoding with a key/value cache: queries after more keys, under a
+    mask saying which cache positions are written."""
+    return self.longer_keys and self.masks == 'any'
+
 
 _REGISTRY: dict[str, Variant] = {
     'dense': Variant(scaled_dot_product_attention, causal=True, masks='any',
