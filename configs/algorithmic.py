@@ -3,10 +3,18 @@
   python -m train.train --config=configs/algorithmic.py:task=reverse \
       --workdir=workdirs/algorithmic_reverse
 
-Result on 2 CPU cores after 2000 steps (about 8 minutes each), validation
+Result on 2 CPU cores after 2000 steps (8 to 10 minutes each), validation
 exact match (teacher-forced, the same as greedy decoding's): reverse 99.4%,
 copy 100.0%, sort 95.0%, addition 3.2% (69.3% of digits right: carrying
 needs a longer run than this).
+
+Each evaluation also decodes the first 64 inputs of `validation` and of
+`long` (41 to 400 symbols, longer than any seen in training) greedily.
+Reverse, 2000 steps (9.5 minutes): validation 100% exact (99.4% of all 1000
+teacher-forced, as above), long 0% exact with 2.9% of tokens right, under
+the ~10% of guessing and falling as training went on (10.4% at step 500):
+with sinusoidal positions the model does not generalise past the lengths it
+was trained on.
 
 Decoded: after a few hundred steps (reverse, --config.num_train_steps=300,
 1.3 minutes), `python -m train.translate --workdir=DIR --beam_size=4`
@@ -40,6 +48,11 @@ def get_config(arg: str = 'task=reverse'):
   config.warmup_steps = 200
   config.eval_every = 500
   config.checkpoint_every = 500
+  # Each evaluation also decodes (greedily) the first inputs of both splits:
+  # those of the training lengths and the longer ones of `long`.
+  config.decode_splits = ('validation', 'long')
+  config.num_decode_examples = 64
+  config.beam_size = 1
 
   config.model.family = 'encoder_decoder'
   config.model.vocab_size = 13  # Padding, end, 10 symbols and '+'.

@@ -114,6 +114,19 @@ def get_config() -> ml_collections.ConfigDict:
   # Softmax temperature of sampling; 0 is greedy.
   config.sample_temperature = 0.8
 
+  # --- Sequence-to-sequence: decoding at each evaluation ---
+  # Splits whose inputs are decoded at each evaluation: the exact match,
+  # per-token accuracy and, for text, BLEU of what the model writes, logged
+  # as decode_<split>_<score>; () for none.
+  config.decode_splits = ()
+  # Examples decoded from each of those splits (its first ones); -1 for all.
+  config.num_decode_examples = 256
+  # Hypotheses beam search keeps; 1 is greedy decoding.
+  config.beam_size = 4
+  # Length penalty exponent of beam search (Wu et al. 2016); 0 ranks by
+  # log-probability alone.
+  config.beam_alpha = 0.6
+
   # --- Devices (README 'Scaling out'; train/mesh.py, train/parallel.py) ---
   # Mesh axis sizes, whose product is the number of devices of all hosts;
   # one of them may be -1 for the devices the others leave. data and fsdp

@@ -31,6 +31,9 @@ def get_config():
   config.eval_every = 2000
   config.num_eval_steps = 50
   config.checkpoint_every = 2000
+  # BLEU of the whole validation split (newstest2013), beam 4, alpha 0.6.
+  config.decode_splits = ('validation',)
+  config.num_decode_examples = -1
   config.log_every = 100
 
   config.model.family = 'encoder_decoder'

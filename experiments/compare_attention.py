@@ -9,8 +9,10 @@ Every variant trains with the same seed, data, steps and model size, through
 `train_and_evaluate`, in DIR/<variant>/; a finished variant (its
 result.json) is not trained again. For language models, if any variant
 takes key-padding masks only, every variant reads unpacked rows, so that all
-see the same data. A variant that cannot run the config (a causal
-Linformer, say) is listed as skipped, with the reason.
+see the same data. A variant that cannot read a key/value cache trains
+without the decoding evaluations of config.decode_splits. A variant that
+cannot run the config (a causal Linformer, say) is listed as skipped, with
+the reason.
 
 Writes DIR/results.md and DIR/results.csv (per variant: the task's quality
 metric, eval loss, parameters, training step time and tokens/s, and the
@@ -70,6 +72,8 @@ def variant_config(base: ml_collections.ConfigDict, name: str,
       options.get(name, {}))
   if unpacked:
     config.pack_sequences = False
+  if not attention.spec(name).reads_cache:
+    config.decode_splits = ()
   return config
 
 

@@ -76,6 +76,15 @@ INVALID = [
     ('sample_prompt', 'x' * 300, 'config.sample_prompt is 300 tokens; it '
      'must be shorter than config.seq_len=256 - 1'),
     ('sample_temperature', -0.5, 'config.sample_temperature=-0.5'),
+    ('decode_splits', ('validation',), "config.decode_splits=('validation',"
+     "): decoding evaluates sequence-to-sequence datasets, and config.dataset="
+     "'python_stdlib_bytes' is lm; set it to ()"),
+    ('decode_splits', ('validation', 1), "config.decode_splits=('validation', "
+     '1) must be a tuple of split names'),
+    ('num_decode_examples', 0, 'config.num_decode_examples=0 must be an '
+     'integer >= 1'),
+    ('beam_size', 0, 'config.beam_size=0 must be an integer >= 1'),
+    ('beam_alpha', -0.5, 'config.beam_alpha=-0.5 must be a number in'),
     ('parallelism.data', 3, 'config.parallelism: data=3 x fsdp=1 x tensor=1 '
      'x sequence=1 takes 3 devices, but there are 8'),
     ('parallelism.fsdp', 0, 'config.parallelism.fsdp=0 must be a positive '
@@ -133,6 +142,12 @@ INVALID_ELSEWHERE = [
      "config.dataset_options.max_length=0 must be at least 1 for task 'sort'"),
     ('algorithmic', 'dataset_options.long_max_length', 40,
      'config.dataset_options.long_max_length=40 must exceed max_length=40'),
+    ('algorithmic', 'decode_splits', ('validation', 'dev'),
+     "config.decode_splits names 'dev', which is not a split of config."
+     "dataset='algorithmic'; it has ['long', 'train', 'validation']"),
+    ('algorithmic', 'model.attention', 'linear',
+     "config.decode_splits=('validation', 'long') decodes with a key/value "
+     "cache, which config.model.attention='linear' cannot read"),
     ('listops', 'dataset_options.min_length', -1,
      'config.dataset_options.min_length=-1 must be an integer >= 0'),
     ('listops', 'dataset_options.max_length', 17,
@@ -168,6 +183,8 @@ def base_config(name: str, data_dir: str):
   config = SHIPPED.get(name, lm_stdlib.get_config)()
   if name == 'local':
     config.model.attention = 'local'
+  if name == 'algorithmic':  # Quick to build, where a case gets that far.
+    config.dataset_options.update(num_train=200, num_eval=20)
   config.data_dir = data_dir
   return config
 
@@ -227,6 +244,17 @@ def test_packed_rows_need_an_attention_that_takes_any_mask():
     config_validation.validate(config)
   config.pack_sequences = False
   config_validation.validate(config)
+
+
+def test_decoding_inputs_longer_than_learned_positions_is_refused(
+    data_dir, tmp_path, capsys):
+  config = base_config('algorithmic', data_dir)
+  config.model.position = 'learned'
+  with pytest.raises(SystemExit) as exit_:
+    train.run(config, str(tmp_path))
+  assert exit_.value.code == 2
+  assert ("config.decode_splits ('long') has inputs of 389 tokens, more than "
+          'the 48 learned positions') in capsys.readouterr().err
 
 
 def test_a_memory_needs_streams():

@@ -18,10 +18,16 @@ TRAIN_KEYS = {'step', 'loss', 'accuracy', 'learning_rate', 'grad_norm',
               'tokens_per_s', 'steps_per_s'}
 EVAL_KEYS = {
     'lm_stdlib': {'eval_loss', 'eval_accuracy', 'eval_bits_per_byte'},
-    'algorithmic': {'eval_loss', 'eval_accuracy', 'eval_exact_match'},
+    'algorithmic': {'eval_loss', 'eval_accuracy', 'eval_exact_match',
+                    'decode_validation_exact_match',
+                    'decode_validation_token_accuracy',
+                    'decode_long_exact_match', 'decode_long_token_accuracy'},
     'listops': {'eval_loss', 'eval_accuracy'},
     'lm1b': {'eval_loss', 'eval_accuracy'},
-    'wmt14_ende': {'eval_loss', 'eval_accuracy', 'eval_exact_match'},
+    'wmt14_ende': {'eval_loss', 'eval_accuracy', 'eval_exact_match',
+                   'decode_validation_exact_match',
+                   'decode_validation_token_accuracy',
+                   'decode_validation_bleu'},
 }
 
 
@@ -35,6 +41,7 @@ def shrink(config, data_dir: str, **overrides):
   config.eval_every = 2
   config.checkpoint_every = 2
   config.num_eval_steps = 2
+  config.num_decode_examples = 8
   config.sample_length = min(config.sample_length, 4)
   config.model.update(d_model=16, num_heads=2, num_layers=1, mlp_dim=32,
                       dtype='float32')

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from configs import algorithmic
-from test_train import LocalWmt14, shrink, tiny_config
+from test_train import LocalWmt14, read_metrics, shrink, tiny_config
 from train import scores, translate
 from train.errors import InputError
 from train.trainer import train_and_evaluate
@@ -59,6 +59,19 @@ def test_translate_writes_hypotheses_and_scores_them(translation_workdir):
       os.path.join(translation_workdir, 'validation.ref'))
 
 
+def test_training_logs_the_bleu_of_its_decoded_validation_split(
+    translation_workdir):
+  """The trainer decodes as train.translate does (beam 4, the first 8
+  sentences)."""
+  [last] = [row for row in read_metrics(translation_workdir)
+            if 'decode_validation_bleu' in row][-1:]
+  result = translate.translate(translation_workdir, 'validation',
+                               beam_size=4, max_examples=8)
+  for name in ('bleu', 'exact_match', 'token_accuracy'):
+    assert last[f'decode_validation_{name}'] == pytest.approx(
+        result[name], abs=1e-6), name
+
+
 def test_translate_names_a_split_the_dataset_lacks(translation_workdir):
   with pytest.raises(InputError, match="--split='dev' is not a split"):
     translate.translate(translation_workdir, 'dev')
@@ -75,7 +88,17 @@ def test_a_reverse_model_trained_300_steps_decodes_most_inputs(data_dir,
                 log_every=100, eval_every=300, checkpoint_every=300,
                 learning_rate=3e-3)
   config.model.update(d_model=32, num_heads=2, num_layers=2, mlp_dim=64)
+  config.num_decode_examples = -1
   train_and_evaluate(config, str(tmp_path))
-  for beam_size in (1, 4):
-    result = translate.translate(str(tmp_path), beam_size=beam_size)
-    assert result['exact_match'] > 0.6, (beam_size, result)
+  results = {beam_size: translate.translate(str(tmp_path),
+                                            beam_size=beam_size)
+             for beam_size in (1, 4)}
+  for result in results.values():
+    assert result['exact_match'] > 0.6, results
+  # Evaluations during training decode greedily as train.translate does
+  # (to one example in 100: the devices differ), inputs of the training
+  # lengths and the longer ones of `long`.
+  final = read_metrics(str(tmp_path))[-1]
+  assert final['decode_validation_exact_match'] == pytest.approx(
+      results[1]['exact_match'], abs=0.011)
+  assert 0 <= final['decode_long_token_accuracy'] < 1

@@ -69,6 +69,9 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   if config.num_eval_steps != -1:
     _integer(config, 'num_eval_steps', 1)
   _integer(config, 'batch_size', 1)
+  _integer(config, 'beam_size', 1)
+  if config.num_decode_examples != -1:
+    _integer(config, 'num_decode_examples', 1)
 
   _number(config, 'learning_rate', 0.0, float('inf'), include_low=False)
   _number(config, 'final_learning_rate_fraction', 0.0, 1.0, include_high=True)
@@ -80,6 +83,7 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   _number(config, 'adam_eps', 0.0, float('inf'), include_low=False)
   _number(config, 'sgd_momentum', 0.0, 1.0)
   _number(config, 'sample_temperature', 0.0, float('inf'))
+  _number(config, 'beam_alpha', 0.0, float('inf'))
   _choice(config, 'schedule', optim.SCHEDULES)
   _choice(config, 'optimizer', optim.OPTIMIZERS)
   _choice(config, 'nan_policy', metrics.NAN_POLICIES)
@@ -120,12 +124,33 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   if model_config.family != family:
     _fail(f'config.model.family={model_config.family!r} cannot train on '
           f'config.dataset={config.dataset!r} ({kind}); use {family!r}.')
+  _check_decode_splits(config, model_config, kind)
   positions = model_positions(config)
   if model_config.position == 'learned' and positions > model_config.max_len:
     _fail(f'config.seq_len={config.seq_len} needs {positions} positions, more '
           f'than config.model.max_len={model_config.max_len}.')
   _check_parallelism(config, model_config, kind)
   return model_config
+
+
+def _check_decode_splits(config: ml_collections.ConfigDict,
+                         model_config: ModelConfig, kind: str) -> None:
+  """Decoding at each evaluation: split names, of a sequence-to-sequence
+  dataset, with an attention that reads a key/value cache."""
+  splits = config.decode_splits
+  if not isinstance(splits, (tuple, list)) or not all(
+      isinstance(split, str) and split for split in splits):
+    _fail(f'config.decode_splits={splits!r} must be a tuple of split names.')
+  if not splits:
+    return
+  if kind != 'seq2seq':
+    _fail(f'config.decode_splits={tuple(splits)!r}: decoding evaluates '
+          f'sequence-to-sequence datasets, and config.dataset='
+          f'{config.dataset!r} is {kind}; set it to ().')
+  if not attention.spec(model_config.attention).reads_cache:
+    _fail(f'config.decode_splits={tuple(splits)!r} decodes with a key/value '
+          f'cache, which config.model.attention={model_config.attention!r} '
+          'cannot read (dense, chunked and additive can).')
 
 
 def _check_parallelism(config: ml_collections.ConfigDict,
@@ -162,8 +187,8 @@ def model_positions(config: ml_collections.ConfigDict) -> int:
 
 def check_dataset_fits(config: ml_collections.ConfigDict,
                        dataset: datasets.Dataset) -> None:
-  """The dataset has the eval split, and the model's vocabulary and classes
-  cover the dataset's."""
+  """The dataset has the eval and decode splits, and the model's
+  vocabulary and classes cover the dataset's."""
   if config.eval_split not in dataset.splits:
     _fail(f'config.eval_split={config.eval_split!r} is not a split of '
           f'config.dataset={config.dataset!r}; it has {sorted(dataset.splits)}.')
@@ -176,6 +201,11 @@ def check_dataset_fits(config: ml_collections.ConfigDict,
     _fail(f'config.model.num_classes={config.model.num_classes} must equal '
           f'the {dataset.num_classes} classes of config.dataset='
           f'{config.dataset!r}.')
+  for split in config.decode_splits:
+    if split not in dataset.splits:
+      _fail(f'config.decode_splits names {split!r}, which is not a split of '
+            f'config.dataset={config.dataset!r}; it has '
+            f'{sorted(dataset.splits)}.')
   if config.sample_length and dataset.kind == 'lm':
     prompt = dataset.tokenizer.encode(config.sample_prompt)
     if len(prompt) + 1 >= config.seq_len:

@@ -5,16 +5,19 @@ The state and batches are laid out on the mesh of `config.parallelism`
 same loop runs on one CPU, a GPU node or a multi-host TPU pod.
 """
 
+from collections.abc import Callable
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 import ml_collections
 
 from model import ModelConfig, build
 from train import checkpointing, config_validation, generate, metrics
 from train import mesh as mesh_lib
-from train import parallel, preemption
+from train import parallel, preemption, seq2seq_eval
 from train.data import datasets, pipeline
 from train.errors import InputError, Stopped, TrainingError
 
@@ -44,6 +47,39 @@ def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
   if not mesh_lib.minimum_over_hosts(problem is None):
     raise InputError(f'--workdir={workdir} cannot be written: '
                      f'{problem or "not by every host"}.')
+
+
+def _decoding_evaluation(config: ml_collections.ConfigDict,
+                         model_config: ModelConfig,
+                         dataset: datasets.Dataset,
+                         program: parallel.Program
+                         ) -> Callable[[Any], dict[str, float]]:
+  """`params -> {decode_<split>_<score>: value}` for config.decode_splits:
+  the first config.num_decode_examples inputs of each split decoded by beam
+  search, config.batch_size at a time, laid out as training batches are."""
+  model = build(model_config)
+  whole = NamedSharding(program.mesh, P())  # Every host reads the tokens.
+  runs = []
+  for split in config.decode_splits:
+    decode_set = seq2seq_eval.take(dataset, split, config.num_decode_examples)
+    num_tokens = seq2seq_eval.output_length(
+        model_config, decode_set.source_len, 0,
+        names=f'config.decode_splits ({split!r})')
+    runs.append((decode_set, seq2seq_eval.beam_decoder(
+        model, dataset.vocab_size, beam_size=config.beam_size,
+        alpha=config.beam_alpha, num_tokens=num_tokens, out_sharding=whole)))
+
+  def evaluate(params) -> dict[str, float]:
+    summary = {}
+    for decode_set, decoder in runs:
+      hypotheses = seq2seq_eval.decode(decoder, params, decode_set,
+                                       batch_size=config.batch_size,
+                                       place=program.batch)
+      summary |= {f'decode_{decode_set.split}_{name}': value
+                  for name, value in seq2seq_eval.score(
+                      dataset, hypotheses, decode_set.references).items()}
+    return summary
+  return evaluate
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict,
@@ -76,6 +112,8 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
             'packed' if config.pack_sequences else 'padded')
   program = parallel.compile_program(config, model_config, dataset.kind,
                                      mesh_lib.make_mesh(config.parallelism))
+  evaluate_decoding = _decoding_evaluation(config, model_config, dataset,
+                                           program)
 
   def evaluate(params) -> dict[str, float]:
     totals, memory = None, program.fresh_memory()
@@ -90,7 +128,8 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
           f'config.eval_split={config.eval_split!r} has no examples of at '
           f'most config.seq_len={config.seq_len} tokens.')
     return metrics.summarize_eval(jax.device_get(totals),
-                                  byte_level=dataset.byte_level)
+                                  byte_level=dataset.byte_level
+                                  ) | evaluate_decoding(params)
 
   checkpointer = checkpointing.Checkpointer(workdir,
                                             keep=config.keep_checkpoints)

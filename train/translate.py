@@ -16,22 +16,11 @@ import os
 
 from absl import app
 from absl import flags
-import jax
-import numpy as np
 
-from model.families import init_cache
-from train import cli, decoding, scores, trained_run
-from train.data import tokenizers
+from train import cli, seq2seq_eval, trained_run
 from train.errors import InputError
 
 FLAGS = flags.FLAGS
-
-
-def _until_eos(ids) -> list[int]:
-  """The ids up to and including the first EOS (all of them if none)."""
-  ids = [int(i) for i in ids]
-  return ids[:ids.index(tokenizers.EOS_ID) + 1] if (
-      tokenizers.EOS_ID in ids) else ids
 
 
 def translate(workdir: str, split: str = 'validation', *, beam_size: int = 4,
@@ -51,58 +40,20 @@ def translate(workdir: str, split: str = 'validation', *, beam_size: int = 4,
     raise InputError(f'--split={split!r} is not a split of '
                      f'{run.config.dataset!r}; it has '
                      f'{sorted(run.dataset.splits)}.')
-  examples = run.dataset.splits[split]
-  count = len(examples) if not max_examples else min(max_examples,
-                                                     len(examples))
-  sources = [np.asarray(examples[i]['inputs']) for i in range(count)]
-  references = [_until_eos(examples[i]['targets']) for i in range(count)]
-  source_len = max(len(s) for s in sources)
-  num_tokens = max_length or int(1.5 * source_len) + 10
-  if run.model_config.position == 'learned':
-    # A learned table has no position from max_len on; the decoder reads a
-    # start token, then its outputs.
-    if source_len > run.model_config.max_len:
-      raise InputError(
-          f'--split={split!r} has inputs of {source_len} tokens, more than '
-          f'the {run.model_config.max_len} learned positions of the model.')
-    num_tokens = min(num_tokens, run.model_config.max_len - 1)
-
-  @jax.jit
-  def decode(params, inputs_BxS):
-    step = decoding.seq2seq_step(run.model, params, inputs_BxS,
-                                 run.dataset.vocab_size)
-    start_Bx1 = np.zeros((inputs_BxS.shape[0], 1), np.int32)
-    tokens_BxKxN, _ = decoding.beam_search(
-        step, init_cache(run.model_config, inputs_BxS.shape[0],
-                         1 + num_tokens),
-        start_Bx1, np.ones(inputs_BxS.shape[0], np.int32),
-        beam_size=beam_size, num_tokens=num_tokens,
-        eos_id=tokenizers.EOS_ID, alpha=alpha)
-    return tokens_BxKxN[:, 0]
-
-  hypotheses = []
-  for start in range(0, count, batch_size):
-    batch = np.zeros((batch_size, source_len), np.int32)
-    for row, source in enumerate(sources[start:start + batch_size]):
-      batch[row, :len(source)] = source
-    outputs = np.asarray(decode(run.params, batch))
-    hypotheses += [_until_eos(row) for row in
-                   outputs[:min(batch_size, count - start)]]
-
-  tokenizer = run.dataset.tokenizer
-  as_text = (tokenizer.decode if tokenizer is not None else
-             lambda ids: ' '.join(str(i) for i in ids))
-  paths = {}
-  for name, rows in (('hyp', hypotheses), ('ref', references)):
-    paths[name] = os.path.join(workdir, f'{split}.{name}')
-    with open(paths[name], 'w') as f:
-      f.writelines(as_text(row) + '\n' for row in rows)
-  result = {'examples': count,
-            'exact_match': scores.exact_match(hypotheses, references),
-            'token_accuracy': scores.token_accuracy(hypotheses, references)}
-  if tokenizer is not None:
-    result['bleu'] = scores.bleu_of_files(paths['hyp'], paths['ref'])
-  return result
+  decode_set = seq2seq_eval.take(run.dataset, split, max_examples or -1)
+  decoder = seq2seq_eval.beam_decoder(
+      run.model, run.dataset.vocab_size, beam_size=beam_size, alpha=alpha,
+      num_tokens=seq2seq_eval.output_length(
+          run.model_config, decode_set.source_len, max_length,
+          names=f'--split={split!r}'))
+  hypotheses = seq2seq_eval.decode(decoder, run.params, decode_set,
+                                   batch_size=batch_size)
+  text = seq2seq_eval.as_text(run.dataset)
+  for name, rows in (('hyp', hypotheses), ('ref', decode_set.references)):
+    with open(os.path.join(workdir, f'{split}.{name}'), 'w') as f:
+      f.writelines(text(row) + '\n' for row in rows)
+  return {'examples': len(hypotheses)} | seq2seq_eval.score(
+      run.dataset, hypotheses, decode_set.references)
 
 
 def main(argv: list[str]) -> None:

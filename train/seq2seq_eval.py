@@ -1,0 +1,122 @@
+"""Evaluation of an encoder-decoder by what it writes: the inputs of a split
+decoded by beam search (greedy at beam size 1), scored against the
+references. Shared by `python -m train.translate` and the evaluations
+during training (config.decode_splits).
+"""
+
+from collections.abc import Callable
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from model import ModelConfig
+from model.families import init_cache
+from train import decoding, scores
+from train.data import datasets, tokenizers
+from train.errors import InputError
+
+
+def until_eos(ids) -> list[int]:
+  """The ids up to and including the first EOS (all of them if none)."""
+  ids = [int(i) for i in ids]
+  return ids[:ids.index(tokenizers.EOS_ID) + 1] if (
+      tokenizers.EOS_ID in ids) else ids
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSet:
+  """The first examples of a split: sources to decode, references to score
+  against."""
+
+  split: str
+  sources: list[np.ndarray]
+  references: list[list[int]]
+
+  @property
+  def source_len(self) -> int:
+    return max(len(source) for source in self.sources)
+
+
+def take(dataset: datasets.Dataset, split: str, count: int) -> DecodeSet:
+  """The first `count` examples of `split` (all of them for -1)."""
+  examples = dataset.splits[split]
+  count = len(examples) if count == -1 else min(count, len(examples))
+  return DecodeSet(split, [np.asarray(examples[i]['inputs'])
+                           for i in range(count)],
+                   [until_eos(examples[i]['targets']) for i in range(count)])
+
+
+def output_length(model_config: ModelConfig, source_len: int,
+                  max_length: int, *, names: str) -> int:
+  """Tokens to decode: `max_length`, or with 0 one and a half times the
+  source and 10 more; fewer where a learned position table ends (the
+  decoder reads a start token, then its outputs). `names` says which
+  setting asked for these sources, for the error of a source longer than
+  a learned table."""
+  num_tokens = max_length or int(1.5 * source_len) + 10
+  if model_config.position != 'learned':
+    return num_tokens
+  if source_len > model_config.max_len:
+    raise InputError(f'{names} has inputs of {source_len} tokens, more than '
+                     f'the {model_config.max_len} learned positions of the '
+                     'model.')
+  return min(num_tokens, model_config.max_len - 1)
+
+
+def beam_decoder(model: nn.Module, vocab_size: int, *, beam_size: int,
+                 alpha: float, num_tokens: int, out_sharding=None
+                 ) -> Callable[[Any, jax.Array], jax.Array]:
+  """Jitted `(params, inputs_BxS) -> tokens [B, num_tokens]`: each source's
+  best hypothesis (PAD_ID after its EOS), laid out as `out_sharding`
+  says."""
+  def decode(params, inputs_BxS):
+    batch = inputs_BxS.shape[0]
+    step = decoding.seq2seq_step(model, params, inputs_BxS, vocab_size)
+    tokens_BxKxN, _ = decoding.beam_search(
+        step, init_cache(model.config, batch, 1 + num_tokens),
+        np.zeros((batch, 1), np.int32), np.ones(batch, np.int32),
+        beam_size=beam_size, num_tokens=num_tokens,
+        eos_id=tokenizers.EOS_ID, alpha=alpha)
+    return tokens_BxKxN[:, 0]
+  return jax.jit(decode, out_shardings=out_sharding)
+
+
+def decode(decoder: Callable, params, decode_set: DecodeSet, *,
+           batch_size: int, place: Callable = lambda batch: batch
+           ) -> list[list[int]]:
+  """Each source's hypothesis up to its EOS, `batch_size` sources a call
+  (the last batch padded with empty rows); `place` lays a host batch out
+  on the devices."""
+  hypotheses = []
+  sources = decode_set.sources
+  for start in range(0, len(sources), batch_size):
+    batch = np.zeros((batch_size, decode_set.source_len), np.int32)
+    rows = sources[start:start + batch_size]
+    for row, source in enumerate(rows):
+      batch[row, :len(source)] = source
+    outputs = np.asarray(decoder(params, place(batch)))
+    hypotheses += [until_eos(row) for row in outputs[:len(rows)]]
+  return hypotheses
+
+
+def as_text(dataset: datasets.Dataset) -> Callable[[list[int]], str]:
+  """Ids as a line of text: detokenised for text datasets, the ids
+  otherwise."""
+  if dataset.tokenizer is not None:
+    return dataset.tokenizer.decode
+  return lambda ids: ' '.join(str(i) for i in ids)
+
+
+def score(dataset: datasets.Dataset, hypotheses: list[list[int]],
+          references: list[list[int]]) -> dict[str, float]:
+  """exact_match, token_accuracy and, for text datasets, bleu."""
+  result = {'exact_match': scores.exact_match(hypotheses, references),
+            'token_accuracy': scores.token_accuracy(hypotheses, references)}
+  if dataset.tokenizer is not None:
+    text = as_text(dataset)
+    result['bleu'] = scores.bleu([text(h) for h in hypotheses],
+                                 [text(r) for r in references])
+  return result
