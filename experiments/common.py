@@ -1,5 +1,5 @@
 """What the experiment scripts share: config overrides, a run's metrics,
-result tables, and a description of the machine."""
+result tables and plots, and a description of the machine."""
 
 import ast
 from collections.abc import Sequence
@@ -10,6 +10,13 @@ import platform
 from typing import Any
 
 import jax
+import matplotlib
+import numpy as np
+
+from train.errors import InputError
+
+matplotlib.use('Agg')
+from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)
 
 
 def parse_value(text: str) -> Any:
@@ -19,6 +26,18 @@ def parse_value(text: str) -> Any:
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):
     return text
+
+
+def parse_options(items: list[str]) -> dict[str, dict]:
+  """['local.window=32', ...] -> {'local': {'window': 32}, ...}."""
+  options = {}
+  for item in items:
+    name, sep, value = item.partition('=')
+    variant, dot, key = name.partition('.')
+    if not (sep and dot and key):
+      raise InputError(f'--options item {item!r} is not variant.option=value.')
+    options.setdefault(variant, {})[key] = parse_value(value)
+  return options
 
 
 def load_json(path: str):
@@ -85,6 +104,36 @@ def write_table(rows: Sequence[dict[str, Any]], columns: Sequence[str],
   with open(path_stem + '.md', 'w') as f:
     f.write(preamble + table)
   return table
+
+
+def plot_against_length(
+    panels: Sequence[tuple[str, dict[str, list[tuple[int, Any]]]]],
+    path: str) -> None:
+  """Side-by-side log-log plots, one per (y label, {series: [(length,
+  value or None)]}), with O(n) and O(n^2) slopes through the first point
+  drawn."""
+  figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4),
+                              squeeze=False)
+  for ax, (label, series) in zip(axes[0], panels):
+    anchor, lengths = None, set()
+    for name, points in series.items():
+      points = [(n, v) for n, v in points if v is not None]
+      if points:
+        ax.plot(*zip(*points), marker='o', label=name)
+        anchor = anchor or points[0]
+        lengths |= {n for n, _ in points}
+    if anchor:
+      n = np.array(sorted(lengths), float)
+      for power, style in ((1, ':'), (2, '--')):
+        ax.plot(n, anchor[1] * (n / anchor[0]) ** power, 'k' + style,
+                linewidth=0.8, label=f'O(n{"²" if power == 2 else ""})')
+    ax.set(xscale='log', yscale='log', xlabel='sequence length',
+           ylabel=label)
+  if axes[0][0].get_legend_handles_labels()[0]:
+    axes[0][0].legend(fontsize=8)
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+  plt.close(figure)
 
 
 def machine_description() -> str:

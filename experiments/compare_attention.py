@@ -51,18 +51,6 @@ from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)
 FLAGS = flags.FLAGS
 
 
-def parse_options(items: list[str]) -> dict[str, dict]:
-  """['local.window=32', ...] -> {'local': {'window': 32}, ...}."""
-  options = {}
-  for item in items:
-    name, sep, value = item.partition('=')
-    variant, dot, key = name.partition('.')
-    if not (sep and dot and key):
-      raise InputError(f'--options item {item!r} is not variant.option=value.')
-    options.setdefault(variant, {})[key] = common.parse_value(value)
-  return options
-
-
 def variant_config(base: ml_collections.ConfigDict, name: str,
                    options: dict[str, dict], unpacked: bool):
   config = copy.deepcopy(base)
@@ -195,28 +183,12 @@ def plot_curves(names: list[str], workdir: str, metric: str,
 
 
 def plot_scaling(rows: list[dict], lengths: list[int], path: str) -> None:
-  figure, axes = plt.subplots(1, 2, figsize=(11, 4))
-  for ax, key, label in ((axes[0], 'step_ms', 'train step (ms)'),
-                         (axes[1], 'temp_mb',
-                          'compiled temporary memory (MiB)')):
-    anchor = None
-    for row in rows:
-      points = [(n, row.get(f'{key}@{n}')) for n in lengths]
-      points = [(n, v) for n, v in points if v is not None]
-      if points:
-        ax.plot(*zip(*points), marker='o', label=row['variant'])
-        anchor = anchor or points[0]
-    if anchor:
-      n = np.array(lengths, float)
-      for power, style in ((1, ':'), (2, '--')):
-        ax.plot(n, anchor[1] * (n / anchor[0]) ** power, 'k' + style,
-                linewidth=0.8, label=f'O(n{"²" if power == 2 else ""})')
-    ax.set(xscale='log', yscale='log', xlabel='sequence length',
-           ylabel=label)
-  axes[0].legend(fontsize=8)
-  figure.tight_layout()
-  figure.savefig(path, dpi=120)
-  plt.close(figure)
+  common.plot_against_length(
+      [(label, {row['variant']: [(n, row.get(f'{key}@{n}')) for n in lengths]
+                for row in rows})
+       for key, label in (('step_ms', 'train step (ms)'),
+                          ('temp_mb', 'compiled temporary memory (MiB)'))],
+      path)
 
 
 def compare(base: ml_collections.ConfigDict, variants: list[str],
@@ -278,7 +250,7 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
 def main(argv: list[str]) -> None:
   cli.run_main(argv, lambda: compare(
       FLAGS.config, FLAGS.variants, FLAGS.workdir,
-      options=parse_options(FLAGS.options),
+      options=common.parse_options(FLAGS.options),
       lengths=[int(n) for n in FLAGS.lengths],
       timing_steps=FLAGS.timing_steps,
       command='python -m experiments.compare_attention '

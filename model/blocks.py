@@ -9,6 +9,11 @@ from model.layers import MultiHeadAttention, Mlp, make_norm
 
 Array = jax.Array
 
+# What config.model.remat keeps of a block for the backward pass: nothing
+# but its inputs (None: jax.checkpoint's default), or the matmul outputs.
+REMAT_POLICY = {'full': None,
+                'dots_saveable': jax.checkpoint_policies.dots_saveable}
+
 
 class TransformerBlock(nn.Module):
   """Self-attention, then cross-attention if `cross`, then feed-forward.
@@ -113,9 +118,10 @@ class TransformerStack(nn.Module):
     `positions_BxT` are each token's position, for relative schemes.
     """
     block_cls = TransformerBlock
-    if self.config.remat:
+    if self.config.remat != 'none':
       # Index 9 is `deterministic`, counting `self` as 0.
-      block_cls = nn.remat(TransformerBlock, static_argnums=(9,))
+      block_cls = nn.remat(TransformerBlock, static_argnums=(9,),
+                           policy=REMAT_POLICY[self.config.remat])
     block_inputs, caches = [], []
     for layer in range(self.config.num_layers):
       # Under a mesh with logical axis rules, each block's input is laid out

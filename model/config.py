@@ -25,6 +25,10 @@ RELATIVE_POSITIONS = ('relative', 't5_bias', 'rope', 'alibi')
 POSITIONS = ('none',) + ABSOLUTE_POSITIONS + RELATIVE_POSITIONS
 POOLINGS = ('cls', 'mean')
 DTYPES = ('float32', 'bfloat16', 'float16')
+# What a block keeps for the backward pass: everything (none), only its
+# input (full: the rest is recomputed), or the matmul outputs
+# (dots_saveable: elementwise work is recomputed).
+REMAT_POLICIES = ('none', 'full', 'dots_saveable')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +81,9 @@ class ModelConfig:
   dropout_rate: float = 0.0
   # Dropout on the attention weights.
   attention_dropout_rate: float = 0.0
-  # Self-attention function, by its name in model.attention.names();
-  # cross-attention is always dense.
+  # Self-attention function, by its name in model.attention.names(), or
+  # auto: the fastest exact one for the backend (model.attention.
+  # fastest_exact); cross-attention is always dense.
   attention: str = 'dense'
   # Options of that function (e.g. window for local, rank for linformer),
   # as (name, value) pairs; from_mapping accepts a dict.
@@ -94,8 +99,10 @@ class ModelConfig:
   dtype: str = 'float32'
   # Dtype in which parameters are stored.
   param_dtype: str = 'float32'
-  # Recompute each block's activations in the backward pass (saves memory).
-  remat: bool = False
+  # Activations each block recomputes in the backward pass rather than
+  # keeping (memory for time): none, full or dots_saveable (see
+  # REMAT_POLICIES).
+  remat: str = 'none'
   # decoder_lm only: Transformer-XL's segment-level recurrence (Dai et al.
   # 2019). Each layer also attends to the hidden states it saw in the last
   # `memory_length` positions of earlier segments (no gradient through
@@ -128,15 +135,18 @@ class ModelConfig:
     check_choice('pooling', POOLINGS)
     check_choice('dtype', DTYPES)
     check_choice('param_dtype', DTYPES)
-    check_choice('attention', attention.names())
+    check_choice('remat', REMAT_POLICIES)
+    check_choice('attention', ['auto'] + attention.names())
+    if self.attention == 'auto':
+      object.__setattr__(self, 'attention', attention.fastest_exact(
+          dropout=self.attention_dropout_rate > 0))
     for name in ('dropout_rate', 'attention_dropout_rate'):
       rate = getattr(self, name)
       if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
         fail(f'config.model.{name}={rate!r} must be in [0, 1).')
-    for name in ('tie_embeddings', 'remat'):
-      if not isinstance(getattr(self, name), bool):
-        fail(f'config.model.{name}={getattr(self, name)!r} must be True or '
-             'False.')
+    if not isinstance(self.tie_embeddings, bool):
+      fail(f'config.model.tie_embeddings={self.tie_embeddings!r} must be '
+           'True or False.')
 
     if isinstance(self.attention_options, dict):
       object.__setattr__(self, 'attention_options',

@@ -142,7 +142,7 @@ class DecoderLM(nn.Module):
   def __call__(self, tokens_BxT: Array, positions_BxT: Array | None = None,
                segment_ids_BxT: Array | None = None,
                memory: dict[str, Array] | None = None, *,
-               cache: dict[str, Array] | None = None,
+               cache: tuple[dict[str, Array], ...] | None = None,
                deterministic: bool = True):
     """Next-token logits, float32 [B, T, V]; logits[:, t] sees tokens <= t.
 
@@ -217,7 +217,7 @@ class EncoderDecoder(nn.Module):
 
   def decode(self, encoded_BxSxD: Array | None, inputs_BxS: Array,
              decoder_inputs_BxT: Array, positions_BxT: Array | None = None, *,
-             cache: dict[str, Array] | None = None,
+             cache: tuple[dict[str, Array], ...] | None = None,
              deterministic: bool = True):
     """Target logits, float32 [B, T, V], given the encoder output.
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from model import attention
-from model.attention import kernel, sparse
+from model.attention import chunked, kernel, sparse
 
 B, T, N, H = 2, 10, 4, 8
 dense = attention.scaled_dot_product_attention
@@ -70,18 +70,64 @@ CHUNKED_CASES = {
 }
 
 
+@pytest.mark.parametrize('query_chunk', [None, 3])
 @pytest.mark.parametrize('name', CHUNKED_CASES)
-def test_chunked_equals_dense_in_output_and_gradients(name):
+def test_chunked_equals_dense_in_output_and_gradients(name, query_chunk):
   kwargs = dict(CHUNKED_CASES[name])
   q, k, v = make_qkv(0, kwargs.pop('num_kv_heads', 2),
                      q_len=kwargs.pop('q_len', T))
   bias = kwargs.pop('bias', None)
-  # Chunks of 4 keys: T = 10 is not a multiple, so the last is padded.
-  chunked = lambda *a, **kw: attention.get('chunked')(*a, chunk_size=4, **kw)
-  assert_close(chunked(q, k, v, bias, **kwargs), dense(q, k, v, bias, **kwargs))
-  for ours, reference in zip(grads(chunked, q, k, v, bias, **kwargs),
+  # Chunks of 4 keys (and blocks of 4 or 3 queries): T = 10 is not a
+  # multiple, so the last is padded; with 3, the diagonal crosses blocks.
+  attend = lambda *a, **kw: attention.get('chunked')(
+      *a, chunk_size=4, query_chunk_size=query_chunk, **kw)
+  assert_close(attend(q, k, v, bias, **kwargs), dense(q, k, v, bias, **kwargs))
+  for ours, reference in zip(grads(attend, q, k, v, bias, **kwargs),
                              grads(dense, q, k, v, bias, **kwargs)):
     assert_close(ours, reference)
+
+
+def test_causal_chunked_visits_only_blocks_on_or_below_the_diagonal():
+  def visits(q_len, kv_len, q_chunk, kv_chunk):
+    plan = chunked._Plan(1, q_len, 1, 1, kv_len, 1, 1.0, True, q_chunk,
+                         kv_chunk)
+    seen = plan.key_chunks_seen()
+    # The backward pass visits the same blocks, a chunk of keys at a time.
+    first = plan.first_query_block()
+    assert sum(plan.num_q_chunks - f for f in first) == seen.sum()
+    return seen.tolist()
+
+  # 8 x 8 blocks: 36 of the 64 dense ones.
+  assert visits(4096, 4096, 512, 512) == [1, 2, 3, 4, 5, 6, 7, 8]
+  assert visits(10, 10, 3, 4) == [1, 2, 3, 3]
+  # Decoding one query after a cache of 999 keys reads them all.
+  assert visits(1, 1000, 1, 512) == [2]
+  # More queries than keys: the first 5 see no key at all.
+  assert visits(13, 8, 4, 4) == [0, 1, 2, 2]
+
+
+def test_chunked_hands_cudnn_only_the_cases_it_computes_alike():
+  half = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
+  q = half(B, T, N, 64)
+  assert chunked.cudnn_supports(q, half(B, T, 2, 64), None, None, True)
+  refused = [
+      (jnp.zeros((B, T, N, 64)), half(B, T, 2, 64), None, None, True),
+      (half(B, T, N, 160), half(B, T, 2, 160), None, None, False),
+      (q, half(B, T, 2, 64), None, padding(), False),
+      (q, half(B, T + 3, 2, 64), None, None, True),  # Diagonal alignment.
+  ]
+  for case in refused:
+    assert not chunked.cudnn_supports(*case)
+
+
+def test_chunked_computes_itself_where_cudnn_refuses(monkeypatch):
+  """On a GPU-looking backend with no cuDNN, the fused call fails when
+  traced and the blocked algorithm runs instead."""
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  q, k, v = (x.astype(jnp.bfloat16) for x in make_qkv(3))
+  out = attention.get('chunked')(q, k, v, is_causal=True, chunk_size=4)
+  assert_close(out.astype(jnp.float32), dense(q, k, v, is_causal=True)
+               .astype(jnp.float32), atol=2e-2)
 
 
 def test_chunked_rows_with_nothing_to_attend_are_zero_and_finite():
@@ -90,11 +136,11 @@ def test_chunked_rows_with_nothing_to_attend_are_zero_and_finite():
   mask[1, :, :3] = False  # Three queries of example 1 see no key at all.
   mask[0, :, :, 4:] = False  # Whole chunks of keys are masked for example 0.
   mask = jnp.asarray(mask)
-  chunked = lambda *a, **kw: attention.get('chunked')(*a, chunk_size=4, **kw)
-  out = chunked(q, k, v, mask=mask)
+  attend = lambda *a, **kw: attention.get('chunked')(*a, chunk_size=4, **kw)
+  out = attend(q, k, v, mask=mask)
   np.testing.assert_array_equal(out[1, :3], 0.0)
   assert_close(out, dense(q, k, v, mask=mask))
-  for g in grads(chunked, q, k, v, mask=mask):
+  for g in grads(attend, q, k, v, mask=mask):
     assert np.isfinite(g).all()
 
 

@@ -131,6 +131,8 @@ INVALID = [
     ('model.dtype', 'int8', "config.model.dtype='int8'"),
     ('model.param_dtype', 'int4', "config.model.param_dtype='int4'"),
     ('model.memory_length', -1, 'config.model.memory_length=-1'),
+    ('model.remat', 'sometimes', "config.model.remat='sometimes' must be one "
+     "of ['none', 'full', 'dots_saveable']"),
 ]
 # The same, on other configs: their dataset options and attention options.
 INVALID_ELSEWHERE = [
@@ -170,7 +172,7 @@ INVALID_ELSEWHERE = [
 # ml_collections refuses a value of another type for these, at the command
 # line (exit status 2, see tests/test_train.py) as in code.
 TYPE_CHECKED = {'pack_sequences', 'vocab_path', 'distributed',
-                'model.tie_embeddings', 'model.remat'}
+                'model.tie_embeddings'}
 
 
 SHIPPED = {'lm_stdlib': lm_stdlib.get_config,

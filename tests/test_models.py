@@ -257,14 +257,15 @@ def test_learned_positions_reject_sequences_longer_than_max_len():
     build(config).apply(variables, tokens(length=T + 1))
 
 
-def test_remat_gives_the_same_gradients():
+@pytest.mark.parametrize('policy', ['full', 'dots_saveable'])
+def test_remat_gives_the_same_gradients(policy):
   def grads(config):
     model = build(config)
     variables = init(config)
     loss = lambda p: jnp.sum(model.apply({'params': p}, tokens()) ** 2)
     return jax.grad(loss)(variables['params'])
 
-  plain, remat = grads(small_config()), grads(small_config(remat=True))
+  plain, remat = grads(small_config()), grads(small_config(remat=policy))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
                                                        atol=1e-6),
                nn.meta.unbox(plain), nn.meta.unbox(remat))

@@ -15,7 +15,7 @@ from train.trainer import train_and_evaluate
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 TRAIN_KEYS = {'step', 'loss', 'accuracy', 'learning_rate', 'grad_norm',
-              'tokens_per_s', 'steps_per_s'}
+              'tokens_per_s', 'steps_per_s', 'mfu'}
 EVAL_KEYS = {
     'lm_stdlib': {'eval_loss', 'eval_accuracy', 'eval_bits_per_byte'},
     'algorithmic': {'eval_loss', 'eval_accuracy', 'eval_exact_match',
@@ -136,6 +136,7 @@ def test_config_trains_saves_and_resumes(name, data_dir, tmp_path):
   assert [line['step'] for line in lines] == [2, 4, 6]
   for line in lines:
     assert TRAIN_KEYS | EVAL_KEYS[name] <= set(line)
+    assert 0 < line['mfu'] < 1
   assert checkpoint_steps(workdir) == [2, 4, 6]
 
 
@@ -181,8 +182,9 @@ def run_cli(*args):
 
 @pytest.mark.parametrize('flag, message', [
     ('--config.model.num_heads=3', 'config.model.num_heads=3 does not divide'),
-    ('--config.model.remat=maybe', 'flag --config.model.remat=maybe: '
-     "('Non-boolean argument to boolean flag', 'maybe')"),
+    ('--config.model.tie_embeddings=maybe', 'flag --config.model.'
+     "tie_embeddings=maybe: ('Non-boolean argument to boolean flag', "
+     "'maybe')"),
 ], ids=['value', 'type'])
 def test_cli_rejects_a_bad_value_with_status_2(flag, message, tmp_path):
   result = run_cli('--config=configs/lm_stdlib.py', f'--workdir={tmp_path}',

@@ -17,7 +17,9 @@ import jax.numpy as jnp
 from model.families import PAD_ID, init_cache
 
 Array = jax.Array
-Step = Callable[[Array, Array, dict], tuple[Array, dict]]
+# Each layer's {'key', 'value'} (see model.families.init_cache).
+Cache = tuple[dict[str, Array], ...]
+Step = Callable[[Array, Array, Cache], tuple[Array, Cache]]
 
 
 def _only_known(logits_BxTxV: Array, vocab_size: int | None) -> Array:
@@ -104,7 +106,7 @@ def choose(logits_BxV: Array, rng: Array, *, temperature: float,
   return jax.random.categorical(rng, logits_BxV, axis=-1)
 
 
-def sample(step: Step, cache: dict, prompts_BxP: Array,
+def sample(step: Step, cache: Cache, prompts_BxP: Array,
            prompt_lengths_B: Array, *, num_tokens: int, rng: Array,
            temperature: float, top_k: int = 0, top_p: float = 1.0,
            eos_id: int | None = None) -> Array:
@@ -160,7 +162,7 @@ def _best(scores_BxM: Array, tree, k: int):
   return scores_Bxk, _gather_beams(tree, index_Bxk)
 
 
-def beam_search(step: Step, cache: dict, prompts_BxP: Array,
+def beam_search(step: Step, cache: Cache, prompts_BxP: Array,
                 prompt_lengths_B: Array, *, beam_size: int, num_tokens: int,
                 eos_id: int, alpha: float = 0.6) -> tuple[Array, Array]:
   """The `beam_size` best continuations of each prompt, [B, K, num_tokens]

@@ -163,10 +163,14 @@ class TrainLog:
   _SUMMED = ('loss_sum', 'correct_sum', 'weight_sum', 'token_count')
 
   def __init__(self, writer: MetricWriter, log_every: int, last_step: int,
-               guard: NonFiniteGuard):
+               guard: NonFiniteGuard, *, flops_per_step: float = 0.0,
+               peak_flops_per_s: float | None = None):
     self._writer, self._log_every, self._last_step = (writer, log_every,
                                                       last_step)
     self._guard = guard
+    # Model FLOPs utilisation, where the devices' peak is known.
+    self._mfu_per_step_per_s = (flops_per_step / peak_flops_per_s
+                                if peak_flops_per_s else None)
     self._pending = None
     self._summed = self._SUMMED + (('skipped',) if guard.skips else ())
     self._sums = dict.fromkeys(self._summed, 0.0)
@@ -201,6 +205,8 @@ class TrainLog:
     summary['grad_norm'] = float(values['grad_norm'])
     summary['tokens_per_s'] = self._sums['token_count'] / seconds
     summary['steps_per_s'] = self._steps / seconds
+    if self._mfu_per_step_per_s is not None:
+      summary['mfu'] = self._mfu_per_step_per_s * summary['steps_per_s']
     self._sums = dict.fromkeys(self._summed, 0.0)
     self._steps = 0
     self.restart_clock()

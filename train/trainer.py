@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import ml_collections
 
 from model import ModelConfig, build
-from train import checkpointing, config_validation, generate, metrics
+from train import checkpointing, config_validation, flops, generate, metrics
 from train import mesh as mesh_lib
 from train import parallel, preemption, seq2seq_eval
 from train.data import datasets, pipeline
@@ -156,9 +156,14 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
   first_step = int(state.step)
   writer = metrics.MetricWriter(workdir, total_steps=last_step,
                                 first_step=first_step)
+  flops_per_step = config.batch_size * flops.train_flops_per_example(
+      model_config, dataset.kind, config.seq_len,
+      flops.non_embedding_params(program.abstract_state.params))
   train_log = metrics.TrainLog(
       writer, config.log_every, last_step,
-      metrics.NonFiniteGuard(config.nan_policy, config.max_skipped_steps))
+      metrics.NonFiniteGuard(config.nan_policy, config.max_skipped_steps),
+      flops_per_step=flops_per_step,
+      peak_flops_per_s=flops.peak_flops_per_s())
   dropout_rng = program.key(1)
   final = None
   try:

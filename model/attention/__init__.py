@@ -99,11 +99,20 @@ def spec(name: str) -> Variant:
     ) from None
 
 
+def fastest_exact(*, dropout: bool = False) -> str:
+  """The exact attention to use where the choice is free ('auto'):
+  chunked, which skips the blocks a causal mask removes and never holds
+  [T, S] logits (and on GPUs hands the cases cuDNN supports to cuDNN's
+  fused kernel); dense where attention dropout is wanted, which only
+  dense applies. experiments/bench_attention.py measures the choice."""
+  return 'dense' if dropout else 'chunked'
+
+
 def get(name: str) -> Callable[..., Array]:
   """The attention function registered under `name`."""
   return spec(name).fn
 
 
 __all__ = ['PositionBias', 'Variant', 'attention_weights', 'causal_attention',
-           'causal_mask', 'cross_attention', 'get', 'names',
+           'causal_mask', 'cross_attention', 'fastest_exact', 'get', 'names',
            'scaled_dot_product_attention', 'spec']

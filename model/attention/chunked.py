@@ -1,13 +1,17 @@
-"""`chunked`: exact attention a chunk of keys at a time, with an online softmax.
+"""`chunked`: exact attention a block of queries and a chunk of keys at a
+time, with an online softmax.
 
-The memory-efficient attention of Rabe & Staats (2021), which is also the
-algorithm of FlashAttention (Dao et al. 2022). Keys and values are visited a
-chunk at a time; each query keeps a running maximum logit, a running sum of
-exponentials and a running weighted sum of values. Logits exist for one
-chunk at a time, so memory is O(T * chunk) rather than O(T * S). A custom VJP
-saves only the output and each query's log-sum-exp, and recomputes every
-chunk's weights in the backward pass, so the backward pass is O(T * chunk)
-too. Any S works: the last chunk is padded with masked keys.
+The memory-efficient attention of Rabe & Staats (2021), in the blocked form
+of FlashAttention (Dao et al. 2022; Dao 2023). For each block of queries the
+chunks of keys are visited in turn; each query keeps a running maximum
+logit, a running sum of exponentials and a running weighted sum of values.
+Logits exist for one block at a time, so memory is O(T * H) besides a block
+of [query block, key chunk] logits, rather than O(T * S). Causal attention
+visits only the blocks on or below the diagonal: about half the work of the
+dense product at long lengths. A custom VJP saves only the output and each
+query's log-sum-exp, and recomputes each block's weights in the backward
+pass, which visits the same blocks. Any T and S work: the last block and
+chunk are padded with masked queries and keys.
 """
 
 import dataclasses
@@ -32,41 +36,43 @@ def split_heads(x: Array | None, num_kv_heads: int) -> Array | None:
   return x.reshape(x.shape[0], num_kv_heads, -1, *x.shape[2:])
 
 
-def _slice_keys(x: Array | None, index: Array, chunk: int) -> Array | None:
-  """Keys [index * chunk, (index + 1) * chunk) of x's last axis, if it has
-  more than one (a broadcast axis of 1 is kept)."""
-  if x is None or x.shape[-1] == 1:
-    return x
-  return jax.lax.dynamic_slice_in_dim(x, index * chunk, chunk, axis=-1)
-
-
-def _position_bias_chunk(plan: '_Plan', bias: core.PositionBias,
-                         index: Array) -> Array:
-  """A PositionBias at all queries and the keys of chunk `index`,
-  [B?, K?, G?, T, C]; keys past the end read the last one (and are masked)."""
-  keys = jnp.minimum(index * plan.chunk + jnp.arange(plan.chunk),
-                     plan.kv_len - 1)
-  values = bias.at(jnp.arange(plan.q_len)[:, None], keys[None, :])
-  return split_heads(values, plan.num_kv_heads)
-
-
-def _bias_chunk(plan: '_Plan', bias, index: Array):
-  if isinstance(bias, core.PositionBias):
-    return _position_bias_chunk(plan, bias, index)
-  return _slice_keys(bias, index, plan.chunk)
-
-
-def _pad_keys(x: Array | None, padded_len: int, axis: int) -> Array | None:
-  if x is None or x.shape[axis] in (1, padded_len):
+def _pad(x: Array | None, axis: int, length: int) -> Array | None:
+  """x padded with zeros (False) to `length` along `axis`, unless that axis
+  is a broadcast one of size 1."""
+  if x is None or x.shape[axis] in (1, length):
     return x
   widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, padded_len - x.shape[axis])
+  widths[axis] = (0, length - x.shape[axis])
   return jnp.pad(x, widths)
+
+
+def _block(x: Array | None, starts: tuple[Array, Array],
+           sizes: tuple[int, int]) -> Array | None:
+  """The [query block, key chunk] of x's last two axes (a broadcast axis of
+  size 1 is kept)."""
+  if x is None:
+    return x
+  for axis, start, size in zip((-2, -1), starts, sizes):
+    if x.shape[axis] != 1:
+      x = jax.lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim + axis)
+  return x
+
+
+def _add_block(total: Array, update: Array, starts: tuple[Array, Array]
+               ) -> Array:
+  """total with `update` added at the block `starts` of its last two axes
+  (0 along a broadcast axis)."""
+  index = [0] * (total.ndim - 2) + [
+      start if total.shape[axis] != 1 else 0
+      for axis, start in zip((-2, -1), starts)]
+  old = jax.lax.dynamic_slice(total, index, update.shape)
+  return jax.lax.dynamic_update_slice(total, old + update, index)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-  """Static shapes and options; the logits of one chunk of keys."""
+  """Static shapes and options; which blocks are visited; the logits of one
+  block."""
 
   batch: int
   q_len: int
@@ -76,41 +82,106 @@ class _Plan:
   num_kv_heads: int
   scale: float
   is_causal: bool
-  chunk: int
+  q_chunk: int
+  kv_chunk: int
 
   @property
   def group(self) -> int:
     return self.num_heads // self.num_kv_heads
 
   @property
-  def num_chunks(self) -> int:
-    return -(-self.kv_len // self.chunk)
+  def num_q_chunks(self) -> int:
+    return -(-self.q_len // self.q_chunk)
 
   @property
-  def padded_len(self) -> int:
-    return self.num_chunks * self.chunk
+  def num_kv_chunks(self) -> int:
+    return -(-self.kv_len // self.kv_chunk)
+
+  @property
+  def padded_q_len(self) -> int:
+    return self.num_q_chunks * self.q_chunk
+
+  @property
+  def padded_kv_len(self) -> int:
+    return self.num_kv_chunks * self.kv_chunk
+
+  def key_chunks_seen(self) -> np.ndarray:
+    """[query blocks]: how many chunks of keys, from the first, the queries
+    of each block see (causal: up to the last query's diagonal, aligned
+    bottom-right as `core.causal_mask`)."""
+    if not self.is_causal:
+      return np.full(self.num_q_chunks, self.num_kv_chunks, np.int32)
+    last_query = np.minimum(
+        (np.arange(self.num_q_chunks) + 1) * self.q_chunk, self.q_len) - 1
+    last_key = last_query + self.kv_len - self.q_len
+    return np.clip(last_key // self.kv_chunk + 1, 0,
+                   self.num_kv_chunks).astype(np.int32)
+
+  def first_query_block(self) -> np.ndarray:
+    """[key chunks]: the first block of queries that sees each chunk (the
+    number of blocks if none does)."""
+    return np.searchsorted(self.key_chunks_seen(),
+                           np.arange(self.num_kv_chunks),
+                           side='right').astype(np.int32)
 
   def queries(self, query: Array) -> Array:
-    """[B, T, N, H] -> float32 [B, K, G, T, H]."""
+    """[B, T, N, H] -> float32 [B, K, G, padded T, H]."""
     q = query.reshape(self.batch, self.q_len, self.num_kv_heads, self.group,
                       self.head_dim)
-    return jnp.transpose(q, (0, 2, 3, 1, 4)).astype(jnp.float32)
+    q = jnp.transpose(q, (0, 2, 3, 1, 4)).astype(jnp.float32)
+    return _pad(q, 3, self.padded_q_len)
 
-  def logits(self, q_BxKxGxTxH, k_BxCxKxH, bias_c, mask_c, index):
-    """Masked logits of chunk `index`, [B, K, G, T, C], -inf where excluded."""
-    logits = jnp.einsum('bkgth,bckh->bkgtc', q_BxKxGxTxH,
+  def query_block(self, x: Array, index: Array) -> Array:
+    """Block `index` of x's query axis (axis 3 of [B, K, G, T, ...])."""
+    return jax.lax.dynamic_slice_in_dim(x, index * self.q_chunk, self.q_chunk,
+                                        axis=3)
+
+  def key_chunk(self, x: Array, index: Array) -> Array:
+    """Chunk `index` of keys or values [B, S, K, H]."""
+    return jax.lax.dynamic_slice_in_dim(x, index * self.kv_chunk,
+                                        self.kv_chunk, axis=1)
+
+  def starts(self, q_index: Array, kv_index: Array) -> tuple[Array, Array]:
+    return q_index * self.q_chunk, kv_index * self.kv_chunk
+
+  def bias_block(self, bias, q_index: Array, kv_index: Array):
+    """The bias of block (q_index, kv_index), [B?, K?, G?, Tq?, Tk?]."""
+    if not isinstance(bias, core.PositionBias):
+      return _block(bias, self.starts(q_index, kv_index),
+                    (self.q_chunk, self.kv_chunk))
+    # Padded queries and keys read the last real one (and are masked).
+    queries = jnp.minimum(q_index * self.q_chunk + jnp.arange(self.q_chunk),
+                          self.q_len - 1)
+    keys = jnp.minimum(kv_index * self.kv_chunk + jnp.arange(self.kv_chunk),
+                       self.kv_len - 1)
+    return split_heads(bias.at(queries[:, None], keys[None, :]),
+                       self.num_kv_heads)
+
+  def logits(self, q_BxKxGxQxH, k_BxCxKxH, bias_block, mask, q_index,
+             kv_index):
+    """Masked logits of block (q_index, kv_index), [B, K, G, Q, C], -inf
+    where excluded."""
+    logits = jnp.einsum('bkgqh,bckh->bkgqc', q_BxKxGxQxH,
                         k_BxCxKxH.astype(jnp.float32)) * self.scale
-    if bias_c is not None:
-      logits = logits + bias_c.astype(jnp.float32)
-    key_positions = index * self.chunk + jnp.arange(self.chunk)
-    valid = key_positions < self.kv_len  # The padding of the last chunk.
+    if bias_block is not None:
+      logits = logits + bias_block.astype(jnp.float32)
+    queries = q_index * self.q_chunk + jnp.arange(self.q_chunk)
+    keys = kv_index * self.kv_chunk + jnp.arange(self.kv_chunk)
+    # The padding of the last block and chunk.
+    valid = (queries[:, None] < self.q_len) & (keys[None, :] < self.kv_len)
     if self.is_causal:
-      offset = self.kv_len - self.q_len
-      valid = valid & (key_positions[None, :]
-                       <= jnp.arange(self.q_len)[:, None] + offset)
-    if mask_c is not None:
-      valid = valid & mask_c
+      valid = valid & (keys[None, :]
+                       <= queries[:, None] + self.kv_len - self.q_len)
+    mask = _block(mask, self.starts(q_index, kv_index),
+                  (self.q_chunk, self.kv_chunk))
+    if mask is not None:
+      valid = valid & mask
     return jnp.where(valid, logits, -jnp.inf)
+
+  def join_queries(self, x: Array) -> Array:
+    """[query blocks, B, K, G, Q, ...] -> [B, K, G, padded T, ...]."""
+    x = jnp.moveaxis(x, 0, 3)
+    return x.reshape(*x.shape[:3], -1, *x.shape[5:])
 
 
 def online_softmax_init(shape: tuple[int, ...], head_dim: int):
@@ -148,26 +219,36 @@ def online_softmax_result(stats) -> tuple[Array, Array]:
 
 
 def _forward(plan: _Plan, query, key, value, bias, mask):
-  """Output [B, K, G, T, H] and log-sum-exp [B, K, G, T] (+inf for empty
-  rows)."""
+  """Output [B, K, G, padded T, H] and log-sum-exp [B, K, G, padded T]
+  (+inf for rows that see no key)."""
   q = plan.queries(query)
 
-  def step(stats, index):
-    k_c = jax.lax.dynamic_slice_in_dim(key, index * plan.chunk, plan.chunk, 1)
-    v_c = jax.lax.dynamic_slice_in_dim(value, index * plan.chunk, plan.chunk,
-                                       1)
-    logits = plan.logits(q, k_c, _bias_chunk(plan, bias, index),
-                         _slice_keys(mask, index, plan.chunk), index)
-    return online_softmax_step(stats, logits, v_c), None
+  def query_block(_, inputs):
+    q_index, chunks_seen = inputs
+    q_block = plan.query_block(q, q_index)
 
-  init = online_softmax_init(
-      (plan.batch, plan.num_kv_heads, plan.group, plan.q_len), plan.head_dim)
-  stats, _ = jax.lax.scan(step, init, jnp.arange(plan.num_chunks))
-  return online_softmax_result(stats)
+    def visit(kv_index, stats):
+      logits = plan.logits(q_block, plan.key_chunk(key, kv_index),
+                           plan.bias_block(bias, q_index, kv_index), mask,
+                           q_index, kv_index)
+      return online_softmax_step(stats, logits, plan.key_chunk(value,
+                                                               kv_index))
+
+    stats = jax.lax.fori_loop(
+        0, chunks_seen, visit,
+        online_softmax_init((plan.batch, plan.num_kv_heads, plan.group,
+                             plan.q_chunk), plan.head_dim))
+    return None, online_softmax_result(stats)
+
+  _, (out, log_sum_exp) = jax.lax.scan(
+      query_block, None,
+      (jnp.arange(plan.num_q_chunks), jnp.asarray(plan.key_chunks_seen())))
+  return plan.join_queries(out), plan.join_queries(log_sum_exp)
 
 
 def _to_output(plan: _Plan, out_BxKxGxTxH: Array, dtype) -> Array:
-  out = jnp.transpose(out_BxKxGxTxH, (0, 3, 1, 2, 4))
+  """[B, K, G, padded T, H] -> [B, T, N, H]."""
+  out = jnp.transpose(out_BxKxGxTxH[:, :, :, :plan.q_len], (0, 3, 1, 2, 4))
   return out.reshape(plan.batch, plan.q_len, plan.num_heads,
                      plan.head_dim).astype(dtype)
 
@@ -208,94 +289,163 @@ def _zero_integers(data, d_data):
 
 
 def _attend_bwd(plan, residuals, d_out):
+  """Each chunk of keys in turn, with the blocks of queries that see it:
+  its key and value gradients in the loop's carry, the query (and bias)
+  gradients accumulated block by block in place."""
   query, key, value, bias, mask, out, log_sum_exp = residuals
   q = plan.queries(query)
   d_out_5 = plan.queries(d_out)
   # D_i = sum_h dO_ih O_ih: the softmax backward's per-row correction.
   correction = jnp.sum(d_out_5 * out, axis=-1)
-
   position_bias = isinstance(bias, core.PositionBias)
-
-  def step(carry, index):
-    d_query, d_bias_data = carry
-    k_c = jax.lax.dynamic_slice_in_dim(key, index * plan.chunk, plan.chunk, 1)
-    v_c = jax.lax.dynamic_slice_in_dim(value, index * plan.chunk, plan.chunk,
-                                       1)
-    if position_bias:
-      bias_c, pull_back = jax.vjp(
-          lambda data: _position_bias_chunk(
-              plan, core.PositionBias(data, bias.fn), index), bias.data)
-    else:
-      bias_c = _slice_keys(bias, index, plan.chunk)
-    logits = plan.logits(q, k_c, bias_c, _slice_keys(mask, index, plan.chunk),
-                         index)
-    weights = jnp.exp(logits - log_sum_exp[..., None])
-    d_value = jnp.einsum('bkgtc,bkgth->bckh', weights, d_out_5)
-    d_weights = jnp.einsum('bkgth,bckh->bkgtc', d_out_5,
-                           v_c.astype(jnp.float32))
-    d_logits = weights * (d_weights - correction[..., None])
-    d_query = d_query + plan.scale * jnp.einsum(
-        'bkgtc,bckh->bkgth', d_logits, k_c.astype(jnp.float32))
-    d_key = plan.scale * jnp.einsum('bkgtc,bkgth->bckh', d_logits, q)
-    d_bias = None
-    if position_bias:
-      d_bias_data = _add_inexact(
-          d_bias_data, pull_back(_reduce_to(d_logits, bias_c.shape))[0])
-    elif bias is not None:
-      d_bias = _reduce_to(d_logits, bias_c.shape)
-    return (d_query, d_bias_data), (d_key, d_value, d_bias)
-
-  d_bias_data = None
   if position_bias:
-    d_bias_data = jax.tree.map(jnp.zeros_like, bias.data)
-  (d_query, d_bias_data), (d_key, d_value, d_bias) = jax.lax.scan(
-      step, (jnp.zeros_like(q), d_bias_data), jnp.arange(plan.num_chunks))
+    d_bias = jax.tree.map(jnp.zeros_like, bias.data)
+  elif bias is not None:
+    d_bias = jnp.zeros(bias.shape, jnp.float32)
+  else:
+    d_bias = None
+
+  def key_chunk(carry, inputs):
+    kv_index, first_block = inputs
+    k_c = plan.key_chunk(key, kv_index).astype(jnp.float32)
+    v_c = plan.key_chunk(value, kv_index).astype(jnp.float32)
+
+    def visit(q_index, inner):
+      d_query, d_key, d_value, d_bias = inner
+      q_block = plan.query_block(q, q_index)
+      d_out_block = plan.query_block(d_out_5, q_index)
+      if position_bias:
+        bias_block, pull_back = jax.vjp(
+            lambda data: plan.bias_block(core.PositionBias(data, bias.fn),
+                                         q_index, kv_index), bias.data)
+      else:
+        bias_block = plan.bias_block(bias, q_index, kv_index)
+      logits = plan.logits(q_block, k_c, bias_block, mask, q_index, kv_index)
+      weights = jnp.exp(logits - plan.query_block(log_sum_exp, q_index)[
+          ..., None])
+      d_value = d_value + jnp.einsum('bkgqc,bkgqh->bckh', weights,
+                                     d_out_block)
+      d_weights = jnp.einsum('bkgqh,bckh->bkgqc', d_out_block, v_c)
+      d_logits = weights * (d_weights - plan.query_block(
+          correction, q_index)[..., None])
+      d_query = jax.lax.dynamic_update_slice_in_dim(
+          d_query, plan.query_block(d_query, q_index) + plan.scale
+          * jnp.einsum('bkgqc,bckh->bkgqh', d_logits, k_c),
+          q_index * plan.q_chunk, axis=3)
+      d_key = d_key + plan.scale * jnp.einsum('bkgqc,bkgqh->bckh', d_logits,
+                                              q_block)
+      if position_bias:
+        d_bias = _add_inexact(
+            d_bias, pull_back(_reduce_to(d_logits, bias_block.shape))[0])
+      elif bias is not None:
+        d_bias = _add_block(d_bias, _reduce_to(d_logits, bias_block.shape),
+                            plan.starts(q_index, kv_index))
+      return d_query, d_key, d_value, d_bias
+
+    d_query, d_bias = carry
+    zeros = jnp.zeros(k_c.shape, jnp.float32)
+    d_query, d_key, d_value, d_bias = jax.lax.fori_loop(
+        first_block, plan.num_q_chunks, visit,
+        (d_query, zeros, zeros, d_bias))
+    return (d_query, d_bias), (d_key, d_value)
+
+  (d_query, d_bias), (d_key, d_value) = jax.lax.scan(
+      key_chunk, (jnp.zeros_like(q), d_bias),
+      (jnp.arange(plan.num_kv_chunks), jnp.asarray(plan.first_query_block())))
 
   def join_chunks(x):  # [chunks, B, C, K, H] -> [B, chunks * C, K, H]
     x = jnp.moveaxis(x, 0, 1)
     return x.reshape(x.shape[0], -1, *x.shape[3:])
 
-  d_key = join_chunks(d_key).astype(key.dtype)
-  d_value = join_chunks(d_value).astype(value.dtype)
   if position_bias:
-    d_bias = core.PositionBias(_zero_integers(bias.data, d_bias_data),
-                               bias.fn)
+    d_bias = core.PositionBias(_zero_integers(bias.data, d_bias), bias.fn)
   elif d_bias is not None:
-    # [chunks, B?, K?, G?, T?, C?] -> the bias's [B?, K?, G?, T?, S?].
-    d_bias = jnp.moveaxis(d_bias, 0, -2)
-    d_bias = d_bias.reshape(*d_bias.shape[:-2], -1)
-    if bias.shape[-1] == 1:
-      d_bias = jnp.sum(d_bias, axis=-1, keepdims=True)
     d_bias = d_bias.astype(bias.dtype)
-  return (_to_output(plan, d_query, query.dtype), d_key, d_value, d_bias,
-          None)
+  return (_to_output(plan, d_query, query.dtype),
+          join_chunks(d_key).astype(key.dtype),
+          join_chunks(d_value).astype(value.dtype), d_bias, None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
+def default_chunk_size(batch: int, num_heads: int) -> int:
+  """Keys per chunk (and queries per block) for the backend. On CPU, the
+  largest power of two up to 512 whose float32 block of logits, over every
+  example and head, fits in 8 MiB of cache (at least 64): B=1, N=8 gives
+  512; B=8, N=8 gives 128 (experiments/bench_attention.py and
+  bench_train.py measured both). Elsewhere 512."""
+  if jax.default_backend() != 'cpu':
+    return 512
+  chunk = 512
+  while chunk > 64 and batch * num_heads * chunk * chunk * 4 > 8 * 2**20:
+    chunk //= 2
+  return chunk
+
+
+def cudnn_supports(query: Array, key: Array, bias, mask: Array | None,
+                   is_causal: bool) -> bool:
+  """Whether cuDNN's fused attention computes this case as `chunked`
+  does: half-precision inputs, heads of at most 128 (a multiple of 8), no
+  mask (a row with every key masked is zero here, not cuDNN's), a bias
+  array if any, and causal only with as many queries as keys (cuDNN aligns
+  the diagonal top-left, `core.causal_mask` bottom-right)."""
+  return (query.dtype in (jnp.bfloat16, jnp.float16)
+          and key.dtype == query.dtype
+          and query.shape[-1] <= 128 and query.shape[-1] % 8 == 0
+          and mask is None and not isinstance(bias, core.PositionBias)
+          and (not is_causal or query.shape[1] == key.shape[1]))
+
+
+def _cudnn_attention(query, key, value, bias, mask, *, scale, is_causal):
+  """cuDNN's fused attention on a GPU where it supports the case; None
+  elsewhere, or where it refuses the case when traced."""
+  if jax.default_backend() != 'gpu' or not cudnn_supports(
+      query, key, bias, mask, is_causal):
+    return None
+  try:
+    return jax.nn.dot_product_attention(
+        query, key, value, bias=bias, scale=scale, is_causal=is_causal,
+        implementation='cudnn')
+  except (NotImplementedError, ValueError, RuntimeError):
+    return None
+
+
 def chunked_attention(query: Array, key: Array, value: Array,
                       bias: Array | None = None, mask: Array | None = None, *,
                       scale: float | None = None, is_causal: bool = False,
-                      chunk_size: int = 512) -> Array:
-  """`scaled_dot_product_attention`, exactly, in O(T * chunk_size) memory.
+                      chunk_size: int | None = None,
+                      query_chunk_size: int | None = None) -> Array:
+  """`scaled_dot_product_attention`, exactly, in O(T * H) memory besides a
+  block of logits. On a GPU, the cases cuDNN supports (`cudnn_supports`)
+  go to its fused kernel, which computes the same blocked algorithm.
 
   Args:
-    chunk_size: keys per chunk; the last chunk is padded.
+    chunk_size: keys per chunk; None for `default_chunk_size`.
+    query_chunk_size: queries per block; None for chunk_size.
   """
   core.check_inputs(query, key, value, bias, mask)
-  if chunk_size < 1:
-    raise ValueError(f'chunk_size={chunk_size} must be positive.')
+  for name, size in (('chunk_size', chunk_size),
+                     ('query_chunk_size', query_chunk_size)):
+    if size is not None and size < 1:
+      raise ValueError(f'{name}={size} must be positive.')
+  fused = _cudnn_attention(query, key, value, bias, mask, scale=scale,
+                           is_causal=is_causal)
+  if fused is not None:
+    return fused
   batch, q_len, num_heads, head_dim = query.shape
+  chunk_size = chunk_size or default_chunk_size(batch, num_heads)
   plan = _Plan(batch, q_len, num_heads, head_dim, kv_len=key.shape[1],
                num_kv_heads=key.shape[2],
                scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
-               is_causal=is_causal, chunk=min(chunk_size, key.shape[1]))
-  key = _pad_keys(key, plan.padded_len, axis=1)
-  value = _pad_keys(value, plan.padded_len, axis=1)
+               is_causal=is_causal,
+               q_chunk=min(query_chunk_size or chunk_size, q_len),
+               kv_chunk=min(chunk_size, key.shape[1]))
+  key = _pad(key, 1, plan.padded_kv_len)
+  value = _pad(value, 1, plan.padded_kv_len)
   if not isinstance(bias, core.PositionBias):
-    bias = _pad_keys(split_heads(bias, plan.num_kv_heads), plan.padded_len,
-                     axis=-1)
-  mask = _pad_keys(split_heads(mask, plan.num_kv_heads), plan.padded_len,
-                   axis=-1)
+    bias = _pad(_pad(split_heads(bias, plan.num_kv_heads), -1,
+                     plan.padded_kv_len), -2, plan.padded_q_len)
+  mask = _pad(_pad(split_heads(mask, plan.num_kv_heads), -1,
+                   plan.padded_kv_len), -2, plan.padded_q_len)
   return _attend(plan, query, key, value, bias, mask)

@@ -1,0 +1,285 @@
+"""Attention speed and memory against sequence length: every registered
+variant and XLA's `jax.nn.dot_product_attention` ('xla'), on whatever
+backend runs this.
+
+  python -m experiments.bench_attention --out=experiments/results/bench_attention \
+      [--lengths=1024,2048,4096,8192,16384,32768,65536] [--variants=xla,...] \
+      [--causal=True --batch=1 --heads=8 --head_dim=64 --dtype=float32] \
+      [--options=local.window=256,...] [--reps=3] [--max_seconds=60]
+
+For each variant and length: the compiled temporary memory of the forward
+pass and of forward+backward (`memory_analysis()` of the compiled program),
+and the best time of each over a first run and --reps more (fewer once the
+runs have taken 20 s). A size whose compiled memory (arguments, outputs and
+temporaries) would not fit the device, or that follows one that did not fit
+or took longer than --max_seconds, is skipped with the reason; so is a
+variant that cannot run the case (a non-causal one when --causal, `ring`,
+which needs a mesh with a sequence axis). Exact variants
+also get their speed in model FLOP/s (matmuls only, causal half counted;
+the backward pass 2.5 times the forward) and its fraction of the device's
+peak (train/flops.py; on CPU a matmul measured in the same run).
+
+Writes OUT/<backend>/results.jsonl (a line per variant and length),
+results.md and .csv (forward+backward time, its ratio to xla, temporary
+memory and its ratio to xla's, per length) and scaling.png (log-log).
+"""
+
+import json
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from experiments import common
+from model import ModelConfig, attention, attention_parameters
+from train import cli, flops
+from train.errors import InputError
+
+FLAGS = flags.FLAGS
+
+# Variants that compute softmax(q k^T) v exactly (the FLOP count applies).
+EXACT = ('xla', 'dense', 'chunked', 'ring')
+
+
+class _Attend(nn.Module):
+  """A registered variant with the parameters it owns (Linformer's
+  projections, additive attention's weights) created in its scope."""
+
+  config: ModelConfig
+  is_causal: bool
+
+  @nn.compact
+  def __call__(self, q, k, v):
+    kwargs = attention_parameters.variant_kwargs(self, self.config)
+    return attention.get(self.config.attention)(
+        q, k, v, is_causal=self.is_causal, **kwargs)
+
+
+def _variant(name: str, length: int, options: dict, *, causal: bool,
+             heads: int, head_dim: int, q):
+  """(fn(params, q, k, v), params), or a string saying why not."""
+  if name == 'xla':
+    return (lambda params, q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal)), {}
+  variant = attention.spec(name)
+  if causal and not variant.causal:
+    return f'{name} is not causal'
+  if name == 'ring':
+    return 'ring needs a mesh with a sequence axis (tests/test_parallel.py)'
+  config = ModelConfig(attention=name, num_heads=heads, head_dim=head_dim,
+                       d_model=heads * head_dim, max_len=length,
+                       attention_options=tuple(options.get(name, {}).items()))
+  module = _Attend(config, causal)
+  return module.apply, module.init(jax.random.key(0), q, q, q)
+
+
+def _best_time(compiled, args, reps: int, budget_s: float = 20.0) -> float:
+  """The best of a first run and up to `reps` more, the more ones stopping
+  once the runs have taken `budget_s` (a minute-long run needs no
+  repeating)."""
+  times = []
+  while len(times) <= reps and sum(times) < budget_s:
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+def _compiled_bytes(compiled) -> tuple[int, int]:
+  """(temporaries, arguments + outputs + temporaries) of a compiled
+  program."""
+  memory = compiled.memory_analysis()
+  total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+  return memory.temp_size_in_bytes, total
+
+
+def device_memory_bytes() -> int:
+  """What one device can hold: its allocator's limit, or on CPU 85% of the
+  machine's memory (the rest is the system's and this process's own)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  if 'bytes_limit' in stats:
+    return int(stats['bytes_limit'])
+  return int(0.85 * os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))
+
+
+def attention_flops(length: int, *, batch: int, heads: int, head_dim: int,
+                    causal: bool, backward: bool) -> float:
+  """Matmul FLOPs of exact attention: 4 B N T^2 H forward (q k^T and the
+  weighted sum), half of it causal; the backward pass 2.5 times that."""
+  forward = 4 * batch * heads * length**2 * head_dim * (0.5 if causal else 1)
+  return forward * (3.5 if backward else 1.0)
+
+
+def measure(name: str, length: int, *, options: dict, causal: bool,
+            batch: int, heads: int, head_dim: int, dtype, reps: int,
+            memory_limit: int) -> dict:
+  """One line of results.jsonl."""
+  row = {'variant': name, 'length': length}
+  shape = (batch, length, heads, head_dim)
+  q, k, v = (jax.random.normal(key, shape, dtype)
+             for key in jax.random.split(jax.random.key(1), 3))
+  made = _variant(name, length, options, causal=causal, heads=heads,
+                  head_dim=head_dim, q=q)
+  if isinstance(made, str):
+    return row | {'skipped': made}
+  fn, params = made
+  loss = lambda params, q, k, v: jnp.sum(fn(params, q, k, v).astype(
+      jnp.float32))
+  programs = {'fwd': jax.jit(fn),
+              'fwd_bwd': jax.jit(jax.grad(loss, argnums=(1, 2, 3)))}
+  args = (params, q, k, v)
+  compiled = {}
+  for key, program in programs.items():
+    compiled[key] = program.lower(*args).compile()
+    temp, total = _compiled_bytes(compiled[key])
+    row[f'{key}_temp_mb'] = temp / 2**20
+    if total > memory_limit:
+      return row | {'skipped': f'{key} needs {total / 2**30:.1f} GiB, more '
+                               f'than the {memory_limit / 2**30:.1f} GiB the '
+                               'device holds'}
+  for key in programs:
+    row[f'{key}_s'] = _best_time(compiled[key], args, reps)
+    if name in EXACT:
+      row[f'{key}_gflop_per_s'] = attention_flops(
+          length, batch=batch, heads=heads, head_dim=head_dim, causal=causal,
+          backward=key == 'fwd_bwd') / row[f'{key}_s'] / 1e9
+  return row
+
+
+def run(out: str, *, variants: list[str], lengths: list[int],
+        options: dict[str, dict], causal: bool, batch: int, heads: int,
+        head_dim: int, dtype: str, reps: int, max_seconds: float,
+        memory_limit_mb: float = 0.0, command: str = '') -> list[dict]:
+  """Measures every variant at every length; writes the results."""
+  for name in variants:
+    if name != 'xla' and name not in attention.names():
+      raise InputError(f'--variants: unknown attention {name!r}; registered: '
+                       f'xla, {", ".join(attention.names())}.')
+  for name, value in (('reps', reps), ('batch', batch), ('heads', heads),
+                      ('head_dim', head_dim)):
+    if value < 1:
+      raise InputError(f'--{name}={value} must be at least 1.')
+  directory = os.path.join(out, jax.default_backend())
+  os.makedirs(directory, exist_ok=True)
+  memory_limit = (memory_limit_mb * 2**20 if memory_limit_mb
+                  else device_memory_bytes())
+  peak = flops.peak_flops_per_device()
+  rows = []
+  with open(os.path.join(directory, 'results.jsonl'), 'w') as lines:
+    for name in variants:
+      # Why longer lengths are not tried: too slow, or too large (whose
+      # shapes can outgrow what XLA indexes).
+      given_up = None
+      for length in sorted(lengths):
+        if given_up:
+          row = {'variant': name, 'length': length, 'skipped': given_up}
+        else:
+          row = measure(name, length, options=options, causal=causal,
+                        batch=batch, heads=heads, head_dim=head_dim,
+                        dtype=jnp.dtype(dtype), reps=reps,
+                        memory_limit=memory_limit)
+          if row.get('fwd_bwd_s', 0) > max_seconds:
+            given_up = (f'{name} took {row["fwd_bwd_s"]:.0f} s at length '
+                        f'{length}, over --max_seconds={max_seconds:g}')
+          elif 'GiB' in row.get('skipped', ''):
+            given_up = f'{name} did not fit at length {length}'
+        if 'fwd_bwd_gflop_per_s' in row and peak:
+          row['fraction_of_peak'] = row['fwd_bwd_gflop_per_s'] / (peak / 1e9)
+        rows.append(row)
+        lines.write(json.dumps(row) + '\n')
+        lines.flush()
+        print(json.dumps(row), flush=True)
+  _write_summary(rows, directory, peak, command=command, causal=causal,
+                 shape=f'B={batch}, N={heads}, H={head_dim}, {dtype}')
+  return rows
+
+
+def _write_summary(rows: list[dict], directory: str, peak: float | None, *,
+                   command: str, causal: bool, shape: str) -> None:
+  """results.md/.csv: a row per variant and length with the ratios to
+  xla at that length; scaling.png."""
+  xla = {row['length']: row for row in rows
+         if row['variant'] == 'xla' and 'fwd_bwd_s' in row}
+  table = []
+  for row in rows:
+    line = dict(row)
+    reference = xla.get(row['length'])
+    if reference and 'fwd_bwd_s' in row:
+      line['speedup_vs_xla'] = reference['fwd_bwd_s'] / row['fwd_bwd_s']
+      line['memory_vs_xla'] = (row['fwd_bwd_temp_mb']
+                               / max(reference['fwd_bwd_temp_mb'], 1e-9))
+    table.append(line)
+  columns = ['variant', 'length', 'fwd_s', 'fwd_bwd_s', 'speedup_vs_xla',
+             'fwd_bwd_temp_mb', 'memory_vs_xla', 'fwd_bwd_gflop_per_s',
+             'fraction_of_peak', 'skipped']
+  preamble = (
+      f'# Attention speed and memory, {"causal" if causal else "bidirectional"}'
+      f', {shape}\n\n'
+      + (f'Command: `{command}`\n\n' if command else '')
+      + f'Machine: {common.machine_description()}; peak '
+      f'{peak / 1e9 if peak else float("nan"):.0f} GFLOP/s (train/flops.py: '
+      'the published bfloat16 peak of a GPU or TPU chip, a jitted 2048x2048 '
+      'float32 matmul on CPU).\n\n'
+      'Times are the best of the repetitions, forward+backward is the '
+      'gradient with respect to q, k and v; memory is the compiled '
+      'temporaries of forward+backward; ratios are to xla '
+      '(`jax.nn.dot_product_attention`) at the same length in this run '
+      '(speedup > 1: faster).\n\n')
+  table_md = common.write_table(table, columns,
+                                os.path.join(directory, 'results'), preamble)
+  variants = list(dict.fromkeys(row['variant'] for row in rows))
+  common.plot_against_length(
+      [(label, {name: [(row['length'], row.get(key)) for row in rows
+                       if row['variant'] == name] for name in variants})
+       for key, label in (('fwd_bwd_s', 'forward+backward (s)'),
+                          ('fwd_bwd_temp_mb',
+                           'compiled temporary memory (MiB)'))],
+      os.path.join(directory, 'scaling.png'))
+  print(table_md)
+
+
+def main(argv: list[str]) -> None:
+  cli.run_main(argv, lambda: run(
+      FLAGS.out, variants=FLAGS.variants or ['xla'] + attention.names(),
+      lengths=[int(n) for n in FLAGS.lengths],
+      options=common.parse_options(FLAGS.options), causal=FLAGS.causal,
+      batch=FLAGS.batch, heads=FLAGS.heads, head_dim=FLAGS.head_dim,
+      dtype=FLAGS.dtype, reps=FLAGS.reps, max_seconds=FLAGS.max_seconds,
+      memory_limit_mb=FLAGS.memory_limit_mb,
+      command='python -m experiments.bench_attention '
+      + ' '.join(sys.argv[1:])))
+
+
+def _define_flags() -> None:
+  """The command line, defined only when this runs as a script."""
+  flags.DEFINE_string('out', 'experiments/results/bench_attention',
+                      'Results go to OUT/<backend>/.')
+  flags.DEFINE_list('variants', [], 'Variants to measure; xla is '
+                    'jax.nn.dot_product_attention. Empty: xla and every '
+                    'registered one.')
+  flags.DEFINE_list('lengths', ['1024', '2048', '4096', '8192', '16384',
+                                '32768', '65536'], 'Sequence lengths.')
+  flags.DEFINE_list('options', [], 'Variant options as variant.option=value '
+                    'items, e.g. local.window=256.')
+  flags.DEFINE_boolean('causal', True, 'Causal (decoder) attention.')
+  flags.DEFINE_integer('batch', 1, 'Batch size.')
+  flags.DEFINE_integer('heads', 8, 'Heads (queries, keys and values alike).')
+  flags.DEFINE_integer('head_dim', 64, 'Width of each head.')
+  flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16', 'float16'],
+                    'Dtype of q, k and v.')
+  flags.DEFINE_integer('reps', 3, 'Timed repetitions; the best is kept.')
+  flags.DEFINE_float('max_seconds', 60.0, 'After a forward+backward this '
+                     'slow, longer lengths of that variant are skipped.')
+  flags.DEFINE_float('memory_limit_mb', 0.0, 'Skip sizes needing more; 0: '
+                     'what the device holds.')
+
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main, flags_parser=cli.parse_flags)

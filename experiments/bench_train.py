@@ -1,0 +1,277 @@
+"""Training throughput of our DecoderLM against a decoder LM of the same
+size written with stock Flax layers, in one run.
+
+  python -m experiments.bench_train --out=experiments/results/bench_train \
+      [--sizes=small,medium] [--steps=10 --warmup=2] [--attention=auto] \
+      [--dtype=float32] [--remat=none] [--config.key=value ...]
+
+Both models: learned positions, pre-LayerNorm blocks, a GELU MLP, a tied
+output projection, AdamW with global-norm clipping, float32 parameters,
+`--dtype` computation, synthetic rows of random tokens (one sequence a row,
+causal), data parallel over every device. Ours is `train.train`'s own step (configs/lm_stdlib.py with the
+size's keys and any --config overrides; metrics included); the baseline is
+`nn.MultiHeadDotProductAttention` with `nn.make_causal_mask`, written out
+below. For each: step time, tokens/s, model FLOPs per token (train/flops.py)
+and MFU against the device's peak (a jitted matmul on CPU, the published
+bfloat16 peak of a GPU or TPU chip), and our tokens/s over the baseline's.
+
+Writes OUT/<backend>/results.jsonl, results.md and results.csv.
+"""
+
+import json
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+from ml_collections import config_flags
+import numpy as np
+import optax
+
+from configs import lm_stdlib
+from experiments import common
+from train import cli, config_validation, flops, mesh, parallel
+from train.errors import InputError
+
+FLAGS = flags.FLAGS
+
+# name: (d_model, num_layers, num_heads, mlp_dim, seq_len, batch_size,
+# vocab_size). gpt2 is GPT-2 small (Radford et al. 2019), ~124M parameters.
+SIZES = {
+    'tiny': (32, 1, 2, 64, 32, 8, 64),
+    'small': (256, 4, 4, 1024, 256, 16, 256),
+    'medium': (512, 6, 8, 2048, 512, 8, 256),
+    'gpt2': (768, 12, 12, 3072, 1024, 8, 50304),
+}
+
+
+class _StockBlock(nn.Module):
+  num_heads: int
+  mlp_dim: int
+  dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x, mask):
+    y = nn.LayerNorm(dtype=self.dtype)(x)
+    x = x + nn.MultiHeadDotProductAttention(
+        num_heads=self.num_heads, dtype=self.dtype, deterministic=True)(
+            y, y, mask=mask)
+    y = nn.LayerNorm(dtype=self.dtype)(x)
+    y = nn.gelu(nn.Dense(self.mlp_dim, dtype=self.dtype)(y))
+    return x + nn.Dense(x.shape[-1], dtype=self.dtype)(y)
+
+
+class StockLM(nn.Module):
+  """A GPT-2-style decoder from stock Flax layers."""
+
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  mlp_dim: int
+  max_len: int
+  dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, tokens_BxT):
+    embed = nn.Embed(self.vocab_size, self.d_model, dtype=self.dtype,
+                     name='token_embed')
+    positions = nn.Embed(self.max_len, self.d_model, dtype=self.dtype,
+                         name='position_embed')
+    x = embed(tokens_BxT) + positions(jnp.arange(tokens_BxT.shape[1]))[None]
+    mask = nn.make_causal_mask(tokens_BxT)
+    for _ in range(self.num_layers):
+      x = _StockBlock(self.num_heads, self.mlp_dim, self.dtype)(x, mask)
+    x = nn.LayerNorm(dtype=self.dtype)(x)
+    return embed.attend(x).astype(jnp.float32)
+
+
+def our_config(base: ml_collections.ConfigDict, size: str, *, attention: str,
+               dtype: str, remat: str) -> ml_collections.ConfigDict:
+  d_model, layers, heads, mlp, seq_len, batch, vocab = SIZES[size]
+  config = ml_collections.ConfigDict(base.to_dict())
+  config.update(seq_len=seq_len, batch_size=batch, pack_sequences=False)
+  config.model.update(d_model=d_model, num_layers=layers, num_heads=heads,
+                      mlp_dim=mlp, vocab_size=vocab, max_len=seq_len,
+                      position='learned', norm='layernorm',
+                      norm_position='pre', mlp_activation='gelu',
+                      tie_embeddings=True, dropout_rate=0.0,
+                      attention=attention, dtype=dtype, remat=remat)
+  return config
+
+
+def _time_steps(step, state, batch, *, steps: int, warmup: int) -> float:
+  """Seconds per step over `steps` dispatched back to back, after
+  `warmup` (compilation included there)."""
+  for _ in range(warmup):
+    state, metrics = step(state, batch)
+  jax.block_until_ready((state, metrics))
+  start = time.perf_counter()
+  for _ in range(steps):
+    state, metrics = step(state, batch)
+  jax.block_until_ready((state, metrics))
+  return (time.perf_counter() - start) / steps
+
+
+def measure_ours(config, *, steps: int, warmup: int) -> dict:
+  model_config = config_validation.validate(config)
+  program = parallel.compile_program(config, model_config, 'lm',
+                                     mesh.make_mesh(config.parallelism))
+  rng = np.random.default_rng(0)
+  shape = (config.batch_size, config.seq_len)
+  batch = program.batch({
+      'inputs': rng.integers(1, config.model.vocab_size, shape, np.int32),
+      'targets': rng.integers(1, config.model.vocab_size, shape, np.int32),
+      'weights': np.ones(shape, np.float32),
+      'positions': np.broadcast_to(np.arange(config.seq_len, dtype=np.int32),
+                                   shape).copy()})
+  dropout_rng = program.key(1)
+  state = program.init()
+  with program.scope():
+    seconds = _time_steps(
+        lambda state, batch: program.train_step(state, batch, dropout_rng),
+        state, batch, steps=steps, warmup=warmup)
+  params = program.abstract_state.params
+  return {'params': sum(x.size for x in jax.tree.leaves(params)),
+          'non_embedding_params': flops.non_embedding_params(params),
+          'step_s': seconds}
+
+
+def measure_stock(config, batch_sharding, *, steps: int,
+                  warmup: int) -> dict:
+  """The baseline, data parallel over the devices as ours is (the batch
+  split as `batch_sharding` says, the rest replicated)."""
+  model = StockLM(config.model.vocab_size, config.model.d_model,
+                  config.model.num_layers, config.model.num_heads,
+                  config.model.mlp_dim, config.seq_len,
+                  jnp.dtype(config.model.dtype))
+  rng = np.random.default_rng(0)
+  shape = (config.batch_size, config.seq_len)
+  batch = jax.device_put(
+      tuple(rng.integers(1, config.model.vocab_size, shape, np.int32)
+            for _ in range(2)), batch_sharding)
+  params = model.init(jax.random.key(0), batch[0])['params']
+  optimizer = optax.chain(
+      optax.clip_by_global_norm(config.grad_clip_norm),
+      optax.adamw(config.learning_rate, b1=config.adam_b1,
+                  b2=config.adam_b2, eps=config.adam_eps,
+                  weight_decay=config.weight_decay))
+
+  def loss_fn(params, batch):
+    inputs, targets = batch
+    logits = model.apply({'params': params}, inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, targets).mean()
+
+  def train_step(state, batch):
+    params, opt_state = state
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  seconds = _time_steps(jax.jit(train_step, donate_argnums=0),
+                        (params, jax.jit(optimizer.init)(params)), batch,
+                        steps=steps, warmup=warmup)
+  embeddings = params['token_embed']['embedding'].size + params[
+      'position_embed']['embedding'].size
+  total = sum(x.size for x in jax.tree.leaves(params))
+  return {'params': total, 'non_embedding_params': total - embeddings,
+          'step_s': seconds}
+
+
+def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
+        steps: int, warmup: int, attention: str, dtype: str, remat: str,
+        command: str = '') -> list[dict]:
+  for size in sizes:
+    if size not in SIZES:
+      raise InputError(f'--sizes: unknown size {size!r}; known: '
+                       f'{", ".join(SIZES)}.')
+  if steps < 1 or warmup < 1:
+    raise InputError(f'--steps={steps} and --warmup={warmup} must be at '
+                     'least 1 (the first warmup step compiles).')
+  directory = os.path.join(out, jax.default_backend())
+  os.makedirs(directory, exist_ok=True)
+  peak = flops.peak_flops_per_device()
+  rows = []
+  with open(os.path.join(directory, 'results.jsonl'), 'w') as lines:
+    for size in sizes:
+      config = our_config(base, size, attention=attention, dtype=dtype,
+                          remat=remat)
+      measured = {'attnlab': measure_ours(config, steps=steps, warmup=warmup),
+                  'stock_flax': measure_stock(
+                      config, parallel.batch_sharding(
+                          mesh.make_mesh(config.parallelism)),
+                      steps=steps, warmup=warmup)}
+      model_config = config_validation.validate(config)
+      for name, row in measured.items():
+        tokens = config.batch_size * config.seq_len
+        per_token = flops.train_flops_per_example(
+            model_config, 'lm', config.seq_len,
+            row['non_embedding_params']) / config.seq_len
+        row = {'size': size, 'model': name, 'attention': (
+            model_config.attention if name == 'attnlab' else
+            'nn.MultiHeadDotProductAttention'), **row,
+               'tokens_per_s': tokens / row['step_s'],
+               'model_gflop_per_token': per_token / 1e9}
+        if peak:
+          row['mfu'] = per_token * row['tokens_per_s'] / peak
+        rows.append(row)
+      ours, stock = rows[-2], rows[-1]
+      ours['speedup_vs_stock'] = ours['tokens_per_s'] / stock['tokens_per_s']
+      for row in (ours, stock):
+        lines.write(json.dumps(row) + '\n')
+        print(json.dumps(row), flush=True)
+  columns = ['size', 'model', 'attention', 'params', 'step_s', 'tokens_per_s',
+             'speedup_vs_stock', 'model_gflop_per_token', 'mfu']
+  shapes = '; '.join(
+      f'{size}: d_model {SIZES[size][0]}, {SIZES[size][1]} layers, '
+      f'{SIZES[size][2]} heads, MLP {SIZES[size][3]}, T {SIZES[size][4]}, '
+      f'batch {SIZES[size][5]}, vocabulary {SIZES[size][6]}'
+      for size in sizes)
+  preamble = (
+      '# Training throughput: attnlab DecoderLM against stock Flax\n\n'
+      + (f'Command: `{command}`\n\n' if command else '')
+      + f'Machine: {common.machine_description()}; peak '
+      f'{peak / 1e9 if peak else float("nan"):.0f} GFLOP/s (train/flops.py)'
+      f'.\n\nSizes: {shapes}. {dtype} computation, float32 parameters, '
+      f'remat {remat}; {steps} timed steps after {warmup}. MFU counts the '
+      'model FLOPs of train/flops.py (6 N + 6 L T d + 6 d V per token).\n\n')
+  print(common.write_table(rows, columns, os.path.join(directory, 'results'),
+                           preamble))
+  return rows
+
+
+def main(argv: list[str]) -> None:
+  cli.run_main(argv, lambda: run(
+      FLAGS.config, FLAGS.out, sizes=FLAGS.sizes, steps=FLAGS.steps,
+      warmup=FLAGS.warmup, attention=FLAGS.attention, dtype=FLAGS.dtype,
+      remat=FLAGS.remat,
+      command='python -m experiments.bench_train ' + ' '.join(sys.argv[1:])))
+
+
+def _define_flags() -> None:
+  """The command line, defined only when this runs as a script."""
+  config_flags.DEFINE_config_dict('config', lm_stdlib.get_config(),
+                                  'Training config of ours (optimizer and '
+                                  'the rest); sizes override its model.')
+  flags.DEFINE_string('out', 'experiments/results/bench_train',
+                      'Results go to OUT/<backend>/.')
+  flags.DEFINE_list('sizes', ['small', 'medium'],
+                    f'Model sizes, of {", ".join(SIZES)}.')
+  flags.DEFINE_integer('steps', 10, 'Timed steps.')
+  flags.DEFINE_integer('warmup', 2, 'Untimed steps first (compiling).')
+  flags.DEFINE_string('attention', 'auto', 'Our config.model.attention.')
+  flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'],
+                    'Computation dtype of both models.')
+  flags.DEFINE_enum('remat', 'none', ['none', 'full', 'dots_saveable'],
+                    'Our config.model.remat.')
+
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,99 @@
+"""The benchmark scripts run at tiny sizes, so that they cannot rot; what
+they measure (speed) is never asserted here."""
+
+import json
+import os
+
+import pytest
+
+from configs import lm_stdlib
+from experiments import bench_attention, bench_train
+from train.errors import InputError
+
+PNG = b'\x89PNG'
+
+
+def test_bench_attention_measures_skips_and_writes_its_results(tmp_path):
+  rows = bench_attention.run(
+      str(tmp_path), variants=['xla', 'chunked', 'linformer', 'ring'],
+      lengths=[32, 16], options={'chunked': {'chunk_size': 8}}, causal=True,
+      batch=1, heads=2, head_dim=8, dtype='float32', reps=1,
+      max_seconds=60.0)
+  [directory] = [entry.path for entry in os.scandir(tmp_path)]
+  with open(os.path.join(directory, 'results.jsonl')) as f:
+    lines = [json.loads(line) for line in f]
+  assert lines == rows and len(rows) == 8
+  measured = {(row['variant'], row['length']): row for row in rows
+              if 'fwd_bwd_s' in row}
+  assert set(measured) == {('xla', 16), ('xla', 32), ('chunked', 16),
+                           ('chunked', 32)}
+  for row in measured.values():
+    assert row['fwd_s'] > 0 and row['fwd_bwd_temp_mb'] >= 0
+    assert row['fwd_bwd_gflop_per_s'] > 0 and 'fraction_of_peak' in row
+  skipped = {row['variant']: row['skipped'] for row in rows
+             if 'skipped' in row}
+  assert skipped == {'linformer': 'linformer is not causal',
+                     'ring': 'ring needs a mesh with a sequence axis '
+                             '(tests/test_parallel.py)'}
+  with open(os.path.join(directory, 'results.md')) as f:
+    table = f.read()
+  assert 'speedup_vs_xla' in table and '| chunked | 32 |' in table
+  with open(os.path.join(directory, 'scaling.png'), 'rb') as f:
+    assert f.read(4) == PNG
+
+
+def test_bench_attention_skips_what_would_not_fit_or_take_too_long(tmp_path):
+  common = dict(variants=['xla'], options={}, causal=False, batch=1, heads=2,
+                head_dim=8, dtype='float32', reps=1)
+  small, large = bench_attention.run(str(tmp_path), lengths=[16, 32],
+                                     max_seconds=60.0, memory_limit_mb=1e-3,
+                                     **common)
+  assert 'more than the 0.0 GiB the device holds' in small['skipped']
+  assert large['skipped'] == 'xla did not fit at length 16'
+  first, second = bench_attention.run(str(tmp_path), lengths=[16, 32],
+                                      max_seconds=0.0, **common)
+  assert 'fwd_bwd_s' in first
+  assert 'over --max_seconds=0' in second['skipped']
+
+
+def test_attention_flops_count_the_two_matmuls():
+  # q k^T and the weighted sum: 2 T^2 H multiply-adds per head.
+  assert bench_attention.attention_flops(
+      8, batch=1, heads=1, head_dim=4, causal=False, backward=False) == (
+          2 * 2 * 8 * 8 * 4)
+  assert bench_attention.attention_flops(
+      8, batch=2, heads=3, head_dim=4, causal=True, backward=True) == (
+          3.5 * 0.5 * 2 * 3 * 2 * 2 * 8 * 8 * 4)
+
+
+def test_bench_attention_names_a_bad_argument(tmp_path):
+  with pytest.raises(InputError, match="unknown attention 'flash'"):
+    bench_attention.run(str(tmp_path), variants=['flash'], lengths=[16],
+                        options={}, causal=True, batch=1, heads=2,
+                        head_dim=8, dtype='float32', reps=1, max_seconds=1)
+  with pytest.raises(InputError, match='--reps=0 must be at least 1'):
+    bench_attention.run(str(tmp_path), variants=['xla'], lengths=[16],
+                        options={}, causal=True, batch=1, heads=2,
+                        head_dim=8, dtype='float32', reps=0, max_seconds=1)
+
+
+def test_bench_train_times_ours_and_the_stock_baseline(tmp_path):
+  ours, stock = bench_train.run(
+      lm_stdlib.get_config(), str(tmp_path), sizes=['tiny'], steps=1,
+      warmup=1, attention='auto', dtype='float32', remat='full')
+  assert (ours['model'], stock['model']) == ('attnlab', 'stock_flax')
+  assert ours['attention'] == 'chunked'  # auto, on CPU.
+  # The same architecture: the same parameters and model FLOPs.
+  assert ours['params'] == stock['params']
+  assert ours['model_gflop_per_token'] == stock['model_gflop_per_token']
+  for row in (ours, stock):
+    assert row['tokens_per_s'] > 0 and 0 < row['mfu'] < 1
+  assert ours['speedup_vs_stock'] == pytest.approx(
+      ours['tokens_per_s'] / stock['tokens_per_s'])
+  [directory] = [entry.path for entry in os.scandir(tmp_path)]
+  with open(os.path.join(directory, 'results.md')) as f:
+    assert '| tiny | attnlab | chunked |' in f.read()
+  with pytest.raises(InputError, match="unknown size 'huge'"):
+    bench_train.run(lm_stdlib.get_config(), str(tmp_path), sizes=['huge'],
+                    steps=1, warmup=1, attention='auto', dtype='float32',
+                    remat='none')

@@ -1,0 +1,84 @@
+"""Model FLOPs of a training step and the peak of the devices: model FLOPs
+utilisation (MFU, Chowdhery et al. 2022), the fraction of the peak that
+goes to the model's own arithmetic (recomputation under remat not
+counted).
+
+Per token, forward and backward: 6 N (N the parameters outside the
+embedding table, each used in one multiply-add forward and two backward)
+plus 6 L T d for attention over T positions (Kaplan et al. 2020), plus
+6 d V for the output projection. Counted on the padded [batch, seq_len]
+shapes a step computes, so padding costs what it costs.
+"""
+
+import functools
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from model import ModelConfig
+
+# Dense bfloat16 peak of one chip, FLOP/s, by a part of jax's device_kind.
+PEAK_BF16_FLOPS = (
+    ('H100', 989e12), ('H200', 989e12), ('A100', 312e12),
+    ('TPU v5p', 459e12), ('TPU v5 lite', 197e12), ('TPU v5e', 197e12),
+    ('TPU v6 lite', 918e12), ('TPU v6e', 918e12), ('TPU v4', 275e12),
+)
+
+
+def non_embedding_params(params: Any) -> int:
+  """Parameters outside the embedder (the token table, a learned position
+  table and an untied output projection, which 6 d V counts)."""
+  return sum(leaf.size for path, leaf in
+             jax.tree_util.tree_leaves_with_path(params)
+             if not any(getattr(key, 'key', None) == 'embedder'
+                        for key in path))
+
+
+def train_flops_per_example(config: ModelConfig, kind: str, seq_len: int,
+                            num_params: int) -> float:
+  """Forward and backward FLOPs of one example of `seq_len` tokens (and as
+  many targets for seq2seq); `num_params` from `non_embedding_params`."""
+  attention_layers = config.num_layers * (3 if kind == 'seq2seq' else 1)
+  flops = seq_len * (6 * num_params
+                     + 6 * attention_layers * seq_len * config.d_model)
+  if kind != 'classification':
+    flops += 6 * seq_len * config.d_model * config.vocab_size
+  return float(flops)
+
+
+@functools.cache
+def measured_matmul_flops_per_s(size: int = 2048, repeats: int = 5) -> float:
+  """The speed of a jitted float32 size x size matmul on one device of the
+  default backend (the best of `repeats` + 1 runs): the peak of a CPU,
+  which publishes none."""
+  x = jnp.ones((size, size), jnp.float32)
+  matmul = jax.jit(jnp.matmul).lower(x, x).compile()
+  best = float('inf')
+  for _ in range(repeats + 1):
+    start = time.perf_counter()
+    jax.block_until_ready(matmul(x, x))
+    best = min(best, time.perf_counter() - start)
+  return 2 * size**3 / best
+
+
+def peak_flops_per_device() -> float | None:
+  """The published bfloat16 peak of a GPU or TPU chip, or on CPU the
+  measured matmul speed; None for a chip not in PEAK_BF16_FLOPS."""
+  device = jax.devices()[0]
+  if device.platform == 'cpu':
+    return measured_matmul_flops_per_s()
+  for name, flops in PEAK_BF16_FLOPS:
+    if name in device.device_kind:
+      return flops
+  return None
+
+
+def peak_flops_per_s() -> float | None:
+  """Peak FLOP/s of all devices together (the simulated CPU devices of one
+  machine share its cores: its matmul speed)."""
+  per_device = peak_flops_per_device()
+  if per_device is None or jax.devices()[0].platform == 'cpu':
+    return per_device
+  return per_device * jax.device_count()
