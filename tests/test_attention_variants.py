@@ -70,9 +70,14 @@ CHUNKED_CASES = {
 }
 
 
-@pytest.mark.parametrize('query_chunk', [None, 3])
+@pytest.mark.parametrize('query_chunk, loops', [(None, 'unrolled'),
+                                                (3, 'unrolled'),
+                                                (3, 'looped')])
 @pytest.mark.parametrize('name', CHUNKED_CASES)
-def test_chunked_equals_dense_in_output_and_gradients(name, query_chunk):
+def test_chunked_equals_dense_in_output_and_gradients(name, query_chunk,
+                                                      loops, monkeypatch):
+  if loops == 'looped':  # As long sequences run: lax loops over blocks.
+    monkeypatch.setattr(chunked, 'MAX_UNROLLED_BLOCKS', 0)
   kwargs = dict(CHUNKED_CASES[name])
   q, k, v = make_qkv(0, kwargs.pop('num_kv_heads', 2),
                      q_len=kwargs.pop('q_len', T))

@@ -69,6 +69,21 @@ def _add_block(total: Array, update: Array, starts: tuple[Array, Array]
   return jax.lax.dynamic_update_slice(total, old + update, index)
 
 
+# Loops over at most this many blocks, whose logits together take at most
+# UNROLLED_LOGITS_BYTES, are unrolled: static slices and no loop overhead,
+# while XLA may hold every block's logits at once.
+MAX_UNROLLED_BLOCKS = 64
+UNROLLED_LOGITS_BYTES = 96 * 2**20
+
+
+def _unrolls(batch: int, num_heads: int, q_len: int, kv_len: int,
+             q_chunk: int, kv_chunk: int) -> bool:
+  blocks = -(-q_len // q_chunk) * -(-kv_len // kv_chunk)
+  return blocks <= MAX_UNROLLED_BLOCKS and (
+      blocks * batch * num_heads * q_chunk * kv_chunk * 4
+      <= UNROLLED_LOGITS_BYTES)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   """Static shapes and options; which blocks are visited; the logits of one
@@ -104,6 +119,11 @@ class _Plan:
   @property
   def padded_kv_len(self) -> int:
     return self.num_kv_chunks * self.kv_chunk
+
+  @property
+  def unrolled(self) -> bool:
+    return _unrolls(self.batch, self.num_heads, self.q_len, self.kv_len,
+                    self.q_chunk, self.kv_chunk)
 
   def key_chunks_seen(self) -> np.ndarray:
     """[query blocks]: how many chunks of keys, from the first, the queries
@@ -218,6 +238,24 @@ def online_softmax_result(stats) -> tuple[Array, Array]:
   return out, log_sum_exp
 
 
+def _fori_loop(plan: _Plan, lower, upper, body, init):
+  if plan.unrolled:
+    for index in range(int(lower), int(upper)):
+      init = body(index, init)
+    return init
+  return jax.lax.fori_loop(lower, upper, body, init)
+
+
+def _scan(plan: _Plan, body, carry, xs):
+  if not plan.unrolled:
+    return jax.lax.scan(body, carry, xs)
+  outputs = []
+  for inputs in zip(*xs):
+    carry, output = body(carry, tuple(int(x) for x in inputs))
+    outputs.append(output)
+  return carry, jax.tree.map(lambda *x: jnp.stack(x), *outputs)
+
+
 def _forward(plan: _Plan, query, key, value, bias, mask):
   """Output [B, K, G, padded T, H] and log-sum-exp [B, K, G, padded T]
   (+inf for rows that see no key)."""
@@ -234,15 +272,15 @@ def _forward(plan: _Plan, query, key, value, bias, mask):
       return online_softmax_step(stats, logits, plan.key_chunk(value,
                                                                kv_index))
 
-    stats = jax.lax.fori_loop(
-        0, chunks_seen, visit,
+    stats = _fori_loop(
+        plan, 0, chunks_seen, visit,
         online_softmax_init((plan.batch, plan.num_kv_heads, plan.group,
                              plan.q_chunk), plan.head_dim))
     return None, online_softmax_result(stats)
 
-  _, (out, log_sum_exp) = jax.lax.scan(
-      query_block, None,
-      (jnp.arange(plan.num_q_chunks), jnp.asarray(plan.key_chunks_seen())))
+  _, (out, log_sum_exp) = _scan(
+      plan, query_block, None,
+      (np.arange(plan.num_q_chunks), plan.key_chunks_seen()))
   return plan.join_queries(out), plan.join_queries(log_sum_exp)
 
 
@@ -344,14 +382,14 @@ def _attend_bwd(plan, residuals, d_out):
 
     d_query, d_bias = carry
     zeros = jnp.zeros(k_c.shape, jnp.float32)
-    d_query, d_key, d_value, d_bias = jax.lax.fori_loop(
-        first_block, plan.num_q_chunks, visit,
+    d_query, d_key, d_value, d_bias = _fori_loop(
+        plan, first_block, plan.num_q_chunks, visit,
         (d_query, zeros, zeros, d_bias))
     return (d_query, d_bias), (d_key, d_value)
 
-  (d_query, d_bias), (d_key, d_value) = jax.lax.scan(
-      key_chunk, (jnp.zeros_like(q), d_bias),
-      (jnp.arange(plan.num_kv_chunks), jnp.asarray(plan.first_query_block())))
+  (d_query, d_bias), (d_key, d_value) = _scan(
+      plan, key_chunk, (jnp.zeros_like(q), d_bias),
+      (np.arange(plan.num_kv_chunks), plan.first_query_block()))
 
   def join_chunks(x):  # [chunks, B, C, K, H] -> [B, chunks * C, K, H]
     x = jnp.moveaxis(x, 0, 1)
@@ -369,14 +407,20 @@ def _attend_bwd(plan, residuals, d_out):
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def default_chunk_size(batch: int, num_heads: int) -> int:
-  """Keys per chunk (and queries per block) for the backend. On CPU, the
-  largest power of two up to 512 whose float32 block of logits, over every
-  example and head, fits in 8 MiB of cache (at least 64): B=1, N=8 gives
-  512; B=8, N=8 gives 128 (experiments/bench_attention.py and
-  bench_train.py measured both). Elsewhere 512."""
+def default_chunk_size(batch: int, num_heads: int, q_len: int,
+                       kv_len: int) -> int:
+  """Keys per chunk (and queries per block) for the backend. On CPU, short
+  sequences take the smallest blocks, from 64, whose loops unroll (see
+  `_unrolls`); longer ones the largest power of two up to 512 whose block
+  of logits over every example and head fits 8 MiB of cache (512 for B=1,
+  N=8; 128 for B=8, N=8). experiments/bench_attention.py and
+  bench_train.py measured these choices. Elsewhere 512."""
   if jax.default_backend() != 'cpu':
     return 512
+  for chunk in (64, 128, 256, 512):
+    if _unrolls(batch, num_heads, q_len, kv_len, min(chunk, q_len),
+                min(chunk, kv_len)):
+      return chunk
   chunk = 512
   while chunk > 64 and batch * num_heads * chunk * chunk * 4 > 8 * 2**20:
     chunk //= 2
@@ -434,7 +478,8 @@ def chunked_attention(query: Array, key: Array, value: Array,
   if fused is not None:
     return fused
   batch, q_len, num_heads, head_dim = query.shape
-  chunk_size = chunk_size or default_chunk_size(batch, num_heads)
+  chunk_size = chunk_size or default_chunk_size(batch, num_heads, q_len,
+                                                key.shape[1])
   plan = _Plan(batch, q_len, num_heads, head_dim, kv_len=key.shape[1],
                num_kv_heads=key.shape[2],
                scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
