@@ -239,6 +239,8 @@ def online_softmax_result(stats) -> tuple[Array, Array]:
 
 
 def _fori_loop(plan: _Plan, lower, upper, body, init):
+  """`lax.fori_loop`, or the same loop unrolled (Python int indices) where
+  `plan.unrolled`."""
   if plan.unrolled:
     for index in range(int(lower), int(upper)):
       init = body(index, init)
@@ -247,6 +249,8 @@ def _fori_loop(plan: _Plan, lower, upper, body, init):
 
 
 def _scan(plan: _Plan, body, carry, xs):
+  """`lax.scan` over numpy `xs`, or the same loop unrolled where
+  `plan.unrolled`."""
   if not plan.unrolled:
     return jax.lax.scan(body, carry, xs)
   outputs = []
