@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from model import attention
 from model import positions as positions_lib
 from model.blocks import TransformerStack
 from model.config import ModelConfig
@@ -20,12 +21,6 @@ PAD_ID = 0
 def padding_mask(tokens_BxS: Array) -> Array:
   """[B, 1, 1, S] bool: True at keys that are real tokens (not padding)."""
   return (tokens_BxS != PAD_ID)[:, None, None, :]
-
-
-def segment_mask(q_segment_ids_BxT: Array, kv_segment_ids_BxS: Array) -> Array:
-  """[B, 1, T, S] bool: query and key belong to the same packed sequence."""
-  return (q_segment_ids_BxT[:, None, :, None]
-          == kv_segment_ids_BxS[:, None, None, :])
 
 
 def default_positions(tokens_BxT: Array) -> Array:
@@ -170,7 +165,8 @@ class DecoderLM(nn.Module):
     if memory is None:
       self_mask = None
       if segment_ids_BxT is not None:
-        self_mask = segment_mask(segment_ids_BxT, segment_ids_BxT)
+        # Compared block by block where attention is: never [B, 1, T, T].
+        self_mask = attention.SegmentMask(segment_ids_BxT, segment_ids_BxT)
       x_BxTxD = decoder(x_BxTxD, positions_BxT, self_mask=self_mask,
                         deterministic=deterministic)
       return embedder.logits(x_BxTxD)

@@ -67,6 +67,9 @@ CHUNKED_CASES = {
         bias=jax.random.normal(jax.random.key(10), (B, 1, 1, T))),
     'bias_per_head_query': dict(
         bias=jax.random.normal(jax.random.key(11), (1, N, T, 1))),
+    # Packed rows; dense's SegmentMask is checked against an array below.
+    'segments_causal': dict(is_causal=True, mask=attention.SegmentMask(
+        *[jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 3, 3, 0]] * B)] * 2)),
 }
 
 
@@ -147,6 +150,41 @@ def test_chunked_rows_with_nothing_to_attend_are_zero_and_finite():
   assert_close(out, dense(q, k, v, mask=mask))
   for g in grads(attend, q, k, v, mask=mask):
     assert np.isfinite(g).all()
+
+
+MASK_OPTIONS = {'chunked': dict(chunk_size=4), 'local': dict(window=3),
+                'strided': dict(stride=3), 'fixed': dict(block=4, summary=1),
+                'bigbird': dict(block=2, num_random_blocks=1),
+                'additive': dict(zip(
+                    ('query_weight', 'key_weight', 'score_weight'),
+                    (jax.random.normal(jax.random.key(17), shape)
+                     for shape in ((N, H, 5), (N, H, 5), (N, 5)))))}
+
+
+@pytest.mark.parametrize('name', [n for n in attention.names()
+                                  if attention.spec(n).masks == 'any'])
+def test_segment_ids_mask_as_the_array_they_stand_for(name):
+  """Packed rows: a SegmentMask gives the outputs and gradients that the
+  [B, 1, T, T] mask of equal ids gives."""
+  ids = np.array([[1, 1, 1, 2, 2, 2, 2, 3, 3, 0],
+                  [1, 1, 1, 1, 1, 1, 2, 2, 0, 0]])
+  array_mask = jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :])
+  segments = attention.SegmentMask(jnp.asarray(ids), jnp.asarray(ids))
+  q, k, v = make_qkv(15)
+  fn = attention.get(name)
+  options = dict(is_causal=True, **MASK_OPTIONS.get(name, {}))
+  assert_close(fn(q, k, v, mask=segments, **options),
+               fn(q, k, v, mask=array_mask, **options))
+  for ours, reference in zip(grads(fn, q, k, v, mask=segments, **options),
+                             grads(fn, q, k, v, mask=array_mask, **options)):
+    assert_close(ours, reference)
+
+
+def test_segment_ids_of_the_wrong_shape_are_refused():
+  q, k, v = make_qkv(16)
+  ids = jnp.ones((B, T + 1), jnp.int32)
+  with pytest.raises(ValueError, match=r'segment ids have shapes'):
+    attention.get('chunked')(q, k, v, mask=attention.SegmentMask(ids, ids))
 
 
 def position_biases(length=T):

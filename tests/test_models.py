@@ -1,6 +1,7 @@
 """The model families: shapes, dtypes, parameter counts, and properties."""
 
 import math
+import re
 
 import flax.linen as nn
 import jax
@@ -312,6 +313,24 @@ def test_decoder_lm_trains(norm_position, norm, activation):
     params, opt_state, loss = step(params, opt_state)
     losses.append(float(loss))
   assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+def test_packed_rows_build_no_length_by_length_mask():
+  """Segment ids reach the attention function, which compares them block
+  by block: the compiled gradient holds no [.., T, T] mask."""
+  length = 16
+  config = small_config(attention='chunked',
+                        attention_options={'chunk_size': 4})
+  model = DecoderLM(config)
+  packed = jnp.ones((B, length), jnp.int32)
+  segment_ids = jnp.asarray(np.repeat([[1, 2], [1, 1]], length // 2, axis=1))
+  positions = jnp.asarray(np.tile(np.arange(length) % (length // 2), (B, 1)))
+  params = model.init(jax.random.key(0), packed)['params']
+  loss = lambda p: jnp.sum(model.apply({'params': p}, packed, positions,
+                                       segment_ids))
+  hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+  assert 'pred[2,1,1,4,4]' in hlo  # A block's [B, K, G, Q, C] of ids.
+  assert not re.findall(rf'pred\[[0-9,]*{length},{length}\]', hlo)
 
 
 def test_packed_rows_equal_separate_sequences():

@@ -202,6 +202,29 @@ def test_ring_attention_with_a_position_bias_and_its_gradient():
     np.testing.assert_allclose(g, w, atol=1e-5)
 
 
+def test_ring_attention_with_segment_ids_and_its_gradients():
+  """Packed rows under a sequence split: each device compares its queries'
+  ids with every key's, and the result is dense's under the full mask."""
+  q, k, v = random_qkv()
+  ids = np.repeat([[1, 2, 3, 4], [1, 1, 2, 0]], 4, axis=1)
+  ids[0, 5:9] = 7  # A sequence crossing the devices' blocks.
+  full = jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :])
+  segments = attention.SegmentMask(jnp.asarray(ids), jnp.asarray(ids))
+
+  def loss(fn, mask, q, k, v):
+    return jnp.sum(jnp.sin(fn(q, k, v, mask=mask, is_causal=True)))
+
+  want = jax.value_and_grad(
+      lambda *a: loss(attention.get('dense'), full, *a), argnums=(0, 1, 2))(
+          q, k, v)
+  with jax.set_mesh(ring_mesh(sequence=4, data=2)):
+    got = jax.jit(jax.value_and_grad(
+        lambda *a: loss(attention.get('ring'), segments, *a),
+        argnums=(0, 1, 2)))(q, k, v)
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-5),
+               got, want)
+
+
 def test_ring_attention_refuses_what_it_cannot_split():
   q, k, v = random_qkv(length=12)
   ring = attention.get('ring')

@@ -17,9 +17,9 @@ import jax
 
 from model.attention import (additive, chunked, kernel, linformer, ring,
                              sparse)
-from model.attention.core import (PositionBias, attention_weights,
-                                  causal_attention, causal_mask,
-                                  cross_attention,
+from model.attention.core import (PositionBias, SegmentMask,
+                                  attention_weights, causal_attention,
+                                  causal_mask, cross_attention,
                                   scaled_dot_product_attention)
 
 Array = jax.Array
@@ -113,6 +113,7 @@ def get(name: str) -> Callable[..., Array]:
   return spec(name).fn
 
 
-__all__ = ['PositionBias', 'Variant', 'attention_weights', 'causal_attention',
-           'causal_mask', 'cross_attention', 'fastest_exact', 'get', 'names',
-           'scaled_dot_product_attention', 'spec']
+__all__ = ['PositionBias', 'SegmentMask', 'Variant', 'attention_weights',
+           'causal_attention', 'causal_mask', 'cross_attention',
+           'fastest_exact', 'get', 'names', 'scaled_dot_product_attention',
+           'spec']

@@ -177,6 +177,19 @@ class _Plan:
     return split_heads(bias.at(queries[:, None], keys[None, :]),
                        self.num_kv_heads)
 
+  def mask_block(self, mask, q_index: Array, kv_index: Array):
+    """The mask of block (q_index, kv_index), [B?, K?, G?, Tq?, Tk?]."""
+    if not isinstance(mask, core.SegmentMask):
+      return _block(mask, self.starts(q_index, kv_index),
+                    (self.q_chunk, self.kv_chunk))
+    # Slices of the (padded) ids, compared: [B, 1, 1, Q, C].
+    q_start, kv_start = self.starts(q_index, kv_index)
+    q_ids = jax.lax.dynamic_slice_in_dim(mask.q_segment_ids_BxT, q_start,
+                                         self.q_chunk, axis=1)
+    kv_ids = jax.lax.dynamic_slice_in_dim(mask.kv_segment_ids_BxS, kv_start,
+                                          self.kv_chunk, axis=1)
+    return (q_ids[:, :, None] == kv_ids[:, None, :])[:, None, None]
+
   def logits(self, q_BxKxGxQxH, k_BxCxKxH, bias_block, mask, q_index,
              kv_index):
     """Masked logits of block (q_index, kv_index), [B, K, G, Q, C], -inf
@@ -192,8 +205,7 @@ class _Plan:
     if self.is_causal:
       valid = valid & (keys[None, :]
                        <= queries[:, None] + self.kv_len - self.q_len)
-    mask = _block(mask, self.starts(q_index, kv_index),
-                  (self.q_chunk, self.kv_chunk))
+    mask = self.mask_block(mask, q_index, kv_index)
     if mask is not None:
       valid = valid & mask
     return jnp.where(valid, logits, -jnp.inf)
@@ -495,6 +507,11 @@ def chunked_attention(query: Array, key: Array, value: Array,
   if not isinstance(bias, core.PositionBias):
     bias = _pad(_pad(split_heads(bias, plan.num_kv_heads), -1,
                      plan.padded_kv_len), -2, plan.padded_q_len)
-  mask = _pad(_pad(split_heads(mask, plan.num_kv_heads), -1,
-                   plan.padded_kv_len), -2, plan.padded_q_len)
+  if isinstance(mask, core.SegmentMask):
+    mask = core.SegmentMask(_pad(mask.q_segment_ids_BxT, 1, plan.padded_q_len),
+                            _pad(mask.kv_segment_ids_BxS, 1,
+                                 plan.padded_kv_len))
+  else:
+    mask = _pad(_pad(split_heads(mask, plan.num_kv_heads), -1,
+                     plan.padded_kv_len), -2, plan.padded_q_len)
   return _attend(plan, query, key, value, bias, mask)

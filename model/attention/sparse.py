@@ -84,7 +84,7 @@ def attend_parts(query: Array, key: Array, value: Array,
       logits = logits + core.bias_at(bias, *inside).astype(jnp.float32)
     valid = jnp.asarray(valid)
     if mask is not None:
-      valid = valid & core.pairs(mask, *inside)
+      valid = valid & core.mask_at(mask, *inside)
     logits = jnp.where(valid, logits, -jnp.inf)
     # Per-query layout [B, N, T, gk], so that all parts share one softmax.
     logits = logits.reshape(batch, num_heads, padded, -1)
@@ -258,7 +258,7 @@ def bigbird_attention(query: Array, key: Array, value: Array,
   row_mask = core.causal_mask(length, length)[rows][None, None] if (
       is_causal) else None
   if mask is not None:
-    gathered = mask[:, :, rows] if mask.shape[2] != 1 else mask
+    gathered = core.mask_at(mask, rows[:, None], np.arange(length)[None, :])
     row_mask = gathered if row_mask is None else row_mask & gathered
   row_bias = None
   if bias is not None:
