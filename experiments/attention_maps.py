@@ -109,10 +109,11 @@ def attention_maps(workdir: str, *, text: str | None = None,
                    max_tokens: int = 48) -> str:
   """Draws the maps of the run in `workdir`; returns the PNG's path."""
   run = trained_run.load(workdir)
-  if run.model_config.attention not in EXACT:
-    raise InputError(
-        f'config.model.attention={run.model_config.attention!r}: maps are '
-        f'drawn for exact softmax attention ({", ".join(EXACT)}).')
+  for layer_config in run.model_config.layer_configs():
+    if layer_config.attention not in EXACT:
+      raise InputError(
+          f'config.model.attention={layer_config.attention!r}: maps are '
+          f'drawn for exact softmax attention ({", ".join(EXACT)}).')
   tokens = tokens_to_draw(run.dataset, run.config, text, example, max_tokens)
   layers = attention_weights(run.model, run.params, run.dataset.kind, tokens)
   labels = [label(run.dataset, int(t)) for t in tokens]

@@ -10,6 +10,7 @@ registry, and no change to the model.
 
 from collections.abc import Callable
 import inspect
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -55,9 +56,32 @@ def _additive(module: nn.Module, config: ModelConfig, *,
                                    config.weight_dtype)}
 
 
+def _memory_compressed(module: nn.Module, config: ModelConfig, *,
+                       kernel: int = 3, **options) -> dict[str, Any]:
+  """The keys' and values' convolutions [kernel, K, H, K, H], Xavier over
+  (kernel * K * H inputs, K * H outputs)."""
+  if kernel < 1:
+    raise ValueError(f'kernel={kernel} must be positive.')
+  shape = (kernel, config.num_kv_heads, config.head_dim,
+           config.num_kv_heads, config.head_dim)
+
+  def init(rng, shape, dtype):
+    flat = (math.prod(shape[:3]), math.prod(shape[3:]))
+    return nn.initializers.xavier_uniform()(rng, flat, dtype).reshape(shape)
+
+  init = nn.with_logical_partitioning(
+      init, (None, None, None, 'kv_heads', 'kv'))
+  return options | {
+      'key_kernel': module.param('compress_key', init, shape,
+                                 config.weight_dtype),
+      'value_kernel': module.param('compress_value', init, shape,
+                                   config.weight_dtype)}
+
+
 PARAMETERS: dict[str, Callable[..., dict[str, Any]]] = {
     'linformer': _linformer,
     'additive': _additive,
+    'memory_compressed': _memory_compressed,
 }
 def _keyword_options(fn: Callable[..., Any]) -> set[str]:
   """Names of `fn`'s keyword-only arguments that have defaults."""

@@ -95,7 +95,9 @@ class TransformerBlock(nn.Module):
 
 
 class TransformerStack(nn.Module):
-  """`config.num_layers` blocks, plus the final norm that pre-norm needs."""
+  """`config.num_layers` blocks, plus the final norm that pre-norm needs.
+  Block i has the attention `config.for_layer(i)` gives (a pattern's
+  entries cycled over the layers)."""
 
   config: ModelConfig
   causal: bool
@@ -134,8 +136,8 @@ class TransformerStack(nn.Module):
       memory_BxMxD = (None if memory_LxBxMxD is None
                       else memory_LxBxMxD[layer])
       layer_cache = None if cache is None else cache[layer]
-      x_BxTxD = block_cls(self.config, self.causal, self.cross,
-                          name=f'block_{layer}')(
+      x_BxTxD = block_cls(self.config.for_layer(layer), self.causal,
+                          self.cross, name=f'block_{layer}')(
                               x_BxTxD, self_mask, encoded_BxSxD, cross_mask,
                               positions_BxT, memory_BxMxD,
                               memory_positions_BxM, layer_cache, deterministic)

@@ -21,7 +21,9 @@ NORM_POSITIONS = ('pre', 'post')
 # Absolute positions are added to the embeddings; relative ones act inside
 # self-attention (a bias on the logits, or a rotation of queries and keys).
 ABSOLUTE_POSITIONS = ('sinusoidal', 'learned')
-RELATIVE_POSITIONS = ('relative', 't5_bias', 'rope', 'alibi')
+RELATIVE_POSITIONS = ('relative', 't5_bias', 'rope', 'alibi', 'deberta')
+# The relative schemes that add a bias to the logits, per head.
+BIAS_POSITIONS = ('relative', 't5_bias', 'alibi', 'deberta')
 POSITIONS = ('none',) + ABSOLUTE_POSITIONS + RELATIVE_POSITIONS
 POOLINGS = ('cls', 'mean')
 DTYPES = ('float32', 'bfloat16', 'float16')
@@ -64,14 +66,17 @@ class ModelConfig:
   # sinusoidal (Vaswani et al. 2017) or learned; or relative, in
   # self-attention: relative (Shaw et al. 2018, learned per clipped
   # distance), t5_bias (Raffel et al. 2020, learned per distance bucket),
-  # rope (Su et al. 2021, rotated queries and keys) or alibi (Press et al.
-  # 2022, a fixed linear penalty on distance).
+  # rope (Su et al. 2021, rotated queries and keys), alibi (Press et al.
+  # 2022, a fixed linear penalty on distance) or deberta (He et al. 2021,
+  # disentangled attention: content-to-position and position-to-content
+  # terms beside q . k, over distances clipped to +-relative_max_distance,
+  # all scaled by 1 / sqrt(3 head_dim)).
   position: str = 'sinusoidal'
   # Longest sequence (in tokens) the model reads: the learned position
   # table's size, and Linformer's projected length.
   max_len: int = 512
-  # relative: distances are clipped to +-this; t5_bias: distances beyond it
-  # share the last bucket.
+  # relative, deberta: distances are clipped to +-this; t5_bias: distances
+  # beyond it share the last bucket.
   relative_max_distance: int = 128
   # t5_bias: buckets of distance (half exact, half logarithmic).
   relative_buckets: int = 32
@@ -83,10 +88,19 @@ class ModelConfig:
   attention_dropout_rate: float = 0.0
   # Self-attention function, by its name in model.attention.names(), or
   # auto: the fastest exact one for the backend (model.attention.
-  # fastest_exact); cross-attention is always dense.
-  attention: str = 'dense'
+  # fastest_exact); or several, separated by commas (or a tuple), cycled
+  # over the layers: 'dense,local' alternates dense and locally banded
+  # layers as GPT-3 does. Cross-attention is always dense.
+  attention: str | tuple[str, ...] = 'dense'
+  # Self-attention with learned query/key/value/output projections (True),
+  # or parameter-free (False): y_i = sum_j softmax_j(x_i . x_j) x_j, one
+  # head over the whole width, logits unscaled (self-attention's first form,
+  # before projections). Cross-attention keeps its projections.
+  attention_projections: bool = True
   # Options of that function (e.g. window for local, rank for linformer),
-  # as (name, value) pairs; from_mapping accepts a dict.
+  # as (name, value) pairs; from_mapping accepts a dict. With several
+  # attentions, a dict from each entry's name to its options, e.g.
+  # {'local': {'window': 64}} (held as one tuple of pairs per entry).
   attention_options: tuple = ()
   # Output projection shares the token embedding matrix (Press & Wolf 2017).
   tie_embeddings: bool = True
@@ -136,51 +150,25 @@ class ModelConfig:
     check_choice('dtype', DTYPES)
     check_choice('param_dtype', DTYPES)
     check_choice('remat', REMAT_POLICIES)
-    check_choice('attention', ['auto'] + attention.names())
-    if self.attention == 'auto':
-      object.__setattr__(self, 'attention', attention.fastest_exact(
-          dropout=self.attention_dropout_rate > 0))
     for name in ('dropout_rate', 'attention_dropout_rate'):
       rate = getattr(self, name)
       if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
         fail(f'config.model.{name}={rate!r} must be in [0, 1).')
-    if not isinstance(self.tie_embeddings, bool):
-      fail(f'config.model.tie_embeddings={self.tie_embeddings!r} must be '
-           'True or False.')
+    for name in ('tie_embeddings', 'attention_projections'):
+      if not isinstance(getattr(self, name), bool):
+        fail(f'config.model.{name}={getattr(self, name)!r} must be True or '
+             'False.')
+    if not self.attention_projections and self.position in BIAS_POSITIONS:
+      fail(f'config.model.position={self.position!r} biases each head, and '
+           'config.model.attention_projections=False leaves one head of '
+           "the model's width: use none, sinusoidal, learned or rope.")
 
-    if isinstance(self.attention_options, dict):
-      object.__setattr__(self, 'attention_options',
-                         tuple(sorted(self.attention_options.items())))
-    variant = attention.spec(self.attention)
-    if self.attention_dropout_rate > 0 and not variant.dropout:
-      fail(f'config.model.attention={self.attention!r} has no attention '
-           'dropout; set config.model.attention_dropout_rate=0.')
-    if self.family != 'encoder_classifier' and not variant.causal:
-      fail(f'config.model.attention={self.attention!r} cannot be causal, '
-           f'which the decoder of config.model.family={self.family!r} needs.')
     if not isinstance(self.memory_length, int) or self.memory_length < 0:
       fail(f'config.model.memory_length={self.memory_length!r} must be an '
            'integer >= 0.')
-    if self.memory_length:
-      if self.family != 'decoder_lm':
-        fail('config.model.memory_length is for config.model.family='
-             f"'decoder_lm', not {self.family!r}.")
-      if self.position not in RELATIVE_POSITIONS:
-        fail(f'config.model.memory_length={self.memory_length} needs a '
-             'relative position scheme (config.model.position in '
-             f'{list(RELATIVE_POSITIONS)}), not {self.position!r}.')
-      if not variant.longer_keys:
-        fail(f'config.model.attention={self.attention!r} cannot attend to '
-             'more keys than queries, which config.model.memory_length '
-             'needs.')
-    if self.position == 'rope' and not variant.dot_product:
-      fail(f"config.model.position='rope' makes scores relative only when "
-           f'they are dot products q . k, which those of config.model.'
-           f'attention={self.attention!r} are not.')
-    if self.position in ('relative', 't5_bias', 'alibi') and not variant.bias:
-      fail(f'config.model.position={self.position!r} adds a bias to the '
-           f'logits, which config.model.attention={self.attention!r} cannot '
-           'take.')
+    if self.memory_length and self.family != 'decoder_lm':
+      fail('config.model.memory_length is for config.model.family='
+           f"'decoder_lm', not {self.family!r}.")
     if (not isinstance(self.rope_max_wavelength, (int, float))
         or self.rope_max_wavelength <= 1):
       fail(f'config.model.rope_max_wavelength={self.rope_max_wavelength!r} '
@@ -201,6 +189,96 @@ class ModelConfig:
     if self.position == 'rope' and self.head_dim % 2:
       fail(f'config.model.position=\'rope\' rotates pairs of channels: '
            f'config.model.head_dim={self.head_dim} must be even.')
+    if isinstance(self.attention, str) and ',' in self.attention:
+      object.__setattr__(self, 'attention', tuple(
+          name.strip() for name in self.attention.split(',')))
+    if isinstance(self.attention, (tuple, list)):
+      self._check_pattern(fail)
+    else:
+      self._check_attention(fail)
+
+  def _check_pattern(self, fail) -> None:
+    """Several attentions: each entry, with its options, is checked as the
+    attention of the layers it serves."""
+    names = tuple(self.attention)
+    options = self.attention_options
+    if isinstance(options, dict):  # Options by entry name.
+      unknown = sorted(set(options) - set(names))
+      if unknown:
+        fail(f'config.model.attention_options.{unknown[0]} names no entry '
+             f'of config.model.attention={",".join(names)!r}; with several '
+             'attentions, its keys are their names.')
+      options = tuple(tuple(sorted(dict(options.get(name, {})).items()))
+                      for name in names)
+    elif options == ():
+      options = ((),) * len(names)
+    if len(options) != len(names):
+      fail(f'config.model.attention_options={options!r} must give the '
+           f'options of each of the {len(names)} entries of '
+           f'config.model.attention={",".join(names)!r}.')
+    object.__setattr__(self, 'attention', names)
+    object.__setattr__(self, 'attention_options', options)
+    resolved = []
+    for index in range(len(names)):
+      try:
+        resolved.append(self.for_layer(index).attention)  # 'auto' resolved.
+      except ValueError as error:
+        fail(f'config.model.attention[{index}]: {error}')
+    object.__setattr__(self, 'attention', tuple(resolved))
+
+  def _check_attention(self, fail) -> None:
+    """What the one attention function must honour in this model."""
+    if self.attention not in ['auto'] + attention.names():
+      fail(f'config.model.attention={self.attention!r} must be one of '
+           f"{['auto'] + attention.names()}.")
+    if self.attention == 'auto':
+      object.__setattr__(self, 'attention', attention.fastest_exact(
+          dropout=self.attention_dropout_rate > 0))
+    if isinstance(self.attention_options, dict):
+      object.__setattr__(self, 'attention_options',
+                         tuple(sorted(self.attention_options.items())))
+    variant = attention.spec(self.attention)
+    if self.attention_dropout_rate > 0 and not variant.dropout:
+      fail(f'config.model.attention={self.attention!r} has no attention '
+           'dropout; set config.model.attention_dropout_rate=0.')
+    if self.family != 'encoder_classifier' and not variant.causal:
+      fail(f'config.model.attention={self.attention!r} cannot be causal, '
+           f'which the decoder of config.model.family={self.family!r} needs.')
+    if self.memory_length:
+      if self.position not in RELATIVE_POSITIONS:
+        fail(f'config.model.memory_length={self.memory_length} needs a '
+             'relative position scheme (config.model.position in '
+             f'{list(RELATIVE_POSITIONS)}), not {self.position!r}.')
+      if not variant.longer_keys:
+        fail(f'config.model.attention={self.attention!r} cannot attend to '
+             'more keys than queries, which config.model.memory_length '
+             'needs.')
+    if self.position == 'rope' and not variant.dot_product:
+      fail(f"config.model.position='rope' makes scores relative only when "
+           f'they are dot products q . k, which those of config.model.'
+           f'attention={self.attention!r} are not.')
+    if self.position in BIAS_POSITIONS and not variant.bias:
+      fail(f'config.model.position={self.position!r} adds a bias to the '
+           f'logits, which config.model.attention={self.attention!r} cannot '
+           'take.')
+
+  @property
+  def num_attentions(self) -> int:
+    """Entries of the attention pattern (1 for a single attention)."""
+    return len(self.attention) if isinstance(self.attention, tuple) else 1
+
+  def for_layer(self, layer: int) -> 'ModelConfig':
+    """This config with layer `layer`'s attention and options: the entry
+    `layer % num_attentions` of a list; itself for a single attention."""
+    if not isinstance(self.attention, tuple):
+      return self
+    index = layer % len(self.attention)
+    return dataclasses.replace(self, attention=self.attention[index],
+                               attention_options=self.attention_options[index])
+
+  def layer_configs(self) -> tuple['ModelConfig', ...]:
+    """One config per entry of the attention pattern."""
+    return tuple(self.for_layer(i) for i in range(self.num_attentions))
 
   @classmethod
   def from_mapping(cls, values: Mapping[str, Any]) -> 'ModelConfig':

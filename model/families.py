@@ -118,10 +118,12 @@ def init_cache(config: ModelConfig, batch_size: int,
                length: int) -> tuple[dict[str, Array], ...]:
   """An empty key/value cache for decoding up to `length` positions: each
   layer's self-attention keys and values, {'key', 'value'} [B, length, K,
-  H], in the compute dtype. Layers hold arrays of their own, so that a
-  decoding step writes one position in place rather than copying a
-  stacked cache."""
+  H] ([B, length, 1, D] without projections), in the compute dtype.
+  Layers hold arrays of their own, so that a decoding step writes one
+  position in place rather than copying a stacked cache."""
   shape = (batch_size, length, config.num_kv_heads, config.head_dim)
+  if not config.attention_projections:  # The inputs themselves, one head.
+    shape = (batch_size, length, 1, config.d_model)
   return tuple({'key': jnp.zeros(shape, config.compute_dtype),
                 'value': jnp.zeros(shape, config.compute_dtype)}
                for _ in range(config.num_layers))

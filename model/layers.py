@@ -68,6 +68,9 @@ class MultiHeadAttention(nn.Module):
   Self-attention uses `config.attention` with `config.attention_options`
   (creating the parameters a variant owns, see model/attention_parameters)
   and applies relative position information; cross-attention is dense.
+  With `config.attention_projections` False, self-attention has no
+  parameters: the inputs are queries, keys and values of one head, the
+  logits unscaled, and the output is not projected.
   Query heads are `config.num_heads`, key/value heads `config.num_kv_heads`
   (grouped-query or multi-query attention when fewer).
   """
@@ -75,11 +78,17 @@ class MultiHeadAttention(nn.Module):
   config: ModelConfig
   cross: bool = False
 
-  def _position_bias(self, q_BxTxNxH, q_positions_BxT, kv_positions_BxS,
-                     is_causal):
+  def _position_bias(self, q_BxTxNxH, k_BxSxKxH, q_positions_BxT,
+                     kv_positions_BxS, is_causal):
     """The logit bias of the relative position scheme (None for rope and
     the absolute schemes)."""
     config = self.config
+    if config.position == 'deberta':
+      return positions.DisentangledBias(
+          config.num_heads, config.head_dim, config.relative_max_distance,
+          param_dtype=config.weight_dtype, name='disentangled')(
+              q_BxTxNxH, k_BxSxKxH, q_positions_BxT, kv_positions_BxS,
+              config.d_model, positions.deberta_scale(config.head_dim))
     if config.position == 'alibi':
       return positions.alibi_bias(q_positions_BxT, kv_positions_BxS,
                                   config.num_heads)
@@ -126,9 +135,7 @@ class MultiHeadAttention(nn.Module):
     (beam search's layout). Returns (output, {'key', 'value'}).
     """
     config = self.config
-    q_BxTxNxH = _dense((config.num_heads, config.head_dim),
-                       ('embed', 'heads', 'kv'), config,
-                       'query')(inputs_q_BxTxD)
+    q_BxTxNxH = self._queries(inputs_q_BxTxD)
     if self.cross and cache is not None:
       return self._cached_cross(q_BxTxNxH, inputs_kv_BxSxD, mask, cache,
                                 inputs_q_BxTxD.shape[-1])
@@ -142,6 +149,13 @@ class MultiHeadAttention(nn.Module):
     else:
       variant = attention.spec(config.attention)
       kwargs = attention_parameters.variant_kwargs(self, config)
+      if self._parameter_free:
+        if config.attention in attention_parameters.PARAMETERS:
+          raise ValueError(
+              f'config.model.attention={config.attention!r} has parameters '
+              'of its own; config.model.attention_projections=False wants '
+              'none.')
+        kwargs['scale'] = 1.0
       q_BxTxNxH = self._rotate(q_BxTxNxH, q_positions_BxT)
       k_BxSxKxH = self._rotate(k_BxSxKxH, kv_positions_BxS)
     if cache is not None:
@@ -157,8 +171,11 @@ class MultiHeadAttention(nn.Module):
                  <= q_positions_BxT[:, None, :, None])
       mask = written if mask is None else mask & written
     if not self.cross and config.position in RELATIVE_POSITIONS:
-      bias = self._position_bias(q_BxTxNxH, q_positions_BxT, kv_positions_BxS,
-                                 is_causal)
+      bias = self._position_bias(q_BxTxNxH, k_BxSxKxH, q_positions_BxT,
+                                 kv_positions_BxS, is_causal)
+    if not self.cross and config.position == 'deberta':
+      # Content logits take DeBERTa's scale too.
+      kwargs['scale'] = positions.deberta_scale(config.head_dim)
     # With a cache, the mask says what each query sees.
     causal = is_causal and cache is None
     if self.is_mutable_collection('intermediates'):
@@ -166,6 +183,7 @@ class MultiHeadAttention(nn.Module):
       # [B, N, T, S] of exact attention under this layer's mask.
       self.sow('intermediates', 'attention_weights',
                attention.attention_weights(q_BxTxNxH, k_BxSxKxH, bias, mask,
+                                           scale=kwargs.get('scale'),
                                            is_causal=causal))
     if variant.dropout and not deterministic and (
         config.attention_dropout_rate > 0.0):
@@ -176,12 +194,30 @@ class MultiHeadAttention(nn.Module):
     out_BxTxD = self._out(out_BxTxNxH, inputs_q_BxTxD.shape[-1])
     return out_BxTxD if cache is None else (out_BxTxD, cache)
 
+  @property
+  def _parameter_free(self) -> bool:
+    """Self-attention of the inputs themselves, with no projections."""
+    return not self.cross and not self.config.attention_projections
+
+  def _queries(self, inputs_q_BxTxD: Array) -> Array:
+    """Queries [B, T, N, H] of the inputs ([B, T, 1, D] parameter-free)."""
+    if self._parameter_free:
+      return inputs_q_BxTxD[:, :, None]
+    return _dense((self.config.num_heads, self.config.head_dim),
+                  ('embed', 'heads', 'kv'), self.config,
+                  'query')(inputs_q_BxTxD)
+
   def _out(self, x_BxTxNxH: Array, features: int) -> Array:
+    if self._parameter_free:
+      return x_BxTxNxH.reshape(*x_BxTxNxH.shape[:2], features)
     return _dense(features, ('heads', 'kv', 'embed'), self.config, 'out',
                   num_in=2)(x_BxTxNxH)
 
   def _keys_values(self, inputs_kv_BxSxD: Array) -> tuple[Array, Array]:
-    """Keys and values [B, S, K, H] of the inputs."""
+    """Keys and values [B, S, K, H] of the inputs ([B, S, 1, D] each
+    parameter-free)."""
+    if self._parameter_free:
+      return inputs_kv_BxSxD[:, :, None], inputs_kv_BxSxD[:, :, None]
     config = self.config
     features = (config.num_kv_heads, config.head_dim)
     return tuple(_dense(features, ('embed', 'kv_heads', 'kv'), config,

@@ -194,3 +194,75 @@ class ShawRelative(nn.Module):
     return attention.PositionBias(
         {'q_positions': q_positions_BxT, 'kv_positions': kv_positions_BxS,
          'scores': scores_BxNxTxR}, at)
+
+
+def deberta_scale(head_dim: int) -> float:
+  """DeBERTa's logit scale, 1 / sqrt(3 H): three terms, each of variance
+  about H."""
+  return (3 * head_dim) ** -0.5
+
+
+def deberta_buckets(relative_BxI: Array, max_distance: int) -> Array:
+  """delta of a (query - key) distance (He et al. 2021): clipped to
+  [-k, k - 1] and shifted to [0, 2k), k = max_distance."""
+  return jnp.clip(relative_BxI, -max_distance, max_distance - 1) + max_distance
+
+
+class DisentangledBias(nn.Module):
+  """DeBERTa's disentangled attention (He et al. 2021) as a bias on the
+  content logits q_i . k_j: the content-to-position term q_i . Kr_d(i,j)
+  plus the position-to-content term k_j . Qr_d(j,i), where d(i,j) is the
+  clipped distance i - j (`deberta_buckets`), Kr = P Wkr and Qr = P Wqr
+  project a learned table P [2k, D] of relative positions per head, and
+  every term is scaled by `scale` (DeBERTa's 1 / sqrt(3 H), the attention
+  scaling the content term alike). This layer holds its own table; DeBERTa
+  shares one across the layers.
+  """
+
+  num_heads: int
+  head_dim: int
+  max_distance: int
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, query_BxTxNxH: Array, key_BxSxKxH: Array,
+               q_positions_BxT: Array, kv_positions_BxS: Array,
+               inputs_width: int, scale: float) -> attention.PositionBias:
+    table_RxD = self.param(
+        'embedding', nn.with_logical_partitioning(
+            nn.initializers.normal(stddev=0.02), (None, 'embed')),
+        (2 * self.max_distance, inputs_width), self.param_dtype)
+    kernel = lambda name: self.param(
+        name, nn.with_logical_partitioning(
+            nn.initializers.xavier_uniform(), ('embed', 'heads', 'kv')),
+        (inputs_width, self.num_heads, self.head_dim), self.param_dtype)
+    f32 = lambda x: x.astype(jnp.float32)
+    key_positions_RxNxH = jnp.einsum('rd,dnh->rnh', f32(table_RxD),
+                                     f32(kernel('key_position')))
+    query_positions_RxNxH = jnp.einsum('rd,dnh->rnh', f32(table_RxD),
+                                       f32(kernel('query_position')))
+    group = self.num_heads // key_BxSxKxH.shape[2]
+    key_BxSxNxH = jnp.repeat(f32(key_BxSxKxH), group, axis=2)
+    # Each query against each distance, each key against each: [B, N, T, R]
+    # and [B, N, S, R], linear in the length.
+    c2p_BxNxTxR = scale * jnp.einsum('btnh,rnh->bntr', f32(query_BxTxNxH),
+                                     key_positions_RxNxH)
+    p2c_BxNxSxR = scale * jnp.einsum('bsnh,rnh->bnsr', key_BxSxNxH,
+                                     query_positions_RxNxH)
+    max_distance = self.max_distance
+
+    def gather(scores_BxNxLxR, rows, distance_BxI):  # -> [B, N, *I]
+      flat = scores_BxNxLxR.reshape(*scores_BxNxLxR.shape[:2], -1)
+      index = rows * scores_BxNxLxR.shape[-1] + distance_BxI
+      return jax.vmap(lambda s, i: s[:, i])(flat, index)
+
+    def at(data, q_index, k_index):
+      key_minus_query = _relative(data, q_index, k_index)  # j - i: [B, *I]
+      return (gather(data['c2p'], q_index,
+                     deberta_buckets(-key_minus_query, max_distance))
+              + gather(data['p2c'], k_index,
+                       deberta_buckets(key_minus_query, max_distance)))
+
+    return attention.PositionBias(
+        {'q_positions': q_positions_BxT, 'kv_positions': kv_positions_BxS,
+         'c2p': c2p_BxNxTxR, 'p2c': p2c_BxNxSxR}, at)

@@ -48,7 +48,8 @@ def grads(fn, q, k, v, bias=None, **kwargs):
 def test_registry_lists_every_variant():
   assert attention.names() == sorted([
       'additive', 'bigbird', 'chunked', 'dense', 'fixed', 'linear',
-      'linformer', 'local', 'performer', 'ring', 'strided'])
+      'linformer', 'local', 'memory_compressed', 'performer', 'ring',
+      'strided'])
   assert attention.get('chunked') is attention.spec('chunked').fn
 
 
@@ -493,6 +494,68 @@ def test_additive_attention_matches_bahdanau_score():
   out = attention.get('additive')(q, k, v, mask=padding(), query_weight=w_q,
                                   key_weight=w_k, score_weight=w_v)
   assert_close(out, expected)
+
+
+# --- memory-compressed ---
+
+
+def compress_by_loops(x, kernel, stride):
+  """The strided convolution written out: window j covers positions
+  j * stride + stride - W .. j * stride + stride - 1, zeros outside."""
+  x, kernel = np.asarray(x), np.asarray(kernel)
+  window = kernel.shape[0]
+  out = np.zeros((x.shape[0], -(-x.shape[1] // stride)) + x.shape[2:])
+  for j in range(out.shape[1]):
+    for w in range(window):
+      position = j * stride + stride - window + w
+      if 0 <= position < x.shape[1]:
+        out[:, j] += np.einsum('bkh,khlm->blm', x[:, position], kernel[w])
+  return out
+
+
+@pytest.mark.parametrize('causal', [False, True])
+@pytest.mark.parametrize('window, stride', [(3, 3), (4, 2)])
+def test_memory_compressed_equals_dense_over_compressed_keys(window, stride,
+                                                             causal):
+  q, k, v = make_qkv(18)
+  kernels = [jax.random.normal(key, (window, 2, H, 2, H)) / 8
+             for key in jax.random.split(jax.random.key(19))]
+  out = attention.get('memory_compressed')(
+      q, k, v, mask=padding(), is_causal=causal, key_kernel=kernels[0],
+      value_kernel=kernels[1], stride=stride)
+  keep = np.asarray(padding())[:, 0, 0, :, None, None]
+  k_c, v_c = (jnp.asarray(compress_by_loops(x * keep, kernel, stride),
+                          jnp.float32)
+              for x, kernel in zip((k, v), kernels))
+  # Compressed key j: a window with a real key, ending at or before i.
+  ends = np.arange(k_c.shape[1]) * stride + stride - 1
+  starts = ends - window + 1
+  lengths = np.array([T, 6])
+  allowed = np.broadcast_to(starts[None, None, None, :]
+                            < lengths[:, None, None, None],
+                            (B, 1, T, k_c.shape[1]))
+  if causal:
+    allowed = allowed & (ends[None, :] <= np.arange(T)[:, None])
+  assert_close(out, dense(q, k_c, v_c, mask=jnp.asarray(allowed)))
+  if causal:  # The first stride - 1 queries read no key.
+    np.testing.assert_array_equal(out[:, :stride - 1], 0.0)
+
+
+def test_memory_compressed_scores_take_a_stride_th_of_dense_memory():
+  """Compiled temporaries of the forward pass at T = 3072: the [B, N, T,
+  S / 3] scores against dense's [B, N, T, S]."""
+  length = 3072
+  shape = jax.ShapeDtypeStruct((1, length, 4, 32), jnp.float32)
+  kernel = jax.ShapeDtypeStruct((3, 4, 32, 4, 32), jnp.float32)
+
+  def temp(fn, *args):
+    compiled = jax.jit(fn).lower(shape, shape, shape, *args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  compressed = temp(lambda q, k, v, kk, vk: attention.get('memory_compressed')(
+      q, k, v, key_kernel=kk, value_kernel=vk), kernel, kernel)
+  full = temp(lambda q, k, v: dense(q, k, v))
+  assert 0.25 <= compressed / full <= 0.4, compressed / full
 
 
 # --- what a variant cannot do ---

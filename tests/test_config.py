@@ -2,6 +2,7 @@
 
 import dataclasses
 import inspect
+import re
 
 import pytest
 
@@ -43,6 +44,16 @@ def test_every_model_field_has_a_comment():
     (dict(position='rotary'), "config.model.position='rotary'"),
     (dict(family='rnn'), "config.model.family='rnn'"),
     (dict(attention='magic'), "config.model.attention='magic'"),
+    (dict(attention_projections=False, position='alibi'),
+     "config.model.position='alibi' biases each head, and config.model."
+     'attention_projections=False'),
+    (dict(attention_projections=1), 'config.model.attention_projections=1 '
+     'must be True or False'),
+    (dict(attention='dense,magic'),
+     "config.model.attention[1]: config.model.attention='magic' must be"),
+    (dict(attention='dense,local', attention_options={'window': 3}),
+     "config.model.attention_options.window names no entry of "
+     "config.model.attention='dense,local'"),
     (dict(dtype='float64'), "config.model.dtype='float64'"),
     (dict(dropout_rate=1.0), 'config.model.dropout_rate=1.0'),
     (dict(attention_dropout_rate=-0.1),
@@ -51,8 +62,7 @@ def test_every_model_field_has_a_comment():
     (dict(pooling='max'), "config.model.pooling='max'"),
 ])
 def test_invalid_values_name_the_key(overrides, message):
-  with pytest.raises(ValueError, match=message.replace('.', r'\.')
-                     .replace('(', r'\(')):
+  with pytest.raises(ValueError, match=re.escape(message)):
     ModelConfig(**overrides)
 
 

@@ -1,12 +1,14 @@
 """Training configs are checked before anything compiles, key by key: every
 bad value exits with status 2 and one message naming its key."""
 
+import functools
+
 import ml_collections
 import pytest
 
 import config_overrides
 from configs import algorithmic, default, listops, lm1b, lm_stdlib
-from configs import wmt14_ende
+from configs import lm_systems, wmt14_ende
 from train import config_validation, train
 from train.errors import InputError
 
@@ -14,7 +16,9 @@ from train.errors import InputError
 def test_every_shipped_config_is_valid():
   for config in (lm_stdlib.get_config(), algorithmic.get_config('task=sort'),
                  listops.get_config(), listops.get_config('full'),
-                 lm1b.get_config(), wmt14_ende.get_config()):
+                 lm1b.get_config(), wmt14_ende.get_config(),
+                 *(lm_systems.get_config(f'system={system}')
+                   for system in lm_systems.SYSTEMS)):
     config.batch_size = 32  # A multiple of the 8 test devices.
     config_validation.validate(config)
 
@@ -165,6 +169,18 @@ INVALID_ELSEWHERE = [
     ('wmt14_ende', 'dataset_options.target_language', 'en',
      "config.dataset_options.source_language='en' and target_language='en' "
      'must be two languages'),
+    ('lm_stdlib', 'model.attention', 'dense,linear',
+     "config.model.attention='linear' cannot keep packed sequences apart"),
+    ('alternating', 'model.attention_options.local.window', 0,
+     "config.model does not build (attention='dense,local', "
+     "attention_options={'local': {'window': 0}}): window=0 must be "
+     'positive'),
+    ('memory_compressed', 'model.attention_options.local.window', -1,
+     'window=-1 must be positive'),
+    ('memory_compressed', 'model.attention_options.memory_compressed.kernel',
+     0, 'kernel=0 must be positive'),
+    ('memory_compressed', 'model.attention_options.memory_compressed.stride',
+     4, 'stride=4 must be in [1, kernel=3]'),
     ('local', 'model.attention_options.window', 0,
      "config.model does not build (attention='local', attention_options="
      "{'window': 0}): window=0 must be positive"),
@@ -172,10 +188,13 @@ INVALID_ELSEWHERE = [
 # ml_collections refuses a value of another type for these, at the command
 # line (exit status 2, see tests/test_train.py) as in code.
 TYPE_CHECKED = {'pack_sequences', 'vocab_path', 'distributed',
-                'model.tie_embeddings'}
+                'model.tie_embeddings', 'model.attention_projections'}
 
 
 SHIPPED = {'lm_stdlib': lm_stdlib.get_config,
+           **{system: functools.partial(lm_systems.get_config,
+                                        f'system={system}')
+              for system in lm_systems.SYSTEMS},
            'algorithmic': lambda: algorithmic.get_config('task=sort'),
            'listops': listops.get_config, 'lm1b': lm1b.get_config,
            'wmt14_ende': wmt14_ende.get_config}

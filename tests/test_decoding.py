@@ -54,9 +54,12 @@ def cached_logits(step, positions_to_read: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize('position', ['learned', 'sinusoidal', 'rope',
-                                      'alibi', 'relative', 't5_bias'])
+                                      'alibi', 'relative', 't5_bias',
+                                      'deberta', 'rope_parameter_free'])
 def test_decoder_lm_cached_logits_equal_a_full_pass(position):
-  config = tiny('decoder_lm', position)
+  # Parameter-free self-attention caches the inputs themselves.
+  config = tiny('decoder_lm', position.removesuffix('_parameter_free'),
+                attention_projections=not position.endswith('_free'))
   model = build(config)
   params = {'params': model.init(jax.random.key(1),
                                  jnp.zeros((1, T), jnp.int32))['params']}

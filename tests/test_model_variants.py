@@ -25,6 +25,7 @@ OPTIONS = {
     'performer': {'num_features': 16},
     'linear': {},
     'additive': {'hidden': 8},
+    'memory_compressed': {'stride': 3, 'kernel': 3},
     'ring': {},
 }
 CAUSAL = [name for name in attention.names() if attention.spec(name).causal]
@@ -55,7 +56,8 @@ def test_decoder_lm_is_causal_with_every_causal_variant(name):
                 positions=(0, 3, T - 1))
 
 
-@pytest.mark.parametrize('position', ['rope', 'alibi', 't5_bias', 'relative'])
+@pytest.mark.parametrize('position', ['rope', 'alibi', 't5_bias', 'relative',
+                                      'deberta'])
 def test_decoder_lm_is_causal_with_relative_positions(position):
   assert_causal(build(config_for(position=position)), tokens(),
                 positions=(0, 3, T - 1))

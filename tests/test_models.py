@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from model import DecoderLM, EncoderClassifier, EncoderDecoder, ModelConfig
+from model.layers import MultiHeadAttention
 from model import positions as positions_lib
 from model.families import build
 from causality import assert_causal
@@ -286,11 +287,15 @@ def test_dropout_is_active_only_when_not_deterministic(rates):
   np.testing.assert_array_equal(apply(0, False), apply(0, False))
 
 
-@pytest.mark.parametrize('norm_position, norm, activation', [
-    ('pre', 'layernorm', 'gelu'), ('post', 'rmsnorm', 'relu')])
-def test_decoder_lm_trains(norm_position, norm, activation):
-  config = small_config(norm_position=norm_position, norm=norm,
-                        mlp_activation=activation)
+@pytest.mark.parametrize('overrides', [
+    dict(norm_position='pre', norm='layernorm', mlp_activation='gelu'),
+    dict(norm_position='post', norm='rmsnorm', mlp_activation='relu'),
+    dict(attention='dense,local', attention_options={'local': {'window': 2}}),
+    dict(attention_projections=False),
+], ids=['pre_layernorm_gelu', 'post_rmsnorm_relu', 'dense_local_layers',
+        'parameter_free_attention'])
+def test_decoder_lm_trains(overrides):
+  config = small_config(**overrides)
   model = build(config)
   params = nn.meta.unbox(init(config)['params'])
   inputs = tokens()
@@ -313,6 +318,43 @@ def test_decoder_lm_trains(norm_position, norm, activation):
     params, opt_state, loss = step(params, opt_state)
     losses.append(float(loss))
   assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+def test_parameter_free_self_attention_is_the_notes_first_form():
+  """y_i = sum_j softmax_j(x_i . x_j) x_j: no parameters, equal to the
+  formula written out, and permutation-equivariant."""
+  config = small_config(attention_projections=False)
+  layer = MultiHeadAttention(config)
+  x = jax.random.normal(jax.random.key(3), (B, T, D)) / 4
+  variables = layer.init(jax.random.key(0), x, x)
+  assert not jax.tree.leaves(variables)
+  attend = lambda x: layer.apply(variables, x, x)
+  weights = jax.nn.softmax(jnp.einsum('bid,bjd->bij', x, x), axis=-1)
+  np.testing.assert_allclose(attend(x), jnp.einsum('bij,bjd->bid', weights,
+                                                   x), atol=1e-5)
+  permutation = np.random.default_rng(0).permutation(T)
+  np.testing.assert_allclose(attend(x[:, permutation]),
+                             attend(x)[:, permutation], atol=1e-5)
+  # In a model, self-attention holds nothing; the MLPs and norms remain.
+  blocks = nn.meta.unbox(init(config)['params'])['decoder']
+  assert all('self_attention' not in blocks[f'block_{i}']
+             for i in range(LAYERS))
+
+
+def test_an_attention_pattern_gives_each_layer_its_entry():
+  """'dense,additive' over 4 layers: additive's own parameters, of the
+  width its options ask, are in layers 1 and 3 only."""
+  config = small_config(num_layers=4, attention='dense,additive',
+                        attention_options={'additive': {'hidden': 3}})
+  assert [c.attention for c in map(config.for_layer, range(4))] == [
+      'dense', 'additive', 'dense', 'additive']
+  params = nn.meta.unbox(init(config)['params'])['decoder']
+  attention_params = [params[f'block_{i}']['self_attention']
+                      for i in range(4)]
+  assert ['additive_query' in p for p in attention_params] == [
+      False, True, False, True]
+  assert attention_params[3]['additive_query'].shape == (HEADS, D // HEADS,
+                                                         3)
 
 
 def test_packed_rows_build_no_length_by_length_mask():

@@ -2,6 +2,7 @@
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from model import DecoderLM, ModelConfig
 from model import positions
+from model.layers import MultiHeadAttention
 
 B, T, N, H = 2, 8, 4, 8
 
@@ -113,8 +115,55 @@ def test_shaw_relative_bias_is_query_dot_clipped_distance_embedding():
                                  0.5 * np.asarray(q[0, i]) @ row, atol=1e-5)
 
 
+def test_deberta_terms_match_the_paper_written_out():
+  """He et al. (2021), eq. 4: A_ij = (Qc_i Kc_j + Qc_i Kr_d(i,j) +
+  Kc_j Qr_d(j,i)) / sqrt(3H), d the distance clipped to [-k, k - 1] plus k;
+  here by loops over i and j, from the layer's own parameters."""
+  d_model, k = 16, 3
+  config = ModelConfig(vocab_size=32, d_model=d_model, num_heads=2,
+                       num_kv_heads=1, position='deberta',
+                       relative_max_distance=k)
+  layer = MultiHeadAttention(config)
+  x = jax.random.normal(jax.random.key(0), (1, T, d_model))
+  pos = jnp.arange(T)[None] + 5
+  apply = lambda params, **kw: layer.apply(
+      params, x, x, q_positions_BxT=pos, kv_positions_BxS=pos, **kw)
+  params = layer.init(jax.random.key(1), x, x, q_positions_BxT=pos,
+                      kv_positions_BxS=pos)
+  _, state = apply(params, mutable=['intermediates'])
+  weights = state['intermediates']['attention_weights'][0]
+  p = jax.tree.map(np.asarray, nn.meta.unbox(params['params']))
+  project = lambda name, y: (np.einsum('td,dnh->tnh', y, p[name]['kernel'])
+                             + p[name]['bias'])
+  qc, kc = project('query', x[0]), project('key', x[0])  # [T, 2, 8], [T, 1, 8]
+  table = p['disentangled']['embedding']
+  kr = np.einsum('rd,dnh->rnh', table, p['disentangled']['key_position'])
+  qr = np.einsum('rd,dnh->rnh', table, p['disentangled']['query_position'])
+  delta = lambda i, j: np.clip(i - j, -k, k - 1) + k
+  logits = np.zeros((2, T, T))
+  for n in range(2):
+    for i in range(T):
+      for j in range(T):
+        logits[n, i, j] = (qc[i, n] @ kc[j, 0] + qc[i, n] @ kr[delta(i, j), n]
+                           + kc[j, 0] @ qr[delta(j, i), n]) / math.sqrt(3 * 8)
+  np.testing.assert_allclose(weights[0], jax.nn.softmax(logits, axis=-1),
+                             atol=1e-5)
+
+
+def test_deberta_bias_depends_only_on_the_offset():
+  module = positions.DisentangledBias(N, H, max_distance=3)
+  q = jax.random.normal(jax.random.key(0), (B, T, N, H))
+  k = jax.random.normal(jax.random.key(1), (B, T, 2, H))
+  base = jnp.tile(jnp.arange(T), (B, 1))
+  variables = module.init(jax.random.key(2), q, k, base, base, 16, 0.1)
+  bias = lambda at: full(module.apply(variables, q, k, at, at, 16, 0.1))
+  np.testing.assert_allclose(bias(base), bias(base + 21), atol=1e-6)
+  assert not np.allclose(bias(base), bias(base * 2), atol=1e-3)
+
+
 @pytest.mark.parametrize('position, relative', [
     ('rope', True), ('alibi', True), ('t5_bias', True), ('relative', True),
+    ('deberta', True),
     ('sinusoidal', False), ('learned', False)])
 def test_decoder_lm_with_relative_positions_ignores_a_shift(position,
                                                             relative):

@@ -105,22 +105,24 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
     _fail(f'config.pack_sequences={config.pack_sequences!r} must be True or '
           'False.')
   family = FAMILY_OF_KIND[kind]
-  variant = attention.spec(model_config.attention)
-  known = attention_parameters.option_names(model_config.attention)
-  for name, _ in model_config.attention_options:
-    if name not in known:
-      _fail(f'unknown key config.model.attention_options.{name} for config.'
-            f'model.attention={model_config.attention!r}; it takes '
-            f'{sorted(known) or "none"}.')
+  for layer_config in model_config.layer_configs():
+    known = attention_parameters.option_names(layer_config.attention)
+    for name, _ in layer_config.attention_options:
+      if name not in known:
+        _fail(f'unknown key config.model.attention_options.{name} for config.'
+              f'model.attention={layer_config.attention!r}; it takes '
+              f'{sorted(known) or "none"}.')
   if model_config.memory_length and (config.pack_sequences
                                      or config.grad_accum_steps != 1):
     _fail(f'config.model.memory_length={model_config.memory_length} reads '
           'contiguous streams of whole batches: set config.pack_sequences='
           'False and config.grad_accum_steps=1.')
-  if kind == 'lm' and config.pack_sequences and variant.masks != 'any':
-    _fail(f'config.model.attention={model_config.attention!r} cannot keep '
-          'packed sequences apart (it takes key padding masks only); set '
-          'config.pack_sequences=False.')
+  for layer_config in model_config.layer_configs():
+    if kind == 'lm' and config.pack_sequences and attention.spec(
+        layer_config.attention).masks != 'any':
+      _fail(f'config.model.attention={layer_config.attention!r} cannot keep '
+            'packed sequences apart (it takes key padding masks only); set '
+            'config.pack_sequences=False.')
   if model_config.family != family:
     _fail(f'config.model.family={model_config.family!r} cannot train on '
           f'config.dataset={config.dataset!r} ({kind}); use {family!r}.')
@@ -147,10 +149,23 @@ def _check_decode_splits(config: ml_collections.ConfigDict,
     _fail(f'config.decode_splits={tuple(splits)!r}: decoding evaluates '
           f'sequence-to-sequence datasets, and config.dataset='
           f'{config.dataset!r} is {kind}; set it to ().')
-  if not attention.spec(model_config.attention).reads_cache:
-    _fail(f'config.decode_splits={tuple(splits)!r} decodes with a key/value '
-          f'cache, which config.model.attention={model_config.attention!r} '
-          'cannot read (dense, chunked and additive can).')
+  for layer_config in model_config.layer_configs():
+    if not attention.spec(layer_config.attention).reads_cache:
+      _fail(f'config.decode_splits={tuple(splits)!r} decodes with a '
+            'key/value cache, which config.model.attention='
+            f'{layer_config.attention!r} cannot read (dense, chunked and '
+            'additive can).')
+
+
+def _attention_setting(model_config: ModelConfig) -> str:
+  """config.model's attention and options, as a config would write them."""
+  if model_config.num_attentions == 1:
+    return (f'attention={model_config.attention!r}, attention_options='
+            f'{dict(model_config.attention_options)}')
+  options = {c.attention: dict(c.attention_options)
+             for c in model_config.layer_configs() if c.attention_options}
+  return (f'attention={",".join(model_config.attention)!r}, '
+          f'attention_options={options}')
 
 
 def _check_parallelism(config: ml_collections.ConfigDict,
@@ -166,9 +181,8 @@ def _check_parallelism(config: ml_collections.ConfigDict,
         steps.init_params, build(model_config), kind, seq_len=config.seq_len,
         boxed=True), jax.random.key(0))
   except ValueError as error:  # E.g. an attention refusing an option value.
-    _fail(f'config.model does not build (attention='
-          f'{model_config.attention!r}, attention_options='
-          f'{dict(model_config.attention_options)}): {error}')
+    _fail(f'config.model does not build ({_attention_setting(model_config)}'
+          f'): {error}')
   # Unset, the key/value heads are the query heads.
   kv_heads = ('model.num_kv_heads' if config.model.num_kv_heads is not None
               else 'model.num_heads')

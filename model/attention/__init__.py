@@ -15,8 +15,8 @@ import dataclasses
 
 import jax
 
-from model.attention import (additive, chunked, kernel, linformer, ring,
-                             sparse)
+from model.attention import (additive, chunked, compressed, kernel,
+                             linformer, ring, sparse)
 from model.attention.core import (PositionBias, SegmentMask,
                                   attention_weights, causal_attention,
                                   causal_mask, cross_attention,
@@ -78,6 +78,10 @@ _REGISTRY: dict[str, Variant] = {
                       dot_product=False),
     'ring': Variant(ring.ring_attention, causal=True, masks='any', bias=True,
                     dropout=False, self_only=True),
+    'memory_compressed': Variant(
+        compressed.memory_compressed_attention, causal=True,
+        masks='key_padding', bias=False, dropout=False, self_only=True,
+        dot_product=False),
     'additive': Variant(additive.additive_attention, causal=True, masks='any',
                         bias=True, dropout=False, longer_keys=True,
                         dot_product=False),
