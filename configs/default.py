@@ -24,6 +24,9 @@ def model_defaults() -> ml_collections.ConfigDict:
                           else field.default)
   # Options are named per variant, e.g. config.model.attention_options.window.
   values['attention_options'] = ml_collections.ConfigDict()
+  # Mixture of experts, e.g. config.model.moe.num_experts (0: off).
+  values['moe'] = ml_collections.ConfigDict(
+      dataclasses.asdict(ModelConfig().moe))
   return ml_collections.ConfigDict(values)
 
 

@@ -15,6 +15,10 @@ Systems:
                      softmax_j(x_i . x_j) x_j); the MLPs keep theirs.
   deberta            disentangled attention positions (He et al. 2021)
                      instead of sinusoidal ones.
+  moe                the feed-forward layer of every second block a mixture
+                     of 4 experts, top-2 routing, capacity factor 1.25
+                     (Shazeer et al. 2017); logs moe_aux_loss and
+                     moe_dropped_fraction.
 
 Result on 2 CPU cores, validation bits per byte after 550 steps (lm_stdlib
 itself: 2.24): RESULTS.
@@ -24,7 +28,8 @@ import ml_collections
 
 from configs import lm_stdlib
 
-SYSTEMS = ('alternating', 'memory_compressed', 'parameter_free', 'deberta')
+SYSTEMS = ('alternating', 'memory_compressed', 'parameter_free', 'deberta',
+           'moe')
 
 
 def get_config(arg: str = 'system=alternating'):
@@ -47,7 +52,10 @@ def get_config(arg: str = 'system=alternating'):
     config.pack_sequences = False
   elif system == 'parameter_free':
     model.attention_projections = False
-  else:
+  elif system == 'deberta':
     model.position = 'deberta'
     model.relative_max_distance = 64
+  else:
+    model.moe.update(num_experts=4, top_k=2, capacity_factor=1.25,
+                     every_n_layers=2)
   return config

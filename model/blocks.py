@@ -6,6 +6,7 @@ import jax.numpy as jnp
 
 from model.config import ModelConfig
 from model.layers import MultiHeadAttention, Mlp, make_norm
+from model.moe import MoeMlp
 
 Array = jax.Array
 
@@ -27,6 +28,8 @@ class TransformerBlock(nn.Module):
   causal: bool
   # A cross-attention sublayer reads the encoder output (encoder-decoder).
   cross: bool
+  # The feed-forward sublayer is a mixture of experts (config.moe).
+  moe: bool = False
 
   def _add(self, x_BxTxD: Array, update_BxTxD: Array, norm: nn.Module,
            deterministic: bool) -> Array:
@@ -89,15 +92,16 @@ class TransformerBlock(nn.Module):
         update, source = update
         cache |= {'cross_key': source['key'], 'cross_value': source['value']}
       x_BxTxD = self._add(x_BxTxD, update, norm, deterministic)
-    x_BxTxD = self._residual(x_BxTxD, Mlp(config, name='mlp'), 'mlp',
-                             deterministic)
+    mlp = MoeMlp(config, name='moe') if self.moe else Mlp(config, name='mlp')
+    x_BxTxD = self._residual(x_BxTxD, mlp, 'mlp', deterministic)
     return x_BxTxD if cache is None else (x_BxTxD, cache)
 
 
 class TransformerStack(nn.Module):
   """`config.num_layers` blocks, plus the final norm that pre-norm needs.
   Block i has the attention `config.for_layer(i)` gives (a pattern's
-  entries cycled over the layers)."""
+  entries cycled over the layers), and a mixture-of-experts feed-forward
+  layer where `config.has_moe(i)`."""
 
   config: ModelConfig
   causal: bool
@@ -137,7 +141,8 @@ class TransformerStack(nn.Module):
                       else memory_LxBxMxD[layer])
       layer_cache = None if cache is None else cache[layer]
       x_BxTxD = block_cls(self.config.for_layer(layer), self.causal,
-                          self.cross, name=f'block_{layer}')(
+                          self.cross, self.config.has_moe(layer),
+                          name=f'block_{layer}')(
                               x_BxTxD, self_mask, encoded_BxSxD, cross_mask,
                               positions_BxT, memory_BxMxD,
                               memory_positions_BxM, layer_cache, deterministic)

@@ -34,6 +34,46 @@ REMAT_POLICIES = ('none', 'full', 'dots_saveable')
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  """`config.model.moe`: mixture-of-experts feed-forward layers (Shazeer et
+  al. 2017), routed as Switch (Fedus et al. 2022) and GShard (Lepikhin et
+  al. 2021) do."""
+
+  # Experts per MoE layer; 0 keeps every feed-forward layer dense.
+  num_experts: int = 0
+  # Experts each token is sent to (1: Switch; 2: GShard, gates renormalised
+  # over the two).
+  top_k: int = 2
+  # An expert takes at most capacity_factor * T * top_k / num_experts tokens
+  # of an example; tokens past that are dropped (the residual carries them)
+  # and counted.
+  capacity_factor: float = 1.25
+  # Every n-th block (the last of each n) has the MoE layer.
+  every_n_layers: int = 2
+  # Weight of the load-balancing loss (Switch's num_experts * sum_e f_e P_e,
+  # 1 when routing is uniform) added to the training loss.
+  aux_loss_weight: float = 0.01
+
+  def check(self, fail) -> None:
+    """Fails, naming the key, on a value that cannot work."""
+    for name in ('num_experts', 'top_k', 'every_n_layers'):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < (
+          0 if name == 'num_experts' else 1):
+        fail(f'config.model.moe.{name}={value!r} must be an integer >= '
+             f'{0 if name == "num_experts" else 1}.')
+    if self.num_experts and self.top_k > min(self.num_experts, 2):
+      fail(f'config.model.moe.top_k={self.top_k} must be 1 or 2, and at '
+           f'most config.model.moe.num_experts={self.num_experts}.')
+    for name in ('capacity_factor', 'aux_loss_weight'):
+      value = getattr(self, name)
+      if not isinstance(value, (int, float)) or value < 0 or (
+          name == 'capacity_factor' and value <= 0):
+        fail(f'config.model.moe.{name}={value!r} must be a number '
+             f'{"> 0" if name == "capacity_factor" else ">= 0"}.')
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Model hyperparameters. Token id 0 is padding in every family."""
 
@@ -117,6 +157,9 @@ class ModelConfig:
   # keeping (memory for time): none, full or dots_saveable (see
   # REMAT_POLICIES).
   remat: str = 'none'
+  # Mixture-of-experts feed-forward layers (see MoeConfig); from_mapping
+  # accepts a dict.
+  moe: MoeConfig = MoeConfig()
   # decoder_lm only: Transformer-XL's segment-level recurrence (Dai et al.
   # 2019). Each layer also attends to the hidden states it saw in the last
   # `memory_length` positions of earlier segments (no gradient through
@@ -163,6 +206,14 @@ class ModelConfig:
            'config.model.attention_projections=False leaves one head of '
            "the model's width: use none, sinusoidal, learned or rope.")
 
+    if isinstance(self.moe, dict):
+      known = {field.name for field in dataclasses.fields(MoeConfig)}
+      unknown = sorted(set(self.moe) - known)
+      if unknown:
+        fail(f'unknown key config.model.moe.{unknown[0]}; known keys: '
+             f'{", ".join(sorted(known))}.')
+      object.__setattr__(self, 'moe', MoeConfig(**self.moe))
+    self.moe.check(fail)
     if not isinstance(self.memory_length, int) or self.memory_length < 0:
       fail(f'config.model.memory_length={self.memory_length!r} must be an '
            'integer >= 0.')
@@ -290,10 +341,15 @@ class ModelConfig:
           f'unknown key config.model.{unknown[0]}; known keys: '
           f'{", ".join(sorted(known))}.')
     values = dict(values)
-    options = values.get('attention_options', ())
-    if hasattr(options, 'to_dict'):  # An ml_collections ConfigDict.
-      values['attention_options'] = options.to_dict()
+    for name in ('attention_options', 'moe'):
+      if hasattr(values.get(name), 'to_dict'):  # An ml_collections ConfigDict.
+        values[name] = values[name].to_dict()
     return cls(**values)
+
+  def has_moe(self, layer: int) -> bool:
+    """Whether block `layer`'s feed-forward layer is a mixture of experts."""
+    return bool(self.moe.num_experts) and (
+        (layer + 1) % self.moe.every_n_layers == 0)
 
   @property
   def compute_dtype(self) -> jnp.dtype:

@@ -49,6 +49,9 @@ def test_every_model_field_has_a_comment():
      'attention_projections=False'),
     (dict(attention_projections=1), 'config.model.attention_projections=1 '
      'must be True or False'),
+    (dict(moe={'num_experts': 4, 'top_k': 3}),
+     'config.model.moe.top_k=3 must be 1 or 2, and at most'),
+    (dict(moe={'experts': 4}), 'unknown key config.model.moe.experts'),
     (dict(attention='dense,magic'),
      "config.model.attention[1]: config.model.attention='magic' must be"),
     (dict(attention='dense,local', attention_options={'window': 3}),

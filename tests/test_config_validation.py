@@ -135,6 +135,15 @@ INVALID = [
     ('model.dtype', 'int8', "config.model.dtype='int8'"),
     ('model.param_dtype', 'int4', "config.model.param_dtype='int4'"),
     ('model.memory_length', -1, 'config.model.memory_length=-1'),
+    ('model.moe.num_experts', -2, 'config.model.moe.num_experts=-2 must be '
+     'an integer >= 0'),
+    ('model.moe.top_k', 0, 'config.model.moe.top_k=0 must be an integer '
+     '>= 1'),
+    ('model.moe.capacity_factor', 0.0, 'config.model.moe.capacity_factor='
+     '0.0 must be a number > 0'),
+    ('model.moe.every_n_layers', 0, 'config.model.moe.every_n_layers=0'),
+    ('model.moe.aux_loss_weight', -1.0, 'config.model.moe.aux_loss_weight='
+     '-1.0 must be a number >= 0'),
     ('model.remat', 'sometimes', "config.model.remat='sometimes' must be one "
      "of ['none', 'full', 'dots_saveable']"),
 ]

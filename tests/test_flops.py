@@ -47,5 +47,18 @@ def test_non_embedding_params_leave_out_the_embedder():
   assert embedder >= 512 * 64 + 32 * 64 + 64 * 512
 
 
+def test_a_token_goes_through_top_k_of_the_experts():
+  config = ModelConfig(vocab_size=64, d_model=16, num_heads=2, num_layers=2,
+                       mlp_dim=32, max_len=8,
+                       moe={'num_experts': 4, 'top_k': 1})
+  params = steps.init_params(build(config), 'lm', jax.random.key(0),
+                             seq_len=8)
+  moe_layer = params['decoder']['block_1']['moe']
+  experts = sum(x.size for name, x in moe_layer.items() if name != 'router')
+  all_params = flops.non_embedding_params(params)
+  assert flops.non_embedding_params(params, 1 / 4) == all_params - (
+      experts * 3 / 4)
+
+
 def test_peak_of_a_cpu_is_its_measured_matmul_speed():
   assert flops.peak_flops_per_s() == flops.measured_matmul_flops_per_s() > 0

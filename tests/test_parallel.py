@@ -118,6 +118,23 @@ def test_layout_trains_like_one_device(name, one_device_losses):
     assert on_device_0 < 0.15 * total  # 1/8, plus the unsplit biases.
 
 
+def test_experts_spread_over_devices_by_a_logical_axis_rule():
+  """('expert', 'fsdp') before the default rules gives each of the 4 fsdp
+  devices one of 4 experts (expert parallelism); the steps equal one
+  device's."""
+  def moe_config(**parallelism):
+    config = small_config(**parallelism)
+    config.model.moe.update(num_experts=4, top_k=2, every_n_layers=1)
+    config.logical_axis_rules = (('expert', 'fsdp'),) + parallel.DEFAULT_RULES
+    return config
+
+  want, _ = train(program_for(moe_config(), jax.devices()[:1]))
+  got, state = train(program_for(moe_config(data=2, fsdp=4), jax.devices()))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  experts = state.params['decoder']['block_0']['moe']['wi']  # [4, 32, 64]
+  assert {s.data.shape for s in experts.addressable_shards} == {(1, 32, 64)}
+
+
 # --- ring attention ---
 
 

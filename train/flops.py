@@ -27,13 +27,20 @@ PEAK_BF16_FLOPS = (
 )
 
 
-def non_embedding_params(params: Any) -> int:
+def non_embedding_params(params: Any, expert_fraction: float = 1.0
+                         ) -> float:
   """Parameters outside the embedder (the token table, a learned position
-  table and an untied output projection, which 6 d V counts)."""
-  return sum(leaf.size for path, leaf in
-             jax.tree_util.tree_leaves_with_path(params)
-             if not any(getattr(key, 'key', None) == 'embedder'
-                        for key in path))
+  table and an untied output projection, which 6 d V counts) that a token
+  goes through: each mixture-of-experts layer's experts count
+  `expert_fraction` of theirs (top_k / num_experts), its router all."""
+  total = 0.0
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    keys = [getattr(key, 'key', None) for key in path]
+    if 'embedder' in keys:
+      continue
+    expert = 'moe' in keys and keys[-1] != 'router'
+    total += leaf.size * (expert_fraction if expert else 1.0)
+  return total
 
 
 def train_flops_per_example(config: ModelConfig, kind: str, seq_len: int,

@@ -34,6 +34,10 @@ def summarize_train(sums: dict[str, float]) -> dict[str, float]:
              'accuracy': sums['correct_sum'] / weight}
   if 'skipped' in sums:
     summary['skipped_steps'] = sums['skipped']
+  if 'moe_aux_loss_sum' in sums:
+    summary['moe_aux_loss'] = sums['moe_aux_loss_sum'] / weight
+    summary['moe_dropped_fraction'] = (sums['moe_dropped']
+                                       / max(sums['moe_assigned'], 1.0))
   return summary
 
 
@@ -193,8 +197,10 @@ class TrainLog:
     self._pending = None
     values = jax.device_get(metrics)
     self._guard(step, values)
-    for key in self._summed:
-      self._sums[key] += float(values[key])
+    # Mixture-of-experts models also report their routing (moe_*).
+    for key in self._summed + tuple(k for k in values
+                                    if k.startswith('moe_')):
+      self._sums[key] = self._sums.get(key, 0.0) + float(values[key])
     self._steps += 1
     self._writer.advance()
     if not is_due(step, self._log_every, self._last_step):

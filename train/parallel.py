@@ -1,7 +1,8 @@
 """Where the train state and batches live on the mesh, and the train step.
 
 Parameters carry logical axis names (embed, heads, kv_heads, kv, mlp, vocab,
-length; see model/layers.py) and the Transformer blocks constrain their
+length, expert; see model/layers.py, model/moe.py) and the Transformer
+blocks constrain their
 inputs to (activation_batch, activation_length, activation_embed).
 `config.logical_axis_rules` maps each name to mesh axes (train/mesh.py); a
 name without a rule is not split. DEFAULT_RULES give
@@ -11,6 +12,9 @@ name without a rule is not split. DEFAULT_RULES give
   tensor parallelism    heads, key/value heads, MLP units and vocabulary
                         over tensor;
   sequence parallelism  activations' length over sequence.
+The experts of a mixture-of-experts layer are not split by default; a rule
+('expert', 'fsdp') (or 'data') puts a share of them on each device (expert
+parallelism), placed before ('embed', 'fsdp') so that it takes the axis.
 A rule maps a name to one mesh axis or a tuple of them; for each array,
 rules are tried in order and a mesh axis is used at most once.
 
@@ -59,7 +63,7 @@ DEFAULT_RULES = (
 _SIZE_KEYS = {'embed': 'model.d_model', 'heads': 'model.num_heads',
               'kv_heads': 'model.num_kv_heads', 'kv': 'model.head_dim',
               'mlp': 'model.mlp_dim', 'vocab': 'model.vocab_size',
-              'length': 'model.max_len'}
+              'length': 'model.max_len', 'expert': 'model.moe.num_experts'}
 
 
 def _mesh_axes(target) -> tuple[str, ...]:

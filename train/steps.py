@@ -49,17 +49,36 @@ def init_params(model: nn.Module, kind: str, rng: Array, seq_len: int, *,
 
 def forward(model: nn.Module, kind: str, params, batch: dict[str, Array], *,
             dropout_rng: Array | None = None, memory=None):
-  """(model output, memory after it) for `batch`: the memory is that of a
-  Transformer-XL language model, None otherwise. Dropout is on when
-  `dropout_rng` is given."""
+  """(model output, memory after it, mixture-of-experts statistics) for
+  `batch`: the memory is that of a Transformer-XL language model, None
+  otherwise; the statistics (see `_moe_statistics`) None without experts.
+  Dropout is on when `dropout_rng` is given."""
   deterministic = dropout_rng is None
   kwargs = dict(deterministic=deterministic,
                 rngs={} if deterministic else {'dropout': dropout_rng})
+  if memory is not None:
+    kwargs['memory'] = memory
+  experts = bool(model.config.moe.num_experts)
+  result = model.apply({'params': params}, *_model_args(kind, batch),
+                       mutable=['moe'] if experts else False, **kwargs)
+  statistics = None
+  if experts:
+    result, sown = result
+    statistics = _moe_statistics(sown['moe'])
   if memory is None:
-    return model.apply({'params': params}, *_model_args(kind, batch),
-                       **kwargs), None
-  return model.apply({'params': params}, *_model_args(kind, batch),
-                     memory=memory, **kwargs)
+    return result, None, statistics
+  return *result, statistics
+
+
+def _moe_statistics(sown) -> dict[str, Array]:
+  """The MoE layers' load-balancing loss (their mean), and the token
+  choices they dropped and made (sums)."""
+  values: dict[str, list[Array]] = {}
+  for path, value in flax.traverse_util.flatten_dict(sown).items():
+    values.setdefault(path[-1], []).extend(value)
+  return {'aux_loss': jnp.mean(jnp.stack(values['aux_loss'])),
+          'dropped': jnp.sum(jnp.stack(values['dropped'])),
+          'assigned': jnp.sum(jnp.stack(values['assigned']))}
 
 
 def cross_entropy(logits_xV: Array, targets_x: Array,
@@ -154,11 +173,20 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
     index, micro_batch = micro
 
     def loss_fn(params):
-      out, new_memory = forward(
+      out, new_memory, experts = forward(
           model, kind, params, micro_batch, memory=memory,
           dropout_rng=jax.random.fold_in(step_rng, index))
       sums = metric_sums(out, micro_batch, label_smoothing=label_smoothing)
-      return sums['loss_sum'], (sums, new_memory)
+      loss = sums['loss_sum']
+      if experts is not None:
+        # Weighted like the loss, so that its mean over the batch is
+        # aux_loss_weight times the load-balancing loss.
+        aux_sum = experts['aux_loss'] * sums['weight_sum']
+        loss += model.config.moe.aux_loss_weight * aux_sum
+        sums |= {'moe_aux_loss_sum': aux_sum,
+                 'moe_dropped': experts['dropped'],
+                 'moe_assigned': experts['assigned']}
+      return loss, (sums, new_memory)
 
     grads, (sums, memory) = jax.grad(loss_fn, has_aux=True)(params)
     return (jax.tree.map(jnp.add, grad_sum, grads), memory), sums
@@ -206,5 +234,5 @@ def eval_step(params, batch: dict[str, Array], memory=None, *,
               model: nn.Module, kind: str) -> tuple[dict[str, Array], Any]:
   """Metric sums of `batch` without dropout or label smoothing, and the
   Transformer-XL memory after it (None without one)."""
-  out, memory = forward(model, kind, params, batch, memory=memory)
+  out, memory, _ = forward(model, kind, params, batch, memory=memory)
   return metric_sums(out, batch, exact_match=kind == 'seq2seq'), memory

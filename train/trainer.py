@@ -158,7 +158,9 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
                                 first_step=first_step)
   flops_per_step = config.batch_size * flops.train_flops_per_example(
       model_config, dataset.kind, config.seq_len,
-      flops.non_embedding_params(program.abstract_state.params))
+      flops.non_embedding_params(
+          program.abstract_state.params,
+          model_config.moe.top_k / max(model_config.moe.num_experts, 1)))
   train_log = metrics.TrainLog(
       writer, config.log_every, last_step,
       metrics.NonFiniteGuard(config.nan_policy, config.max_skipped_steps),

@@ -1,0 +1,102 @@
+"""The mixture-of-experts feed-forward layer: it reduces to the dense one,
+balances by Switch's loss, and drops exactly the tokens past capacity."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from model import ModelConfig, build
+from model import moe
+from model.layers import Mlp
+from train import steps
+
+B, T, D, M = 2, 8, 16, 32
+
+
+def config_for(**moe_options) -> ModelConfig:
+  return ModelConfig(vocab_size=32, d_model=D, num_heads=2, num_layers=2,
+                     mlp_dim=M, max_len=T, moe=moe_options)
+
+
+def test_one_expert_with_room_for_every_token_is_the_dense_mlp():
+  config = config_for(num_experts=1, top_k=1, capacity_factor=1.0)
+  x = jax.random.normal(jax.random.key(0), (B, T, D))
+  layer = moe.MoeMlp(config)
+  params = nn.meta.unbox(layer.init(jax.random.key(1), x)['params'])
+  dense = {'wi': {'kernel': params['wi'][0], 'bias': params['wi_bias'][0]},
+           'wo': {'kernel': params['wo'][0], 'bias': params['wo_bias'][0]}}
+  np.testing.assert_allclose(
+      layer.apply({'params': params}, x),
+      Mlp(config).apply({'params': dense}, x), atol=1e-5)
+
+
+def test_load_balancing_loss_is_one_for_uniform_routing_and_more_when_skewed():
+  uniform = jnp.full((B, T, 4), 0.25)
+  np.testing.assert_allclose(moe.load_balancing_loss(uniform), 1.0)
+  skewed = jax.nn.softmax(jnp.array([3.0, 0.0, 0.0, 0.0]))
+  assert moe.load_balancing_loss(jnp.broadcast_to(skewed, (B, T, 4))) > 2.0
+  # Every token sure of expert 0: the loss reaches its maximum, E.
+  np.testing.assert_allclose(moe.load_balancing_loss(
+      jax.nn.one_hot(jnp.zeros((B, T), int), 4)), 4.0)
+
+
+def test_tokens_past_capacity_are_dropped_and_counted():
+  """All eight tokens of each example choose expert 0 first (and expert 1
+  second): with room for 3, expert 0 keeps tokens 0-2, expert 1 tokens
+  0-2 of the second choices, and 2 * (8 - 3) choices per example drop."""
+  probs = jnp.broadcast_to(jnp.array([0.6, 0.3, 0.1]), (B, T, 3))
+  dispatch, combine, dropped = moe.route(probs, top_k=2, expert_capacity=3)
+  np.testing.assert_array_equal(dropped, [10, 10])
+  kept = np.asarray(dispatch).sum(-1)  # [B, T, E]
+  np.testing.assert_array_equal(kept[0, :, 0], [1, 1, 1, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(kept[0, :, 1], [1, 1, 1, 0, 0, 0, 0, 0])
+  # Slot c of expert 0 holds token c; top-2 gates renormalised: 2/3, 1/3.
+  np.testing.assert_array_equal(np.asarray(dispatch)[0, :3, 0], np.eye(3))
+  np.testing.assert_allclose(np.asarray(combine)[0, 0, :2].sum(-1),
+                             [2 / 3, 1 / 3], rtol=1e-6)
+
+
+def test_first_choices_are_placed_before_second_ones():
+  """Tokens 0-3 prefer expert 0 then 1, tokens 4-7 expert 1 then 0; with
+  room for 4, each expert keeps the four tokens that chose it first,
+  although the others' second choices come earlier in the sequence."""
+  first_half = jnp.array([0.6, 0.3, 0.1])
+  probs = jnp.broadcast_to(jnp.concatenate(
+      [jnp.tile(first_half, (4, 1)),
+       jnp.tile(first_half[jnp.array([1, 0, 2])], (4, 1))]),
+      (B, T, 3))
+  dispatch, _, dropped = moe.route(probs, top_k=2, expert_capacity=4)
+  kept = np.asarray(dispatch).sum(-1)
+  np.testing.assert_array_equal(kept[0, :, 0], [1, 1, 1, 1, 0, 0, 0, 0])
+  np.testing.assert_array_equal(kept[0, :, 1], [0, 0, 0, 0, 1, 1, 1, 1])
+  np.testing.assert_array_equal(dropped, [8, 8])
+
+
+def test_a_decoder_with_experts_trains_and_reports_its_routing():
+  config = config_for(num_experts=4, top_k=2, every_n_layers=2)
+  assert [config.has_moe(i) for i in range(2)] == [False, True]
+  model = build(config)
+  ids = jnp.asarray(np.random.default_rng(0).integers(1, 32, (B, T)))
+  batch = {'inputs': ids, 'targets': jnp.roll(ids, -1, axis=1),
+           'positions': jnp.tile(jnp.arange(T), (B, 1)),
+           'weights': jnp.ones((B, T))}
+  params = steps.init_params(model, 'lm', jax.random.key(0), T)
+  assert params['decoder']['block_1']['moe']['wi'].shape == (4, D, M)
+  assert 'mlp' in params['decoder']['block_0']
+  optimizer = optax.adam(1e-2)
+  state = steps.TrainState(step=jnp.array(0), params=params,
+                           opt_state=optimizer.init(params))
+  step = jax.jit(lambda state: steps.train_step(
+      state, batch, jax.random.key(1), model=model, kind='lm',
+      optimizer=optimizer, schedule=lambda _: 1e-2))
+  losses = []
+  for _ in range(5):
+    state, metrics = step(state)
+    losses.append(float(metrics['loss_sum']))
+  assert losses[-1] < losses[0]
+  assert 1.0 <= float(metrics['moe_aux_loss_sum'] / metrics['weight_sum']
+                      ) <= 4.0
+  assert float(metrics['moe_assigned']) == B * T * 2
+  assert 0 <= float(metrics['moe_dropped']) <= B * T * 2
