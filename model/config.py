@@ -14,7 +14,12 @@ import jax.numpy as jnp
 
 from model import attention
 
-FAMILIES = ('decoder_lm', 'encoder_decoder', 'encoder_classifier')
+# The token id of padding, in every family.
+PAD_ID = 0
+FAMILIES = ('decoder_lm', 'encoder_decoder', 'encoder_classifier',
+            'rnn_attention')
+RNN_CELLS = ('lstm', 'gru')
+RNN_SCORES = ('additive', 'general')
 ACTIVATIONS = ('relu', 'gelu', 'swiglu')
 NORMS = ('layernorm', 'rmsnorm')
 NORM_POSITIONS = ('pre', 'post')
@@ -78,7 +83,9 @@ class ModelConfig:
   """Model hyperparameters. Token id 0 is padding in every family."""
 
   # Which model: decoder_lm (GPT-2), encoder_decoder (Vaswani et al. 2017),
-  # encoder_classifier (an encoder with a pooled classification head).
+  # encoder_classifier (an encoder with a pooled classification head), or
+  # rnn_attention (Bahdanau et al. 2015: a bidirectional RNN encoder and an
+  # attending RNN decoder, no Transformer blocks; model/rnn.py).
   family: str = 'decoder_lm'
   # Number of token ids, padding (0) included.
   vocab_size: int = 256
@@ -157,6 +164,13 @@ class ModelConfig:
   # keeping (memory for time): none, full or dots_saveable (see
   # REMAT_POLICIES).
   remat: str = 'none'
+  # rnn_attention only: the encoder's and decoder's recurrent cell, lstm or
+  # gru, of width d_model.
+  rnn_cell: str = 'lstm'
+  # rnn_attention only: how the decoder state s scores an annotation h:
+  # additive, v . tanh(W s + U h) (Bahdanau et al. 2015), or general,
+  # s . W h (Luong et al. 2015).
+  rnn_score: str = 'additive'
   # Mixture-of-experts feed-forward layers (see MoeConfig); from_mapping
   # accepts a dict.
   moe: MoeConfig = MoeConfig()
@@ -193,6 +207,8 @@ class ModelConfig:
     check_choice('dtype', DTYPES)
     check_choice('param_dtype', DTYPES)
     check_choice('remat', REMAT_POLICIES)
+    check_choice('rnn_cell', RNN_CELLS)
+    check_choice('rnn_score', RNN_SCORES)
     for name in ('dropout_rate', 'attention_dropout_rate'):
       rate = getattr(self, name)
       if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:

@@ -11,11 +11,10 @@ import jax.numpy as jnp
 from model import attention
 from model import positions as positions_lib
 from model.blocks import TransformerStack
-from model.config import ModelConfig
+from model.config import PAD_ID, ModelConfig
+from model.rnn import RnnAttention
 
 Array = jax.Array
-
-PAD_ID = 0
 
 
 def padding_mask(tokens_BxS: Array) -> Array:
@@ -304,6 +303,7 @@ FAMILY_CLASSES = {
     'decoder_lm': DecoderLM,
     'encoder_decoder': EncoderDecoder,
     'encoder_classifier': EncoderClassifier,
+    'rnn_attention': RnnAttention,
 }
 
 

@@ -8,7 +8,7 @@ import pytest
 
 import config_overrides
 from configs import algorithmic, default, listops, lm1b, lm_stdlib
-from configs import lm_systems, wmt14_ende
+from configs import lm_systems, rnn_attention, wmt14_ende
 from train import config_validation, train
 from train.errors import InputError
 
@@ -17,6 +17,7 @@ def test_every_shipped_config_is_valid():
   for config in (lm_stdlib.get_config(), algorithmic.get_config('task=sort'),
                  listops.get_config(), listops.get_config('full'),
                  lm1b.get_config(), wmt14_ende.get_config(),
+                 rnn_attention.get_config('task=reverse'),
                  *(lm_systems.get_config(f'system={system}')
                    for system in lm_systems.SYSTEMS)):
     config.batch_size = 32  # A multiple of the 8 test devices.
@@ -135,6 +136,10 @@ INVALID = [
     ('model.dtype', 'int8', "config.model.dtype='int8'"),
     ('model.param_dtype', 'int4', "config.model.param_dtype='int4'"),
     ('model.memory_length', -1, 'config.model.memory_length=-1'),
+    ('model.rnn_cell', 'elman',
+     "config.model.rnn_cell='elman' must be one of ['lstm', 'gru']"),
+    ('model.rnn_score', 'dot',
+     "config.model.rnn_score='dot' must be one of ['additive', 'general']"),
     ('model.moe.num_experts', -2, 'config.model.moe.num_experts=-2 must be '
      'an integer >= 0'),
     ('model.moe.top_k', 0, 'config.model.moe.top_k=0 must be an integer '

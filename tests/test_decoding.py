@@ -86,11 +86,11 @@ def test_encoder_decoder_cached_logits_equal_a_full_pass(position):
   source = jnp.asarray(np.array([[3, 4, 5, 1, 0, 0], [6, 7, 8, 9, 2, 1]]))
   params = model.init(jax.random.key(1), source,
                       jnp.zeros((B, T), jnp.int32))['params']
-  step = jax.jit(decoding.seq2seq_step(model, params, source))
+  step, empty = decoding.seq2seq_step(model, params, source, T)
+  step = jax.jit(step)
 
   def step_or_start(tokens, positions, cache):
-    cache = init_cache(config, B, T) if cache is None else cache
-    return step(tokens, positions, cache)
+    return step(tokens, positions, empty if cache is None else cache)
 
   tokens, got = cached_logits(step_or_start, T)
   want = jax.jit(model.apply)({'params': params}, source, tokens)

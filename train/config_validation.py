@@ -17,6 +17,8 @@ from train.errors import InputError
 # The model family that trains on each kind of dataset.
 FAMILY_OF_KIND = {'lm': 'decoder_lm', 'seq2seq': 'encoder_decoder',
                   'classification': 'encoder_classifier'}
+# Other families that train on a kind of dataset.
+ALSO_TRAINS = {'seq2seq': ('rnn_attention',)}
 
 
 def _fail(message: str):
@@ -123,7 +125,7 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
       _fail(f'config.model.attention={layer_config.attention!r} cannot keep '
             'packed sequences apart (it takes key padding masks only); set '
             'config.pack_sequences=False.')
-  if model_config.family != family:
+  if model_config.family not in (family,) + ALSO_TRAINS.get(kind, ()):
     _fail(f'config.model.family={model_config.family!r} cannot train on '
           f'config.dataset={config.dataset!r} ({kind}); use {family!r}.')
   _check_decode_splits(config, model_config, kind)

@@ -3,12 +3,14 @@ a call, inside `lax.while_loop` (no Python loop per token).
 
 A model is seen through `step(tokens_BxT, positions_BxT, cache) ->
 (logits_BxTxV, cache)`: a DecoderLM, or an EncoderDecoder's decoder with
-the encoder output bound (see `lm_step`, `seq2seq_step`). Prompts are
+the encoder output bound, or an RnnAttention decoder whose "cache" is its
+recurrent state (see `lm_step`, `seq2seq_step`). Prompts are
 right-padded to a common length and each example continues after its own
 (`prompt_lengths_B`), so examples of different lengths share a batch.
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -17,8 +19,10 @@ import jax.numpy as jnp
 from model.families import PAD_ID, init_cache
 
 Array = jax.Array
-# Each layer's {'key', 'value'} (see model.families.init_cache).
-Cache = tuple[dict[str, Array], ...]
+# What a step carries from call to call, rows first: each layer's
+# {'key', 'value'} (see model.families.init_cache), or an RNN decoder's
+# state (model.rnn.RnnAttention.start).
+Cache = Any
 Step = Callable[[Array, Array, Cache], tuple[Array, Cache]]
 
 
@@ -40,13 +44,25 @@ def lm_step(model: nn.Module, params, vocab_size: int | None = None) -> Step:
   return step
 
 
-def seq2seq_step(model: nn.Module, params, inputs_BxS: Array,
-                 vocab_size: int | None = None) -> Step:
-  """The step of an EncoderDecoder's decoder, choosing among ids below
-  `vocab_size`. The sources are encoded, and every layer's cross-attention
-  keys and values projected, once; called with k consecutive copies of
-  each row (as beam search lays out its beams), the copies read them."""
+def seq2seq_step(model: nn.Module, params, inputs_BxS: Array, length: int,
+                 vocab_size: int | None = None) -> tuple[Step, Cache]:
+  """The step of a sequence-to-sequence model's decoder, choosing among ids
+  below `vocab_size`, and its empty cache for `length` positions.
+
+  EncoderDecoder: the sources are encoded, and every layer's
+  cross-attention keys and values projected, once; called with k
+  consecutive copies of each row (as beam search lays out its beams), the
+  copies read them. RnnAttention: the cache is the decoder's state, which
+  holds the sources' annotations (positions are not read: the state knows
+  where it is)."""
   variables = {'params': params}
+  if model.config.family == 'rnn_attention':
+    def rnn_step(tokens_BxT, positions_BxT, state):
+      del positions_BxT
+      logits_BxTxV, state, _ = model.apply(variables, state, tokens_BxT,
+                                           method=model.decode)
+      return _only_known(logits_BxTxV, vocab_size), state
+    return rnn_step, model.apply(variables, inputs_BxS, method=model.start)
   encoded_BxSxD = model.apply(variables, inputs_BxS, method=model.encode)
   # The projections live inside the decoder's blocks: a pass over one token
   # (its logits unused) makes them.
@@ -65,7 +81,7 @@ def seq2seq_step(model: nn.Module, params, inputs_BxS: Array,
         method=model.decode)
     return _only_known(logits_BxTxV, vocab_size), tuple(
         {name: layer[name] for name in ('key', 'value')} for layer in cache)
-  return step
+  return step, init_cache(model.config, inputs_BxS.shape[0], length)
 
 
 def top_k_mask(logits_BxV: Array, k: int) -> Array:

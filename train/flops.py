@@ -48,6 +48,9 @@ def train_flops_per_example(config: ModelConfig, kind: str, seq_len: int,
   """Forward and backward FLOPs of one example of `seq_len` tokens (and as
   many targets for seq2seq); `num_params` from `non_embedding_params`."""
   attention_layers = config.num_layers * (3 if kind == 'seq2seq' else 1)
+  if config.family == 'rnn_attention':
+    # One attention a target step, scored over D and reading values of 2D.
+    attention_layers = 3
   flops = seq_len * (6 * num_params
                      + 6 * attention_layers * seq_len * config.d_model)
   if kind != 'classification':

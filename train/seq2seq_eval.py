@@ -13,7 +13,6 @@ import jax
 import numpy as np
 
 from model import ModelConfig
-from model.families import init_cache
 from train import decoding, scores
 from train.data import datasets, tokenizers
 from train.errors import InputError
@@ -74,10 +73,10 @@ def beam_decoder(model: nn.Module, vocab_size: int, *, beam_size: int,
   says."""
   def decode(params, inputs_BxS):
     batch = inputs_BxS.shape[0]
-    step = decoding.seq2seq_step(model, params, inputs_BxS, vocab_size)
+    step, cache = decoding.seq2seq_step(model, params, inputs_BxS,
+                                        1 + num_tokens, vocab_size)
     tokens_BxKxN, _ = decoding.beam_search(
-        step, init_cache(model.config, batch, 1 + num_tokens),
-        np.zeros((batch, 1), np.int32), np.ones(batch, np.int32),
+        step, cache, np.zeros((batch, 1), np.int32), np.ones(batch, np.int32),
         beam_size=beam_size, num_tokens=num_tokens,
         eos_id=tokenizers.EOS_ID, alpha=alpha)
     return tokens_BxKxN[:, 0]

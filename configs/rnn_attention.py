@@ -1,0 +1,22 @@
+"""The RNN encoder-decoder with attention (Bahdanau et al. 2015) on an
+algorithmic task, with configs/algorithmic.py's data, steps and decoding:
+
+  python -m train.train --config=configs/rnn_attention.py:task=reverse \
+      --workdir=workdirs/rnn_reverse
+
+A bidirectional LSTM encoder and an attending LSTM decoder of width 128
+(`config.model.rnn_cell='gru'`, `config.model.rnn_score='general'` for
+the others). Against the Transformer of configs/algorithmic.py on the same
+task and steps: RESULTS.
+"""
+
+from configs import algorithmic
+
+
+def get_config(arg: str = 'task=reverse'):
+  """`arg` is `task=<name>`, one of algorithmic.TASKS."""
+  config = algorithmic.get_config(arg)
+  config.model.family = 'rnn_attention'
+  config.model.rnn_cell = 'lstm'
+  config.model.rnn_score = 'additive'
+  return config
