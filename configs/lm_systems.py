@@ -40,6 +40,8 @@ def get_config(arg: str = 'system=alternating'):
                      f'{SYSTEMS}>, got {arg!r}.')
   config = lm_stdlib.get_config()
   model = config.model
+  if system in ('alternating', 'memory_compressed'):
+    config.sample_length = 0  # Local layers cannot read a key/value cache.
   if system == 'alternating':
     model.attention = 'dense,local'
     model.attention_options = ml_collections.ConfigDict(

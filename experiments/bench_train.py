@@ -95,7 +95,9 @@ def our_config(base: ml_collections.ConfigDict, size: str, *, attention: str,
                dtype: str, remat: str) -> ml_collections.ConfigDict:
   d_model, layers, heads, mlp, seq_len, batch, vocab = SIZES[size]
   config = ml_collections.ConfigDict(base.to_dict())
-  config.update(seq_len=seq_len, batch_size=batch, pack_sequences=False)
+  # No closing sample: only steps are timed.
+  config.update(seq_len=seq_len, batch_size=batch, pack_sequences=False,
+                sample_length=0)
   config.model.update(d_model=d_model, num_layers=layers, num_heads=heads,
                       mlp_dim=mlp, vocab_size=vocab, max_len=seq_len,
                       position='learned', norm='layernorm',

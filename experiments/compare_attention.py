@@ -10,7 +10,8 @@ Every variant trains with the same seed, data, steps and model size, through
 result.json) is not trained again. For language models, if any variant
 takes key-padding masks only, every variant reads unpacked rows, so that all
 see the same data. A variant that cannot read a key/value cache trains
-without the decoding evaluations of config.decode_splits. A variant that
+without the decoding evaluations of config.decode_splits and without the
+closing sample of a language model. A variant that
 cannot run the config (a causal Linformer, say) is listed as skipped, with
 the reason.
 
@@ -62,6 +63,7 @@ def variant_config(base: ml_collections.ConfigDict, name: str,
     config.pack_sequences = False
   if not attention.spec(name).reads_cache:
     config.decode_splits = ()
+    config.sample_length = 0
   return config
 
 

@@ -230,6 +230,13 @@ class ModelConfig:
              f'{", ".join(sorted(known))}.')
       object.__setattr__(self, 'moe', MoeConfig(**self.moe))
     self.moe.check(fail)
+    if self.moe.num_experts and self.family == 'rnn_attention':
+      fail('config.model.moe.num_experts is for the Transformer families; '
+           "config.model.family='rnn_attention' has no feed-forward blocks.")
+    if self.moe.num_experts and self.moe.every_n_layers > self.num_layers:
+      fail(f'config.model.moe.every_n_layers={self.moe.every_n_layers} '
+           f'exceeds config.model.num_layers={self.num_layers}: no block '
+           'would have experts.')
     if not isinstance(self.memory_length, int) or self.memory_length < 0:
       fail(f'config.model.memory_length={self.memory_length!r} must be an '
            'integer >= 0.')

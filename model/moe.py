@@ -4,9 +4,11 @@ A router scores each token against `num_experts` experts (each a
 feed-forward layer of the model's shape); the token goes to its `top_k`
 best, weighted by the router's softmax (renormalised over the chosen two
 for top-2, as GShard does). Each expert has room for C = ceil(
-capacity_factor * T * top_k / E) tokens of an example: first choices are
-placed before second ones, in order along the sequence, and what does not
-fit is dropped (the block's residual connection carries the token on).
+capacity_factor * T * top_k / E) tokens of an example, taken in order
+along the sequence (so that routing never reads a later token: GShard
+places every first choice before any second one, which would let a later
+token's choice push out an earlier token's), and what does not fit is
+dropped (the block's residual connection carries the token on).
 Tokens reach their experts and come back through one-hot dispatch and
 combine tensors [B, T, E, C], so every shape is static and the experts run
 as one batched matmul; their parameters carry the logical axis `expert`,
@@ -48,20 +50,22 @@ def route(probs_BxTxE: Array, top_k: int, expert_capacity: int
   gates_BxTxK, experts_BxTxK = jax.lax.top_k(probs_BxTxE, top_k)
   if top_k > 1:
     gates_BxTxK = gates_BxTxK / jnp.sum(gates_BxTxK, axis=-1, keepdims=True)
-  # Choices in priority order: every token's first, then every second.
-  chosen_BxKxTxE = jax.nn.one_hot(jnp.swapaxes(experts_BxTxK, 1, 2),
-                                  num_experts, dtype=jnp.int32)
-  batch, _, length, _ = chosen_BxKxTxE.shape
-  flat = chosen_BxKxTxE.reshape(batch, top_k * length, num_experts)
-  slot_BxKxTxE = (jnp.cumsum(flat, axis=1) - flat).reshape(
-      chosen_BxKxTxE.shape)
-  kept_BxKxTxE = chosen_BxKxTxE * (slot_BxKxTxE < expert_capacity)
-  slots_BxKxTxExC = jax.nn.one_hot(slot_BxKxTxE, expert_capacity,
-                                   dtype=jnp.float32) * kept_BxKxTxE[..., None]
-  dispatch = jnp.sum(slots_BxKxTxExC, axis=1)
-  combine = jnp.einsum('bktec,btk->btec', slots_BxKxTxExC,
+  # Room is taken in sequence order (a token's choices before the next
+  # token's), so a token's routing depends on earlier tokens only and a
+  # decoder stays causal.
+  chosen_BxTxKxE = jax.nn.one_hot(experts_BxTxK, num_experts,
+                                  dtype=jnp.int32)
+  batch, length = chosen_BxTxKxE.shape[:2]
+  flat = chosen_BxTxKxE.reshape(batch, length * top_k, num_experts)
+  slot_BxTxKxE = (jnp.cumsum(flat, axis=1) - flat).reshape(
+      chosen_BxTxKxE.shape)
+  kept_BxTxKxE = chosen_BxTxKxE * (slot_BxTxKxE < expert_capacity)
+  slots_BxTxKxExC = jax.nn.one_hot(slot_BxTxKxE, expert_capacity,
+                                   dtype=jnp.float32) * kept_BxTxKxE[..., None]
+  dispatch = jnp.sum(slots_BxTxKxExC, axis=2)
+  combine = jnp.einsum('btkec,btk->btec', slots_BxTxKxExC,
                        gates_BxTxK.astype(jnp.float32))
-  dropped_B = jnp.sum(chosen_BxKxTxE - kept_BxKxTxE, axis=(1, 2, 3))
+  dropped_B = jnp.sum(chosen_BxTxKxE - kept_BxTxKxE, axis=(1, 2, 3))
   return dispatch, combine, dropped_B
 
 

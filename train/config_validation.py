@@ -129,6 +129,13 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
     _fail(f'config.model.family={model_config.family!r} cannot train on '
           f'config.dataset={config.dataset!r} ({kind}); use {family!r}.')
   _check_decode_splits(config, model_config, kind)
+  for layer_config in model_config.layer_configs():
+    if kind == 'lm' and config.sample_length and not attention.spec(
+        layer_config.attention).reads_cache:
+      _fail(f'config.sample_length={config.sample_length} samples with a '
+            'key/value cache, which config.model.attention='
+            f'{layer_config.attention!r} cannot read (dense, chunked and '
+            'additive can); set it to 0.')
   positions = model_positions(config)
   if model_config.position == 'learned' and positions > model_config.max_len:
     _fail(f'config.seq_len={config.seq_len} needs {positions} positions, more '
