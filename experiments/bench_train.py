@@ -21,7 +21,6 @@ Writes OUT/<backend>/results.jsonl, results.md and results.csv.
 import json
 import os
 import sys
-import time
 
 from absl import app
 from absl import flags
@@ -107,19 +106,6 @@ def our_config(base: ml_collections.ConfigDict, size: str, *, attention: str,
   return config
 
 
-def _time_steps(step, state, batch, *, steps: int, warmup: int) -> float:
-  """Seconds per step over `steps` dispatched back to back, after
-  `warmup` (compilation included there)."""
-  for _ in range(warmup):
-    state, metrics = step(state, batch)
-  jax.block_until_ready((state, metrics))
-  start = time.perf_counter()
-  for _ in range(steps):
-    state, metrics = step(state, batch)
-  jax.block_until_ready((state, metrics))
-  return (time.perf_counter() - start) / steps
-
-
 def measure_ours(config, *, steps: int, warmup: int) -> dict:
   model_config = config_validation.validate(config)
   program = parallel.compile_program(config, model_config, 'lm',
@@ -135,7 +121,7 @@ def measure_ours(config, *, steps: int, warmup: int) -> dict:
   dropout_rng = program.key(1)
   state = program.init()
   with program.scope():
-    seconds = _time_steps(
+    seconds = common.time_steps(
         lambda state, batch: program.train_step(state, batch, dropout_rng),
         state, batch, steps=steps, warmup=warmup)
   params = program.abstract_state.params
@@ -176,7 +162,7 @@ def measure_stock(config, batch_sharding, *, steps: int,
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), loss
 
-  seconds = _time_steps(jax.jit(train_step, donate_argnums=0),
+  seconds = common.time_steps(jax.jit(train_step, donate_argnums=0),
                         (params, jax.jit(optimizer.init)(params)), batch,
                         steps=steps, warmup=warmup)
   embeddings = params['token_embed']['embedding'].size + params[

@@ -7,6 +7,7 @@ import csv
 import json
 import os
 import platform
+import time
 from typing import Any
 
 import jax
@@ -134,6 +135,19 @@ def plot_against_length(
   figure.tight_layout()
   figure.savefig(path, dpi=120)
   plt.close(figure)
+
+
+def time_steps(step, state, batch, *, steps: int, warmup: int) -> float:
+  """Seconds per `step(state, batch) -> (state, metrics)` over `steps`
+  dispatched back to back, after `warmup` (compilation included there)."""
+  for _ in range(warmup):
+    state, metrics = step(state, batch)
+  jax.block_until_ready((state, metrics))
+  start = time.perf_counter()
+  for _ in range(steps):
+    state, metrics = step(state, batch)
+  jax.block_until_ready((state, metrics))
+  return (time.perf_counter() - start) / steps
 
 
 def machine_description() -> str:

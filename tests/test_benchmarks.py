@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from configs import lm_stdlib
-from experiments import bench_attention, bench_train
+from configs import algorithmic, lm_stdlib
+from experiments import bench_attention, bench_seq2seq, bench_train
 from train.errors import InputError
 
 PNG = b'\x89PNG'
@@ -97,3 +97,23 @@ def test_bench_train_times_ours_and_the_stock_baseline(tmp_path):
     bench_train.run(lm_stdlib.get_config(), str(tmp_path), sizes=['huge'],
                     steps=1, warmup=1, attention='auto', dtype='float32',
                     remat='none')
+
+
+def test_bench_seq2seq_times_the_rnn_and_the_transformer(tmp_path):
+  config = algorithmic.get_config('task=reverse')
+  config.model.update(d_model=16, num_heads=2, mlp_dim=32, num_layers=1)
+  rows = bench_seq2seq.run(config, str(tmp_path), lengths=[8, 16], batch=8,
+                           steps=1, warmup=1)
+  assert [(row['family'], row['length']) for row in rows] == [
+      ('rnn_attention', 8), ('encoder_decoder', 8),
+      ('rnn_attention', 16), ('encoder_decoder', 16)]
+  assert [row['sequential_steps'] for row in rows] == [16, 2, 32, 2]
+  rnn, transformer = rows[:2]
+  assert rnn['step_time_vs_transformer'] == pytest.approx(
+      rnn['step_s'] / transformer['step_s'])
+  [directory] = [entry.path for entry in os.scandir(tmp_path)]
+  with open(os.path.join(directory, 'scaling.png'), 'rb') as f:
+    assert f.read(4) == PNG
+  with pytest.raises(InputError, match='--lengths=\\[0\\] must be positive'):
+    bench_seq2seq.run(config, str(tmp_path), lengths=[0], batch=8, steps=1,
+                      warmup=1)
