@@ -21,7 +21,10 @@ Systems:
                      moe_dropped_fraction.
 
 Result on 2 CPU cores, validation bits per byte after 550 steps (lm_stdlib
-itself: 2.24): RESULTS.
+itself: 2.24): alternating 2.21; memory_compressed 2.03 (lm_stdlib with
+one window a row, as it reads: 2.23); parameter_free 3.50 (attention
+with nothing to learn); deberta 1.61; moe 2.15, its load-balancing loss
+1.01 and 3.2% of token choices dropped over the last 50 steps.
 """
 
 import ml_collections

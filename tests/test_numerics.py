@@ -24,6 +24,10 @@ def parameters(name: str, heads: int, length: int, dtype) -> dict:
     return dict(query_weight=jax.random.normal(rng[0], (heads, H, 2), dtype),
                 key_weight=jax.random.normal(rng[1], (heads, H, 2), dtype),
                 score_weight=jax.random.normal(rng[2], (heads, 2), dtype))
+  if name == 'memory_compressed':  # Each window about a mean of its keys.
+    kernel = jax.random.normal(rng[0], (3, heads, H, heads, H), dtype) / (
+        3 * heads * H)**0.5
+    return dict(key_kernel=kernel, value_kernel=kernel)
   return {'chunked': dict(chunk_size=256), 'local': dict(window=64),
           'strided': dict(stride=64), 'fixed': dict(block=64, summary=4),
           'bigbird': dict(block=64), 'performer': dict(num_features=32),
