@@ -30,10 +30,7 @@ TASKS = ('copy', 'reverse', 'sort', 'addition')
 
 def get_config(arg: str = 'task=reverse'):
   """`arg` is `task=<name>`, one of TASKS."""
-  key, _, task = arg.partition('=')
-  if key != 'task' or task not in TASKS:
-    raise ValueError(f'configs/algorithmic.py takes task=<one of {TASKS}>, '
-                     f'got {arg!r}.')
+  task = default.choice(arg, 'task', TASKS, 'configs/algorithmic.py')
   config = default.get_config()
   config.dataset = 'algorithmic'
   config.dataset_options.task = task

@@ -14,6 +14,15 @@ from model.config import ModelConfig
 from train import parallel
 
 
+def choice(arg: str, key: str, choices: tuple[str, ...], path: str) -> str:
+  """The name of a config argument `key=<name>`, one of `choices`; a
+  ValueError naming the config file `path` otherwise."""
+  given, _, name = arg.partition('=')
+  if given != key or name not in choices:
+    raise ValueError(f'{path} takes {key}=<one of {choices}>, got {arg!r}.')
+  return name
+
+
 def model_defaults() -> ml_collections.ConfigDict:
   """`config.model`: every ModelConfig field at its default."""
   values = {}

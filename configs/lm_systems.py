@@ -29,7 +29,7 @@ with nothing to learn); deberta 1.61; moe 2.15, its load-balancing loss
 
 import ml_collections
 
-from configs import lm_stdlib
+from configs import default, lm_stdlib
 
 SYSTEMS = ('alternating', 'memory_compressed', 'parameter_free', 'deberta',
            'moe')
@@ -37,10 +37,7 @@ SYSTEMS = ('alternating', 'memory_compressed', 'parameter_free', 'deberta',
 
 def get_config(arg: str = 'system=alternating'):
   """`arg` is `system=<name>`, one of SYSTEMS."""
-  key, _, system = arg.partition('=')
-  if key != 'system' or system not in SYSTEMS:
-    raise ValueError(f'configs/lm_systems.py takes system=<one of '
-                     f'{SYSTEMS}>, got {arg!r}.')
+  system = default.choice(arg, 'system', SYSTEMS, 'configs/lm_systems.py')
   config = lm_stdlib.get_config()
   model = config.model
   if system in ('alternating', 'memory_compressed'):

@@ -96,6 +96,14 @@ def _relative(data, q_index, k_index) -> Array:
           - jnp.take(data['q_positions'], q_index, axis=1))
 
 
+def _at_distance(scores_BxNxLxR: Array, rows, distance_BxI: Array) -> Array:
+  """scores[b, n, row, distance] at each pair's row (a query or key index)
+  and distance bucket: [B, N, *I]."""
+  flat = scores_BxNxLxR.reshape(*scores_BxNxLxR.shape[:2], -1)
+  index = rows * scores_BxNxLxR.shape[-1] + distance_BxI
+  return jax.vmap(lambda s, i: s[:, i])(flat, index)
+
+
 def _alibi_at(data, q_index, k_index) -> Array:
   distance = jnp.abs(_relative(data, q_index, k_index)).astype(jnp.float32)
   slopes = data['slopes'].reshape((1, -1) + (1,) * (distance.ndim - 1))
@@ -186,10 +194,7 @@ class ShawRelative(nn.Module):
     def at(data, q_index, k_index):
       distance = jnp.clip(_relative(data, q_index, k_index), -max_distance,
                           max_distance) + max_distance
-      scores = data['scores']
-      flat = scores.reshape(*scores.shape[:2], -1)  # [B, N, T * R]
-      index = q_index * scores.shape[-1] + distance  # [B, *I]
-      return jax.vmap(lambda s, i: s[:, i])(flat, index)
+      return _at_distance(data['scores'], q_index, distance)
 
     return attention.PositionBias(
         {'q_positions': q_positions_BxT, 'kv_positions': kv_positions_BxS,
@@ -251,17 +256,12 @@ class DisentangledBias(nn.Module):
                                      query_positions_RxNxH)
     max_distance = self.max_distance
 
-    def gather(scores_BxNxLxR, rows, distance_BxI):  # -> [B, N, *I]
-      flat = scores_BxNxLxR.reshape(*scores_BxNxLxR.shape[:2], -1)
-      index = rows * scores_BxNxLxR.shape[-1] + distance_BxI
-      return jax.vmap(lambda s, i: s[:, i])(flat, index)
-
     def at(data, q_index, k_index):
       key_minus_query = _relative(data, q_index, k_index)  # j - i: [B, *I]
-      return (gather(data['c2p'], q_index,
-                     deberta_buckets(-key_minus_query, max_distance))
-              + gather(data['p2c'], k_index,
-                       deberta_buckets(key_minus_query, max_distance)))
+      return (_at_distance(data['c2p'], q_index,
+                           deberta_buckets(-key_minus_query, max_distance))
+              + _at_distance(data['p2c'], k_index,
+                             deberta_buckets(key_minus_query, max_distance)))
 
     return attention.PositionBias(
         {'q_positions': q_positions_BxT, 'kv_positions': kv_positions_BxS,

@@ -5,12 +5,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from model import ModelConfig, build
 from model import moe
 from model.layers import Mlp
 from train import steps
+from adam_steps import adam_steps
 
 B, T, D, M = 2, 8, 16, 32
 
@@ -99,17 +99,10 @@ def test_a_decoder_with_experts_trains_and_reports_its_routing():
   params = steps.init_params(model, 'lm', jax.random.key(0), T)
   assert params['decoder']['block_1']['moe']['wi'].shape == (4, D, M)
   assert 'mlp' in params['decoder']['block_0']
-  optimizer = optax.adam(1e-2)
-  state = steps.TrainState(step=jnp.array(0), params=params,
-                           opt_state=optimizer.init(params))
-  step = jax.jit(lambda state: steps.train_step(
-      state, batch, jax.random.key(1), model=model, kind='lm',
-      optimizer=optimizer, schedule=lambda _: 1e-2))
-  losses = []
-  for _ in range(5):
-    state, metrics = step(state)
-    losses.append(float(metrics['loss_sum']))
+  _, history = adam_steps(model, 'lm', params, batch, 5)
+  losses = [float(metrics['loss_sum']) for metrics in history]
   assert losses[-1] < losses[0]
+  metrics = history[-1]
   assert 1.0 <= float(metrics['moe_aux_loss_sum'] / metrics['weight_sum']
                       ) <= 4.0
   assert float(metrics['moe_assigned']) == B * T * 2

@@ -5,13 +5,13 @@ steps equal a full pass, and it learns a small task exactly."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from configs import rnn_attention
 from model import ModelConfig, build
 from model.rnn import AttentionScore
 from train import decoding, mesh, parallel, steps
+from adam_steps import adam_steps
 
 V, D = 13, 32
 # Source rows of 5 and 3 symbols, padded to 6.
@@ -82,14 +82,7 @@ def test_the_model_learns_to_reverse_a_handful_of_examples_exactly():
            'targets': jnp.asarray(targets), 'weights': jnp.ones((8, 6))}
   model = build(config_for())
   params = steps.init_params(model, 'seq2seq', jax.random.key(0), 6)
-  optimizer = optax.adam(1e-2)
-  state = steps.TrainState(step=jnp.array(0), params=params,
-                           opt_state=optimizer.init(params))
-  step = jax.jit(lambda state: steps.train_step(
-      state, batch, jax.random.key(1), model=model, kind='seq2seq',
-      optimizer=optimizer, schedule=lambda _: 1e-2))
-  for _ in range(150):
-    state, _ = step(state)
+  state, _ = adam_steps(model, 'seq2seq', params, batch, 150)
   logits = model.apply({'params': state.params}, batch['inputs'],
                        batch['decoder_inputs'])
   np.testing.assert_array_equal(jnp.argmax(logits, -1), targets)
