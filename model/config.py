@@ -50,23 +50,29 @@ class MoeConfig:
   # over the two).
   top_k: int = 2
   # An expert takes at most capacity_factor * T * top_k / num_experts tokens
-  # of an example; tokens past that are dropped (the residual carries them)
-  # and counted.
+  # of a group of T (see group_size); tokens past that are dropped (the
+  # residual carries them) and counted.
   capacity_factor: float = 1.25
   # Every n-th block (the last of each n) has the MoE layer.
   every_n_layers: int = 2
+  # Consecutive tokens of an example routed together, capacity counted per
+  # group (GShard's groups): the dispatch tensors hold T * capacity entries
+  # an example, so a fixed group keeps them linear in T. 0: the whole
+  # example is one group.
+  group_size: int = 0
   # Weight of the load-balancing loss (Switch's num_experts * sum_e f_e P_e,
   # 1 when routing is uniform) added to the training loss.
   aux_loss_weight: float = 0.01
 
   def check(self, fail) -> None:
     """Fails, naming the key, on a value that cannot work."""
-    for name in ('num_experts', 'top_k', 'every_n_layers'):
+    for name in ('num_experts', 'top_k', 'every_n_layers', 'group_size'):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < (
-          0 if name == 'num_experts' else 1):
+      least = 0 if name in ('num_experts', 'group_size') else 1
+      if isinstance(value, bool) or not isinstance(value, int) or (
+          value < least):
         fail(f'config.model.moe.{name}={value!r} must be an integer >= '
-             f'{0 if name == "num_experts" else 1}.')
+             f'{least}.')
     if self.num_experts and self.top_k > min(self.num_experts, 2):
       fail(f'config.model.moe.top_k={self.top_k} must be 1 or 2, and at '
            f'most config.model.moe.num_experts={self.num_experts}.')

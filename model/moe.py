@@ -3,15 +3,19 @@
 A router scores each token against `num_experts` experts (each a
 feed-forward layer of the model's shape); the token goes to its `top_k`
 best, weighted by the router's softmax (renormalised over the chosen two
-for top-2, as GShard does). Each expert has room for C = ceil(
-capacity_factor * T * top_k / E) tokens of an example, taken in order
-along the sequence (so that routing never reads a later token: GShard
-places every first choice before any second one, which would let a later
-token's choice push out an earlier token's), and what does not fit is
-dropped (the block's residual connection carries the token on).
-Tokens reach their experts and come back through one-hot dispatch and
-combine tensors [B, T, E, C], so every shape is static and the experts run
-as one batched matmul; their parameters carry the logical axis `expert`,
+for top-2, as GShard does). Tokens are routed in groups of G consecutive
+tokens of an example (`group_size`; by default the whole example, G = T).
+Each expert has room for C = ceil(capacity_factor * G * top_k / E) tokens
+of a group, taken in order along the sequence (so that routing never reads
+a later token: GShard places every first choice before any second one,
+which would let a later token's choice push out an earlier token's), and
+what does not fit is dropped (the block's residual connection carries the
+token on). Tokens reach their experts and come back through one-hot
+dispatch and combine tensors [B * ceil(T / G), G, E, C] (T * C entries an
+example: quadratic in T for one group, linear for a fixed G), so every
+shape is static and the experts run as one batched matmul (a group's last
+tokens are padding where G does not divide T: they choose no expert, and
+take no room). Their parameters carry the logical axis `expert`,
 which config.logical_axis_rules may map onto a mesh axis to spread the
 experts over devices.
 
@@ -35,17 +39,23 @@ Array = jax.Array
 _ACTIVATIONS = {'relu': nn.relu, 'gelu': nn.gelu}
 
 
-def capacity(config: ModelConfig, length: int) -> int:
-  """Tokens of an example each expert takes."""
+def group_size(config: ModelConfig, length: int) -> int:
+  """Tokens routed together for an input of `length` tokens an example."""
+  return min(config.moe.group_size or length, length)
+
+
+def capacity(config: ModelConfig, group: int) -> int:
+  """Tokens of a group of `group` tokens each expert takes."""
   moe = config.moe
-  return max(1, math.ceil(moe.capacity_factor * length * moe.top_k
+  return max(1, math.ceil(moe.capacity_factor * group * moe.top_k
                           / moe.num_experts))
 
 
-def route(probs_BxTxE: Array, top_k: int, expert_capacity: int
-          ) -> tuple[Array, Array, Array]:
+def route(probs_BxTxE: Array, top_k: int, expert_capacity: int,
+          valid_BxT: Array | None = None) -> tuple[Array, Array, Array]:
   """(dispatch [B, T, E, C] 0/1, combine [B, T, E, C] gate weights, dropped
-  token choices [B]) for router probabilities [B, T, E]."""
+  token choices [B]) for router probabilities [B, T, E], each row of B a
+  group routed alone; tokens not `valid_BxT` choose no expert."""
   num_experts = probs_BxTxE.shape[-1]
   gates_BxTxK, experts_BxTxK = jax.lax.top_k(probs_BxTxE, top_k)
   if top_k > 1:
@@ -55,6 +65,8 @@ def route(probs_BxTxE: Array, top_k: int, expert_capacity: int
   # decoder stays causal.
   chosen_BxTxKxE = jax.nn.one_hot(experts_BxTxK, num_experts,
                                   dtype=jnp.int32)
+  if valid_BxT is not None:
+    chosen_BxTxKxE = chosen_BxTxKxE * valid_BxT[:, :, None, None]
   batch, length = chosen_BxTxKxE.shape[:2]
   flat = chosen_BxTxKxE.reshape(batch, length * top_k, num_experts)
   slot_BxTxKxE = (jnp.cumsum(flat, axis=1) - flat).reshape(
@@ -88,7 +100,8 @@ class MoeMlp(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD: Array) -> Array:
     config = self.config
-    num_experts, width = config.moe.num_experts, x_BxTxD.shape[-1]
+    num_experts = config.moe.num_experts
+    batch, length, width = x_BxTxD.shape
     dtype = config.compute_dtype
 
     def param(name, shape, axes, init):
@@ -104,17 +117,28 @@ class MoeMlp(nn.Module):
     probs_BxTxE = jax.nn.softmax(
         jnp.einsum('btd,de->bte', x_BxTxD.astype(jnp.float32),
                    router_DxE.astype(jnp.float32)), axis=-1)
-    dispatch, combine, dropped_B = route(
-        probs_BxTxE, config.moe.top_k, capacity(config, x_BxTxD.shape[1]))
-    inputs_ExBxCxD = jnp.einsum('btec,btd->ebcd', dispatch.astype(dtype),
-                                x_BxTxD.astype(dtype))
+    # R = B * ceil(T / G) groups of G tokens, the last padded.
+    group = group_size(config, length)
+    padded = -(-length // group) * group
+
+    def grouped(array_BxTx_):
+      array_BxPx_ = jnp.pad(array_BxTx_, [(0, 0), (0, padded - length)]
+                            + [(0, 0)] * (array_BxTx_.ndim - 2))
+      return array_BxPx_.reshape(-1, group, *array_BxTx_.shape[2:])
+
+    dispatch_RxGxExC, combine_RxGxExC, dropped_R = route(
+        grouped(probs_BxTxE), config.moe.top_k, capacity(config, group),
+        grouped(jnp.ones((batch, length), jnp.int32)))
+    inputs_ExRxCxD = jnp.einsum('rgec,rgd->ercd',
+                                dispatch_RxGxExC.astype(dtype),
+                                grouped(x_BxTxD).astype(dtype))
 
     def up(name):
       kernel = param(name, (num_experts, width, config.mlp_dim),
                      ('expert', 'embed', 'mlp'), expert_init)
       bias = param(f'{name}_bias', (num_experts, config.mlp_dim),
                    ('expert', 'mlp'), nn.initializers.zeros)
-      return (jnp.einsum('ebcd,edm->ebcm', inputs_ExBxCxD,
+      return (jnp.einsum('ercd,edm->ercm', inputs_ExRxCxD,
                          kernel.astype(dtype))
               + bias.astype(dtype)[:, None, None])
 
@@ -126,12 +150,14 @@ class MoeMlp(nn.Module):
                ('expert', 'mlp', 'embed'), expert_init)
     wo_bias = param('wo_bias', (num_experts, width), ('expert', 'embed'),
                     nn.initializers.zeros)
-    outputs_ExBxCxD = (jnp.einsum('ebcm,emd->ebcd', hidden, wo.astype(dtype))
+    outputs_ExRxCxD = (jnp.einsum('ercm,emd->ercd', hidden, wo.astype(dtype))
                        + wo_bias.astype(dtype)[:, None, None])
-    # Padding positions are routed too, and counted in the balance.
+    # Padding tokens of the batch are routed too, and counted in the
+    # balance (the groups' padding is not).
     self.sow('moe', 'aux_loss', load_balancing_loss(probs_BxTxE))
-    self.sow('moe', 'dropped', jnp.sum(dropped_B).astype(jnp.float32))
+    self.sow('moe', 'dropped', jnp.sum(dropped_R).astype(jnp.float32))
     self.sow('moe', 'assigned', jnp.asarray(
-        x_BxTxD.shape[0] * x_BxTxD.shape[1] * config.moe.top_k, jnp.float32))
-    return jnp.einsum('btec,ebcd->btd', combine.astype(dtype),
-                      outputs_ExBxCxD)
+        batch * length * config.moe.top_k, jnp.float32))
+    out_RxGxD = jnp.einsum('rgec,ercd->rgd', combine_RxGxExC.astype(dtype),
+                           outputs_ExRxCxD)
+    return out_RxGxD.reshape(batch, padded, width)[:, :length]

@@ -147,6 +147,8 @@ INVALID = [
     ('model.moe.capacity_factor', 0.0, 'config.model.moe.capacity_factor='
      '0.0 must be a number > 0'),
     ('model.moe.every_n_layers', 0, 'config.model.moe.every_n_layers=0'),
+    ('model.moe.group_size', -4, 'config.model.moe.group_size=-4 must be an '
+     'integer >= 0'),
     ('model.moe.aux_loss_weight', -1.0, 'config.model.moe.aux_loss_weight='
      '-1.0 must be a number >= 0'),
     ('model.remat', 'sometimes', "config.model.remat='sometimes' must be one "

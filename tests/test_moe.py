@@ -1,6 +1,8 @@
 """The mixture-of-experts feed-forward layer: it reduces to the dense one,
 balances by Switch's loss, and drops exactly the tokens past capacity."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -86,6 +88,48 @@ def test_room_is_taken_in_sequence_order_so_a_decoder_stays_causal():
     later = tokens.at[:, p:].set(jnp.asarray(rng.integers(1, 32, (16, T - p))))
     np.testing.assert_allclose(apply(variables, later)[:, :p],
                                logits[:, :p], atol=1e-6)
+
+
+def test_groups_are_routed_as_separate_inputs():
+  """group_size 4 over 10 tokens: groups 0-3, 4-7 and 8-9 (padded) route
+  and drop as three separate inputs would, each with room for its own."""
+  config = config_for(num_experts=4, top_k=2, capacity_factor=0.5,
+                      group_size=4)
+  whole = dataclasses.replace(config, moe=dataclasses.replace(
+      config.moe, group_size=0))
+  x = jax.random.normal(jax.random.key(0), (B, 10, D))
+  layer = moe.MoeMlp(config)
+  params = layer.init(jax.random.key(1), x)['params']
+
+  def run(layer_config, inputs):
+    out, state = moe.MoeMlp(layer_config).apply(
+        {'params': params}, inputs, mutable='moe')
+    return out, float(state['moe']['dropped'][0])
+
+  out, dropped = run(config, x)
+  parts = [run(whole, x[:, start:stop])
+           for start, stop in ((0, 4), (4, 8), (8, 10))]
+  np.testing.assert_allclose(
+      out, jnp.concatenate([part for part, _ in parts], axis=1), atol=1e-6)
+  assert dropped == sum(part_dropped for _, part_dropped in parts) > 0
+
+
+def test_groups_keep_the_routing_memory_linear_in_the_length():
+  """Compiled temporaries of the layer from 128 to 512 tokens: 16x with
+  one group an example (dispatch T x C, C ∝ T), 4x with groups of 32."""
+
+  def temporaries(group, length):
+    layer = moe.MoeMlp(config_for(num_experts=4, top_k=2, group_size=group))
+    x = jnp.zeros((1, length, D))
+    params = layer.init(jax.random.key(0), x)
+    compiled = jax.jit(layer.apply).lower(params, x).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  whole = [temporaries(0, length) for length in (128, 512)]
+  grouped = [temporaries(32, length) for length in (128, 512)]
+  assert whole[1] / whole[0] > 10
+  assert grouped[1] / grouped[0] < 5
+  assert grouped[1] < whole[1] / 4
 
 
 def test_a_decoder_with_experts_trains_and_reports_its_routing():
