@@ -49,9 +49,9 @@ class MoeConfig:
   # Experts each token is sent to (1: Switch; 2: GShard, gates renormalised
   # over the two).
   top_k: int = 2
-  # An expert takes at most capacity_factor * T * top_k / num_experts tokens
-  # of a group of T (see group_size); tokens past that are dropped (the
-  # residual carries them) and counted.
+  # An expert takes at most capacity_factor * G * top_k / num_experts tokens
+  # of a group of G tokens (see group_size); tokens past that are dropped
+  # (the residual carries them) and counted.
   capacity_factor: float = 1.25
   # Every n-th block (the last of each n) has the MoE layer.
   every_n_layers: int = 2

@@ -92,7 +92,8 @@ def test_room_is_taken_in_sequence_order_so_a_decoder_stays_causal():
 
 def test_groups_are_routed_as_separate_inputs():
   """group_size 4 over 10 tokens: groups 0-3, 4-7 and 8-9 (padded) route
-  and drop as three separate inputs would, each with room for its own."""
+  and drop as three separate inputs would (room for one token an expert
+  in each, the last group's capacity that of 4 tokens)."""
   config = config_for(num_experts=4, top_k=2, capacity_factor=0.5,
                       group_size=4)
   whole = dataclasses.replace(config, moe=dataclasses.replace(
