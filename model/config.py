@@ -56,9 +56,9 @@ class MoeConfig:
   # Every n-th block (the last of each n) has the MoE layer.
   every_n_layers: int = 2
   # Consecutive tokens of an example routed together, capacity counted per
-  # group (GShard's groups): the dispatch tensors hold T * capacity entries
-  # an example, so a fixed group keeps them linear in T. 0: the whole
-  # example is one group.
+  # group (GShard's groups): the dispatch tensors hold T * E * capacity
+  # entries an example, so a fixed group keeps them linear in T. 0: the
+  # whole example is one group.
   group_size: int = 0
   # Weight of the load-balancing loss (Switch's num_experts * sum_e f_e P_e,
   # 1 when routing is uniform) added to the training loss.

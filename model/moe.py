@@ -11,13 +11,13 @@ a later token: GShard places every first choice before any second one,
 which would let a later token's choice push out an earlier token's), and
 what does not fit is dropped (the block's residual connection carries the
 token on). Tokens reach their experts and come back through one-hot
-dispatch and combine tensors [B * ceil(T / G), G, E, C] (T * C entries an
-example: quadratic in T for one group, linear for a fixed G), so every
-shape is static and the experts run as one batched matmul (a group's last
-tokens are padding where G does not divide T: they choose no expert, and
-take no room). Their parameters carry the logical axis `expert`,
-which config.logical_axis_rules may map onto a mesh axis to spread the
-experts over devices.
+dispatch and combine tensors [B * ceil(T / G), G, E, C] (T * E * C
+entries an example: quadratic in T for one group, linear for a fixed G),
+so every shape is static and the experts run as one batched matmul (a
+group's last tokens are padding where G does not divide T: they choose no
+expert, and take no room). Their parameters carry the logical axis
+`expert`, which config.logical_axis_rules may map onto a mesh axis to
+spread the experts over devices.
 
 The layer sows into the 'moe' collection: the load-balancing loss of Switch
 (Fedus et al. 2022), E * sum_e f_e P_e with f_e the fraction of tokens whose
