@@ -156,6 +156,9 @@ class MultiHeadAttention(nn.Module):
               'of its own; config.model.attention_projections=False wants '
               'none.')
         kwargs['scale'] = 1.0
+      if config.position == 'deberta':
+        # Content logits take DeBERTa's scale too.
+        kwargs['scale'] = positions.deberta_scale(config.head_dim)
       q_BxTxNxH = self._rotate(q_BxTxNxH, q_positions_BxT)
       k_BxSxKxH = self._rotate(k_BxSxKxH, kv_positions_BxS)
     if cache is not None:
@@ -173,9 +176,6 @@ class MultiHeadAttention(nn.Module):
     if not self.cross and config.position in RELATIVE_POSITIONS:
       bias = self._position_bias(q_BxTxNxH, k_BxSxKxH, q_positions_BxT,
                                  kv_positions_BxS, is_causal)
-    if not self.cross and config.position == 'deberta':
-      # Content logits take DeBERTa's scale too.
-      kwargs['scale'] = positions.deberta_scale(config.head_dim)
     # With a cache, the mask says what each query sees.
     causal = is_causal and cache is None
     if self.is_mutable_collection('intermediates'):

@@ -107,6 +107,28 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
     _fail(f'config.pack_sequences={config.pack_sequences!r} must be True or '
           'False.')
   family = FAMILY_OF_KIND[kind]
+  _check_attentions(config, model_config, kind)
+  if model_config.memory_length and (config.pack_sequences
+                                     or config.grad_accum_steps != 1):
+    _fail(f'config.model.memory_length={model_config.memory_length} reads '
+          'contiguous streams of whole batches: set config.pack_sequences='
+          'False and config.grad_accum_steps=1.')
+  if model_config.family not in (family,) + ALSO_TRAINS.get(kind, ()):
+    _fail(f'config.model.family={model_config.family!r} cannot train on '
+          f'config.dataset={config.dataset!r} ({kind}); use {family!r}.')
+  _check_decode_splits(config, model_config, kind)
+  positions = model_positions(config)
+  if model_config.position == 'learned' and positions > model_config.max_len:
+    _fail(f'config.seq_len={config.seq_len} needs {positions} positions, more '
+          f'than config.model.max_len={model_config.max_len}.')
+  _check_parallelism(config, model_config, kind)
+  return model_config
+
+
+def _check_attentions(config: ml_collections.ConfigDict,
+                      model_config: ModelConfig, kind: str) -> None:
+  """Each attention of the pattern (or the one) against its options, the
+  packed rows a language model reads, and its closing sample."""
   for layer_config in model_config.layer_configs():
     known = attention_parameters.option_names(layer_config.attention)
     for name, _ in layer_config.attention_options:
@@ -114,34 +136,18 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
         _fail(f'unknown key config.model.attention_options.{name} for config.'
               f'model.attention={layer_config.attention!r}; it takes '
               f'{sorted(known) or "none"}.')
-  if model_config.memory_length and (config.pack_sequences
-                                     or config.grad_accum_steps != 1):
-    _fail(f'config.model.memory_length={model_config.memory_length} reads '
-          'contiguous streams of whole batches: set config.pack_sequences='
-          'False and config.grad_accum_steps=1.')
-  for layer_config in model_config.layer_configs():
-    if kind == 'lm' and config.pack_sequences and attention.spec(
-        layer_config.attention).masks != 'any':
+    if kind != 'lm':
+      continue
+    variant = attention.spec(layer_config.attention)
+    if config.pack_sequences and variant.masks != 'any':
       _fail(f'config.model.attention={layer_config.attention!r} cannot keep '
             'packed sequences apart (it takes key padding masks only); set '
             'config.pack_sequences=False.')
-  if model_config.family not in (family,) + ALSO_TRAINS.get(kind, ()):
-    _fail(f'config.model.family={model_config.family!r} cannot train on '
-          f'config.dataset={config.dataset!r} ({kind}); use {family!r}.')
-  _check_decode_splits(config, model_config, kind)
-  for layer_config in model_config.layer_configs():
-    if kind == 'lm' and config.sample_length and not attention.spec(
-        layer_config.attention).reads_cache:
+    if config.sample_length and not variant.reads_cache:
       _fail(f'config.sample_length={config.sample_length} samples with a '
             'key/value cache, which config.model.attention='
             f'{layer_config.attention!r} cannot read (dense, chunked and '
             'additive can); set it to 0.')
-  positions = model_positions(config)
-  if model_config.position == 'learned' and positions > model_config.max_len:
-    _fail(f'config.seq_len={config.seq_len} needs {positions} positions, more '
-          f'than config.model.max_len={model_config.max_len}.')
-  _check_parallelism(config, model_config, kind)
-  return model_config
 
 
 def _check_decode_splits(config: ml_collections.ConfigDict,
