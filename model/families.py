@@ -13,6 +13,7 @@ from model import positions as positions_lib
 from model.blocks import TransformerStack
 from model.config import PAD_ID, ModelConfig
 from model.rnn import RnnAttention
+from model.weight_decay import undecayed
 
 Array = jax.Array
 
@@ -53,8 +54,7 @@ class Embedder(nn.Module):
           param_dtype=config.weight_dtype,
           kernel_init=nn.with_logical_partitioning(
               nn.initializers.xavier_uniform(), ('embed', 'vocab')),
-          bias_init=nn.with_logical_partitioning(nn.initializers.zeros,
-                                                 ('vocab',)))
+          bias_init=undecayed(nn.initializers.zeros, ('vocab',)))
     self.dropout = nn.Dropout(config.dropout_rate)
 
   def embed_tokens(self, tokens_BxT: Array) -> Array:
@@ -294,8 +294,7 @@ class EncoderClassifier(nn.Module):
         param_dtype=config.weight_dtype, name='classifier',
         kernel_init=nn.with_logical_partitioning(
             nn.initializers.xavier_uniform(), ('embed', None)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros,
-                                               (None,)))
+        bias_init=undecayed(nn.initializers.zeros, (None,)))
     return classifier(pooled_BxD)
 
 

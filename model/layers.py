@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from model import attention, attention_parameters, positions
 from model.config import RELATIVE_POSITIONS, ModelConfig
+from model.weight_decay import undecayed
 
 Array = jax.Array
 
@@ -44,7 +45,7 @@ class Projection(nn.Module):
     kernel = self.param('kernel', nn.with_logical_partitioning(
         kernel_init, self.axes), in_shape + self.features,
                         self.config.weight_dtype)
-    bias = self.param('bias', nn.with_logical_partitioning(
+    bias = self.param('bias', undecayed(
         nn.initializers.zeros, self.axes[self.num_in:]), self.features,
                       self.config.weight_dtype)
     x, kernel, bias = nn.dtypes.promote_dtype(
@@ -277,11 +278,11 @@ class Mlp(nn.Module):
 
 def make_norm(config: ModelConfig, name: str) -> nn.Module:
   """LayerNorm or RMSNorm as `config.norm` says, statistics in float32."""
-  scale_init = nn.with_logical_partitioning(nn.initializers.ones, ('embed',))
+  scale_init = undecayed(nn.initializers.ones, ('embed',))
   common = dict(dtype=config.compute_dtype, param_dtype=config.weight_dtype,
                 scale_init=scale_init, name=name)
   if config.norm == 'rmsnorm':
     return nn.RMSNorm(**common)
   return nn.LayerNorm(
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
+      bias_init=undecayed(nn.initializers.zeros, ('embed',)),
       **common)

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from model.config import ModelConfig
+from model.weight_decay import undecayed
 
 Array = jax.Array
 
@@ -104,9 +105,8 @@ class MoeMlp(nn.Module):
     batch, length, width = x_BxTxD.shape
     dtype = config.compute_dtype
 
-    def param(name, shape, axes, init):
-      return self.param(name, nn.with_logical_partitioning(init, axes),
-                        shape, config.weight_dtype)
+    def param(name, shape, axes, init, box=nn.with_logical_partitioning):
+      return self.param(name, box(init, axes), shape, config.weight_dtype)
 
     def expert_init(rng, shape, dtype):  # Xavier per expert.
       return jax.vmap(lambda key: nn.initializers.xavier_uniform()(
@@ -137,7 +137,7 @@ class MoeMlp(nn.Module):
       kernel = param(name, (num_experts, width, config.mlp_dim),
                      ('expert', 'embed', 'mlp'), expert_init)
       bias = param(f'{name}_bias', (num_experts, config.mlp_dim),
-                   ('expert', 'mlp'), nn.initializers.zeros)
+                   ('expert', 'mlp'), nn.initializers.zeros, undecayed)
       return (jnp.einsum('ercd,edm->ercm', inputs_ExRxCxD,
                          kernel.astype(dtype))
               + bias.astype(dtype)[:, None, None])
@@ -149,7 +149,7 @@ class MoeMlp(nn.Module):
     wo = param('wo', (num_experts, config.mlp_dim, width),
                ('expert', 'mlp', 'embed'), expert_init)
     wo_bias = param('wo_bias', (num_experts, width), ('expert', 'embed'),
-                    nn.initializers.zeros)
+                    nn.initializers.zeros, undecayed)
     outputs_ExRxCxD = (jnp.einsum('ercm,emd->ercd', hidden, wo.astype(dtype))
                        + wo_bias.astype(dtype)[:, None, None])
     # Padding tokens of the batch are routed too, and counted in the

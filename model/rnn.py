@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from model.attention import core
 from model.config import PAD_ID, ModelConfig
+from model.weight_decay import undecayed
 
 Array = jax.Array
 
@@ -32,7 +33,8 @@ Array = jax.Array
 def _cell(config: ModelConfig, name: str) -> nn.RNNCellBase:
   cell = {'lstm': nn.OptimizedLSTMCell, 'gru': nn.GRUCell}[config.rnn_cell]
   return cell(config.d_model, dtype=config.compute_dtype,
-              param_dtype=config.weight_dtype, name=name)
+              param_dtype=config.weight_dtype,
+              bias_init=undecayed(nn.initializers.zeros, (None,)), name=name)
 
 
 def _hidden(cell_state):
@@ -99,8 +101,10 @@ class RnnAttention(nn.Module):
         embedding_init=nn.initializers.normal(stddev=config.d_model ** -0.5))
     self.encoder = nn.Bidirectional(
         nn.RNN(_cell(config, 'forward')), nn.RNN(_cell(config, 'backward')))
-    dense = lambda name: nn.Dense(config.d_model, dtype=config.compute_dtype,
-                                  param_dtype=config.weight_dtype, name=name)
+    dense = lambda name: nn.Dense(
+        config.d_model, dtype=config.compute_dtype,
+        param_dtype=config.weight_dtype,
+        bias_init=undecayed(nn.initializers.zeros, (None,)), name=name)
     self.initial, self.readout = dense('initial'), dense('readout')
     self.attention_keys = nn.Dense(
         config.d_model, use_bias=False, dtype=config.compute_dtype,

@@ -102,13 +102,12 @@ def test_bench_train_times_ours_and_the_stock_baseline(tmp_path):
 def test_bench_seq2seq_times_the_rnn_and_the_transformer(tmp_path):
   config = algorithmic.get_config('task=reverse')
   config.model.update(d_model=16, num_heads=2, mlp_dim=32, num_layers=1)
-  rows = bench_seq2seq.run(config, str(tmp_path), lengths=[8, 16], batch=8,
+  rows = bench_seq2seq.run(config, str(tmp_path), lengths=[8], batch=8,
                            steps=1, warmup=1)
   assert [(row['family'], row['length']) for row in rows] == [
-      ('rnn_attention', 8), ('encoder_decoder', 8),
-      ('rnn_attention', 16), ('encoder_decoder', 16)]
-  assert [row['sequential_steps'] for row in rows] == [16, 2, 32, 2]
-  rnn, transformer = rows[:2]
+      ('rnn_attention', 8), ('encoder_decoder', 8)]
+  assert [row['sequential_steps'] for row in rows] == [16, 2]
+  rnn, transformer = rows
   assert rnn['step_time_vs_transformer'] == pytest.approx(
       rnn['step_s'] / transformer['step_s'])
   [directory] = [entry.path for entry in os.scandir(tmp_path)]

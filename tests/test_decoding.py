@@ -118,17 +118,23 @@ def test_a_variant_that_cannot_read_a_cache_is_refused():
 # --- choosing tokens ---
 
 
+def nucleus(probs: np.ndarray, p: float) -> np.ndarray:
+  """The smallest set of most probable tokens holding `p`, by a sorted
+  cumulative sum."""
+  order = np.argsort(-probs)
+  size = int(np.argmax(np.cumsum(probs[order]) >= p)) + 1
+  kept = np.zeros(probs.shape, bool)
+  kept[order[:size]] = True
+  return kept
+
+
 def test_top_p_keeps_exactly_the_smallest_set_that_reaches_p():
   logits = jax.random.normal(jax.random.key(2), (64, V)) * 2
   probs = np.asarray(jax.nn.softmax(logits, axis=-1), np.float64)
   for p in (0.05, 0.3, 0.61, 0.9, 0.999):
     got = np.asarray(decoding.top_p_mask(logits, p))
     for row, mask in zip(probs, got):
-      order = np.argsort(-row)
-      size = int(np.argmax(np.cumsum(row[order]) >= p)) + 1
-      want = np.zeros(V, bool)
-      want[order[:size]] = True
-      np.testing.assert_array_equal(mask, want)
+      np.testing.assert_array_equal(mask, nucleus(row, p))
 
 
 def test_top_k_keeps_the_k_largest():
@@ -138,6 +144,24 @@ def test_top_k_keeps_the_k_largest():
   smallest_kept = np.where(mask, logits, np.inf).min(axis=-1)
   largest_dropped = np.where(mask, -np.inf, logits).max(axis=-1)
   assert (smallest_kept > largest_dropped).all()
+
+
+@pytest.mark.parametrize('temperature', [0.5, 2.0])
+def test_sampling_applies_the_temperature_then_top_k_then_top_p(temperature):
+  logits = np.asarray(jax.random.normal(jax.random.key(7), (32, V)) * 2,
+                      np.float64)
+  for top_k, top_p in ((0, 0.3), (0, 0.8), (5, 0.6)):
+    got = np.asarray(decoding.sampling_logits(
+        jnp.asarray(logits, jnp.float32), temperature=temperature,
+        top_k=top_k, top_p=top_p))
+    for row, kept in zip(logits / temperature, np.isfinite(got)):
+      if top_k:
+        row = np.where(row >= np.sort(row)[-top_k], row, -np.inf)
+      probs = np.exp(row - row.max())
+      np.testing.assert_array_equal(kept, nucleus(probs / probs.sum(), top_p))
+    np.testing.assert_allclose(got[np.isfinite(got)],
+                               (logits / temperature)[np.isfinite(got)],
+                               rtol=1e-6)
 
 
 @pytest.fixture(scope='module')
@@ -204,10 +228,64 @@ def test_beam_of_one_is_greedy(lm):
   greedy = greedy_by_full_passes(model, params, prompts, lengths, 6)
   eos = int(greedy[0, 2])
   tokens, _ = beam_lm(model, params, prompts, lengths, beam_size=1,
-                      num_tokens=6, eos_id=eos, alpha=0.0)
+                      num_tokens=6, eos_id=eos, alpha=0.6)
   for row, want in zip(np.asarray(tokens)[:, 0], greedy):
     stop = list(want).index(eos) + 1 if eos in want else 6
     np.testing.assert_array_equal(row, list(want[:stop]) + [0] * (6 - stop))
+
+
+def table_step(logits_BxLxVxV):
+  """A step whose next-token logits are a table's, looked up by row (the
+  "cache", which beam search copies and reorders with its beams), position
+  and last token."""
+  def step(tokens_BxT, positions_BxT, rows_B):
+    return logits_BxLxVxV[rows_B[:, None], positions_BxT, tokens_BxT], rows_B
+  return step
+
+
+def greedy_by_table(logits_LxVxV, prompt, eos, num_tokens, alpha):
+  """(tokens, score) of greedy decoding, written out."""
+  tokens, logp, last = [], 0.0, prompt[-1]
+  for position in range(len(prompt) - 1, len(prompt) - 1 + num_tokens):
+    row = logits_LxVxV[position, last]
+    log_probs = row - np.log(np.sum(np.exp(row - row.max()))) - row.max()
+    last = int(np.argmax(row))
+    tokens.append(last)
+    logp += log_probs[last]
+    if last == eos:
+      break
+  return (tokens + [0] * (num_tokens - len(tokens)),
+          logp / ((5 + len(tokens)) / 6) ** alpha)
+
+
+@pytest.mark.parametrize('alpha', [0.0, 0.6, 1.0])
+def test_beam_of_one_is_greedy_for_any_length_penalty(alpha):
+  """Row 0 is a near tie: after the prompt EOS (0.40) is just above 2
+  (0.35), after which 2s and then EOS are all but certain, so a hypothesis
+  kept alive beside the finished [EOS] would end with a better normalised
+  score at alpha > 0. The other rows are random tables."""
+  rows, steps, vocab, eos = 12, 5, 5, 1
+  rng = np.random.default_rng(8)
+  logits = rng.normal(size=(rows, steps + 2, vocab, vocab)) * 1.5
+  tie = np.log(np.full((steps + 2, vocab, vocab), 0.0025))
+  tie[1, 3, [1, 2, 3]] = np.log([0.40, 0.35, 0.245])
+  tie[2:5, 2, 2] = tie[5, 2, 1] = np.log(0.99)
+  logits[0] = tie
+  lengths = rng.integers(1, 3, size=rows)
+  lengths[0] = 2
+  prompts = np.where(np.arange(2) < lengths[:, None],
+                     rng.integers(2, vocab, size=(rows, 2)), 0)
+  prompts[0] = [4, 3]
+  tokens, scores = decoding.beam_search(
+      table_step(jnp.asarray(logits, jnp.float32)), jnp.arange(rows),
+      jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths), beam_size=1,
+      num_tokens=steps, eos_id=eos, alpha=alpha)
+  for row in range(rows):
+    prompt = list(prompts[row, :lengths[row]])
+    want, score = greedy_by_table(logits[row], prompt, eos, steps, alpha)
+    np.testing.assert_array_equal(np.asarray(tokens)[row, 0], want)
+    np.testing.assert_allclose(scores[row, 0], score, rtol=1e-5)
+  assert list(np.asarray(tokens)[0, 0]) == [eos, 0, 0, 0, 0]
 
 
 def test_a_wide_beam_finds_the_best_sequence_of_brute_force():

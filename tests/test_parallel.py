@@ -12,6 +12,7 @@ import sys
 import grain
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -181,9 +182,10 @@ def test_ring_attention_equals_dense_with_gradients(case, sizes):
       q, k, v)
   ring = attention.get('ring')
   with jax.set_mesh(ring_mesh(**sizes)):
-    out = jax.jit(lambda q, k, v: ring(q, k, v, **kwargs))(q, k, v)
-    grads = jax.jit(jax.grad(lambda *a: loss(ring, *a), argnums=(0, 1, 2)))(
-        q, k, v)
+    # One compilation for the outputs and the gradients.
+    out, grads = jax.jit(lambda *a: (
+        ring(*a, **kwargs),
+        jax.grad(lambda *a: loss(ring, *a), argnums=(0, 1, 2))(*a)))(q, k, v)
   np.testing.assert_allclose(out, expected, atol=1e-5)
   for got, want in zip(grads, expected_grads):
     np.testing.assert_allclose(got, want, atol=1e-5)
@@ -240,6 +242,43 @@ def test_ring_attention_with_segment_ids_and_its_gradients():
         argnums=(0, 1, 2)))(q, k, v)
   jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-5),
                got, want)
+
+
+@pytest.mark.parametrize('case', ['row_mask_and_bias', 'segment_ids'])
+def test_ring_attention_under_explicit_mesh_axes(case):
+  """A mesh of jax.make_mesh with Explicit axes, the inputs split by
+  example: outputs and gradients (queries, keys, values, bias) equal
+  dense's, and the output is split as the queries are."""
+  q, k, v = random_qkv()
+  if case == 'segment_ids':
+    ids = jnp.asarray(np.repeat([[1, 2, 3, 4], [1, 1, 2, 0]], 4, axis=1))
+    bias, ring_mask = None, attention.SegmentMask(ids, ids)
+    dense_mask = ids[:, None, :, None] == ids[:, None, None, :]
+  else:
+    bias, ring_mask = (RING_CASES[case]['bias'], RING_CASES[case]['mask'])
+    dense_mask = ring_mask
+
+  def loss(fn, mask, *inputs):
+    return jnp.sum(jnp.sin(fn(*inputs, mask=mask, is_causal=True)))
+
+  want = jax.value_and_grad(
+      lambda *a: loss(attention.get('dense'), dense_mask, *a),
+      argnums=(0, 1, 2, 3))(q, k, v, bias)
+  explicit = jax.sharding.AxisType.Explicit
+  mesh_2x4 = jax.make_mesh((2, 4), ('data', 'sequence'),
+                           axis_types=(explicit, explicit))
+  ring = attention.get('ring')
+  with jax.set_mesh(mesh_2x4):
+    q, k, v = (jax.device_put(x, jax.NamedSharding(mesh_2x4, P('data')))
+               for x in (q, k, v))
+    got = jax.jit(jax.value_and_grad(
+        lambda *a: loss(ring, ring_mask, *a), argnums=(0, 1, 2, 3)))(
+            q, k, v, bias)
+    out = jax.eval_shape(lambda *a: ring(*a, mask=ring_mask, is_causal=True),
+                         q, k, v, bias)
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-5),
+               got, want)
+  assert out.sharding.spec == P('data', None, None, None)
 
 
 def test_ring_attention_refuses_what_it_cannot_split():

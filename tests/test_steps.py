@@ -47,16 +47,6 @@ def test_linear_and_constant_schedules():
   np.testing.assert_allclose(optim.learning_rate_schedule(config)(50), 1.0)
 
 
-def test_weight_decay_applies_to_matrices_not_biases_or_norms():
-  params = {'dense': {'kernel': 1.0, 'bias': 1.0},
-            'norm': {'scale': 1.0, 'bias': 1.0},
-            'embed': {'embedding': 1.0}, 'cls': 1.0}
-  assert optim.decay_mask(params) == {
-      'dense': {'kernel': True, 'bias': False},
-      'norm': {'scale': False, 'bias': False},
-      'embed': {'embedding': True}, 'cls': False}
-
-
 def test_cross_entropy_with_label_smoothing_matches_the_formula():
   logits = jax.random.normal(jax.random.key(0), (3, 5))
   targets = jnp.array([0, 3, 4])

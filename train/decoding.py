@@ -106,20 +106,31 @@ def top_p_mask(logits_BxV: Array, p: float) -> Array:
       keep_BxV)
 
 
+def sampling_logits(logits_BxV: Array, *, temperature: float,
+                    top_k: int = 0, top_p: float = 1.0) -> Array:
+  """The logits a token is drawn from at `temperature` > 0, in this order:
+  divided by the temperature, then restricted to the top_k tokens (0: all),
+  then to the top_p nucleus of the distribution left (1: all); -inf
+  outside (the convention of Hugging Face's generation and vLLM)."""
+  logits_BxV = logits_BxV / temperature
+  if top_k:
+    logits_BxV = jnp.where(top_k_mask(logits_BxV, top_k), logits_BxV,
+                           -jnp.inf)
+  if top_p < 1.0:
+    logits_BxV = jnp.where(top_p_mask(logits_BxV, top_p), logits_BxV,
+                           -jnp.inf)
+  return logits_BxV
+
+
 def choose(logits_BxV: Array, rng: Array, *, temperature: float,
            top_k: int = 0, top_p: float = 1.0) -> Array:
   """The next token of each row [B]: greedy at temperature 0, else drawn
-  from softmax(logits / temperature) restricted to the top_k tokens (0:
-  all) and to the top_p nucleus (1: all)."""
+  from `sampling_logits`."""
   if temperature == 0.0:
     return jnp.argmax(logits_BxV, axis=-1)
-  keep_BxV = jnp.ones(logits_BxV.shape, bool)
-  if top_k:
-    keep_BxV &= top_k_mask(logits_BxV, top_k)
-  if top_p < 1.0:
-    keep_BxV &= top_p_mask(logits_BxV, top_p)
-  logits_BxV = jnp.where(keep_BxV, logits_BxV / temperature, -jnp.inf)
-  return jax.random.categorical(rng, logits_BxV, axis=-1)
+  return jax.random.categorical(
+      rng, sampling_logits(logits_BxV, temperature=temperature, top_k=top_k,
+                           top_p=top_p), axis=-1)
 
 
 def sample(step: Step, cache: Cache, prompts_BxP: Array,
@@ -129,6 +140,16 @@ def sample(step: Step, cache: Cache, prompts_BxP: Array,
   """[B, num_tokens] tokens after each prompt (see `choose`); after an
   `eos_id` a row holds PAD_ID. The cache must hold P + num_tokens
   positions."""
+  return _decode(step, cache, prompts_BxP, prompt_lengths_B,
+                 num_tokens=num_tokens, rng=rng, temperature=temperature,
+                 top_k=top_k, top_p=top_p, eos_id=eos_id)[0]
+
+
+def _decode(step: Step, cache: Cache, prompts_BxP: Array,
+            prompt_lengths_B: Array, *, num_tokens: int, rng: Array,
+            eos_id: int | None, **choice) -> tuple[Array, Array, Array]:
+  """`sample`'s tokens [B, num_tokens], the log-probability the model gives
+  each row's tokens up to and including EOS [B], and their number [B]."""
   batch, prompt_len = prompts_BxP.shape
   positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), prompts_BxP.shape)
   logits_BxPxV, cache = step(prompts_BxP, positions_BxP, cache)
@@ -136,26 +157,34 @@ def sample(step: Step, cache: Cache, prompts_BxP: Array,
   logits_BxV = logits_BxPxV[jnp.arange(batch), prompt_lengths_B - 1]
 
   def not_done(carry):
-    t, _, _, _, finished_B, _ = carry
+    t, _, _, _, finished_B, _, _ = carry
     return (t < num_tokens) & ~jnp.all(finished_B)
 
   def next_token(carry):
-    t, logits_BxV, cache, out_BxN, finished_B, rng = carry
+    t, logits_BxV, cache, out_BxN, finished_B, (logp_B, length_B), rng = carry
     rng, draw = jax.random.split(rng)
-    token_B = choose(logits_BxV, draw, temperature=temperature, top_k=top_k,
-                     top_p=top_p)
+    token_B = choose(logits_BxV, draw, **choice)
     token_B = jnp.where(finished_B, PAD_ID, token_B).astype(jnp.int32)
     out_BxN = out_BxN.at[:, t].set(token_B)
+    token_logp_B = jnp.take_along_axis(
+        jax.nn.log_softmax(logits_BxV, axis=-1), token_B[:, None], axis=-1)
+    logp_B = logp_B + jnp.where(finished_B, 0.0, token_logp_B[:, 0])
+    length_B = length_B + ~finished_B
     if eos_id is not None:
       finished_B = finished_B | (token_B == eos_id)
     logits_Bx1xV, cache = step(token_B[:, None],
                                (prompt_lengths_B + t)[:, None], cache)
-    return t + 1, logits_Bx1xV[:, 0], cache, out_BxN, finished_B, rng
+    return (t + 1, logits_Bx1xV[:, 0], cache, out_BxN, finished_B,
+            (logp_B, length_B), rng)
 
   carry = (jnp.int32(0), logits_BxV, cache,
            jnp.full((batch, num_tokens), PAD_ID, jnp.int32),
-           jnp.zeros((batch,), bool), rng)
-  return jax.lax.while_loop(not_done, next_token, carry)[3]
+           jnp.zeros((batch,), bool),
+           (jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.int32)),
+           rng)
+  _, _, _, tokens_BxN, _, (logp_B, length_B), _ = jax.lax.while_loop(
+      not_done, next_token, carry)
+  return tokens_BxN, logp_B, length_B
 
 
 def length_penalty(length: Array, alpha: float) -> Array:
@@ -185,14 +214,23 @@ def beam_search(step: Step, cache: Cache, prompts_BxP: Array,
   (best first; PAD_ID after EOS), and their scores [B, K]: log-probability
   over `length_penalty` of the tokens up to and including EOS.
 
-  K hypotheses stay alive (the most probable that have not ended); those
-  that end with `eos_id` among the K most probable extensions compete for
-  K finished places by score. The search
-  stops when no alive hypothesis can overtake the worst finished one, or
-  after num_tokens; a row with no finished hypothesis returns its alive
-  ones, scored at length num_tokens. `cache` is for B rows of
+  A beam of one is greedy decoding, for any alpha. A wider one (as in
+  tensor2tensor and Flax's WMT example): K hypotheses stay alive (the most
+  probable that have not ended); those that end with `eos_id` among the K
+  most probable extensions compete for K finished places by score. The
+  search stops when no alive hypothesis can overtake the worst finished
+  one, or after num_tokens; a row with no finished hypothesis returns its
+  alive ones, scored at length num_tokens. `cache` is for B rows of
   P + num_tokens positions.
   """
+  if beam_size == 1:
+    # Not the search below with K = 1: beside a finished hypothesis it
+    # keeps one alive, which can end later with a better normalised score.
+    tokens_BxN, logp_B, length_B = _decode(
+        step, cache, prompts_BxP, prompt_lengths_B, num_tokens=num_tokens,
+        rng=jax.random.key(0), temperature=0.0, eos_id=eos_id)
+    return (tokens_BxN[:, None],
+            (logp_B / length_penalty(length_B, alpha))[:, None])
   batch, prompt_len = prompts_BxP.shape
   k = beam_size
   positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), prompts_BxP.shape)
@@ -231,7 +269,7 @@ def beam_search(step: Step, cache: Cache, prompts_BxP: Array,
     seqs_Bx2KxN = _gather_beams(alive_BxKxN, parent_Bx2K).at[:, :, t].set(
         token_Bx2K)
     # An EOS among the K best ends its hypothesis; one below them is
-    # dropped (so that a beam of one is greedy decoding).
+    # dropped.
     ends_Bx2K = token_Bx2K == eos_id
     finishes_Bx2K = ends_Bx2K & (jnp.arange(2 * k) < k)
     # Finished: the old and the new, ranked by normalised score.
@@ -245,8 +283,7 @@ def beam_search(step: Step, cache: Cache, prompts_BxP: Array,
         jnp.where(ends_Bx2K, -jnp.inf, logp_Bx2K),
         (seqs_Bx2KxN, parent_Bx2K, token_Bx2K), k)
     rows_BK = (jnp.arange(batch)[:, None] * k + parent_BxK).reshape(-1)
-    if k > 1:  # (A beam of one continues its only hypothesis.)
-      cache = jax.tree.map(lambda x: jnp.take(x, rows_BK, axis=0), cache)
+    cache = jax.tree.map(lambda x: jnp.take(x, rows_BK, axis=0), cache)
     logits_BKx1xV, cache = step(token_BxK.reshape(-1, 1),
                                 (lengths_BK + t)[:, None], cache)
     return (t + 1, logits_BKx1xV[:, 0], alive_logp_BxK, alive_BxKxN,

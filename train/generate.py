@@ -87,11 +87,13 @@ if __name__ == '__main__':
   flags.DEFINE_string('workdir', None, 'A language model\'s training workdir.')
   flags.DEFINE_string('prompt', '', 'Text to continue.')
   flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to generate at most.')
-  flags.DEFINE_float('temperature', 0.8, 'Softmax temperature; 0 is greedy.')
+  flags.DEFINE_float('temperature', 0.8, 'Softmax temperature; 0 is greedy. '
+                     'Applied first, before --top_k and --top_p.')
   flags.DEFINE_integer('top_k', 0, 'Sample among the k most likely tokens; '
-                       '0 for all.')
+                       '0 for all. Applied after the temperature.')
   flags.DEFINE_float('top_p', 1.0, 'Sample within the smallest set of tokens '
-                     'holding this much probability (nucleus); 1 for all.')
+                     'holding this much probability (nucleus) of the '
+                     'tempered distribution left by --top_k; 1 for all.')
   flags.DEFINE_integer('num_samples', 1, 'Samples to draw.')
   flags.DEFINE_integer('seed', 0, 'Seeds the draws.')
   flags.mark_flags_as_required(['workdir'])

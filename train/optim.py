@@ -1,15 +1,11 @@
 """The optimizer and learning-rate schedule named by the config."""
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 
 SCHEDULES = ('cosine', 'linear', 'rsqrt', 'constant')
 OPTIMIZERS = ('adamw', 'sgd')
-# Parameters whose names end in these are matrices and get weight decay;
-# biases, norm scales and learned vectors do not.
-DECAYED_NAMES = ('kernel', 'embedding')
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
@@ -39,15 +35,11 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
       [optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
 
 
-def decay_mask(params):
-  """True for the parameters that get weight decay (see DECAYED_NAMES)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: getattr(path[-1], 'key', None) in DECAYED_NAMES, params)
-
-
-def make_optimizer(config: ml_collections.ConfigDict
+def make_optimizer(config: ml_collections.ConfigDict, decay_mask
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """Clipping by global norm, then `config.optimizer` on the schedule."""
+  """Clipping by global norm, then `config.optimizer` on the schedule,
+  with weight decay on the parameters `decay_mask` marks (a tree of bools
+  like the parameters': see model/weight_decay.py)."""
   schedule = learning_rate_schedule(config)
   if config.optimizer == 'adamw':
     optimizer = optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2,

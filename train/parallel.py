@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 
-from model import ModelConfig, build, families
+from model import ModelConfig, build, families, weight_decay
 from train import mesh as mesh_lib
 from train import optim, steps
 from train.errors import InputError
@@ -277,7 +277,12 @@ def compile_program(config: ml_collections.ConfigDict,
   """The Program of a validated config on `mesh` (jitted, compiled on first
   call)."""
   model = build(model_config)
-  optimizer, schedule = optim.make_optimizer(config)
+  rng = jax.random.key(config.seed)
+  boxed_params = jax.eval_shape(functools.partial(
+      steps.init_params, model, kind, seq_len=config.seq_len, boxed=True),
+      rng)
+  optimizer, schedule = optim.make_optimizer(
+      config, weight_decay.decay_mask(boxed_params))
   rules = logical_rules(config)
   replicated = NamedSharding(mesh, P())
 
@@ -291,11 +296,7 @@ def compile_program(config: ml_collections.ConfigDict,
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=optimizer.init(params), memory=empty_memory())
 
-  rng = jax.random.key(config.seed)
   abstract_state = jax.eval_shape(init_state, rng)
-  boxed_params = jax.eval_shape(functools.partial(
-      steps.init_params, model, kind, seq_len=config.seq_len, boxed=True),
-      rng)
   strategy = config.parallelism.strategy
   state_sharding = state_shardings(abstract_state, boxed_params, mesh, rules,
                                    replicate_params=strategy == 'pmap')

@@ -14,7 +14,11 @@ last device, which needs every block, sets the pace either way.
 Only the sequence axis is manual inside the `shard_map`: the batch and head
 dims keep whatever sharding the compiler gave them (data, FSDP, tensor). With
 no mesh in context, or none with `axis` of size > 1, the ring has one device
-and this is dense attention computed blockwise in one block.
+and this is dense attention computed blockwise in one block. The mesh's axes
+may be Auto (as `train/mesh.py` makes them) or Explicit (`jax.make_mesh`'s
+default): under an Explicit `axis` the inputs are resharded along the length
+before the ring and the output back to the queries' sharding, so that the
+function, and its gradients, keep the types of its inputs.
 
 Masks and array biases are split by query rows, each device holding its rows
 against every key (a [B, 1, 1, S] padding mask is O(S) on each); a
@@ -27,7 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 from model.attention import chunked, core
 
@@ -127,6 +131,30 @@ def _ring_size(axis: str) -> int:
   return mesh.shape[axis]
 
 
+def _explicit(axis: str) -> bool:
+  mesh = jax.sharding.get_abstract_mesh()
+  return dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Explicit
+
+
+def _reshard(x: Array, spec: P, axis: str) -> Array:
+  """x split over `axis` where `spec` says, and as its type says on the
+  other dims (less `axis`): under an Explicit axis a shard_map's operands
+  must already be split as its in_specs say, or their cotangents come back
+  with another type than theirs."""
+  have = tuple(jax.typeof(x).sharding.spec)
+  have += (None,) * (x.ndim - len(have))
+  want = tuple(spec) + (None,) * (x.ndim - len(spec))
+
+  def entry(have_d, want_d):
+    if want_d == axis:
+      return axis
+    names = have_d if isinstance(have_d, tuple) else (have_d,)
+    names = tuple(name for name in names if name not in (None, axis))
+    return names or None
+
+  return jax.sharding.reshard(x, P(*map(entry, have, want)))
+
+
 def _row_spec(x, axis: str):
   """A mask or bias [B?, N?, T?, S?] split by query rows where it has them
   (a SegmentMask: its query ids)."""
@@ -167,7 +195,15 @@ def ring_attention(query: Array, key: Array, value: Array,
   if ring_size == 1:
     return body(query, key, value, bias, mask)
   sequence = P(None, axis)
-  return jax.shard_map(
-      body, in_specs=(sequence, sequence, sequence, _row_spec(bias, axis),
-                      _row_spec(mask, axis)),
-      out_specs=sequence, axis_names={axis})(query, key, value, bias, mask)
+  in_specs = (sequence, sequence, sequence, _row_spec(bias, axis),
+              _row_spec(mask, axis))
+  inputs = (query, key, value, bias, mask)
+  explicit = _explicit(axis)
+  if explicit:
+    inputs = jax.tree.map(lambda spec, x: _reshard(x, spec, axis), in_specs,
+                          inputs, is_leaf=lambda x: isinstance(x, P))
+  out = jax.shard_map(body, in_specs=in_specs, out_specs=sequence,
+                      axis_names={axis})(*inputs)
+  if explicit:
+    out = jax.sharding.reshard(out, jax.typeof(query).sharding.spec)
+  return out
