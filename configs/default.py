@@ -87,7 +87,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.adam_eps = 1e-9
   # Momentum of sgd; 0 for none.
   config.sgd_momentum = 0.9
-  # Decoupled weight decay of matrices and embeddings (not biases, norms).
+  # Decoupled weight decay of every weight, not of biases or normalisation
+  # scales (model/weight_decay.py).
   config.weight_decay = 0.01
   # Clip gradients to this global norm; 0 for no clipping.
   config.grad_clip_norm = 1.0
