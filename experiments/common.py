@@ -14,6 +14,7 @@ import jax
 import matplotlib
 import numpy as np
 
+from train import metrics
 from train.errors import InputError
 
 matplotlib.use('Agg')
@@ -63,8 +64,7 @@ def read_metrics(workdir: str) -> list[dict[str, float]]:
   path = os.path.join(workdir, 'metrics.jsonl')
   if not os.path.exists(path):
     return []
-  with open(path) as f:
-    lines = [json.loads(line) for line in f if line.strip()]
+  lines = metrics.read_metrics(path)
   last = {(line['step'], tuple(sorted(line))): i
           for i, line in enumerate(lines)}
   return [lines[i] for i in sorted(last.values())]

@@ -3,12 +3,17 @@
 Every summary goes to `workdir/metrics.jsonl` (one JSON object a line,
 flushed as written, so `tail -f` follows a run and a killed run keeps every
 line), to TensorBoard event files under `workdir/tensorboard`, and to the
-terminal.
+terminal. The lines are strict JSON: a value that is not finite (the
+gradient norm of a skipped step) is written as null, and the line's
+`non_finite` object holds it as a string ({"grad_norm": "nan"}), which
+`read_metrics` turns back into the float. A line cut by a killed writer or
+a full disk is moved to `metrics.jsonl.partial` when the next run starts.
 """
 
 import json
 import math
 import os
+import sys
 import time
 
 import jax
@@ -100,6 +105,56 @@ def summarize_eval(sums: dict[str, float], *, byte_level: bool
   return summary
 
 
+def json_line(step: int, summary: dict[str, float]) -> str:
+  """The strict-JSON line of a summary (see the module's docstring)."""
+  line = {'step': step} | {key: value if math.isfinite(value) else None
+                           for key, value in summary.items()}
+  non_finite = {key: str(value) for key, value in summary.items()
+                if not math.isfinite(value)}
+  if non_finite:
+    line['non_finite'] = non_finite
+  return json.dumps(line, allow_nan=False) + '\n'
+
+
+def read_metrics(path: str) -> list[dict[str, float]]:
+  """The summaries of a metrics.jsonl, non-finite values restored; a line
+  that is not a summary is skipped with a warning naming it."""
+  summaries = []
+  with open(path) as f:
+    for number, text in enumerate(f, start=1):
+      if not text.strip():
+        continue
+      try:
+        line = json.loads(text)
+        if not isinstance(line, dict) or 'step' not in line:
+          raise ValueError('no step')
+      except ValueError:
+        print(f'warning: {path} line {number} is not a metrics summary; '
+              f'skipped: {text.strip()[:80]!r}', file=sys.stderr, flush=True)
+        continue
+      for key, value in line.pop('non_finite', {}).items():
+        line[key] = float(value)
+      summaries.append(line)
+  return summaries
+
+
+def repair_cut_line(path: str) -> None:
+  """Moves a last line without its newline (its writer was killed, or the
+  disk filled) to `<path>.partial`, and says so."""
+  if not os.path.exists(path):
+    return
+  with open(path, 'rb+') as f:
+    data = f.read()
+    if not data or data.endswith(b'\n'):
+      return
+    cut = data.rfind(b'\n') + 1
+    with open(path + '.partial', 'ab') as partial:
+      partial.write(data[cut:] + b'\n')
+    f.truncate(cut)
+  print(f'warning: the last line of {path} was cut off (a run was killed or '
+        f'the disk was full); it is moved to {path}.partial.', flush=True)
+
+
 class MetricWriter:
   """Writes summaries from process 0; a no-op on the other hosts."""
 
@@ -107,7 +162,9 @@ class MetricWriter:
     self._active = jax.process_index() == 0
     if not self._active:
       return
-    self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+    path = os.path.join(workdir, 'metrics.jsonl')
+    repair_cut_line(path)
+    self._jsonl = open(path, 'a')
     self._tensorboard = tensorboardX.SummaryWriter(
         os.path.join(workdir, 'tensorboard'))
     self._progress = tqdm.tqdm(total=total_steps, initial=first_step,
@@ -119,7 +176,7 @@ class MetricWriter:
     summary = {key: float(value) for key, value in summary.items()}
     if self._jsonl is not None:
       try:
-        self._jsonl.write(json.dumps({'step': step, **summary}) + '\n')
+        self._jsonl.write(json_line(step, summary))
         self._jsonl.flush()
       except OSError as error:  # A full disk, a lost mount.
         self._stop_jsonl(f'could not write the metrics of step {step} to '

@@ -18,6 +18,7 @@ from model import ModelConfig, build
 from train import checkpointing, config_validation, flops, generate, metrics
 from train import mesh as mesh_lib
 from train import parallel, preemption, seq2seq_eval
+from train import workdir as workdir_lib
 from train.data import datasets, pipeline
 from train.errors import InputError, Stopped, TrainingError
 
@@ -26,27 +27,6 @@ def _say(message: str) -> None:
   """A status line on the terminal, from the first host only."""
   if jax.process_index() == 0:
     print(message, flush=True)
-
-
-def _prepare_workdir(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """Creates the workdir and writes config.json there (every host checks it
-  can write there): a workdir that cannot be written is reported now,
-  before anything is built."""
-  problem = None
-  try:
-    os.makedirs(workdir, exist_ok=True)
-    if jax.process_index() == 0:
-      with open(os.path.join(workdir, 'config.json'), 'w') as f:
-        f.write(config.to_json_best_effort(indent=2, sort_keys=True) + '\n')
-    else:  # The others only try.
-      probe = os.path.join(workdir, f'.written_by_host_{jax.process_index()}')
-      open(probe, 'w').close()
-      os.remove(probe)
-  except OSError as error:
-    problem = error.strerror or str(error)
-  if not mesh_lib.minimum_over_hosts(problem is None):
-    raise InputError(f'--workdir={workdir} cannot be written: '
-                     f'{problem or "not by every host"}.')
 
 
 def _decoding_evaluation(config: ml_collections.ConfigDict,
@@ -87,24 +67,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   """Trains `config` in `workdir`, resuming from its latest checkpoint.
 
   Returns the final evaluation summary (eval_loss, eval_accuracy, ...).
-  Raises train.errors.InputError, naming the key, for a bad config;
+  The workdir is this run's while it runs (see train/workdir.py).
+  Raises train.errors.InputError, naming the key, for a bad config, a
+  workdir in use or one that holds another config;
   TrainingError when non-finite values or a failed save stop the run;
   Stopped when SIGTERM, SIGINT or a preemption notice did, after saving.
   """
   model_config = config_validation.validate(config)
-  # Listening from here on: a stop asked for while the dataset is read or
-  # the steps compile is acted on after the first step.
-  stop = preemption.StopRequest()
-  try:
-    return _train(config, model_config, os.path.abspath(workdir), stop)
-  finally:
-    stop.close()
+  workdir = os.path.abspath(workdir)
+  with workdir_lib.claim(config, workdir):
+    # Listening from here on: a stop asked for while the dataset is read or
+    # the steps compile is acted on after the first step.
+    stop = preemption.StopRequest()
+    try:
+      return _train(config, model_config, workdir, stop)
+    finally:
+      stop.close()
 
 
 def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
            workdir: str, stop: preemption.StopRequest) -> dict[str, float]:
-  """train_and_evaluate of a validated config, `stop` listening."""
-  _prepare_workdir(config, workdir)
+  """train_and_evaluate of a validated config in its claimed workdir,
+  `stop` listening."""
   dataset = datasets.load(config, workdir)
   config_validation.check_dataset_fits(config, dataset)
 

@@ -1,0 +1,229 @@
+"""A workdir belongs to one run and one config.
+
+One run at a time: the run takes `workdir/lock` (an advisory file lock
+holding its host and pid; on several hosts, process 0's on the shared
+workdir) when it starts, and leaves it when it ends; the kernel lets go of
+a killed run's lock, and the next run takes it over with a warning. A
+second run on a locked workdir stops at once, naming the holder.
+
+One config: `config.json` is written when the workdir holds no record of a
+run yet (no metrics, no checkpoint), and never rewritten after. A resume is
+compared with it, key by key, as later resumes changed it (each change is
+a line of `config_history.jsonl`): only the keys of RESUMABLE, which say
+how the run is observed, stopped or laid out on the devices, may change;
+the run's number of steps may change only under a schedule that does not
+depend on it. Any other difference stops the run before anything is
+written, listing each key with its old and new values.
+"""
+
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import socket
+from typing import Any
+
+import jax
+import ml_collections
+
+from train import mesh
+from train.errors import InputError
+
+# Keys (or dotted prefixes) a resume may change: logging, evaluation,
+# checkpoints, the closing sample, what stops a run, where the data lives,
+# and the layout on the devices (a checkpoint resumes on any mesh; micro-
+# batches and rematerialisation compute the same update).
+RESUMABLE = (
+    'log_every', 'eval_every', 'checkpoint_every', 'keep_checkpoints',
+    'eval_split', 'num_eval_steps', 'decode_splits', 'num_decode_examples',
+    'beam_size', 'beam_alpha', 'sample_length', 'sample_prompt',
+    'sample_temperature', 'nan_policy', 'max_skipped_steps',
+    'debug_poison_step', 'data_dir', 'parallelism', 'logical_axis_rules',
+    'distributed', 'grad_accum_steps', 'model.remat')
+# Schedules whose learning rate at a step does not depend on
+# num_train_steps: a run on them may be extended or shortened.
+LENGTH_FREE_SCHEDULES = ('rsqrt', 'constant')
+_ABSENT = '(absent)'
+
+
+def _flat(tree: Any, prefix: str = '') -> dict[str, Any]:
+  """{'model.d_model': 128, ...} of a config's JSON."""
+  if not isinstance(tree, dict):
+    return {prefix: tree}
+  flat = {}
+  for key, value in tree.items():
+    flat |= _flat(value, f'{prefix}{key}' if not prefix
+                  else f'{prefix}.{key}')
+  return flat
+
+
+def _as_json(config: ml_collections.ConfigDict) -> str:
+  return config.to_json_best_effort(indent=2, sort_keys=True) + '\n'
+
+
+def _resumable(key: str) -> bool:
+  return any(key == name or key.startswith(name + '.') for name in RESUMABLE)
+
+
+def _has_record(workdir: str) -> bool:
+  """Whether a run has left metrics or checkpoints in `workdir`."""
+  metrics = os.path.join(workdir, 'metrics.jsonl')
+  checkpoints = os.path.join(workdir, 'checkpoints')
+  return ((os.path.exists(metrics) and os.path.getsize(metrics) > 0)
+          or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
+
+
+def recorded_config(workdir: str) -> dict[str, Any]:
+  """The flat config the run in `workdir` follows: config.json, with the
+  changes of config_history.jsonl applied in order."""
+  with open(os.path.join(workdir, 'config.json')) as f:
+    flat = _flat(json.load(f))
+  history = os.path.join(workdir, 'config_history.jsonl')
+  if os.path.exists(history):
+    with open(history) as f:
+      for line in f:
+        if line.strip():
+          for key, (_, new) in json.loads(line)['changes'].items():
+            flat[key] = new
+  return flat
+
+
+def differences(old: dict[str, Any], new: dict[str, Any]
+                ) -> dict[str, tuple[Any, Any]]:
+  """{key: (old value, new value)} of the keys whose values differ."""
+  return {key: (old.get(key, _ABSENT), new.get(key, _ABSENT))
+          for key in sorted(old.keys() | new.keys())
+          if old.get(key, _ABSENT) != new.get(key, _ABSENT)}
+
+
+def check_resume(old: dict[str, Any], new: dict[str, Any],
+                 workdir: str = 'this workdir'
+                 ) -> dict[str, tuple[Any, Any]]:
+  """The changes of a resume from `old` to `new` (flat configs), all
+  allowed; InputError listing those that are not."""
+  changes = differences(old, new)
+  refused = {key: values for key, values in changes.items()
+             if not _resumable(key) and key != 'num_train_steps'}
+  lines = [f'config.{key}: {old_value!r} -> {new_value!r}'
+           for key, (old_value, new_value) in refused.items()]
+  if ('num_train_steps' in changes
+      and new.get('schedule') not in LENGTH_FREE_SCHEDULES):
+    old_steps, new_steps = changes['num_train_steps']
+    lines.append(
+        f'config.num_train_steps: {old_steps!r} -> {new_steps!r} would '
+        f'change the {new.get("schedule")} schedule this run has followed '
+        '(its decay ends at num_train_steps); only rsqrt and constant '
+        'schedules can be extended or shortened')
+  if lines:
+    raise InputError(
+        f'{workdir} holds a run of another config (its config.json); a '
+        'resume may change only how the run is observed, stopped or laid '
+        'out. Differing: ' + '; '.join(lines)
+        + '. Use a new --workdir for a new config.')
+  return changes
+
+
+class Lock:
+  """`workdir/lock`, held by this process until `release`."""
+
+  def __init__(self, workdir: str):
+    self._path = os.path.join(workdir, 'lock')
+    self._file = open(self._path, 'a+')
+    try:
+      fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = self._holder()
+      self._file.close()
+      raise InputError(
+          f'{os.path.dirname(self._path)} is in use by {holder} (its '
+          f'{self._path}); one run per workdir: wait for that run to end, '
+          'or give this one another --workdir.') from None
+    previous = self._holder()
+    if previous:
+      print(f'warning: taking over {self._path} from {previous}, which no '
+            'longer holds it (a run that was killed).', flush=True)
+    self._file.seek(0)
+    self._file.truncate()
+    self._file.write(json.dumps({
+        'host': socket.gethostname(), 'pid': os.getpid(),
+        'since': datetime.datetime.now().isoformat(timespec='seconds')})
+                     + '\n')
+    self._file.flush()
+
+  def _holder(self) -> str:
+    """Who the lock file names ('' if no one)."""
+    self._file.seek(0)
+    try:
+      holder = json.loads(self._file.read() or 'null')
+    except json.JSONDecodeError:
+      return 'an unknown run'
+    if not holder:
+      return ''
+    return (f'the run of pid {holder["pid"]} on {holder["host"]} (since '
+            f'{holder["since"]})')
+
+  def release(self) -> None:
+    """Empties the lock file and lets go of it."""
+    self._file.seek(0)
+    self._file.truncate()
+    self._file.close()
+
+
+def claim(config: ml_collections.ConfigDict, workdir: str
+          ) -> contextlib.AbstractContextManager:
+  """Makes `workdir` this run's: creates it, takes its lock, and writes
+  config.json (a new workdir) or checks the resume against it and records
+  the allowed changes. Every host checks it can write there. Returns a
+  context that holds the lock; InputError before anything is written if
+  the workdir cannot be written, is locked, or holds another config."""
+  problem, lock = None, None
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    if jax.process_index() == 0:
+      lock = Lock(workdir)
+      _record_config(config, workdir)
+    else:  # The others only try.
+      probe = os.path.join(workdir, f'.written_by_host_{jax.process_index()}')
+      open(probe, 'w').close()
+      os.remove(probe)
+  except InputError as error:
+    problem = str(error)
+  except OSError as error:
+    problem = (f'--workdir={workdir} cannot be written: '
+               f'{error.strerror or error}.')
+  if not mesh.minimum_over_hosts(problem is None):
+    if lock is not None:
+      lock.release()
+    raise InputError(problem or f'--workdir={workdir} was refused by '
+                     'another host (see its output).')
+  stack = contextlib.ExitStack()
+  if lock is not None:
+    stack.callback(lock.release)
+  return stack
+
+
+def _record_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """config.json of a new workdir; else the resume checked and its changes
+  appended to config_history.jsonl."""
+  path = os.path.join(workdir, 'config.json')
+  history = os.path.join(workdir, 'config_history.jsonl')
+  if not os.path.exists(path) or not _has_record(workdir):
+    with open(path, 'w') as f:
+      f.write(_as_json(config))
+    if os.path.exists(history):
+      os.remove(history)
+    return
+  changes = check_resume(recorded_config(workdir),
+                         _flat(json.loads(_as_json(config))),
+                         f'--workdir={workdir}')
+  if not changes:
+    return
+  with open(history, 'a') as f:
+    f.write(json.dumps({
+        'time': datetime.datetime.now().isoformat(timespec='seconds'),
+        'changes': {key: list(values) for key, values in changes.items()}})
+            + '\n')
+  listed = '; '.join(f'config.{key}: {old!r} -> {new!r}'
+                     for key, (old, new) in changes.items())
+  print(f'Resuming with {listed} (recorded in {history}).', flush=True)
