@@ -1,7 +1,8 @@
 """Which parameters weight decay reaches.
 
 The rule: every weight is decayed (kernels, embeddings, the experts and
-their router, position tables and projections, Linformer's projections,
+their router, position tables and projections, T5's table of logit biases
+per distance bucket among them, Linformer's projections,
 convolution kernels, learned vectors such as a [CLS] token); biases, of
 whatever rank, and normalisation scales are not: they set an offset or a
 gain, and pulling them to zero does not regularise (as in BERT and GPT-2's

@@ -139,6 +139,7 @@ def test_top_p_keeps_exactly_the_smallest_set_that_reaches_p():
 
 def test_top_k_keeps_the_k_largest():
   logits = jax.random.normal(jax.random.key(3), (8, V))
+  assert np.asarray(decoding.top_k_mask(logits, V + 5)).all()
   mask = np.asarray(decoding.top_k_mask(logits, 3))
   assert (mask.sum(axis=-1) == 3).all()
   smallest_kept = np.where(mask, logits, np.inf).min(axis=-1)

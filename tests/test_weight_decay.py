@@ -11,7 +11,7 @@ from configs import default
 from model import ModelConfig, build, weight_decay
 from model.attention_parameters import PARAMETERS
 from model.config import POSITIONS
-from train import optim, steps
+from train import mesh, optim, parallel, steps
 
 KINDS = {'decoder_lm': 'lm', 'encoder_decoder': 'seq2seq',
          'rnn_attention': 'seq2seq', 'encoder_classifier': 'classification'}
@@ -86,3 +86,18 @@ def test_the_optimizer_decays_what_the_mask_marks():
       jax.tree.leaves(weight_decay.decay_mask(boxed))):
     np.testing.assert_allclose(update, -0.05 if decayed else 0.0, rtol=1e-6,
                                err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_training_program_decays_by_its_models_declarations(monkeypatch):
+  masks = []
+  make_optimizer = optim.make_optimizer
+  monkeypatch.setattr(optim, 'make_optimizer', lambda config, mask: (
+      masks.append(mask), make_optimizer(config, mask))[1])
+  config = CONFIGS['decoder_lm_moe_swiglu_rmsnorm']
+  train_config = default.get_config()
+  train_config.update(dict(seq_len=8, batch_size=2))
+  parallel.compile_program(train_config, config, 'lm', mesh.make_mesh(
+      train_config.parallelism, jax.devices()[:1]))
+  [mask] = masks
+  assert mask == weight_decay.decay_mask(boxed_params(config))
+  assert set(jax.tree.leaves(mask)) == {True, False}

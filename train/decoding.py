@@ -86,8 +86,8 @@ def seq2seq_step(model: nn.Module, params, inputs_BxS: Array, length: int,
 
 def top_k_mask(logits_BxV: Array, k: int) -> Array:
   """True at each row's k largest logits (exactly k, ties broken by
-  index)."""
-  _, indices_Bxk = jax.lax.top_k(logits_BxV, k)
+  index; every logit when k >= V)."""
+  _, indices_Bxk = jax.lax.top_k(logits_BxV, min(k, logits_BxV.shape[-1]))
   rows_Bxk = jnp.arange(logits_BxV.shape[0])[:, None]
   return jnp.zeros(logits_BxV.shape, bool).at[rows_Bxk, indices_Bxk].set(True)
 

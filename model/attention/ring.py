@@ -17,8 +17,11 @@ no mesh in context, or none with `axis` of size > 1, the ring has one device
 and this is dense attention computed blockwise in one block. The mesh's axes
 may be Auto (as `train/mesh.py` makes them) or Explicit (`jax.make_mesh`'s
 default): under an Explicit `axis` the inputs are resharded along the length
-before the ring and the output back to the queries' sharding, so that the
-function, and its gradients, keep the types of its inputs.
+before the ring, and under any Explicit axis the output is resharded as the
+queries are, so that the function, and its gradients, keep the types of its
+inputs. (Under Explicit axes XLA gathers the batch over its other axes at
+the shard_map's boundary, which the Auto axes of a training run do not:
+exact, but slower there.)
 
 Masks and array biases are split by query rows, each device holding its rows
 against every key (a [B, 1, 1, S] padding mask is O(S) on each); a
@@ -131,9 +134,9 @@ def _ring_size(axis: str) -> int:
   return mesh.shape[axis]
 
 
-def _explicit(axis: str) -> bool:
+def _axis_types() -> dict[str, AxisType]:
   mesh = jax.sharding.get_abstract_mesh()
-  return dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Explicit
+  return dict(zip(mesh.axis_names, mesh.axis_types))
 
 
 def _reshard(x: Array, spec: P, axis: str) -> Array:
@@ -198,12 +201,13 @@ def ring_attention(query: Array, key: Array, value: Array,
   in_specs = (sequence, sequence, sequence, _row_spec(bias, axis),
               _row_spec(mask, axis))
   inputs = (query, key, value, bias, mask)
-  explicit = _explicit(axis)
-  if explicit:
+  axis_types = _axis_types()
+  if axis_types[axis] == AxisType.Explicit:
     inputs = jax.tree.map(lambda spec, x: _reshard(x, spec, axis), in_specs,
                           inputs, is_leaf=lambda x: isinstance(x, P))
   out = jax.shard_map(body, in_specs=in_specs, out_specs=sequence,
                       axis_names={axis})(*inputs)
-  if explicit:
+  if AxisType.Explicit in axis_types.values():
+    # Split as the queries are, on the Explicit axes (batch, heads).
     out = jax.sharding.reshard(out, jax.typeof(query).sharding.spec)
   return out
