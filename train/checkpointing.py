@@ -12,13 +12,29 @@ restored into whatever shardings the caller asks for: a checkpoint written
 on one mesh resumes on another. The data iterator's position is the same on
 every host (see train/data/pipeline.py) and is saved once, as JSON, so it
 too resumes with any number of hosts.
+
+Each checkpoint also holds checksums (item `checksums`): two 32-bit sums of
+each array's bits, weighted by position, computed on the devices where the
+arrays are (a single flipped bit changes the first), and a SHA-256 of the
+data iterator's state; once orbax has committed it, the size of each of its
+files is recorded in `<step>/file_sizes.json`. A restore first checks the
+files (none missing or cut), then recomputes and compares the checksums. A
+checkpoint that fails, or that orbax cannot read, is reported in one line,
+moved to
+`checkpoints/corrupt/<step>` (never deleted) and the next older one is
+tried; a workdir whose every checkpoint is damaged stops the run rather
+than start it again from scratch over them.
 """
 
+import hashlib
+import json
 import os
 import shutil
 
 import grain
 import jax
+from jax.experimental import multihost_utils
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from train import mesh
@@ -27,6 +43,92 @@ from train.steps import TrainState
 
 # Marks orbax's directory of a checkpoint still being written.
 INCOMPLETE_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX
+# Where damaged checkpoints are moved, inside the checkpoints directory.
+CORRUPT = 'corrupt'
+# In a checkpoint's directory: {path: bytes} of its files as written.
+FILE_SIZES = 'file_sizes.json'
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+class Damaged(Exception):
+  """A checkpoint that cannot be read or fails its checksums; the message
+  says what is wrong."""
+
+
+@jax.jit
+def _array_sums(state):
+  """Per array, [sum of bits * (2i + 1), sum of bits ^ (i * 0x9E3779B9)]
+  mod 2^32 over its elements i: one flipped bit changes the first."""
+  def sums(x):
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+      x = x.astype(jnp.uint8)
+    bits = jax.lax.bitcast_convert_type(
+        x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32).ravel()
+    index = jnp.arange(bits.size, dtype=jnp.uint32)
+    return jnp.stack([jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32),
+                      jnp.sum(bits ^ (index * jnp.uint32(0x9E3779B9)),
+                              dtype=jnp.uint32)])
+  return jax.tree.map(sums, state)
+
+
+def checksums(state: TrainState, data_state: dict) -> dict:
+  """{'arrays': {path: [sum, sum]}, 'data': sha256} of a state and the data
+  iterator's state."""
+  sums = jax.device_get(_array_sums(state))
+  return {'arrays': {jax.tree_util.keystr(path): [int(v) for v in value]
+                     for path, value in
+                     jax.tree_util.tree_leaves_with_path(sums)},
+          'data': hashlib.sha256(json.dumps(
+              data_state, sort_keys=True).encode()).hexdigest()}
+
+
+def _file_sizes(step_dir: str) -> dict[str, int]:
+  sizes = {}
+  for root, _, names in os.walk(step_dir):
+    for name in names:
+      path = os.path.join(root, name)
+      sizes[os.path.relpath(path, step_dir)] = os.path.getsize(path)
+  sizes.pop(FILE_SIZES, None)
+  return sizes
+
+
+def _record_file_sizes(step_dir: str) -> None:
+  sizes, path = _file_sizes(step_dir), os.path.join(step_dir, FILE_SIZES)
+  with open(path + '.tmp', 'w') as f:
+    json.dump(sizes, f, indent=1, sort_keys=True)
+  os.replace(path + '.tmp', path)
+
+
+def _missing_or_cut(step_dir: str) -> str | None:
+  """Which file of a checkpoint is missing or not of its written size (None:
+  none, or no sizes were recorded: a run killed right after the commit)."""
+  path = os.path.join(step_dir, FILE_SIZES)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      written = json.load(f)
+  except (OSError, ValueError) as error:
+    return f'{path} cannot be read ({error})'
+  for name, size in written.items():
+    file = os.path.join(step_dir, name)
+    if not os.path.isfile(file):
+      return f'{file} is missing'
+    if os.path.getsize(file) != size:
+      return f'{file} has {os.path.getsize(file)} bytes, {size} were written'
+  return None
+
+
+def _mismatch(saved: dict, got: dict) -> str | None:
+  """What differs between saved and recomputed checksums (None: nothing)."""
+  for path, value in saved['arrays'].items():
+    if got['arrays'].get(path) != value:
+      return f'the array {path} does not match its checksum'
+  if saved['data'] != got['data']:
+    return "the data iterator's state does not match its checksum"
+  return None
 
 
 def state_bytes(state: TrainState) -> int:
@@ -59,7 +161,9 @@ class Checkpointer:
             max_to_keep=keep, create=not read_only, read_only=read_only,
             cleanup_tmp_directories=not read_only),
         item_handlers={'state': ocp.StandardCheckpointHandler(),
-                       'data': ocp.JsonCheckpointHandler()})
+                       'data': ocp.JsonCheckpointHandler(),
+                       'checksums': ocp.JsonCheckpointHandler()})
+    self._read_only = read_only
     # The step of the save in flight, if any, and of the last complete one.
     self._saving = None
     self._complete = self._manager.latest_step()
@@ -115,6 +219,14 @@ class Checkpointer:
     except Exception as error:  # orbax re-raises the writer thread's error.
       raise self._failed(error) from error
     if self._saving is not None:
+      if jax.process_index() == 0:
+        step_dir = os.path.join(self.directory, str(self._saving))
+        try:
+          _record_file_sizes(step_dir)
+        except OSError as error:
+          print(f'warning: could not record the file sizes of {step_dir} '
+                f'({error.strerror}); its checksums still verify it.',
+                flush=True)
       self._complete, self._saving = self._saving, None
 
   def latest_step(self) -> int | None:
@@ -122,23 +234,86 @@ class Checkpointer:
     return self._complete
 
   def restore(self, step: int, abstract_state: TrainState,
-              data_iterator: grain.DatasetIterator) -> TrainState:
-    """The state saved at `step`; `data_iterator` is moved to where it was.
+              data_iterator: grain.DatasetIterator | None = None
+              ) -> TrainState:
+    """The state saved at `step`, verified against its checksums;
+    `data_iterator` (if given) is moved to where it was. Raises Damaged.
 
     `abstract_state` gives the shapes, dtypes and shardings to restore into.
     """
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state),
-        data=ocp.args.JsonRestore()))
-    data_iterator.set_state(restored['data'])
+    items = {'state': ocp.args.StandardRestore(abstract_state),
+             'data': ocp.args.JsonRestore()}
+    step_dir = os.path.join(self.directory, str(step))
+    problem = _missing_or_cut(step_dir)
+    if problem:
+      raise Damaged(problem)
+    verified = os.path.isdir(os.path.join(step_dir, 'checksums'))
+    if verified:
+      items['checksums'] = ocp.args.JsonRestore()
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+    except Exception as error:  # orbax's errors have many types.
+      lines = str(error).strip().splitlines() or [type(error).__name__]
+      raise Damaged(f'orbax cannot read it: {lines[-1][:300]}') from error
+    if verified:
+      problem = _mismatch(restored['checksums'],
+                          checksums(restored['state'], restored['data']))
+      if problem:
+        raise Damaged(problem)
+    elif jax.process_index() == 0:
+      print(f'warning: the checkpoint of step {step} has no checksums (an '
+            'older attnlab wrote it); restored unverified.', flush=True)
+    if data_iterator is not None:
+      data_iterator.set_state(restored['data'])
     return restored['state']
 
-  def restore_state(self, step: int, abstract_state: TrainState
-                    ) -> TrainState:
-    """The state saved at `step` alone, without a data iterator to move."""
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state)))
-    return restored['state']
+  def restore_latest(self, abstract_state: TrainState,
+                     data_iterator: grain.DatasetIterator | None = None
+                     ) -> tuple[int, TrainState] | None:
+    """(step, state) of the newest checkpoint that restores and verifies
+    (see `restore`); None when there is no checkpoint. Each damaged one is
+    reported, and moved to checkpoints/corrupt unless `read_only`;
+    TrainingError when every checkpoint is damaged."""
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    for step in steps:
+      try:
+        state = self.restore(step, abstract_state, data_iterator)
+      except Damaged as damage:
+        self._set_aside(step, str(damage))
+        continue
+      self._complete = step
+      return step, state
+    if steps:
+      raise TrainingError(
+          f'every checkpoint in {self.directory} (steps '
+          f'{", ".join(map(str, sorted(steps)))}) is damaged'
+          + ('' if self._read_only else f', moved to {CORRUPT}/')
+          + '; the run does not start again from scratch over them. Move '
+          'them away to start anew.')
+    return None
+
+  def _set_aside(self, step: int, problem: str) -> None:
+    """Reports a damaged checkpoint; unless read-only, moves it to
+    checkpoints/corrupt/<step> (a free name: <step>.1, ... if taken)."""
+    source = os.path.join(self.directory, str(step))
+    if self._read_only:
+      if jax.process_index() == 0:
+        print(f'warning: the checkpoint of step {step} ({source}) is '
+              f'damaged: {problem}; skipped.', flush=True)
+      return
+    target = os.path.join(self.directory, CORRUPT, str(step))
+    suffix = 0
+    while os.path.exists(target + (f'.{suffix}' if suffix else '')):
+      suffix += 1
+    target += f'.{suffix}' if suffix else ''
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      os.rename(source, target)
+      print(f'warning: the checkpoint of step {step} is damaged: {problem}; '
+            f'moved to {target}, an earlier one is tried.', flush=True)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f'set aside checkpoint {step}')
+    self._manager.reload()
 
   def save(self, step: int, state: TrainState,
            data_iterator: grain.DatasetIterator) -> None:
@@ -150,10 +325,12 @@ class Checkpointer:
     self._finished()
     self._require_space(state, TrainingError)
     self._saving = step
+    data_state = data_iterator.get_state()
     try:
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
-          data=ocp.args.JsonSave(data_iterator.get_state())))
+          data=ocp.args.JsonSave(data_state),
+          checksums=ocp.args.JsonSave(checksums(state, data_state))))
     except OSError as error:  # Creating the directory failed at once.
       raise self._failed(error) from error
 

@@ -49,8 +49,8 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
 
 
 def load(workdir: str) -> TrainedRun:
-  """The run in `workdir` at its latest checkpoint; InputError if it has
-  none."""
+  """The run in `workdir` at its newest checkpoint that verifies (see
+  checkpointing.Checkpointer.restore_latest); InputError if it has none."""
   config = load_config(workdir)
   model_config = config_validation.validate(config)
   dataset = datasets.load(config, workdir)
@@ -59,10 +59,10 @@ def load(workdir: str) -> TrainedRun:
       mesh.make_mesh(config.parallelism, jax.devices()[:1]))
   checkpointer = checkpointing.Checkpointer(
       workdir, keep=config.keep_checkpoints, read_only=True)
-  step = checkpointer.latest_step()
-  if step is None:
-    raise InputError(f'{workdir} has no checkpoint yet.')
-  state = checkpointer.restore_state(step, program.abstract_state)
+  restored = checkpointer.restore_latest(program.abstract_state)
   checkpointer.close()
+  if restored is None:
+    raise InputError(f'{workdir} has no checkpoint yet.')
+  step, state = restored
   return TrainedRun(config, model_config, build(model_config), dataset,
                     state.params, step)

@@ -121,12 +121,12 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
   train_iterator = pipeline.train_iterator(
       dataset, seq_len=config.seq_len, batch_size=config.batch_size,
       seed=config.seed, layout=layout)
-  latest = checkpointer.latest_step()
-  if latest is None:
+  restored = checkpointer.restore_latest(program.abstract_state,
+                                        train_iterator)
+  if restored is None:
     state = program.init()
   else:
-    state = checkpointer.restore(latest, program.abstract_state,
-                                 train_iterator)
+    latest, state = restored
     _say(f'Resumed from the checkpoint at step {latest}.')
 
   num_params = sum(x.size for x in jax.tree.leaves(
