@@ -24,6 +24,7 @@ import pytest
 
 import config_overrides
 from configs import algorithmic, lm_stdlib
+from test_train import tiny_config
 from train import checkpointing, train
 from train.data import datasets, pipeline
 from train.errors import InputError
@@ -277,6 +278,22 @@ def test_a_truncated_dataset_file_is_named_with_how_to_rebuild(
           'first use.' in str(error.value))
 
 
+@pytest.mark.parametrize('damage', ['garbage', 'deleted'])
+def test_damaged_dataset_metadata_is_named_with_how_to_rebuild(
+    algorithmic_config, damage):
+  path = os.path.join(os.path.dirname(train_file(algorithmic_config)),
+                      'dataset_info.json')
+  if damage == 'garbage':
+    pathlib.Path(path).write_text('{not json')
+  else:
+    os.remove(path)
+  with pytest.raises(InputError) as error:
+    datasets.load(algorithmic_config, algorithmic_config.data_dir)
+  assert str(error.value).startswith(
+      f'{path} is {"damaged" if damage == "garbage" else "missing"}')
+  assert 'run again' in str(error.value)
+
+
 def test_a_corrupted_dataset_file_is_named_when_read(algorithmic_config):
   path = train_file(algorithmic_config)
   data = bytearray(pathlib.Path(path).read_bytes())
@@ -290,3 +307,19 @@ def test_a_corrupted_dataset_file_is_named_when_read(algorithmic_config):
     for _ in range(30):  # Every example is read within 25 batches.
       next(batches)
   batches.close()
+
+
+def test_a_step_that_cannot_fit_stops_before_it_runs(data_dir, tmp_path,
+                                                     capsys):
+  """Dense attention over 32768 tokens: gigabytes of logits a device, more
+  than the host's memory gives each of its 8 CPU devices."""
+  config = tiny_config('lm_stdlib', data_dir)
+  config.seq_len = 32768
+  config.model.update(max_len=32769, attention='dense')
+  with pytest.raises(SystemExit) as exit_:
+    train.run(config, str(tmp_path))
+  assert exit_.value.code == 2
+  error = capsys.readouterr().err
+  assert 'a train step needs' in error and 'GiB on each device' in error
+  assert 'config.batch_size=8 or config.seq_len=32768' in error
+  assert not os.path.exists(tmp_path / 'checkpoints' / '2')

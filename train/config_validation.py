@@ -5,6 +5,7 @@ Each rule names the key it checks, so a mistake is reported as, e.g.,
 """
 
 import functools
+import os
 
 import jax
 import ml_collections
@@ -240,3 +241,39 @@ def check_dataset_fits(config: ml_collections.ConfigDict,
     if len(prompt) + 1 >= config.seq_len:
       _fail(f'config.sample_prompt is {len(prompt)} tokens; it must be '
             f'shorter than config.seq_len={config.seq_len} - 1.')
+
+
+def device_bytes() -> int | None:
+  """The memory one local device holds: what it reports, or on a CPU the
+  host's memory shared by its devices (None: unknown)."""
+  device = jax.local_devices()[0]
+  stats = device.memory_stats() or {}
+  if 'bytes_limit' in stats:
+    return int(stats['bytes_limit'])
+  if device.platform == 'cpu':
+    host = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    return host // len(jax.local_devices())
+  return None
+
+
+def check_step_fits(compiled: jax.stages.Compiled,
+                    config: ml_collections.ConfigDict) -> None:
+  """Before the first step: the compiled train step's memory on a device
+  (its arguments, outputs and temporaries, less what it updates in place)
+  fits in what the device holds; InputError with the figures and the keys
+  that set them otherwise."""
+  memory = compiled.memory_analysis()
+  held = device_bytes()
+  if memory is None or held is None:
+    return
+  held = mesh.minimum_over_hosts(held)  # Every host decides alike.
+  needed = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+            + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+  if needed > held:
+    model = config.model
+    _fail(f'a train step needs {needed / 2**30:,.1f} GiB on each device, '
+          f'which holds {held / 2**30:,.1f} GiB: lower config.batch_size='
+          f'{config.batch_size} or config.seq_len={config.seq_len}, or the '
+          f'model (config.model.d_model={model.d_model}, num_layers='
+          f'{model.num_layers}, mlp_dim={model.mlp_dim}), or raise '
+          f'config.grad_accum_steps={config.grad_accum_steps}.')

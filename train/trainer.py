@@ -159,8 +159,11 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
         batch = next(train_iterator)
         if done == config.debug_poison_step:
           batch = pipeline.poisoned(batch)
-        state, step_metrics = program.train_step(
-            state, program.batch(batch), dropout_rng)
+        batch = program.batch(batch)
+        if step == first_step:  # Compiled once: the calls reuse it.
+          config_validation.check_step_fits(program.train_step.lower(
+              state, batch, dropout_rng).compile(), config)
+        state, step_metrics = program.train_step(state, batch, dropout_rng)
         logged = train_log.add(done, step_metrics)
         if logged:
           writer.write(*logged)

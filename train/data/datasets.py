@@ -50,23 +50,30 @@ class Dataset:
   shuffle_windows: bool = False
 
 
-def _build(make_builder: Callable[[], tfds.core.DatasetBuilder]
-           ) -> dict[str, Any]:
+def _build(make_builder: Callable[[], tfds.core.DatasetBuilder],
+           data_dir: str) -> dict[str, Any]:
   """Prepares an embedded dataset once (array_record) and opens its splits.
 
   On several hosts, the first builds before the others look: with a shared
   data_dir they find it built, with a disk of their own they build their
   own copy. They look with builders made after the build, since a builder
-  reads what is on disk when it is made.
+  reads what is on disk when it is made. Damaged metadata (a
+  dataset_info.json that is not JSON, or missing) is an InputError naming
+  the file and how to rebuild.
   """
-  if jax.process_index() == 0:
-    make_builder().download_and_prepare()
-  multihost_utils.sync_global_devices('embedded dataset built')
-  builder = make_builder()
-  builder.download_and_prepare()
-  return integrity.checked(
-      builder.as_data_source(),
-      f'Delete {builder.data_dir} and run again: it is rebuilt on first use.')
+  with integrity.readable_metadata(data_dir):
+    if jax.process_index() == 0:
+      make_builder().download_and_prepare()
+    multihost_utils.sync_global_devices('embedded dataset built')
+    builder = make_builder()
+    builder.download_and_prepare()
+  rebuild = (f'Delete {builder.data_dir} and run again: it is rebuilt on '
+             'first use.')
+  sources = builder.as_data_source()
+  if not sources:  # tfds found the files but not the metadata naming them.
+    raise InputError(f'{builder.data_dir}/dataset_info.json is missing, so '
+                     f'the splits there are unknown. {rebuild}')
+  return integrity.checked(sources, rebuild)
 
 
 def _document(tokens: np.ndarray) -> np.ndarray:
@@ -91,7 +98,7 @@ def load_python_stdlib_bytes(config, data_dir, workdir) -> Dataset:
   del workdir  # The corpus needs no tokenizer training.
   _options(config, set())
   sources = _build(lambda: stdlib.PythonStdlibBytes(
-      data_dir=data_dir, file_format='array_record'))
+      data_dir=data_dir, file_format='array_record'), data_dir)
   tokenizer = tokenizers.ByteTokenizer()
   splits = {name: grain.MapDataset.source([
       {'tokens': _document(tokenizer.encode(source[i]['text'].tobytes()))}
@@ -114,7 +121,7 @@ def load_algorithmic(config, data_dir, workdir) -> Dataset:
   task_config = _builder_config(algorithmic.AlgorithmicConfig, config)
   sources = _build(lambda: algorithmic.Algorithmic(
       config=task_config, data_dir=data_dir,
-      file_format='array_record'))
+      file_format='array_record'), data_dir)
   splits = {name: grain.MapDataset.source(source)
             for name, source in sources.items()}
   return Dataset('seq2seq', splits, algorithmic.VOCAB_SIZE)
@@ -124,7 +131,8 @@ def load_listops(config, data_dir, workdir) -> Dataset:
   del workdir
   lengths_config = _builder_config(listops.ListOpsConfig, config)
   sources = _build(lambda: listops.ListOps(
-      config=lengths_config, data_dir=data_dir, file_format='array_record'))
+      config=lengths_config, data_dir=data_dir, file_format='array_record'),
+      data_dir)
   splits = {name: grain.MapDataset.source(source)
             for name, source in sources.items()}
   return Dataset('classification', splits, listops.VOCAB_SIZE,
@@ -150,8 +158,10 @@ def _prepared_sources(name: str, data_dir: str, splits: tuple[str, ...]
                       ) -> dict[str, Any]:
   """Opens `splits` of a tfds dataset already prepared in `data_dir`."""
   try:
-    sources = {split: tfds.data_source(name, split=split, data_dir=data_dir,
-                                       download=False) for split in splits}
+    with integrity.readable_metadata(data_dir):
+      sources = {split: tfds.data_source(name, split=split,
+                                         data_dir=data_dir, download=False)
+                 for split in splits}
   except (tfds.core.registered.DatasetNotFoundError, NotImplementedError,
           FileNotFoundError, AssertionError) as error:
     raise InputError(not_prepared_message(name, data_dir)) from error

@@ -9,10 +9,14 @@ the file it read.
 """
 
 import bisect
+import contextlib
+import glob
+import json
 import os
 from typing import Any
 
 from array_record.python import array_record_module
+from google.protobuf import json_format
 import grain
 
 from train.errors import InputError
@@ -69,6 +73,29 @@ class CheckedSource(grain.sources.RandomAccessDataSource):
       path = self._paths[bisect.bisect_right(self._starts, index) - 1]
       raise InputError(f'dataset file {path} is corrupted: reading example '
                        f'{index} failed ({error}). {self._rebuild}') from None
+
+
+@contextlib.contextmanager
+def readable_metadata(data_dir: str):
+  """Turns tfds's failure to parse a dataset_info.json under `data_dir`
+  into an InputError naming the file and how to rebuild it."""
+  try:
+    yield
+  except json_format.ParseError as error:
+    damaged = []
+    for path in glob.glob(os.path.join(os.path.expanduser(data_dir), '**',
+                                       'dataset_info.json'), recursive=True):
+      try:
+        with open(path) as f:
+          json.load(f)
+      except (OSError, ValueError):
+        damaged.append(path)
+    where = ', '.join(damaged) or f'a dataset_info.json in {data_dir}'
+    raise InputError(
+        f'{where} is damaged ({str(error).strip()[:200]}). Delete the '
+        "directory holding it and run again: an embedded dataset is rebuilt "
+        'on first use, a tfds one prepared again as the README says.'
+        ) from None
 
 
 def checked(sources: dict[str, Any], rebuild: str) -> dict[str, CheckedSource]:
