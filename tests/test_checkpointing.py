@@ -118,6 +118,11 @@ DAMAGE = {
     'state_a_dangling_link': lambda step_dir: (
         shutil.rmtree(f'{step_dir}/state'),
         os.symlink('/nonexistent/state', f'{step_dir}/state')),
+    # Without the recorded sizes (a run killed right after the commit),
+    # orbax's own error finds it.
+    'deleted_metadata_and_sizes': lambda step_dir: (
+        os.remove(f'{step_dir}/state/_METADATA'),
+        os.remove(f'{step_dir}/{checkpointing.FILE_SIZES}')),
 }
 
 
@@ -135,14 +140,16 @@ def test_a_damaged_checkpoint_falls_back_to_the_one_before(run, damage,
   assert os.path.exists(os.path.join(workdir, 'checkpoints', 'corrupt', '4'))
 
 
-def test_every_checkpoint_damaged_stops_the_run_and_keeps_them(run):
+def test_every_checkpoint_damaged_stops_every_run_and_moves_none(run):
   _, workdir, abstract_state = run
   for step in (2, 4):
     os.remove(os.path.join(workdir, 'checkpoints', str(step), 'state',
                            '_METADATA'))
-  checkpointer = checkpointing.Checkpointer(workdir, keep=3)
-  with pytest.raises(TrainingError, match='does not start again from scratch'):
-    checkpointer.restore_latest(abstract_state)
-  checkpointer.close()
-  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints', 'corrupt'))
-                ) == ['2', '4']
+  for _ in range(2):  # A rerun finds them where they were.
+    checkpointer = checkpointing.Checkpointer(workdir, keep=3)
+    with pytest.raises(TrainingError, match='step 4: .*step 2: .*does not '
+                       'start again from scratch'):
+      checkpointer.restore_latest(abstract_state)
+    checkpointer.close()
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == [
+      '2', '4']

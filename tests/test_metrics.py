@@ -32,11 +32,11 @@ def test_a_cut_last_line_is_moved_aside_before_the_next_run_writes(
 
 
 def test_readers_skip_and_report_a_bad_line(tmp_path, capsys):
-  (tmp_path / 'metrics.jsonl').write_text(
-      '{"step": 1, "loss": 2.0}\n\x00\x00garbage\n[1, 2]\n'
-      '{"step": 2, "loss": 1.0}\n')
+  (tmp_path / 'metrics.jsonl').write_bytes(
+      b'{"step": 1, "loss": 2.0}\n\x00\xff\xfegarbage\n[1, 2]\n'
+      b'{"step": 3, "non_finite": 7}\n{"step": 2, "loss": 1.0}\n')
   assert [line['step'] for line in common.read_metrics(str(tmp_path))] == [
       1, 2]
   error = capsys.readouterr().err
-  assert 'line 2 is not a metrics summary' in error
-  assert 'line 3 is not a metrics summary' in error
+  for number in (2, 3, 4):
+    assert f'line {number} is not a metrics summary' in error

@@ -25,7 +25,7 @@ import pytest
 import config_overrides
 from configs import algorithmic, lm_stdlib
 from test_train import tiny_config
-from train import checkpointing, train
+from train import checkpointing, config_validation, train
 from train.data import datasets, pipeline
 from train.errors import InputError
 from train.trainer import train_and_evaluate
@@ -310,16 +310,17 @@ def test_a_corrupted_dataset_file_is_named_when_read(algorithmic_config):
 
 
 def test_a_step_that_cannot_fit_stops_before_it_runs(data_dir, tmp_path,
-                                                     capsys):
-  """Dense attention over 32768 tokens: gigabytes of logits a device, more
-  than the host's memory gives each of its 8 CPU devices."""
+                                                     capsys, monkeypatch):
+  """Dense attention over 2048 tokens, on devices said to hold 16 MiB."""
+  monkeypatch.setattr(config_validation, 'device_bytes', lambda: 2**24)
   config = tiny_config('lm_stdlib', data_dir)
-  config.seq_len = 32768
-  config.model.update(max_len=32769, attention='dense')
+  config.seq_len = 2048
+  config.model.update(max_len=2049, attention='dense')
   with pytest.raises(SystemExit) as exit_:
     train.run(config, str(tmp_path))
   assert exit_.value.code == 2
   error = capsys.readouterr().err
-  assert 'a train step needs' in error and 'GiB on each device' in error
-  assert 'config.batch_size=8 or config.seq_len=32768' in error
+  assert 'a train step needs' in error
+  assert 'on each device, which holds 16.0 MiB' in error
+  assert 'config.batch_size=8 or config.seq_len=2048' in error
   assert not os.path.exists(tmp_path / 'checkpoints' / '2')

@@ -113,3 +113,13 @@ def test_more_steps_only_where_the_schedule_does_not_depend_on_them(
   else:
     with pytest.raises(InputError, match=f'change the {schedule} schedule'):
       workdir.check_resume(old, new)
+
+
+def test_a_cut_history_line_is_named_not_a_traceback(data_dir, tmp_path):
+  config = tiny_config('lm_stdlib', data_dir)
+  with workdir.claim(config, str(tmp_path)):
+    pass
+  record_a_run(tmp_path)
+  (tmp_path / 'config_history.jsonl').write_text('{"changes": {"log_ev')
+  with pytest.raises(InputError, match='config_history.jsonl cannot be read'):
+    workdir.claim(config, str(tmp_path))

@@ -80,8 +80,10 @@ def checksums(state: TrainState, data_state: dict) -> dict:
   return {'arrays': {jax.tree_util.keystr(path): [int(v) for v in value]
                      for path, value in
                      jax.tree_util.tree_leaves_with_path(sums)},
+          # Over the state as JSON gives it back, keys sorted.
           'data': hashlib.sha256(json.dumps(
-              data_state, sort_keys=True).encode()).hexdigest()}
+              json.loads(json.dumps(data_state)),
+              sort_keys=True).encode()).hexdigest()}
 
 
 def _file_sizes(step_dir: str) -> dict[str, int]:
@@ -122,9 +124,14 @@ def _missing_or_cut(step_dir: str) -> str | None:
 
 
 def _mismatch(saved: dict, got: dict) -> str | None:
-  """What differs between saved and recomputed checksums (None: nothing)."""
-  for path, value in saved['arrays'].items():
-    if got['arrays'].get(path) != value:
+  """What differs between saved and recomputed checksums (None: nothing).
+  Arrays are compared in tree order, their saved names only said."""
+  if len(saved['arrays']) != len(got['arrays']):
+    return (f'{len(saved["arrays"])} arrays were saved, '
+            f'{len(got["arrays"])} restored')
+  for (path, value), got_value in zip(saved['arrays'].items(),
+                                      got['arrays'].values()):
+    if got_value != value:
       return f'the array {path} does not match its checksum'
   if saved['data'] != got['data']:
     return "the data iterator's state does not match its checksum"
@@ -271,25 +278,35 @@ class Checkpointer:
                      data_iterator: grain.DatasetIterator | None = None
                      ) -> tuple[int, TrainState] | None:
     """(step, state) of the newest checkpoint that restores and verifies
-    (see `restore`); None when there is no checkpoint. Each damaged one is
-    reported, and moved to checkpoints/corrupt unless `read_only`;
-    TrainingError when every checkpoint is damaged."""
+    on every host (see `restore`); None when there is no checkpoint. The
+    damaged ones newer than it are reported, and moved to
+    checkpoints/corrupt unless `read_only`. When none verifies, nothing is
+    moved (a rerun must not find an empty directory and start from
+    scratch): TrainingError naming each problem."""
     steps = sorted(self._manager.all_steps(), reverse=True)
+    damaged = []
     for step in steps:
+      problem = None
       try:
         state = self.restore(step, abstract_state, data_iterator)
       except Damaged as damage:
-        self._set_aside(step, str(damage))
+        problem = str(damage)
+      # Every host restores the same step or none does.
+      if not mesh.minimum_over_hosts(problem is None):
+        damaged.append((step, problem or 'damaged as another host read it'))
         continue
+      for damaged_step, damaged_problem in damaged:
+        self._set_aside(damaged_step, damaged_problem)
       self._complete = step
       return step, state
-    if steps:
+    if damaged:
+      listed = '; '.join(f'step {step}: {problem}'
+                         for step, problem in damaged)
       raise TrainingError(
-          f'every checkpoint in {self.directory} (steps '
-          f'{", ".join(map(str, sorted(steps)))}) is damaged'
-          + ('' if self._read_only else f', moved to {CORRUPT}/')
-          + '; the run does not start again from scratch over them. Move '
-          'them away to start anew.')
+          f'no checkpoint in {self.directory} restores and verifies '
+          f'({listed}). They are left where they are and the run does not '
+          'start again from scratch over them; move them away to start '
+          'anew.')
     return None
 
   def _set_aside(self, step: int, problem: str) -> None:
@@ -310,7 +327,7 @@ class Checkpointer:
       os.makedirs(os.path.dirname(target), exist_ok=True)
       os.rename(source, target)
       print(f'warning: the checkpoint of step {step} is damaged: {problem}; '
-            f'moved to {target}, an earlier one is tried.', flush=True)
+            f'moved to {target}.', flush=True)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f'set aside checkpoint {step}')
     self._manager.reload()

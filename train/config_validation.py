@@ -256,6 +256,11 @@ def device_bytes() -> int | None:
   return None
 
 
+def _size(count: float) -> str:
+  return (f'{count / 2**30:,.1f} GiB' if count >= 2**30
+          else f'{count / 2**20:,.1f} MiB')
+
+
 def check_step_fits(compiled: jax.stages.Compiled,
                     config: ml_collections.ConfigDict) -> None:
   """Before the first step: the compiled train step's memory on a device
@@ -264,15 +269,16 @@ def check_step_fits(compiled: jax.stages.Compiled,
   that set them otherwise."""
   memory = compiled.memory_analysis()
   held = device_bytes()
-  if memory is None or held is None:
+  # Every host decides alike (a host that cannot tell counts as roomy).
+  held = mesh.minimum_over_hosts(float('inf') if held is None else held)
+  if memory is None or held == float('inf'):
     return
-  held = mesh.minimum_over_hosts(held)  # Every host decides alike.
   needed = (memory.argument_size_in_bytes + memory.output_size_in_bytes
             + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
   if needed > held:
     model = config.model
-    _fail(f'a train step needs {needed / 2**30:,.1f} GiB on each device, '
-          f'which holds {held / 2**30:,.1f} GiB: lower config.batch_size='
+    _fail(f'a train step needs {_size(needed)} on each device, which '
+          f'holds {_size(held)}: lower config.batch_size='
           f'{config.batch_size} or config.seq_len={config.seq_len}, or the '
           f'model (config.model.d_model={model.d_model}, num_layers='
           f'{model.num_layers}, mlp_dim={model.mlp_dim}), or raise '

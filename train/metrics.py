@@ -120,7 +120,8 @@ def read_metrics(path: str) -> list[dict[str, float]]:
   """The summaries of a metrics.jsonl, non-finite values restored; a line
   that is not a summary is skipped with a warning naming it."""
   summaries = []
-  with open(path) as f:
+  # Bytes that are not UTF-8 (disk garbage) spoil their line only.
+  with open(path, encoding='utf-8', errors='replace') as f:
     for number, text in enumerate(f, start=1):
       if not text.strip():
         continue
@@ -128,12 +129,12 @@ def read_metrics(path: str) -> list[dict[str, float]]:
         line = json.loads(text)
         if not isinstance(line, dict) or 'step' not in line:
           raise ValueError('no step')
-      except ValueError:
+        for key, value in line.pop('non_finite', {}).items():
+          line[key] = float(value)
+      except (ValueError, TypeError, AttributeError):
         print(f'warning: {path} line {number} is not a metrics summary; '
               f'skipped: {text.strip()[:80]!r}', file=sys.stderr, flush=True)
         continue
-      for key, value in line.pop('non_finite', {}).items():
-        line[key] = float(value)
       summaries.append(line)
   return summaries
 

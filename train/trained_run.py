@@ -3,7 +3,6 @@ parameters of its latest checkpoint, on one device whatever mesh it trained
 on (generation, translation, attention maps)."""
 
 import dataclasses
-import json
 import os
 from typing import Any
 
@@ -13,6 +12,7 @@ import ml_collections
 
 from model import ModelConfig, build
 from train import checkpointing, config_validation, mesh, parallel
+from train import workdir as workdir_lib
 from train.data import datasets
 from train.errors import InputError
 
@@ -29,15 +29,14 @@ class TrainedRun:
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config a run was trained with, set for one device (whatever the
-  mesh it trained on: the checkpoint is restored into one device's
-  layout)."""
+  """The config a run was trained with (as its resumes changed it), set
+  for one device (whatever the mesh it trained on: the checkpoint is
+  restored into one device's layout)."""
   path = os.path.join(workdir, 'config.json')
   if not os.path.exists(path):
     raise InputError(f'{path} does not exist: --workdir must be a training '
                      'run\'s workdir.')
-  with open(path) as f:
-    config = ml_collections.ConfigDict(json.load(f))
+  config = ml_collections.ConfigDict(workdir_lib.run_config(workdir))
   config.parallelism.update(data=-1, fsdp=1, tensor=1, sequence=1,
                             strategy='pjit', dcn_data=1)
   config.distributed = False

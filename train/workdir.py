@@ -18,6 +18,7 @@ written, listing each key with its old and new values.
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -74,19 +75,35 @@ def _has_record(workdir: str) -> bool:
           or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
 
 
+def run_config(workdir: str) -> dict[str, Any]:
+  """The config the run in `workdir` follows, as JSON: config.json, with
+  the changes of config_history.jsonl applied in order. InputError naming
+  the file that cannot be read."""
+  path = os.path.join(workdir, 'config.json')
+  try:
+    with open(path) as f:
+      config = json.load(f)
+    path = os.path.join(workdir, 'config_history.jsonl')
+    changes = []
+    if os.path.exists(path):
+      with open(path) as f:
+        changes = [json.loads(line)['changes'] for line in f if line.strip()]
+    for change in changes:
+      for key, (_, new) in change.items():
+        *parents, name = key.split('.')
+        node = config
+        for parent in parents:
+          node = node.setdefault(parent, {})
+        node[name] = new
+  except (OSError, ValueError, KeyError, TypeError) as error:
+    raise InputError(f'{path} cannot be read ({error}); it records this '
+                     "workdir's config.") from None
+  return config
+
+
 def recorded_config(workdir: str) -> dict[str, Any]:
-  """The flat config the run in `workdir` follows: config.json, with the
-  changes of config_history.jsonl applied in order."""
-  with open(os.path.join(workdir, 'config.json')) as f:
-    flat = _flat(json.load(f))
-  history = os.path.join(workdir, 'config_history.jsonl')
-  if os.path.exists(history):
-    with open(history) as f:
-      for line in f:
-        if line.strip():
-          for key, (_, new) in json.loads(line)['changes'].items():
-            flat[key] = new
-  return flat
+  """`run_config`, flat: {'model.d_model': 128, ...}."""
+  return _flat(run_config(workdir))
 
 
 def differences(old: dict[str, Any], new: dict[str, Any]
@@ -125,7 +142,9 @@ def check_resume(old: dict[str, Any], new: dict[str, Any],
 
 
 class Lock:
-  """`workdir/lock`, held by this process until `release`."""
+  """`workdir/lock`, held by this process until `release`. On a file
+  system without flock (some Lustre and FUSE mounts) the run goes on
+  unlocked, with a warning."""
 
   def __init__(self, workdir: str):
     self._path = os.path.join(workdir, 'lock')
@@ -133,12 +152,18 @@ class Lock:
     try:
       fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-      holder = self._holder()
+      holder = self._holder() or 'another run'
       self._file.close()
       raise InputError(
           f'{os.path.dirname(self._path)} is in use by {holder} (its '
           f'{self._path}); one run per workdir: wait for that run to end, '
           'or give this one another --workdir.') from None
+    except OSError as error:
+      if error.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
+        raise
+      print(f'warning: {self._path} cannot be locked on this file system '
+            f'({error.strerror}); nothing stops a second run on this '
+            'workdir.', flush=True)
     previous = self._holder()
     if previous:
       print(f'warning: taking over {self._path} from {previous}, which no '
@@ -156,12 +181,12 @@ class Lock:
     self._file.seek(0)
     try:
       holder = json.loads(self._file.read() or 'null')
-    except json.JSONDecodeError:
+      if not holder:
+        return ''
+      return (f'the run of pid {holder["pid"]} on {holder["host"]} (since '
+              f'{holder["since"]})')
+    except (ValueError, KeyError, TypeError):
       return 'an unknown run'
-    if not holder:
-      return ''
-    return (f'the run of pid {holder["pid"]} on {holder["host"]} (since '
-            f'{holder["since"]})')
 
   def release(self) -> None:
     """Empties the lock file and lets go of it."""
@@ -192,6 +217,8 @@ def claim(config: ml_collections.ConfigDict, workdir: str
   except OSError as error:
     problem = (f'--workdir={workdir} cannot be written: '
                f'{error.strerror or error}.')
+  except Exception as error:  # Said on every host, not raised on one.
+    problem = f'--workdir={workdir}: {error!r}'
   if not mesh.minimum_over_hosts(problem is None):
     if lock is not None:
       lock.release()
@@ -209,8 +236,9 @@ def _record_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   path = os.path.join(workdir, 'config.json')
   history = os.path.join(workdir, 'config_history.jsonl')
   if not os.path.exists(path) or not _has_record(workdir):
-    with open(path, 'w') as f:
+    with open(path + '.tmp', 'w') as f:
       f.write(_as_json(config))
+    os.replace(path + '.tmp', path)
     if os.path.exists(history):
       os.remove(history)
     return

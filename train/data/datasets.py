@@ -24,6 +24,7 @@ import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 
+from train import mesh
 from train.data import algorithmic, builder_config, integrity, listops
 from train.data import stdlib, tokenizers
 from train.errors import InputError
@@ -61,10 +62,18 @@ def _build(make_builder: Callable[[], tfds.core.DatasetBuilder],
   dataset_info.json that is not JSON, or missing) is an InputError naming
   the file and how to rebuild.
   """
+  problem = None
+  if jax.process_index() == 0:
+    try:
+      with integrity.readable_metadata(data_dir):
+        make_builder().download_and_prepare()
+    except InputError as error:
+      problem = str(error)
+  # The others look once the first has built it; all stop if it could not.
+  if not mesh.minimum_over_hosts(problem is None):
+    raise InputError(problem or 'the dataset could not be built (see the '
+                     "first host's output).")
   with integrity.readable_metadata(data_dir):
-    if jax.process_index() == 0:
-      make_builder().download_and_prepare()
-    multihost_utils.sync_global_devices('embedded dataset built')
     builder = make_builder()
     builder.download_and_prepare()
   rebuild = (f'Delete {builder.data_dir} and run again: it is rebuilt on '
