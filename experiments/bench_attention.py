@@ -11,8 +11,10 @@ For each variant and length: the compiled temporary memory of the forward
 pass and of forward+backward (`memory_analysis()` of the compiled program),
 and the best time of each over a first run and --reps more (fewer once the
 runs have taken 20 s). A size whose compiled memory (arguments, outputs and
-temporaries) would not fit the device, or that follows one that did not fit
-or took longer than --max_seconds, is skipped with the reason; so is a
+temporaries) would not fit the device, that ran out of device memory while
+compiling (XLA's autotuner can) or running, with what it needed, or that
+follows one that did not fit or took longer than --max_seconds, is skipped
+with the reason, and the sweep goes on; so is a
 variant that cannot run the case (a non-causal one when --causal, `ring`,
 which needs a mesh with a sequence axis). Exact variants
 also get their speed in model FLOP/s (matmuls only, causal half counted;
@@ -26,6 +28,7 @@ memory and its ratio to xla's, per length) and scaling.png (log-log).
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -90,6 +93,34 @@ def _best_time(compiled, args, reps: int, budget_s: float = 20.0) -> float:
   return min(times)
 
 
+def _compile(program, args):
+  return program.lower(*args).compile()
+
+
+def _out_of_memory(error: Exception) -> str | None:
+  """What an XLA out-of-memory error says was needed ('' if it does not
+  say); None for any other error."""
+  text = str(error)
+  if 'RESOURCE_EXHAUSTED' not in text:
+    return None
+  gib = re.search(r'([\d.]+)\s*GiB', text)
+  if gib:
+    return f'{float(gib.group(1)):.1f} GiB'
+  count = re.search(r'(\d+) bytes', text)
+  return f'{int(count.group(1)) / 2**30:.1f} GiB' if count else ''
+
+
+def _did_not_fit(key: str, doing: str, error: Exception) -> dict:
+  """The skip of a program that ran out of memory; re-raises `error` if it
+  is something else."""
+  needed = _out_of_memory(error)
+  if needed is None:
+    raise error
+  return {'skipped': f'{key} ran out of device memory {doing}'
+                     + (f' (needed {needed})' if needed else ''),
+          'did_not_fit': True}
+
+
 def _compiled_bytes(compiled) -> tuple[int, int]:
   """(temporaries, arguments + outputs + temporaries) of a compiled
   program."""
@@ -136,15 +167,22 @@ def measure(name: str, length: int, *, options: dict, causal: bool,
   args = (params, q, k, v)
   compiled = {}
   for key, program in programs.items():
-    compiled[key] = program.lower(*args).compile()
+    # XLA's autotuner can run out of memory compiling, as a run can.
+    try:
+      compiled[key] = _compile(program, args)
+    except jax.errors.JaxRuntimeError as error:
+      return row | _did_not_fit(key, 'compiling', error)
     temp, total = _compiled_bytes(compiled[key])
     row[f'{key}_temp_mb'] = temp / 2**20
     if total > memory_limit:
       return row | {'skipped': f'{key} needs {total / 2**30:.1f} GiB, more '
                                f'than the {memory_limit / 2**30:.1f} GiB the '
-                               'device holds'}
+                               'device holds', 'did_not_fit': True}
   for key in programs:
-    row[f'{key}_s'] = _best_time(compiled[key], args, reps)
+    try:
+      row[f'{key}_s'] = _best_time(compiled[key], args, reps)
+    except jax.errors.JaxRuntimeError as error:
+      return row | _did_not_fit(key, 'running', error)
     if name in EXACT:
       row[f'{key}_gflop_per_s'] = attention_flops(
           length, batch=batch, heads=heads, head_dim=head_dim, causal=causal,
@@ -187,7 +225,7 @@ def run(out: str, *, variants: list[str], lengths: list[int],
           if row.get('fwd_bwd_s', 0) > max_seconds:
             given_up = (f'{name} took {row["fwd_bwd_s"]:.0f} s at length '
                         f'{length}, over --max_seconds={max_seconds:g}')
-          elif 'GiB' in row.get('skipped', ''):
+          elif row.pop('did_not_fit', False):
             given_up = f'{name} did not fit at length {length}'
         if 'fwd_bwd_gflop_per_s' in row and peak:
           row['fraction_of_peak'] = row['fwd_bwd_gflop_per_s'] / (peak / 1e9)

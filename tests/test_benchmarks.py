@@ -4,6 +4,7 @@ they measure (speed) is never asserted here."""
 import json
 import os
 
+import jax
 import pytest
 
 from configs import algorithmic, lm_stdlib
@@ -54,6 +55,33 @@ def test_bench_attention_skips_what_would_not_fit_or_take_too_long(tmp_path):
                                       max_seconds=0.0, **common)
   assert 'fwd_bwd_s' in first
   assert 'over --max_seconds=0' in second['skipped']
+
+
+def test_bench_attention_records_a_compile_time_out_of_memory_and_goes_on(
+    tmp_path, monkeypatch):
+  """As XLA's autotuner on a GPU at 65536 tokens: the compile of the
+  longer length runs out of memory; the next variant is still measured."""
+  compile_ = bench_attention._compile
+
+  def out_of_memory_from_32(program, args):
+    if args[1].shape[1] >= 32:
+      raise jax.errors.JaxRuntimeError(
+          'RESOURCE_EXHAUSTED: Out of memory while trying to allocate '
+          '137460809728 bytes (128.02GiB).')
+    return compile_(program, args)
+
+  monkeypatch.setattr(bench_attention, '_compile', out_of_memory_from_32)
+  rows = bench_attention.run(
+      str(tmp_path), variants=['xla', 'dense'], lengths=[16, 32, 64],
+      options={}, causal=False, batch=1, heads=2, head_dim=8,
+      dtype='float32', reps=1, max_seconds=60.0)
+  by_key = {(row['variant'], row['length']): row for row in rows}
+  assert 'fwd_bwd_s' in by_key['xla', 16] and 'fwd_bwd_s' in by_key[
+      'dense', 16]
+  assert by_key['xla', 32]['skipped'] == (
+      'fwd ran out of device memory compiling (needed 128.0 GiB)')
+  assert by_key['xla', 64]['skipped'] == 'xla did not fit at length 32'
+  assert 'did_not_fit' not in by_key['xla', 32]
 
 
 def test_attention_flops_count_the_two_matmuls():
