@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from experiments import common
 from model import ModelConfig, attention, attention_parameters
-from train import cli, flops
+from train import cli, device_memory, flops
 from train.errors import InputError
 
 FLAGS = flags.FLAGS
@@ -121,24 +121,6 @@ def _did_not_fit(key: str, doing: str, error: Exception) -> dict:
           'did_not_fit': True}
 
 
-def _compiled_bytes(compiled) -> tuple[int, int]:
-  """(temporaries, arguments + outputs + temporaries) of a compiled
-  program."""
-  memory = compiled.memory_analysis()
-  total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
-  return memory.temp_size_in_bytes, total
-
-
-def device_memory_bytes() -> int:
-  """What one device can hold: its allocator's limit, or on CPU 85% of the
-  machine's memory (the rest is the system's and this process's own)."""
-  stats = jax.devices()[0].memory_stats() or {}
-  if 'bytes_limit' in stats:
-    return int(stats['bytes_limit'])
-  return int(0.85 * os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))
-
-
 def attention_flops(length: int, *, batch: int, heads: int, head_dim: int,
                     causal: bool, backward: bool) -> float:
   """Matmul FLOPs of exact attention: 4 B N T^2 H forward (q k^T and the
@@ -172,8 +154,9 @@ def measure(name: str, length: int, *, options: dict, causal: bool,
       compiled[key] = _compile(program, args)
     except jax.errors.JaxRuntimeError as error:
       return row | _did_not_fit(key, 'compiling', error)
-    temp, total = _compiled_bytes(compiled[key])
-    row[f'{key}_temp_mb'] = temp / 2**20
+    memory = compiled[key].memory_analysis()
+    total = device_memory.needed_bytes(memory)
+    row[f'{key}_temp_mb'] = memory.temp_size_in_bytes / 2**20
     if total > memory_limit:
       return row | {'skipped': f'{key} needs {total / 2**30:.1f} GiB, more '
                                f'than the {memory_limit / 2**30:.1f} GiB the '
@@ -205,8 +188,9 @@ def run(out: str, *, variants: list[str], lengths: list[int],
       raise InputError(f'--{name}={value} must be at least 1.')
   directory = os.path.join(out, jax.default_backend())
   os.makedirs(directory, exist_ok=True)
+  # On CPU 85% of the machine: the rest is the system's and this process's.
   memory_limit = (memory_limit_mb * 2**20 if memory_limit_mb
-                  else device_memory_bytes())
+                  else device_memory.held_bytes(host_share=0.85))
   peak = flops.peak_flops_per_device()
   rows = []
   with open(os.path.join(directory, 'results.jsonl'), 'w') as lines:

@@ -21,10 +21,14 @@ def exit_status(config, path) -> int:
   return exit_info.value.code
 
 
-def record_a_run(path) -> None:
-  """What a run that logged a step leaves besides config.json."""
+def a_recorded_run(data_dir, path):
+  """The config of a run that claimed `path` and logged a step there."""
+  config = tiny_config('lm_stdlib', data_dir)
+  with workdir.claim(config, str(path)):
+    pass
   with open(os.path.join(path, 'metrics.jsonl'), 'w') as f:
     f.write('{"step": 1, "loss": 1.0}\n')
+  return config
 
 
 def test_a_second_run_on_a_locked_workdir_exits_2_naming_the_holder(
@@ -56,10 +60,7 @@ def test_a_killed_runs_lock_is_taken_over_with_a_warning(tmp_path, capsys):
 
 def test_a_resume_with_a_changed_model_key_exits_2_and_keeps_config_json(
     data_dir, tmp_path, capsys):
-  config = tiny_config('lm_stdlib', data_dir)
-  with workdir.claim(config, str(tmp_path)):
-    pass
-  record_a_run(tmp_path)
+  config = a_recorded_run(data_dir, tmp_path)
   written = (tmp_path / 'config.json').read_bytes()
   config.model.d_model = 32
   config.seed = 7
@@ -73,10 +74,7 @@ def test_a_resume_with_a_changed_model_key_exits_2_and_keeps_config_json(
 
 def test_a_resume_with_a_changed_log_every_proceeds_and_is_recorded(
     data_dir, tmp_path, capsys):
-  config = tiny_config('lm_stdlib', data_dir)
-  with workdir.claim(config, str(tmp_path)):
-    pass
-  record_a_run(tmp_path)
+  config = a_recorded_run(data_dir, tmp_path)
   written = (tmp_path / 'config.json').read_bytes()
   config.log_every = 5
   for _ in range(2):  # Recorded once: the second resume changes nothing.
@@ -116,10 +114,7 @@ def test_more_steps_only_where_the_schedule_does_not_depend_on_them(
 
 
 def test_a_cut_history_line_is_named_not_a_traceback(data_dir, tmp_path):
-  config = tiny_config('lm_stdlib', data_dir)
-  with workdir.claim(config, str(tmp_path)):
-    pass
-  record_a_run(tmp_path)
+  config = a_recorded_run(data_dir, tmp_path)
   (tmp_path / 'config_history.jsonl').write_text('{"changes": {"log_ev')
   with pytest.raises(InputError, match='config_history.jsonl cannot be read'):
     workdir.claim(config, str(tmp_path))

@@ -5,13 +5,12 @@ Each rule names the key it checks, so a mistake is reported as, e.g.,
 """
 
 import functools
-import os
 
 import jax
 import ml_collections
 
 from model import ModelConfig, attention, attention_parameters, build
-from train import mesh, metrics, optim, parallel, steps
+from train import device_memory, mesh, metrics, optim, parallel, steps
 from train.data import datasets
 from train.errors import InputError
 
@@ -243,17 +242,10 @@ def check_dataset_fits(config: ml_collections.ConfigDict,
             f'shorter than config.seq_len={config.seq_len} - 1.')
 
 
-def device_bytes() -> int | None:
-  """The memory one local device holds: what it reports, or on a CPU the
-  host's memory shared by its devices (None: unknown)."""
-  device = jax.local_devices()[0]
-  stats = device.memory_stats() or {}
-  if 'bytes_limit' in stats:
-    return int(stats['bytes_limit'])
-  if device.platform == 'cpu':
-    host = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-    return host // len(jax.local_devices())
-  return None
+def device_bytes() -> int:
+  """The memory one local device holds; on a CPU, the host's memory shared
+  by its devices."""
+  return device_memory.held_bytes(host_share=1 / len(jax.local_devices()))
 
 
 def _size(count: float) -> str:
@@ -268,13 +260,10 @@ def check_step_fits(compiled: jax.stages.Compiled,
   fits in what the device holds; InputError with the figures and the keys
   that set them otherwise."""
   memory = compiled.memory_analysis()
-  held = device_bytes()
-  # Every host decides alike (a host that cannot tell counts as roomy).
-  held = mesh.minimum_over_hosts(float('inf') if held is None else held)
-  if memory is None or held == float('inf'):
+  held = mesh.minimum_over_hosts(device_bytes())  # Every host alike.
+  if memory is None:
     return
-  needed = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-            + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+  needed = device_memory.needed_bytes(memory)
   if needed > held:
     model = config.model
     _fail(f'a train step needs {_size(needed)} on each device, which '
