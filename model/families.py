@@ -7,11 +7,13 @@ float32 whatever `config.dtype` is.
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from model import attention
 from model import positions as positions_lib
 from model.blocks import TransformerStack
 from model.config import PAD_ID, ModelConfig
+from model.readout import Readout
 from model.rnn import RnnAttention
 from model.weight_decay import undecayed
 
@@ -48,13 +50,7 @@ class Embedder(nn.Module):
       self.learned_positions = positions_lib.LearnedPositions(
           config.max_len, config.d_model, config.weight_dtype)
     if not config.tie_embeddings:
-      # Logits are computed in float32 whatever config.dtype says.
-      self.output_projection = nn.DenseGeneral(
-          config.vocab_size, dtype=jnp.float32,
-          param_dtype=config.weight_dtype,
-          kernel_init=nn.with_logical_partitioning(
-              nn.initializers.xavier_uniform(), ('embed', 'vocab')),
-          bias_init=undecayed(nn.initializers.zeros, ('vocab',)))
+      self.output_projection = OutputProjection(config)
     self.dropout = nn.Dropout(config.dropout_rate)
 
   def embed_tokens(self, tokens_BxT: Array) -> Array:
@@ -93,15 +89,46 @@ class Embedder(nn.Module):
     return self.add_positions(self.embed_tokens(tokens_BxT), positions_BxT,
                               deterministic=deterministic)
 
-  def logits(self, x_BxTxD: Array) -> Array:
-    """Vocabulary logits, float32 [B, T, V]."""
-    x_BxTxD = x_BxTxD.astype(jnp.float32)
+  def readout(self, x_BxTxD: Array) -> Readout:
+    """The logits of hidden states [B, T, D], not yet computed."""
     if self.config.tie_embeddings:
       # x E^T / sqrt(d): the embeddings are initialised with unit variance.
-      embedding_VxD = self.token_embedding.embedding.astype(jnp.float32)
-      logits = jnp.einsum('btd,vd->btv', x_BxTxD, embedding_VxD)
-      return logits / jnp.sqrt(self.config.d_model)
+      return Readout(x_BxTxD, self.token_embedding.embedding,
+                     weights_spec='vd',
+                     divisor=float(np.sqrt(self.config.d_model)),
+                     compute_dtype=self.config.compute_dtype)
     return self.output_projection(x_BxTxD)
+
+  def logits(self, x_BxTxD: Array) -> Array:
+    """Vocabulary logits, float32 [B, T, V]."""
+    return self.readout(x_BxTxD).logits()
+
+
+class OutputProjection(nn.Module):
+  """An output projection of its own (untied embeddings): a kernel and a
+  bias, read out as a `Readout`."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD: Array) -> Readout:
+    config = self.config
+    kernel_DxV = self.param('kernel', nn.with_logical_partitioning(
+        nn.initializers.xavier_uniform(), ('embed', 'vocab')),
+                            (config.d_model, config.vocab_size),
+                            config.weight_dtype)
+    bias_V = self.param('bias', undecayed(nn.initializers.zeros, ('vocab',)),
+                        (config.vocab_size,), config.weight_dtype)
+    return Readout(x_BxTxD, kernel_DxV, bias_V,
+                   compute_dtype=config.compute_dtype)
+
+
+def _output(embedder: Embedder, x_BxTxD: Array,
+            readout: bool) -> Array | Readout:
+  """The logits of the final hidden states, or with `readout` their
+  `Readout`."""
+  out = embedder.readout(x_BxTxD)
+  return out if readout else out.logits()
 
 
 def empty_memory(config: ModelConfig, batch_size: int) -> dict[str, Array]:
@@ -139,8 +166,10 @@ class DecoderLM(nn.Module):
                segment_ids_BxT: Array | None = None,
                memory: dict[str, Array] | None = None, *,
                cache: tuple[dict[str, Array], ...] | None = None,
-               deterministic: bool = True):
+               deterministic: bool = True, readout: bool = False):
     """Next-token logits, float32 [B, T, V]; logits[:, t] sees tokens <= t.
+    With `readout`, a `Readout` of them in their place, for a loss that
+    computes them a block at a time.
 
     Rows packed with several sequences give each token's `segment_ids_BxT`
     (and its position within its sequence): tokens attend only within their
@@ -170,7 +199,7 @@ class DecoderLM(nn.Module):
         self_mask = attention.SegmentMask(segment_ids_BxT, segment_ids_BxT)
       x_BxTxD = decoder(x_BxTxD, positions_BxT, self_mask=self_mask,
                         deterministic=deterministic)
-      return embedder.logits(x_BxTxD)
+      return _output(embedder, x_BxTxD, readout)
     if segment_ids_BxT is not None:
       raise ValueError('a Transformer-XL memory reads contiguous text, not '
                        'packed segments.')
@@ -190,7 +219,7 @@ class DecoderLM(nn.Module):
         axis=2)
     new_memory = jax.lax.stop_gradient({'hidden': hidden[:, :, -length:],
                                         'valid': valid_BxS[:, -length:]})
-    return embedder.logits(x_BxTxD), new_memory
+    return _output(embedder, x_BxTxD, readout), new_memory
 
 
 class EncoderDecoder(nn.Module):
@@ -215,8 +244,9 @@ class EncoderDecoder(nn.Module):
   def decode(self, encoded_BxSxD: Array | None, inputs_BxS: Array,
              decoder_inputs_BxT: Array, positions_BxT: Array | None = None, *,
              cache: tuple[dict[str, Array], ...] | None = None,
-             deterministic: bool = True):
-    """Target logits, float32 [B, T, V], given the encoder output.
+             deterministic: bool = True, readout: bool = False):
+    """Target logits, float32 [B, T, V], given the encoder output (with
+    `readout`, their `Readout`).
 
     `decoder_inputs_BxT` are the targets shifted right (a start token first);
     `inputs_BxS` supplies the source padding mask. With a `cache` (see
@@ -238,13 +268,13 @@ class EncoderDecoder(nn.Module):
     if cache is not None:
       y_BxTxD, cache = y_BxTxD
       return self.embedder.logits(y_BxTxD), cache
-    return self.embedder.logits(y_BxTxD)
+    return _output(self.embedder, y_BxTxD, readout)
 
   def __call__(self, inputs_BxS: Array, decoder_inputs_BxT: Array, *,
-               deterministic: bool = True) -> Array:
+               deterministic: bool = True, readout: bool = False):
     encoded_BxSxD = self.encode(inputs_BxS, deterministic=deterministic)
     return self.decode(encoded_BxSxD, inputs_BxS, decoder_inputs_BxT,
-                       deterministic=deterministic)
+                       deterministic=deterministic, readout=readout)
 
 
 class EncoderClassifier(nn.Module):

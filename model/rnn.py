@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from model.attention import core
 from model.config import PAD_ID, ModelConfig
+from model.readout import Readout
 from model.weight_decay import undecayed
 
 Array = jax.Array
@@ -133,21 +134,24 @@ class RnnAttention(nn.Module):
             'mask': mask_BxS}
 
   def decode(self, state: dict, decoder_inputs_BxT: Array, *,
-             deterministic: bool = True) -> tuple[Array, dict, Array]:
-    """(logits [B, T, V], the state after the T steps, attention weights
-    [B, T, S]) for decoder inputs [B, T]."""
+             deterministic: bool = True, readout: bool = False
+             ) -> tuple[Array | Readout, dict, Array]:
+    """(logits [B, T, V] (with `readout`, their `Readout`), the state after
+    the T steps, attention weights [B, T, S]) for decoder inputs [B, T]."""
     embedded_BxTxD = self.dropout(self.embedder(decoder_inputs_BxT),
                                   deterministic=deterministic)
     state, (outputs_BxTx3D, weights_BxTxS) = self.steps(state,
                                                         embedded_BxTxD)
     readout_BxTxD = self.dropout(jnp.tanh(self.readout(outputs_BxTx3D)),
                                  deterministic=deterministic)
-    logits_BxTxV = self.embedder.attend(readout_BxTxD)
-    return logits_BxTxV.astype(jnp.float32), state, weights_BxTxS
+    # The output projection is the embedding transposed.
+    out = Readout(readout_BxTxD, self.embedder.embedding, weights_spec='vd',
+                  compute_dtype=self.config.compute_dtype)
+    return (out if readout else out.logits()), state, weights_BxTxS
 
   def __call__(self, inputs_BxS: Array, decoder_inputs_BxT: Array, *,
-               deterministic: bool = True) -> Array:
+               deterministic: bool = True, readout: bool = False):
     state = self.start(inputs_BxS, deterministic=deterministic)
-    logits_BxTxV, _, _ = self.decode(state, decoder_inputs_BxT,
-                                     deterministic=deterministic)
-    return logits_BxTxV
+    out, _, _ = self.decode(state, decoder_inputs_BxT,
+                            deterministic=deterministic, readout=readout)
+    return out

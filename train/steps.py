@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from model.readout import Readout
+from train import cross_entropy
+
 Array = jax.Array
 
 
@@ -59,6 +62,8 @@ def forward(model: nn.Module, kind: str, params, batch: dict[str, Array], *,
   if memory is not None:
     kwargs['memory'] = memory
   experts = bool(model.config.moe.num_experts)
+  if kind != 'classification':  # Vocabulary logits: a block at a time.
+    kwargs['readout'] = True
   result = model.apply({'params': params}, *_model_args(kind, batch),
                        mutable=['moe'] if experts else False, **kwargs)
   statistics = None
@@ -81,25 +86,12 @@ def _moe_statistics(sown) -> dict[str, Array]:
           'assigned': jnp.sum(jnp.stack(values['assigned']))}
 
 
-def cross_entropy(logits_xV: Array, targets_x: Array,
-                  label_smoothing: float = 0.0) -> Array:
-  """Per-target cross-entropy in nats, float32, shape of `targets_x`.
-
-  With label smoothing the target distribution is (1 - s) on the label plus
-  s spread uniformly over the vocabulary (Szegedy et al. 2016).
-  """
-  log_probs = jax.nn.log_softmax(logits_xV.astype(jnp.float32), axis=-1)
-  nll = -jnp.take_along_axis(log_probs, targets_x[..., None], axis=-1)[..., 0]
-  if label_smoothing == 0.0:
-    return nll
-  return (1.0 - label_smoothing) * nll - label_smoothing * jnp.mean(
-      log_probs, axis=-1)
-
-
-def metric_sums(logits_xV: Array, batch: dict[str, Array], *,
+def metric_sums(out: Array | Readout, batch: dict[str, Array], *,
                 label_smoothing: float = 0.0,
                 exact_match: bool = False) -> dict[str, Array]:
-  """Weighted sums: loss (nats), plain nll, correct predictions, weight.
+  """Weighted sums: loss (nats), plain nll, correct predictions, weight,
+  of the model's output: logits [..., V] or a language model's `Readout`
+  (its logits computed a block of tokens at a time).
 
   With `exact_match`, also the number of examples and of examples whose
   every weighted target is predicted (teacher-forced exact match, which is
@@ -107,17 +99,17 @@ def metric_sums(logits_xV: Array, batch: dict[str, Array], *,
   decoder is always fed the true prefix).
   """
   targets, weights = batch['targets'], batch['weights']
-  nll = cross_entropy(logits_xV, targets)
-  loss = (nll if label_smoothing == 0.0
-          else cross_entropy(logits_xV, targets, label_smoothing))
-  correct = (jnp.argmax(logits_xV, axis=-1) == targets).astype(jnp.float32)
-  sums = {'loss_sum': jnp.sum(loss * weights),
-          'nll_sum': jnp.sum(nll * weights),
-          'correct_sum': jnp.sum(correct * weights),
+  if isinstance(out, Readout):
+    losses = cross_entropy.readout_losses(out, targets, label_smoothing)
+  else:
+    losses = cross_entropy.token_losses(out, targets, label_smoothing)
+  sums = {'loss_sum': jnp.sum(losses.loss * weights),
+          'nll_sum': jnp.sum(losses.nll * weights),
+          'correct_sum': jnp.sum(losses.correct * weights),
           'weight_sum': jnp.sum(weights)}
   if exact_match:
     has_targets = jnp.any(weights > 0, axis=-1)
-    all_correct = jnp.all((correct > 0) | (weights == 0), axis=-1)
+    all_correct = jnp.all((losses.correct > 0) | (weights == 0), axis=-1)
     sums['example_count'] = jnp.sum(has_targets.astype(jnp.float32))
     sums['exact_match_sum'] = jnp.sum((has_targets & all_correct).astype(
         jnp.float32))
