@@ -120,7 +120,7 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
   checkpointer.check_space_to_train(program.abstract_state)
   train_iterator = pipeline.train_iterator(
       dataset, seq_len=config.seq_len, batch_size=config.batch_size,
-      seed=config.seed, layout=layout)
+      seed=config.seed, layout=layout, place=program.batch)
   restored = checkpointer.restore_latest(program.abstract_state,
                                         train_iterator)
   if restored is None:
@@ -151,46 +151,60 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
       flops_per_step=flops_per_step,
       peak_flops_per_s=flops.peak_flops_per_s())
   dropout_rng = program.key(1)
+
+  def placed_batch(step: int):
+    """The batch of `step` (1-based), on the devices."""
+    with jax.profiler.TraceAnnotation('next_batch'):
+      batch = next(train_iterator)
+    if step == config.debug_poison_step:
+      batch = pipeline.poisoned(batch)
+    return batch
+
   final = None
   try:
     with program.scope():
       for step in range(first_step, last_step):
         done = step + 1
-        batch = next(train_iterator)
-        if done == config.debug_poison_step:
-          batch = pipeline.poisoned(batch)
-        batch = program.batch(batch)
-        if step == first_step:  # Compiled once: the calls reuse it.
-          config_validation.check_step_fits(program.train_step.lower(
-              state, batch, dropout_rng).compile(), config)
-        state, step_metrics = program.train_step(state, batch, dropout_rng)
-        logged = train_log.add(done, step_metrics)
-        if logged:
-          writer.write(*logged)
-        # After the last step a stop changes nothing: the run is done.
-        stopping = stop.due(done) and done < last_step
-        # A stop saves at once and leaves the evaluation to the resumed run.
-        evaluate_now = (not stopping and
-                        metrics.is_due(done, config.eval_every, last_step))
-        save_now = stopping or metrics.is_due(done, config.checkpoint_every,
-                                              last_step)
-        if evaluate_now or save_now:
-          logged = train_log.complete()
-          summary = logged[1] if logged else {}
-          if evaluate_now:
-            final = evaluate(state.params)
-            summary |= final
-          if summary:
-            writer.write(done, summary)
-          if save_now:
-            checkpointer.save(done, state, train_iterator)
-          train_log.restart_clock()
-        if stopping:
-          checkpointer.wait()
-          _say(f'{stop.reason}: saved the checkpoint of step {done} in '
-               f'{checkpointer.directory} and stopped; run the same command '
-               'to resume.')
-          raise Stopped(f'stopped at step {done} on {stop.reason}')
+        # A step in a jax.profiler trace (experiments/profile.py).
+        with jax.profiler.StepTraceAnnotation('train', step_num=done):
+          batch = placed_batch(done)
+          if step == first_step:  # Compiled once: the calls reuse it.
+            with jax.profiler.TraceAnnotation('compile'):
+              config_validation.check_step_fits(program.train_step.lower(
+                  state, batch, dropout_rng).compile(), config)
+          state, step_metrics = program.train_step(state, batch, dropout_rng)
+          # Waits for the step before this one only: the device has this
+          # one queued meanwhile.
+          with jax.profiler.TraceAnnotation('train_log'):
+            logged = train_log.add(done, step_metrics)
+            if logged:
+              writer.write(*logged)
+          # After the last step a stop changes nothing: the run is done.
+          stopping = stop.due(done) and done < last_step
+          # A stop saves at once and leaves the evaluation to the resumed run.
+          evaluate_now = (not stopping and
+                          metrics.is_due(done, config.eval_every, last_step))
+          save_now = stopping or metrics.is_due(done, config.checkpoint_every,
+                                                last_step)
+          if evaluate_now or save_now:
+            logged = train_log.complete()
+            summary = logged[1] if logged else {}
+            if evaluate_now:
+              with jax.profiler.TraceAnnotation('evaluate'):
+                final = evaluate(state.params)
+              summary |= final
+            if summary:
+              writer.write(done, summary)
+            if save_now:
+              with jax.profiler.TraceAnnotation('checkpoint'):
+                checkpointer.save(done, state, train_iterator)
+            train_log.restart_clock()
+          if stopping:
+            checkpointer.wait()
+            _say(f'{stop.reason}: saved the checkpoint of step {done} in '
+                 f'{checkpointer.directory} and stopped; run the same command '
+                 'to resume.')
+            raise Stopped(f'stopped at step {done} on {stop.reason}')
       if final is None:  # Trained to the end before; evaluate again only.
         final = evaluate(state.params)
         _say(f'Already trained to step {last_step}; evaluation: {final}')

@@ -25,16 +25,26 @@ Shuffling is by document, or window by window for a corpus held in memory
 """
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from train.data.datasets import Dataset
 
 # Batches prepared ahead of the training step, in a background thread.
 PREFETCH_BATCHES = 2
+
+
+def _read_options(dataset: Dataset) -> grain.ReadOptions:
+  """How examples are read: a corpus in memory in the batching thread
+  itself (reader threads would only contend for the GIL: 8x slower for
+  lm_stdlib's batches), files by a few reader threads."""
+  if dataset.shuffle_windows:
+    return grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+  return grain.ReadOptions(num_threads=4, prefetch_buffer_size=64)
 
 
 class _DocumentWindows(grain.experimental.FlatMapTransform):
@@ -155,8 +165,8 @@ class _Streams(grain.IterDataset):
   """Batches of `batch_size` document streams; see `_StreamsIterator`."""
 
   def __init__(self, documents: grain.MapDataset, seq_len: int,
-               batch_size: int):
-    self._rows = [documents[row::batch_size].to_iter_dataset()
+               batch_size: int, read_options: grain.ReadOptions):
+    self._rows = [documents[row::batch_size].to_iter_dataset(read_options)
                   for row in range(batch_size)]
     super().__init__(self._rows)
     self._seq_len = seq_len
@@ -227,9 +237,10 @@ def _batches(dataset: Dataset, examples: grain.MapDataset, *, seq_len: int,
   """Per-kind shaping and batching; partial final batches when not `train`."""
   if dataset.kind == 'lm':
     if layout == 'streams':
-      return _Streams(examples, seq_len, batch_size)
+      return _Streams(examples, seq_len, batch_size, _read_options(dataset))
     windows = grain.experimental.FlatMapIterDataset(
-        examples.to_iter_dataset(), _DocumentWindows(seq_len))
+        examples.to_iter_dataset(_read_options(dataset)),
+        _DocumentWindows(seq_len))
     if layout == 'padded':
       return windows.map(lambda w: _unpacked_lm_example(w, seq_len)).batch(
           batch_size, drop_remainder=train)
@@ -244,29 +255,40 @@ def _batches(dataset: Dataset, examples: grain.MapDataset, *, seq_len: int,
   # their meaning.
   examples = examples.filter(lambda example: _fits(example, seq_len)).map(
       lambda example: shape(example, seq_len))
-  return examples.to_iter_dataset().batch(batch_size, drop_remainder=train)
+  return examples.to_iter_dataset(_read_options(dataset)).batch(
+      batch_size, drop_remainder=train)
 
 
 def train_iterator(dataset: Dataset, *, seq_len: int, batch_size: int,
-                   seed: int, layout: str = 'packed') -> grain.DatasetIterator:
+                   seed: int, layout: str = 'packed',
+                   place: Callable[[dict], dict] | None = None
+                   ) -> grain.DatasetIterator:
   """Endless shuffled training batches; checkpointable with grain.
 
-  `layout` (LM only) is one of LAYOUTS, see the module docstring.
+  `layout` (LM only) is one of LAYOUTS, see the module docstring. `place`
+  (a batch of numpy arrays -> the same on the devices) runs in the
+  prefetching thread, so that batches wait on the devices before the step
+  that needs them.
   """
   examples = _examples(dataset, 'train', seq_len, layout)
   batches = _batches(dataset, examples.seed(seed).shuffle().repeat(),
                      seq_len=seq_len, batch_size=batch_size, seed=seed,
                      train=True, layout=layout)
+  if place is not None:
+    batches = batches.map(place)
   return iter(grain.experimental.ThreadPrefetchIterDataset(
       batches, prefetch_buffer_size=PREFETCH_BATCHES))
 
 
-def poisoned(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """A copy of `batch` whose first weight is NaN, so that the loss and the
-  gradient of its step are not finite (config.debug_poison_step)."""
-  weights = np.array(batch['weights'], copy=True)
-  weights.flat[0] = np.nan
-  return batch | {'weights': weights}
+def poisoned(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """A copy of a batch on the devices whose first weight is NaN, so that
+  the loss and the gradient of its step are not finite
+  (config.debug_poison_step)."""
+  weights = batch['weights']
+  first = (0,) * weights.ndim
+  return batch | {'weights': jax.jit(
+      lambda w: w.at[first].set(jnp.nan),
+      out_shardings=weights.sharding)(weights)}
 
 
 def _pad_batch(batch: dict[str, np.ndarray], batch_size: int
