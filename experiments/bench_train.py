@@ -21,6 +21,7 @@ Writes OUT/<backend>/results.jsonl, results.md and results.csv.
 import json
 import os
 import sys
+import tempfile
 
 from absl import app
 from absl import flags
@@ -34,17 +35,18 @@ import optax
 
 from configs import lm_stdlib
 from experiments import common
-from train import cli, config_validation, flops, mesh, parallel
+from train import cli, config_validation, flops, mesh, parallel, trainer
 from train.errors import InputError
 
 FLAGS = flags.FLAGS
 
 # name: (d_model, num_layers, num_heads, mlp_dim, seq_len, batch_size,
-# vocab_size). gpt2 is GPT-2 small (Radford et al. 2019), ~124M parameters.
+# vocab_size). gpt2 is GPT-2 small (Radford et al. 2019), ~124M parameters;
+# the others read lm_stdlib's 258 byte tokens in the loop.
 SIZES = {
-    'tiny': (32, 1, 2, 64, 32, 8, 64),
-    'small': (256, 4, 4, 1024, 256, 16, 256),
-    'medium': (512, 6, 8, 2048, 512, 8, 256),
+    'tiny': (32, 1, 2, 64, 32, 8, 258),
+    'small': (256, 4, 4, 1024, 256, 16, 258),
+    'medium': (512, 6, 8, 2048, 512, 8, 258),
     'gpt2': (768, 12, 12, 3072, 1024, 8, 50304),
 }
 
@@ -121,13 +123,30 @@ def measure_ours(config, *, steps: int, warmup: int) -> dict:
   dropout_rng = program.key(1)
   state = program.init()
   with program.scope():
+    temp_bytes = common.temp_bytes(program.train_step, state, batch,
+                                   dropout_rng)
     seconds = common.time_steps(
         lambda state, batch: program.train_step(state, batch, dropout_rng),
         state, batch, steps=steps, warmup=warmup)
   params = program.abstract_state.params
   return {'params': sum(x.size for x in jax.tree.leaves(params)),
           'non_embedding_params': flops.non_embedding_params(params),
-          'step_s': seconds}
+          'step_s': seconds, 'temp_mib': temp_bytes / 2 ** 20}
+
+
+def measure_loop(config, *, steps: int) -> float:
+  """Seconds a step takes in `train_and_evaluate`'s loop (reading the
+  config's dataset, metrics, checkpoint checks), in a scratch workdir: the
+  second `steps` of the config's 2 * `steps` (the first compile and warm
+  up), logged once each; evaluation and a checkpoint only after the last."""
+  run = ml_collections.ConfigDict(config.to_dict())
+  run.update(log_every=steps, eval_every=0, checkpoint_every=0,
+             num_eval_steps=1)
+  with tempfile.TemporaryDirectory() as workdir:
+    trainer.train_and_evaluate(run, workdir)
+    [_, timed] = [line for line in common.read_metrics(workdir)
+                  if 'steps_per_s' in line]
+  return 1 / timed['steps_per_s']
 
 
 def measure_stock(config, batch_sharding, *, steps: int,
@@ -162,19 +181,20 @@ def measure_stock(config, batch_sharding, *, steps: int,
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), loss
 
-  seconds = common.time_steps(jax.jit(train_step, donate_argnums=0),
-                        (params, jax.jit(optimizer.init)(params)), batch,
-                        steps=steps, warmup=warmup)
+  step = jax.jit(train_step, donate_argnums=0)
+  state = (params, jax.jit(optimizer.init)(params))
+  temp_bytes = common.temp_bytes(step, state, batch)
+  seconds = common.time_steps(step, state, batch, steps=steps, warmup=warmup)
   embeddings = params['token_embed']['embedding'].size + params[
       'position_embed']['embedding'].size
   total = sum(x.size for x in jax.tree.leaves(params))
   return {'params': total, 'non_embedding_params': total - embeddings,
-          'step_s': seconds}
+          'step_s': seconds, 'temp_mib': temp_bytes / 2 ** 20}
 
 
 def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
         steps: int, warmup: int, attention: str, dtype: str, remat: str,
-        command: str = '') -> list[dict]:
+        loop: bool = True, command: str = '') -> list[dict]:
   for size in sizes:
     if size not in SIZES:
       raise InputError(f'--sizes: unknown size {size!r}; known: '
@@ -190,6 +210,10 @@ def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
     for size in sizes:
       config = our_config(base, size, attention=attention, dtype=dtype,
                           remat=remat)
+      # The steps the loop trains (see measure_loop), also in the bare
+      # step's schedule: both compile the same program.
+      config.update(num_train_steps=2 * steps,
+                    warmup_steps=min(config.warmup_steps, 2 * steps))
       measured = {'attnlab': measure_ours(config, steps=steps, warmup=warmup),
                   'stock_flax': measure_stock(
                       config, parallel.batch_sharding(
@@ -211,11 +235,15 @@ def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
         rows.append(row)
       ours, stock = rows[-2], rows[-1]
       ours['speedup_vs_stock'] = ours['tokens_per_s'] / stock['tokens_per_s']
+      if loop:
+        ours['loop_step_s'] = measure_loop(config, steps=steps)
+        ours['loop_efficiency'] = ours['step_s'] / ours['loop_step_s']
       for row in (ours, stock):
         lines.write(json.dumps(row) + '\n')
         print(json.dumps(row), flush=True)
   columns = ['size', 'model', 'attention', 'params', 'step_s', 'tokens_per_s',
-             'speedup_vs_stock', 'model_gflop_per_token', 'mfu']
+             'speedup_vs_stock', 'model_gflop_per_token', 'mfu', 'temp_mib',
+             'loop_step_s', 'loop_efficiency']
   shapes = '; '.join(
       f'{size}: d_model {SIZES[size][0]}, {SIZES[size][1]} layers, '
       f'{SIZES[size][2]} heads, MLP {SIZES[size][3]}, T {SIZES[size][4]}, '
@@ -228,7 +256,10 @@ def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
       f'{peak / 1e9 if peak else float("nan"):.0f} GFLOP/s (train/flops.py)'
       f'.\n\nSizes: {shapes}. {dtype} computation, float32 parameters, '
       f'remat {remat}; {steps} timed steps after {warmup}. MFU counts the '
-      'model FLOPs of train/flops.py (6 N + 6 L T d + 6 d V per token).\n\n')
+      'model FLOPs of train/flops.py (6 N + 6 L T d + 6 d V per token). '
+      'temp_mib: the compiled step\'s temporaries (XLA memory analysis). '
+      'loop_efficiency: the bare step time over the time of a step in '
+      '`train_and_evaluate`\'s loop on the config\'s dataset.\n\n')
   print(common.write_table(rows, columns, os.path.join(directory, 'results'),
                            preamble))
   return rows
@@ -238,7 +269,7 @@ def main(argv: list[str]) -> None:
   cli.run_main(argv, lambda: run(
       FLAGS.config, FLAGS.out, sizes=FLAGS.sizes, steps=FLAGS.steps,
       warmup=FLAGS.warmup, attention=FLAGS.attention, dtype=FLAGS.dtype,
-      remat=FLAGS.remat,
+      remat=FLAGS.remat, loop=FLAGS.loop,
       command='python -m experiments.bench_train ' + ' '.join(sys.argv[1:])))
 
 
@@ -258,6 +289,8 @@ def _define_flags() -> None:
                     'Computation dtype of both models.')
   flags.DEFINE_enum('remat', 'none', ['none', 'full', 'dots_saveable'],
                     'Our config.model.remat.')
+  flags.DEFINE_bool('loop', True, 'Also time our step in the training loop '
+                    '(loop_efficiency).')
 
 
 if __name__ == '__main__':

@@ -150,6 +150,14 @@ def time_steps(step, state, batch, *, steps: int, warmup: int) -> float:
   return (time.perf_counter() - start) / steps
 
 
+def temp_bytes(jitted, *args) -> int:
+  """The temporaries of `jitted` compiled for `args` (XLA's memory
+  analysis: what it allocates beyond its arguments and outputs); the
+  compiled program is cached, so a call that follows does not compile
+  again."""
+  return jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
 def machine_description() -> str:
   """One line: processor, cores, JAX backend and devices."""
   processor = platform.processor() or platform.machine()

@@ -105,10 +105,12 @@ def test_bench_attention_names_a_bad_argument(tmp_path):
                         head_dim=8, dtype='float32', reps=0, max_seconds=1)
 
 
-def test_bench_train_times_ours_and_the_stock_baseline(tmp_path):
+def test_bench_train_times_ours_and_the_stock_baseline(tmp_path, data_dir):
+  config = lm_stdlib.get_config()
+  config.data_dir = data_dir
   ours, stock = bench_train.run(
-      lm_stdlib.get_config(), str(tmp_path), sizes=['tiny'], steps=1,
-      warmup=1, attention='auto', dtype='float32', remat='full')
+      config, str(tmp_path), sizes=['tiny'], steps=1, warmup=1,
+      attention='auto', dtype='float32', remat='full')
   assert (ours['model'], stock['model']) == ('attnlab', 'stock_flax')
   assert ours['attention'] == 'chunked'  # auto, on CPU.
   # The same architecture: the same parameters and model FLOPs.
@@ -118,6 +120,11 @@ def test_bench_train_times_ours_and_the_stock_baseline(tmp_path):
     assert row['tokens_per_s'] > 0 and 0 < row['mfu'] < 1
   assert ours['speedup_vs_stock'] == pytest.approx(
       ours['tokens_per_s'] / stock['tokens_per_s'])
+  assert ours['temp_mib'] > 0 and stock['temp_mib'] > 0
+  # Timed in train_and_evaluate's loop too, on the config's dataset.
+  assert ours['loop_efficiency'] == pytest.approx(
+      ours['step_s'] / ours['loop_step_s'])
+  assert ours['loop_step_s'] > 0
   [directory] = [entry.path for entry in os.scandir(tmp_path)]
   with open(os.path.join(directory, 'results.md')) as f:
     assert '| tiny | attnlab | chunked |' in f.read()
