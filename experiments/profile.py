@@ -1,0 +1,391 @@
+"""Where a training step's time goes: a short real run under the JAX
+profiler, read back into tables. What to run first when a step is slow.
+
+  python -m experiments.profile --config=configs/lm_stdlib.py --workdir=DIR \
+      [--steps=10] [--warmup=2] [--config.key=value ...]
+
+Trains the config `warmup + steps + 1` steps through `train_and_evaluate`
+in DIR/run (removed first: it is this command's scratch run), inside
+`jax.profiler.trace(DIR/trace)` (also removed first), with no periodic
+evaluation, checkpoint or sample, and the learning-rate warmup cut to fit
+the run. train/trainer.py marks each step with
+`jax.profiler.StepTraceAnnotation('train', step_num=...)`; the measured
+window runs from the start of step warmup + 1 to the start of step
+warmup + steps + 1. So the first `warmup` steps (compiling) are left out, and
+so is the last step, which holds the one log line, the closing evaluation
+and the checkpoint.
+
+What counts as a device op: on GPU and TPU, the events of the device planes
+(/device:GPU:0, ...: a GPU's streams, or a TPU's 'XLA Ops' line); on CPU,
+where XLA's "devices" run on the host's threads, the thunk executions, which
+are the host events that carry an `hlo_op` stat and are named after the HLO
+instruction (fusion.12, dot.3, all-reduce.1). With CPU devices simulated
+(--xla_force_host_platform_device_count), an all-reduce's time is mostly its
+wait for the other devices' threads.
+
+Writes DIR/profile.md (the command, the machine, the config, then the
+tables), the tables alone in DIR/kernels.{md,csv} and DIR/host.{md,csv},
+and prints the report:
+  - step time: the window over the measured steps;
+  - device busy: the union of each device's op intervals in the window over
+    the window (ops overlapping on several streams or threads counted
+    once), averaged over the devices;
+  - kernels: device time by kernel, numeric suffixes stripped so that
+    fusion.1 and fusion.2 are one row, per step and per device, self time
+    (an op inside another, as a loop body inside its while, counts once);
+  - host: the main thread's annotations (jit dispatch, 'next_batch', the
+    metrics fetch) by name, per step, inclusive and self time.
+The trace itself opens in TensorBoard's or XProf's profile viewer.
+"""
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+import copy
+import glob
+import os
+import re
+import shutil
+import sys
+from typing import NamedTuple
+
+from absl import app
+from absl import flags
+import jax
+import ml_collections
+from ml_collections import config_flags
+
+from experiments import common
+from train import cli
+from train.errors import InputError
+from train.trainer import train_and_evaluate
+
+FLAGS = flags.FLAGS
+
+# The name train/trainer.py gives its StepTraceAnnotation.
+STEP_NAME = 'train'
+KERNEL_ROWS = 15
+HOST_ROWS = 10
+KERNEL_COLUMNS = ('kernel', 'program', 'count_per_step', 'ms_per_step',
+                  'share')
+HOST_COLUMNS = ('name', 'count_per_step', 'ms_per_step', 'self_ms_per_step')
+
+
+class Op(NamedTuple):
+  """One device op (kernel) execution; times in ns on the trace's clock."""
+  device: str  # '/device:GPU:0', or 'cpu:3' for a CPU device ordinal.
+  track: str  # The stream or thread: ops nest only within one.
+  name: str
+  program: str  # The HLO module, e.g. 'jit_train_step'; '' if unknown.
+  start_ns: float
+  end_ns: float
+
+
+class Span(NamedTuple):
+  """One annotation on the main host thread; times in ns."""
+  name: str
+  start_ns: float
+  end_ns: float
+
+
+class Trace(NamedTuple):
+  """What the profile reads from a trace."""
+  steps: dict[int, tuple[float, float]]  # step_num: (start_ns, end_ns).
+  devices: tuple[str, ...]  # Every device that ran an op.
+  ops: list[Op]
+  host: list[Span]  # The thread of the steps, less the steps and ops.
+
+
+# --- Interval arithmetic, on (start, end) pairs in ns ---
+
+def merged_length(intervals: Iterable[tuple[float, float]]) -> float:
+  """The length of the union of the intervals."""
+  total, reach = 0.0, float('-inf')
+  for start, end in sorted(intervals):
+    if end > reach:
+      total += end - max(start, reach)
+      reach = end
+  return total
+
+
+def self_times(intervals: Sequence[tuple[float, float]]) -> list[float]:
+  """Each interval's length less that of the intervals directly inside it,
+  in the order given. The intervals are one thread's (or stream's): any two
+  are nested or disjoint."""
+  result = [end - start for start, end in intervals]
+  stack = []
+  for i in sorted(range(len(intervals)),
+                  key=lambda i: (intervals[i][0], -intervals[i][1])):
+    start, end = intervals[i]
+    while stack and intervals[stack[-1]][1] <= start:
+      stack.pop()
+    if stack:
+      result[stack[-1]] -= min(end, intervals[stack[-1]][1]) - start
+    stack.append(i)
+  return result
+
+
+def clipped(events: Iterable, window: tuple[float, float]) -> list:
+  """The events (Op or Span) that overlap the window, cut to it."""
+  low, high = window
+  return [event._replace(start_ns=max(event.start_ns, low),
+                         end_ns=min(event.end_ns, high))
+          for event in events
+          if event.end_ns > low and event.start_ns < high]
+
+
+# --- Reading the trace ---
+
+def _stats(event) -> dict:
+  return dict(event.stats)
+
+
+def _device_lines(plane) -> list:
+  """A device plane's lines of ops: a TPU's 'XLA Ops' line (its other
+  lines, modules and steps, span those ops again), else a GPU's streams."""
+  lines = list(plane.lines)
+  ops = [line for line in lines if line.name == 'XLA Ops']
+  return ops or [line for line in lines
+                 if line.name != 'CUPTI overhead'
+                 and not line.name.startswith('_')]
+
+
+def read_trace(data) -> Trace:
+  """The steps, device ops and main-thread annotations of a
+  `jax.profiler.ProfileData`."""
+  steps, host_ops, device_ops, lines = {}, [], [], {}
+  step_track = None
+  for plane_index, plane in enumerate(data.planes):
+    if re.fullmatch(r'/device:(GPU|TPU):\d+', plane.name):
+      for line_index, line in enumerate(_device_lines(plane)):
+        device_ops += [
+            Op(plane.name, f'{plane_index}/{line_index}', event.name,
+               str(_stats(event).get('hlo_module', '')), event.start_ns,
+               event.end_ns)
+            for event in line.events if event.duration_ns > 0]
+    elif plane.name.startswith('/host:'):
+      for line_index, line in enumerate(plane.lines):
+        track = f'{plane_index}/{line_index}'
+        lines[track] = line
+        for event in line.events:
+          stats = _stats(event)
+          if event.name == STEP_NAME and 'step_num' in stats:
+            steps[int(stats['step_num'])] = (event.start_ns, event.end_ns)
+            step_track = track
+          elif 'hlo_op' in stats:
+            host_ops.append(Op(f'cpu:{stats.get("device_ordinal", 0)}',
+                               track, event.name,
+                               str(stats.get('hlo_module', '')),
+                               event.start_ns, event.end_ns))
+  # A GPU's or TPU's host threads may annotate ops too; its planes say what
+  # the device did.
+  ops = device_ops or host_ops
+  host = []
+  if step_track is not None:
+    for event in lines[step_track].events:
+      # 'end: <op>' marks where the CPU thunk executor saw an op finish.
+      if (event.duration_ns > 0 and event.name != STEP_NAME
+          and not event.name.startswith('end: ')
+          and 'hlo_op' not in _stats(event)):
+        host.append(Span(event.name, event.start_ns, event.end_ns))
+  return Trace(steps, tuple(sorted({op.device for op in ops})), ops, host)
+
+
+def step_window(steps: dict[int, tuple[float, float]], *, warmup: int,
+                num_steps: int) -> tuple[float, float]:
+  """(start, end) in ns of the measured steps: from the start of step
+  warmup + 1 to the start of step warmup + num_steps + 1."""
+  first, after = warmup + 1, warmup + num_steps + 1
+  missing = [step for step in (first, after) if step not in steps]
+  if missing:
+    raise RuntimeError(
+        f'The trace has no {STEP_NAME!r} step annotation of step(s) '
+        f'{missing} (it has {sorted(steps)}); train/trainer.py marks each '
+        f'step with jax.profiler.StepTraceAnnotation({STEP_NAME!r}, '
+        'step_num=<step>).')
+  return steps[first][0], steps[after][0]
+
+
+# --- Tables ---
+
+def kernel_name(name: str) -> str:
+  """`name` less a numeric suffix: fusion.12 (CPU) and loop_add_fusion_3
+  (a GPU kernel) are instances of fusion and loop_add_fusion."""
+  return re.sub(r'[._]\d+$', '', name)
+
+
+def busy_fraction(ops: Iterable[Op], window: tuple[float, float],
+                  devices: Sequence[str]) -> float:
+  """The fraction of the window each device spends in at least one op,
+  averaged over `devices` (one that ran nothing in it counts as idle)."""
+  by_device = defaultdict(list)
+  for op in clipped(ops, window):
+    by_device[op.device].append((op.start_ns, op.end_ns))
+  length = window[1] - window[0]
+  return sum(merged_length(by_device[device]) for device in devices) / (
+      length * max(len(devices), 1))
+
+
+def kernel_rows(ops: Iterable[Op], window: tuple[float, float],
+                num_steps: int, num_devices: int) -> list[dict]:
+  """Device self time by (kernel, program) in the window, most first: count
+  and ms per step and per device, and share of all the ops' time."""
+  by_track = defaultdict(list)
+  for op in clipped(ops, window):
+    by_track[op.track].append(op)
+  counts, times = defaultdict(int), defaultdict(float)
+  for track_ops in by_track.values():
+    for op, time in zip(track_ops, self_times(
+        [(op.start_ns, op.end_ns) for op in track_ops])):
+      key = (kernel_name(op.name), op.program)
+      counts[key] += 1
+      times[key] += time
+  total = sum(times.values()) or 1.0
+  per_step = num_steps * max(num_devices, 1)
+  return [{'kernel': kernel, 'program': program,
+           'count_per_step': counts[kernel, program] / per_step,
+           'ms_per_step': times[kernel, program] / 1e6 / per_step,
+           'share': times[kernel, program] / total}
+          for kernel, program in sorted(times, key=times.get, reverse=True)]
+
+
+def host_rows(spans: Iterable[Span], window: tuple[float, float],
+              num_steps: int) -> list[dict]:
+  """The main thread's annotations in the window by name, most inclusive
+  time first: count, inclusive and self ms per step."""
+  spans = clipped(spans, window)
+  intervals, own = defaultdict(list), defaultdict(float)
+  for span, time in zip(spans, self_times(
+      [(span.start_ns, span.end_ns) for span in spans])):
+    intervals[span.name].append((span.start_ns, span.end_ns))
+    own[span.name] += time
+  # A union: an annotation inside one of the same name (a jitted function
+  # calling itself through its wrapper) adds no time.
+  inclusive = {name: merged_length(named)
+               for name, named in intervals.items()}
+  return [{'name': name,
+           'count_per_step': len(intervals[name]) / num_steps,
+           'ms_per_step': inclusive[name] / 1e6 / num_steps,
+           'self_ms_per_step': own[name] / 1e6 / num_steps}
+          for name in sorted(inclusive, key=inclusive.get, reverse=True)]
+
+
+def summarize(trace: Trace, *, warmup: int, num_steps: int) -> dict:
+  """step_ms, device_busy_fraction, kernels (top rows), host (top rows) and
+  num_devices of the measured steps of `trace`."""
+  window = step_window(trace.steps, warmup=warmup, num_steps=num_steps)
+  return {
+      'step_ms': (window[1] - window[0]) / 1e6 / num_steps,
+      'device_busy_fraction': busy_fraction(trace.ops, window,
+                                            trace.devices),
+      'num_devices': len(trace.devices),
+      'kernels': kernel_rows(trace.ops, window, num_steps,
+                             len(trace.devices))[:KERNEL_ROWS],
+      'host': host_rows(trace.host, window, num_steps)[:HOST_ROWS]}
+
+
+# --- The run ---
+
+def profile_config(base: ml_collections.ConfigDict, *, steps: int,
+                   warmup: int) -> ml_collections.ConfigDict:
+  """`base` training warmup + steps + 1 steps, evaluating, saving and
+  logging once, after the last, and sampling nothing."""
+  config = copy.deepcopy(base)
+  total = warmup + steps + 1
+  # The learning-rate warmup shortened to fit: it changes values, not time.
+  config.update(num_train_steps=total, log_every=total, eval_every=0,
+                checkpoint_every=0, num_eval_steps=1, sample_length=0,
+                warmup_steps=min(base.warmup_steps, total))
+  return config
+
+
+def trace_file(directory: str) -> str:
+  """The one XSpace file jax.profiler.trace wrote under `directory`."""
+  paths = glob.glob(os.path.join(directory, '**', '*.xplane.pb'),
+                    recursive=True)
+  if len(paths) != 1:
+    raise RuntimeError(f'Expected one *.xplane.pb under {directory}, found '
+                       f'{paths}.')
+  return paths[0]
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, *, steps: int,
+        warmup: int, config_path: str = '', command: str = '') -> dict:
+  """Profiles `steps` training steps of `config` after `warmup` in
+  `workdir` (see the module docstring); returns `summarize`'s dict, with
+  'trace': the path of the trace file."""
+  if steps < 1:
+    raise InputError(f'--steps={steps} must be at least 1.')
+  if warmup < 1:
+    raise InputError(f'--warmup={warmup} must be at least 1: the first step '
+                     'compiles.')
+  run_dir = os.path.join(workdir, 'run')
+  trace_dir = os.path.join(workdir, 'trace')
+  for directory in (run_dir, trace_dir):
+    shutil.rmtree(directory, ignore_errors=True)
+  # The Python tracer (on by default) records every Python call: a trace
+  # hundreds of times larger, and steps it slows down.
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0
+  with jax.profiler.trace(trace_dir, profiler_options=options):
+    train_and_evaluate(profile_config(config, steps=steps, warmup=warmup),
+                       run_dir)
+  path = trace_file(trace_dir)
+  result = summarize(read_trace(jax.profiler.ProfileData.from_file(path)),
+                     warmup=warmup, num_steps=steps)
+  result['trace'] = path
+  print(write_report(result, workdir, steps=steps, warmup=warmup,
+                     config_path=config_path, command=command))
+  return result
+
+
+def write_report(result: dict, workdir: str, *, steps: int, warmup: int,
+                 config_path: str, command: str) -> str:
+  """Writes workdir/profile.md, kernels.{md,csv} and host.{md,csv};
+  returns the markdown of profile.md."""
+  kernels = common.write_table(result['kernels'], KERNEL_COLUMNS,
+                               os.path.join(workdir, 'kernels'))
+  host = common.write_table(result['host'], HOST_COLUMNS,
+                            os.path.join(workdir, 'host'))
+  report = (
+      '# Profile of a training step\n\n'
+      + (f'Command: `{command}`\n\n' if command else '')
+      + f'Machine: {common.machine_description()}\n\n'
+      + (f'Config: {config_path}\n\n' if config_path else '')
+      + f'Trace: {result["trace"]}\n\n'
+      f'{steps} steps measured after {warmup}: **{result["step_ms"]:.4g} ms '
+      f'a step**; the devices ({result["num_devices"]}) are busy '
+      f'**{result["device_busy_fraction"]:.1%}** of it.\n\n'
+      f'## Device time by kernel (top {KERNEL_ROWS}; per step and per '
+      'device; self time)\n\n' + kernels
+      + f'\n## Main host thread by annotation (top {HOST_ROWS}; per step; '
+      'ms inclusive of nested annotations, self_ms not)\n\n' + host)
+  with open(os.path.join(workdir, 'profile.md'), 'w') as f:
+    f.write(report)
+  return report
+
+
+def main(argv: list[str]) -> None:
+  cli.run_main(argv, lambda: run(
+      FLAGS.config, FLAGS.workdir, steps=FLAGS.steps, warmup=FLAGS.warmup,
+      config_path=config_flags.get_config_filename(FLAGS['config']),
+      command='python -m experiments.profile ' + ' '.join(sys.argv[1:])))
+
+
+def _define_flags() -> None:
+  """The command line, defined only when this runs as a script."""
+  config_flags.DEFINE_config_file(
+      'config', 'configs/lm_stdlib.py',
+      'Training config file to profile, optionally with :argument.',
+      lock_config=True)
+  flags.DEFINE_string('workdir', None,
+                      'The profile goes here: run/ (a scratch run), trace/, '
+                      'profile.md and the tables\' .md and .csv files.')
+  flags.DEFINE_integer('steps', 10, 'Steps measured.')
+  flags.DEFINE_integer('warmup', 2, 'Steps first, not measured (the first '
+                       'compiles).')
+  flags.mark_flag_as_required('workdir')
+
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main, flags_parser=cli.parse_flags)
