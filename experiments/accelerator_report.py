@@ -1,0 +1,305 @@
+"""One markdown report of what the accelerator at hand does with attnlab:
+the `make train` job's speed, a profile of its step, training throughput
+against stock Flax, and attention against sequence length.
+
+  python -m experiments.accelerator_report --out=DIR [--budget_s=450] \
+      [--data_dir=~/tensorflow_datasets]
+
+Each part runs in a process of its own, bounded in time, so that a hang, a
+crash or an out-of-memory loses only that one; it writes under DIR/<part>/
+(removed first: the training job would resume an old checkpoint), its
+output goes to DIR/<part>.log. A first process says which backend is
+present, which picks the parts' flags (this one never opens the
+accelerator: a TPU lets only one process hold it). Each part gets its share
+of the time left of --budget_s less RESERVE_S, against the shares of the
+parts after it, so that time one leaves unused goes to the later ones.
+
+Writes DIR/report.md, again after each part (what was measured survives a
+kill): the date, the machine, the versions, and for each part its command,
+its status (with the end of its stderr if it failed or timed out) and the
+tables it wrote. Prints its path.
+"""
+
+from collections.abc import Callable
+import functools
+import glob
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import NamedTuple
+
+from absl import app
+from absl import flags
+
+from configs import lm_stdlib
+from experiments import common
+from train import cli
+from train.errors import InputError
+
+FLAGS = flags.FLAGS
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Seconds of --budget_s no part may use: killing a late one, writing.
+RESERVE_S = 20
+PROBE_TIMEOUT_S = 60
+STDERR_LINES = 15
+PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'grain',
+            'ml_collections')
+# Prints one JSON line: the machine, the backend and its device kind.
+PROBE = [sys.executable, '-c',
+         'import json, jax; from experiments import common; '
+         'print(json.dumps({"machine": common.machine_description(), '
+         '"backend": jax.default_backend(), '
+         '"device_kind": jax.devices()[0].device_kind}))']
+
+
+# Each part's own flags: GPT-2 small and long attention on a GPU or TPU;
+# on a CPU, short runs that fit --budget_s=400 on 2 cores.
+ACCELERATOR_FLAGS = {
+    'main_job': [],
+    'profile': ['--steps=20'],
+    'bench_train': ['--sizes=gpt2', '--dtype=bfloat16', '--steps=10'],
+    'bench_attention': ['--lengths=1024,4096,16384,32768,65536',
+                        '--dtype=bfloat16']}
+CPU_FLAGS = {
+    'main_job': [f'--config.{key}={value}' for key, value in (
+        ('num_train_steps', 30), ('log_every', 10), ('eval_every', 30),
+        ('checkpoint_every', 30), ('warmup_steps', 10),
+        ('num_eval_steps', 10), ('sample_length', 0))],
+    'profile': ['--steps=5'],
+    'bench_train': ['--sizes=tiny,small', '--dtype=float32', '--steps=5'],
+    'bench_attention': ['--lengths=512,1024,2048', '--dtype=float32']}
+# Starts the stderr a part's log ends with.
+STDERR_MARK = '\n--- stderr ---\n'
+
+
+class Part(NamedTuple):
+  """One measurement: a command, run in a process of its own."""
+  name: str  # Its section; it writes under OUT/<name>/, logs to <name>.log.
+  argv: list[str]
+  # Of the time left when it starts, against the parts after it.
+  share: float
+  # The markdown it wrote, read back after it ended; None if none.
+  markdown: Callable[[], str | None]
+
+
+def read_file(path: str) -> str | None:
+  """The text in `path`, or None if there is no such file."""
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return f.read()
+
+
+def benchmark_markdown(out: str) -> str | None:
+  """OUT/<backend>/results.md; of a run cut short before writing it, the
+  JSON rows it printed (in OUT.log, before its stderr), as a table."""
+  paths = sorted(glob.glob(os.path.join(out, '*', 'results.md')))
+  if paths:
+    return '\n'.join(read_file(path) for path in paths)
+  stdout = (read_file(out + '.log') or '').split(STDERR_MARK)[0]
+  rows = []
+  for line in stdout.splitlines():
+    if line.startswith('{'):
+      try:
+        rows.append(json.loads(line))
+      except ValueError:  # The last line, cut off by the kill.
+        pass
+  if not rows:
+    return None
+  os.makedirs(out, exist_ok=True)
+  return 'Cut short; the rows it printed:\n\n' + common.write_table(
+      rows, list(dict.fromkeys(key for row in rows for key in row)),
+      os.path.join(out, 'partial'))
+
+
+def throughput_markdown(workdir: str) -> str | None:
+  """The speed of each logged interval of the run in `workdir` after the
+  first (which includes compiling), and its last evaluation."""
+  lines = common.read_metrics(workdir)
+  intervals = [line for line in lines if 'steps_per_s' in line][1:]
+  evaluations = [line for line in lines if 'eval_loss' in line]
+  text = ''
+  if intervals:
+    mean = sum(line['steps_per_s'] for line in intervals) / len(intervals)
+    text += (f'Logged intervals after the first: {mean:.4g} steps/s on '
+             'average.\n\n' + common.write_table(
+                 intervals, ('step', 'steps_per_s', 'tokens_per_s'),
+                 os.path.join(workdir, 'throughput')))
+  if evaluations:
+    last = evaluations[-1]
+    text += (f'\nLast evaluation, step {last["step"]}: eval_loss '
+             f'{last["eval_loss"]:.4g}, eval_bits_per_byte '
+             f'{last.get("eval_bits_per_byte", float("nan")):.4g}.\n')
+  return text or None
+
+
+def default_parts(out: str, backend: str, data_dir: str) -> list[Part]:
+  """The four parts, with the flags of `backend`."""
+  sized = ACCELERATOR_FLAGS if backend in ('gpu', 'tpu') else CPU_FLAGS
+  where = {name: os.path.join(out, name) for name in sized}
+  config = ['--config=configs/lm_stdlib.py', f'--config.data_dir={data_dir}']
+  module = [sys.executable, '-m']
+  return [
+      Part('main_job', [*module, 'train.train', *config,
+                        f'--workdir={where["main_job"]}', *sized['main_job']],
+           0.25, functools.partial(throughput_markdown, where['main_job'])),
+      Part('profile', [*module, 'experiments.profile', *config,
+                       f'--workdir={where["profile"]}', '--warmup=3',
+                       *sized['profile']], 0.15,
+           functools.partial(read_file, os.path.join(where['profile'],
+                                                     'profile.md'))),
+      # Its --config is lm_stdlib's, built in: only the override is given.
+      Part('bench_train', [*module, 'experiments.bench_train', config[1],
+                           f'--out={where["bench_train"]}', '--warmup=2',
+                           *sized['bench_train']], 0.3,
+           functools.partial(benchmark_markdown, where['bench_train'])),
+      # The exact variants and the efficient ones that can be causal; a
+      # variant's lengths stop growing once a step takes over a second.
+      Part('bench_attention', [
+          *module, 'experiments.bench_attention',
+          f'--out={where["bench_attention"]}',
+          '--variants=xla,dense,chunked,local,bigbird,performer',
+          '--causal=True', '--max_seconds=1', '--reps=2',
+          *sized['bench_attention']], 0.3,
+           functools.partial(benchmark_markdown, where['bench_attention']))]
+
+
+def probe(argv: list[str], timeout_s: float) -> dict[str, str]:
+  """The machine, backend and device kind, as a process of their own
+  says them ('unknown', with why, where it could not)."""
+  try:
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout_s)
+    if done.returncode == 0:
+      return json.loads(done.stdout.strip().splitlines()[-1])
+    why = (done.stderr.strip().splitlines() or [''])[-1]
+  except (subprocess.TimeoutExpired, ValueError, IndexError) as error:
+    why = str(error)
+  return {'machine': f'unknown (asking failed: {why})', 'backend': 'unknown',
+          'device_kind': 'unknown'}
+
+
+def run_part(part: Part, out: str, timeout_s: float) -> str:
+  """Runs `part` for at most `timeout_s`; its status, in markdown."""
+  if timeout_s < 1:
+    return 'not run: the budget was spent'
+  shutil.rmtree(os.path.join(out, part.name), ignore_errors=True)
+  start, timed_out = time.monotonic(), False
+  with open(os.path.join(out, part.name + '.log'), 'w') as log:
+    # Its own session, so that a timeout also ends the processes it started.
+    process = subprocess.Popen(
+        part.argv, cwd=REPO, stdout=log, stderr=subprocess.PIPE, text=True,
+        errors='replace', start_new_session=True,
+        env=os.environ | {'PYTHONUNBUFFERED': '1'})
+    try:
+      _, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+      os.killpg(process.pid, signal.SIGKILL)
+      _, stderr = process.communicate()
+      timed_out = True
+    log.write(STDERR_MARK + stderr)
+  seconds = time.monotonic() - start
+  if process.returncode == 0 and not timed_out:
+    return f'done in {seconds:.0f} s'
+  # Progress bars redraw with carriage returns: each drawing a line.
+  tail = [line for line in stderr.replace('\r', '\n').splitlines()
+          if line.strip()][-STDERR_LINES:]
+  status = (f'timed out after {seconds:.0f} s' if timed_out else
+            f'failed with exit status {process.returncode} after '
+            f'{seconds:.0f} s')
+  if not tail:
+    return f'{status}; its stderr is empty'
+  return (f'{status}; the end of its stderr:\n\n```text\n'
+          + '\n'.join(tail) + '\n```')
+
+
+def _header(machine: dict[str, str], command: str) -> str:
+  """The title, the date, the machine, the versions and the command."""
+  versions = [f'- python {platform.python_version()}']
+  for package in PACKAGES:
+    try:
+      versions.append(f'- {package} {importlib.metadata.version(package)}')
+    except importlib.metadata.PackageNotFoundError:
+      versions.append(f'- {package} absent')
+  return '\n'.join([
+      '# Accelerator report', '', f'Date: {time.strftime("%Y-%m-%d %H:%M %Z")}',
+      '', f'Machine: {machine["machine"]}', '',
+      f'Backend: {machine["backend"]}; device kind: {machine["device_kind"]}',
+      '', 'Versions:', '', *versions, '', f'Command: `{command}`', ''])
+
+
+def _section(part: Part, status: str) -> str:
+  """A part's command, status and markdown, its headings put below the
+  report's."""
+  try:
+    markdown = part.markdown()
+  except (OSError, ValueError, KeyError) as error:
+    markdown = f'Its tables could not be read: {error!r}.\n'
+  if markdown is None:
+    markdown = 'It wrote no table.\n'
+  markdown = '\n'.join('##' + line if line.startswith('#') else line
+                       for line in markdown.splitlines())
+  return (f'## {part.name}\n\nCommand: `{shlex.join(part.argv)}`\n\n'
+          f'Status: {status}\n\n{markdown}\n')
+
+
+def run(out: str, *, budget_s: float, data_dir: str,
+        parts: list[Part] | None = None, probe_argv: list[str] = PROBE) -> str:
+  """Runs the parts (default_parts for the backend present, unless given)
+  within `budget_s`; writes OUT/report.md and returns its path."""
+  if budget_s <= RESERVE_S:
+    raise InputError(f'--budget_s={budget_s:g} must be more than the '
+                     f'{RESERVE_S} s kept for ending a part and writing.')
+  start = time.monotonic()
+  deadline = start + budget_s - RESERVE_S
+  os.makedirs(out, exist_ok=True)
+  machine = probe(probe_argv, min(PROBE_TIMEOUT_S, deadline - start))
+  if parts is None:
+    parts = default_parts(out, machine['backend'], data_dir)
+  header = _header(machine, 'python -m experiments.accelerator_report '
+                   f'--out={out} --budget_s={budget_s:g} --data_dir={data_dir}')
+  path, sections = os.path.join(out, 'report.md'), []
+
+  def write(*footer: str) -> None:
+    with open(path, 'w') as f:
+      f.write('\n'.join([header, *sections, *footer]))
+
+  write()
+  for i, part in enumerate(parts):
+    left = deadline - time.monotonic()
+    share = part.share / sum(later.share for later in parts[i:])
+    status = run_part(part, out, left * share)
+    print(f'{part.name}: {status.splitlines()[0]}', flush=True)
+    sections.append(_section(part, status))
+    write()
+  write(f'The report took {time.monotonic() - start:.0f} s; the parts\' '
+        f'output is in {out}/<part>.log.\n')
+  return path
+
+
+def main(argv: list[str]) -> None:
+  cli.run_main(argv, lambda: print(run(
+      FLAGS.out, budget_s=FLAGS.budget_s, data_dir=FLAGS.data_dir)))
+
+
+def _define_flags() -> None:
+  """The command line, defined only when this runs as a script."""
+  flags.DEFINE_string('out', None, 'The report goes to OUT/report.md, each '
+                      'part\'s files under OUT/<part>/.')
+  flags.DEFINE_float('budget_s', 450.0, 'Seconds the whole report may take.')
+  flags.DEFINE_string('data_dir', lm_stdlib.get_config().data_dir,
+                      'The dataset\'s directory, forwarded as '
+                      '--config.data_dir.')
+  flags.mark_flag_as_required('out')
+
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main, flags_parser=cli.parse_flags)
