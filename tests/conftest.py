@@ -22,6 +22,12 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
 import pytest
 
 
+def pytest_collection_modifyitems(items):
+  """Tests marked `slow` first: a long test started near the end would
+  keep one worker busy after the others have finished."""
+  items.sort(key=lambda item: item.get_closest_marker('slow') is None)
+
+
 @pytest.fixture(scope='session')
 def data_dir(tmp_path_factory) -> str:
   """One data_dir for the whole session: each dataset is built once."""

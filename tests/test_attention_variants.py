@@ -591,6 +591,7 @@ def temp_bytes(name: str, length: int, **options) -> int:
   return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_memory_of_chunked_local_and_linear_grows_linearly():
   lengths = (2048, 8192)
   memory = {name: [temp_bytes(name, t, **options) for t in lengths]

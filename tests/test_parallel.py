@@ -410,6 +410,7 @@ def run_two_processes(flags: list[str], interrupts=(None, None)
   return outputs
 
 
+@pytest.mark.slow
 def test_two_processes_stop_together_resume_and_train_like_one(
     tmp_path, data_dir, stdlib_dataset):
   """SIGTERM to one host: the preemption service has both save the same

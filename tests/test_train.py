@@ -110,6 +110,7 @@ def checkpoint_steps(workdir) -> list[int]:
                 .iterdir() if p.name.isdigit())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', sorted(EVAL_KEYS))
 def test_config_trains_saves_and_resumes(name, data_dir, tmp_path):
   if name == 'wmt14_ende':
@@ -151,6 +152,7 @@ def transformer_xl_config(data_dir):
   return config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['algorithmic', 'transformer_xl'])
 def test_resumed_run_repeats_the_uninterrupted_one(name, data_dir, tmp_path):
   """Data order, dropout and any memory continue exactly where the

@@ -77,6 +77,7 @@ def test_translate_names_a_split_the_dataset_lacks(translation_workdir):
     translate.translate(translation_workdir, 'dev')
 
 
+@pytest.mark.slow
 def test_a_reverse_model_trained_300_steps_decodes_most_inputs(data_dir,
                                                                tmp_path):
   """Reversing up to 6 symbols: guessing gets about 1 in 10^length right;
