@@ -3,17 +3,20 @@ size written with stock Flax layers, in one run.
 
   python -m experiments.bench_train --out=experiments/results/bench_train \
       [--sizes=small,medium] [--steps=10 --warmup=2] [--attention=auto] \
-      [--dtype=float32] [--remat=none] [--config.key=value ...]
+      [--dtype=float32] [--remat=none] [--noloop] [--config.key=value ...]
 
 Both models: learned positions, pre-LayerNorm blocks, a GELU MLP, a tied
 output projection, AdamW with global-norm clipping, float32 parameters,
 `--dtype` computation, synthetic rows of random tokens (one sequence a row,
-causal), data parallel over every device. Ours is `train.train`'s own step (configs/lm_stdlib.py with the
-size's keys and any --config overrides; metrics included); the baseline is
-`nn.MultiHeadDotProductAttention` with `nn.make_causal_mask`, written out
-below. For each: step time, tokens/s, model FLOPs per token (train/flops.py)
-and MFU against the device's peak (a jitted matmul on CPU, the published
-bfloat16 peak of a GPU or TPU chip), and our tokens/s over the baseline's.
+causal), data parallel over every device. Ours is `train.train`'s own step
+(configs/lm_stdlib.py with the size's keys and any --config overrides;
+metrics included); the baseline is `nn.MultiHeadDotProductAttention` with
+`nn.make_causal_mask`, written out below. For each: step time, tokens/s,
+model FLOPs per token (train/flops.py), MFU against the device's peak (a
+jitted matmul on CPU, the published bfloat16 peak of a GPU or TPU chip),
+the compiled step's temporaries, and our tokens/s over the baseline's. Ours
+is also timed inside `train_and_evaluate`'s loop on the config's dataset
+(unless --noloop): loop_efficiency is the bare step's time over that.
 
 Writes OUT/<backend>/results.jsonl, results.md and results.csv.
 """
