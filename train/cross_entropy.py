@@ -43,8 +43,11 @@ def token_losses(logits_xV: Array, targets_x: Array,
   if label_smoothing:
     loss_x = (1.0 - label_smoothing) * nll_x - label_smoothing * jnp.mean(
         log_probs_xV, axis=-1)
-  # No logit above the label's (no argmax: another pass over V).
-  correct_x = (label_x >= jnp.max(log_probs_xV, axis=-1)).astype(
+  # No logit above the label's: the maximum log_softmax takes already
+  # (XLA computes it once), where an argmax would be another pass over V.
+  label_logit_x = jnp.take_along_axis(logits_xV, targets_x[..., None],
+                                      axis=-1)[..., 0]
+  correct_x = (label_logit_x >= jnp.max(logits_xV, axis=-1)).astype(
       jnp.float32)
   return TokenLosses(nll=nll_x, loss=loss_x, correct=correct_x)
 
