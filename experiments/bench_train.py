@@ -99,9 +99,7 @@ def our_config(base: ml_collections.ConfigDict, size: str, *, attention: str,
                dtype: str, remat: str) -> ml_collections.ConfigDict:
   d_model, layers, heads, mlp, seq_len, batch, vocab = SIZES[size]
   config = ml_collections.ConfigDict(base.to_dict())
-  # No closing sample: only steps are timed.
-  config.update(seq_len=seq_len, batch_size=batch, pack_sequences=False,
-                sample_length=0)
+  config.update(seq_len=seq_len, batch_size=batch, pack_sequences=False)
   config.model.update(d_model=d_model, num_layers=layers, num_heads=heads,
                       mlp_dim=mlp, vocab_size=vocab, max_len=seq_len,
                       position='learned', norm='layernorm',
@@ -137,16 +135,13 @@ def measure_ours(config, *, steps: int, warmup: int) -> dict:
           'step_s': seconds, 'temp_mib': temp_bytes / 2 ** 20}
 
 
-def measure_loop(config, *, steps: int) -> float:
+def measure_loop(config) -> float:
   """Seconds a step takes in `train_and_evaluate`'s loop (reading the
   config's dataset, metrics, checkpoint checks), in a scratch workdir: the
-  second `steps` of the config's 2 * `steps` (the first compile and warm
-  up), logged once each; evaluation and a checkpoint only after the last."""
-  run = ml_collections.ConfigDict(config.to_dict())
-  run.update(log_every=steps, eval_every=0, checkpoint_every=0,
-             num_eval_steps=1)
+  second of the config's two logged intervals (the first compiles and
+  warms up); evaluation and a checkpoint only after the last step."""
   with tempfile.TemporaryDirectory() as workdir:
-    trainer.train_and_evaluate(run, workdir)
+    trainer.train_and_evaluate(config, workdir)
     [_, timed] = [line for line in common.read_metrics(workdir)
                   if 'steps_per_s' in line]
   return 1 / timed['steps_per_s']
@@ -211,12 +206,11 @@ def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
   rows = []
   with open(os.path.join(directory, 'results.jsonl'), 'w') as lines:
     for size in sizes:
-      config = our_config(base, size, attention=attention, dtype=dtype,
-                          remat=remat)
-      # The steps the loop trains (see measure_loop), also in the bare
-      # step's schedule: both compile the same program.
-      config.update(num_train_steps=2 * steps,
-                    warmup_steps=min(config.warmup_steps, 2 * steps))
+      # Two logged intervals of `steps` for measure_loop; the bare step
+      # has the same schedule, so both compile the same program.
+      config = common.timed_run_config(
+          our_config(base, size, attention=attention, dtype=dtype,
+                     remat=remat), num_train_steps=2 * steps, log_every=steps)
       measured = {'attnlab': measure_ours(config, steps=steps, warmup=warmup),
                   'stock_flax': measure_stock(
                       config, parallel.batch_sharding(
@@ -239,7 +233,7 @@ def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
       ours, stock = rows[-2], rows[-1]
       ours['speedup_vs_stock'] = ours['tokens_per_s'] / stock['tokens_per_s']
       if loop:
-        ours['loop_step_s'] = measure_loop(config, steps=steps)
+        ours['loop_step_s'] = measure_loop(config)
         ours['loop_efficiency'] = ours['step_s'] / ours['loop_step_s']
       for row in (ours, stock):
         lines.write(json.dumps(row) + '\n')

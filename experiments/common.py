@@ -3,6 +3,7 @@ result tables and plots, and a description of the machine."""
 
 import ast
 from collections.abc import Sequence
+import copy
 import csv
 import json
 import os
@@ -148,6 +149,19 @@ def time_steps(step, state, batch, *, steps: int, warmup: int) -> float:
     state, metrics = step(state, batch)
   jax.block_until_ready((state, metrics))
   return (time.perf_counter() - start) / steps
+
+
+def timed_run_config(config, *, num_train_steps: int, log_every: int):
+  """A copy of `config` for a run timed by its logged steps_per_s:
+  `num_train_steps` steps logged every `log_every`, evaluation (one batch)
+  and a checkpoint after the last step only, no sample; the learning-rate
+  warmup cut to fit (it changes values, not time)."""
+  run = copy.deepcopy(config)
+  run.update(num_train_steps=num_train_steps, log_every=log_every,
+             eval_every=0, checkpoint_every=0, num_eval_steps=1,
+             sample_length=0,
+             warmup_steps=min(config.warmup_steps, num_train_steps))
+  return run
 
 
 def temp_bytes(jitted, *args) -> int:

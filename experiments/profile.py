@@ -40,7 +40,6 @@ The trace itself opens in TensorBoard's or XProf's profile viewer.
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-import copy
 import glob
 import os
 import re
@@ -285,19 +284,6 @@ def summarize(trace: Trace, *, warmup: int, num_steps: int) -> dict:
 
 # --- The run ---
 
-def profile_config(base: ml_collections.ConfigDict, *, steps: int,
-                   warmup: int) -> ml_collections.ConfigDict:
-  """`base` training warmup + steps + 1 steps, evaluating, saving and
-  logging once, after the last, and sampling nothing."""
-  config = copy.deepcopy(base)
-  total = warmup + steps + 1
-  # The learning-rate warmup shortened to fit: it changes values, not time.
-  config.update(num_train_steps=total, log_every=total, eval_every=0,
-                checkpoint_every=0, num_eval_steps=1, sample_length=0,
-                warmup_steps=min(base.warmup_steps, total))
-  return config
-
-
 def trace_file(directory: str) -> str:
   """The one XSpace file jax.profiler.trace wrote under `directory`."""
   paths = glob.glob(os.path.join(directory, '**', '*.xplane.pb'),
@@ -327,8 +313,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, steps: int,
   options = jax.profiler.ProfileOptions()
   options.python_tracer_level = 0
   with jax.profiler.trace(trace_dir, profiler_options=options):
-    train_and_evaluate(profile_config(config, steps=steps, warmup=warmup),
-                       run_dir)
+    # The one log line falls in the last step, outside the window.
+    total = warmup + steps + 1
+    train_and_evaluate(common.timed_run_config(
+        config, num_train_steps=total, log_every=total), run_dir)
   path = trace_file(trace_dir)
   result = summarize(read_trace(jax.profiler.ProfileData.from_file(path)),
                      warmup=warmup, num_steps=steps)
