@@ -7,7 +7,7 @@ the course notes, trained for the same 550 steps so the results compare:
 Systems:
   alternating        dense and locally banded (window 32) layers in turn, as
                      GPT-3 does (Brown et al. 2020).
-  memory_compressed  local (window 32) and memory-compressed (kernel and
+  memory_compressed  local (window 32) and memory-compressed (width and
                      stride 3) layers in turn, the Transformer-DMCA of Liu
                      et al. (2018); one window a row, since memory
                      compression takes key padding masks only.
@@ -53,7 +53,7 @@ def get_config(arg: str = 'system=alternating'):
     model.attention = 'local,memory_compressed'
     model.attention_options = ml_collections.ConfigDict(
         {'local': {'window': 32},
-         'memory_compressed': {'kernel': 3, 'stride': 3}})
+         'memory_compressed': {'width': 3, 'stride': 3}})
     config.pack_sequences = False
   elif system == 'parameter_free':
     model.attention_projections = False

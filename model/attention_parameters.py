@@ -57,12 +57,12 @@ def _additive(module: nn.Module, config: ModelConfig, *,
 
 
 def _memory_compressed(module: nn.Module, config: ModelConfig, *,
-                       kernel: int = 3, **options) -> dict[str, Any]:
-  """The keys' and values' convolutions [kernel, K, H, K, H], Xavier over
-  (kernel * K * H inputs, K * H outputs)."""
-  if kernel < 1:
-    raise ValueError(f'kernel={kernel} must be positive.')
-  shape = (kernel, config.num_kv_heads, config.head_dim,
+                       width: int = 3, **options) -> dict[str, Any]:
+  """The keys' and values' convolutions [width, K, H, K, H], Xavier over
+  (width * K * H inputs, K * H outputs)."""
+  if width < 1:
+    raise ValueError(f'width={width} must be positive.')
+  shape = (width, config.num_kv_heads, config.head_dim,
            config.num_kv_heads, config.head_dim)
 
   def init(rng, shape, dtype):

@@ -25,7 +25,7 @@ OPTIONS = {
     'performer': {'num_features': 16},
     'linear': {},
     'additive': {'hidden': 8},
-    'memory_compressed': {'stride': 3, 'kernel': 3},
+    'memory_compressed': {'stride': 3, 'width': 3},
     'ring': {},
 }
 CAUSAL = [name for name in attention.names() if attention.spec(name).causal]

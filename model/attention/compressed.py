@@ -4,11 +4,11 @@ convolution.
 The memory-compressed attention of Liu et al. (2018), the Transformer-DMCA
 of "Generating Wikipedia by Summarizing Long Sequences". Keys and values
 [B, S, K, H] are each convolved along the length, all heads' channels
-mixed, with a kernel of `kernel` positions moved `stride` at a time (3 and
-3 in the paper): S' = ceil(S / stride) compressed keys and values, and
+mixed, with a kernel `width` positions wide moved `stride` at a time (3
+and 3 in the paper): S' = ceil(S / stride) compressed keys and values, and
 scores [B, N, T, S'], about 1/stride of dense attention's. Compressed key j
-reads positions j * stride + stride - kernel .. j * stride + stride - 1
-(zeros before 0 and after S - 1), so with kernel == stride the windows are
+reads positions j * stride + stride - width .. j * stride + stride - 1
+(zeros before 0 and after S - 1), so with width == stride the windows are
 the consecutive blocks of `stride` positions.
 
 Causal: query i reads compressed key j only when the window's last
@@ -84,7 +84,7 @@ def memory_compressed_attention(
         f'[B, 1, 1, S]), not a mask of shape {mask.shape}.')
   window = key_kernel.shape[0]
   if not 1 <= stride <= window:
-    raise ValueError(f'stride={stride} must be in [1, kernel={window}]: '
+    raise ValueError(f'stride={stride} must be in [1, width={window}]: '
                      'windows further apart would skip positions.')
   expected = (window,) + key.shape[2:] + key.shape[2:]
   for name, kernel in (('key_kernel', key_kernel),
