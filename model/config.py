@@ -150,10 +150,12 @@ class ModelConfig:
   # head over the whole width, logits unscaled (self-attention's first form,
   # before projections). Cross-attention keeps its projections.
   attention_projections: bool = True
-  # Options of that function (e.g. window for local, rank for linformer),
-  # as (name, value) pairs; from_mapping accepts a dict. With several
-  # attentions, a dict from each entry's name to its options, e.g.
-  # {'local': {'window': 64}} (held as one tuple of pairs per entry).
+  # Options of that function (e.g. window for local, rank for linformer;
+  # kernel for chunked and local: auto, xla, cudnn, pallas_tpu or
+  # pallas_gpu, see model/attention/fused.py), as (name, value) pairs;
+  # from_mapping accepts a dict. With several attentions, a dict from each
+  # entry's name to its options, e.g. {'local': {'window': 64}} (held as
+  # one tuple of pairs per entry).
   attention_options: tuple = ()
   # Output projection shares the token embedding matrix (Press & Wolf 2017).
   tie_embeddings: bool = True

@@ -196,7 +196,7 @@ class DecoderLM(nn.Module):
       self_mask = None
       if segment_ids_BxT is not None:
         # Compared block by block where attention is: never [B, 1, T, T].
-        self_mask = attention.SegmentMask(segment_ids_BxT, segment_ids_BxT)
+        self_mask = attention.SegmentMask(segment_ids_BxT)
       x_BxTxD = decoder(x_BxTxD, positions_BxT, self_mask=self_mask,
                         deterministic=deterministic)
       return _output(embedder, x_BxTxD, readout)

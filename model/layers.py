@@ -167,6 +167,8 @@ class MultiHeadAttention(nn.Module):
         raise ValueError(
             f'config.model.attention={config.attention!r} cannot read a cache '
             '(cached decoding needs dense, chunked or additive attention).')
+      if 'kernel' in kwargs:  # No fused kernel reads a cache.
+        kwargs['kernel'] = 'auto'
       cache = _write(cache, k_BxSxKxH, v_BxSxKxH, q_positions_BxT)
       k_BxSxKxH, v_BxSxKxH = cache['key'], cache['value']
       kv_positions_BxS = jnp.broadcast_to(

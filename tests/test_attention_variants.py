@@ -115,30 +115,6 @@ def test_causal_chunked_visits_only_blocks_on_or_below_the_diagonal():
   assert visits(13, 8, 4, 4) == [0, 1, 2, 2]
 
 
-def test_chunked_hands_cudnn_only_the_cases_it_computes_alike():
-  half = lambda *shape: jnp.zeros(shape, jnp.bfloat16)
-  q = half(B, T, N, 64)
-  assert chunked.cudnn_supports(q, half(B, T, 2, 64), None, None, True)
-  refused = [
-      (jnp.zeros((B, T, N, 64)), half(B, T, 2, 64), None, None, True),
-      (half(B, T, N, 160), half(B, T, 2, 160), None, None, False),
-      (q, half(B, T, 2, 64), None, padding(), False),
-      (q, half(B, T + 3, 2, 64), None, None, True),  # Diagonal alignment.
-  ]
-  for case in refused:
-    assert not chunked.cudnn_supports(*case)
-
-
-def test_chunked_computes_itself_where_cudnn_refuses(monkeypatch):
-  """On a GPU-looking backend with no cuDNN, the fused call fails when
-  traced and the blocked algorithm runs instead."""
-  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
-  q, k, v = (x.astype(jnp.bfloat16) for x in make_qkv(3))
-  out = attention.get('chunked')(q, k, v, is_causal=True, chunk_size=4)
-  assert_close(out.astype(jnp.float32), dense(q, k, v, is_causal=True)
-               .astype(jnp.float32), atol=2e-2)
-
-
 def test_chunked_rows_with_nothing_to_attend_are_zero_and_finite():
   q, k, v = make_qkv(1)
   mask = np.ones((B, 1, T, T), bool)

@@ -106,9 +106,9 @@ def spec(name: str) -> Variant:
 def fastest_exact(*, dropout: bool = False) -> str:
   """The exact attention to use where the choice is free ('auto'):
   chunked, which skips the blocks a causal mask removes and never holds
-  [T, S] logits (and on GPUs hands the cases cuDNN supports to cuDNN's
-  fused kernel); dense where attention dropout is wanted, which only
-  dense applies. experiments/bench_attention.py measures the choice."""
+  [T, S] logits (and runs on the backend's fused kernel where one computes
+  the case, see fused.py); dense where attention dropout is wanted, which
+  only dense applies. experiments/bench_attention.py measures the choice."""
   return 'dense' if dropout else 'chunked'
 
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.attention import core
+from model.attention import core, fused
 
 Array = jax.Array
 
@@ -186,7 +186,7 @@ class _Plan:
     q_start, kv_start = self.starts(q_index, kv_index)
     q_ids = jax.lax.dynamic_slice_in_dim(mask.q_segment_ids_BxT, q_start,
                                          self.q_chunk, axis=1)
-    kv_ids = jax.lax.dynamic_slice_in_dim(mask.kv_segment_ids_BxS, kv_start,
+    kv_ids = jax.lax.dynamic_slice_in_dim(mask.kv_ids, kv_start,
                                           self.kv_chunk, axis=1)
     return (q_ids[:, :, None] == kv_ids[:, None, :])[:, None, None]
 
@@ -443,63 +443,40 @@ def default_chunk_size(batch: int, num_heads: int, q_len: int,
   return chunk
 
 
-def cudnn_supports(query: Array, key: Array, bias, mask: Array | None,
-                   is_causal: bool) -> bool:
-  """Whether cuDNN's fused attention computes this case as `chunked`
-  does: half-precision inputs, heads of at most 128 (a multiple of 8), no
-  mask (a row with every key masked is zero here, not cuDNN's), a bias
-  array if any, and causal only with as many queries as keys (cuDNN aligns
-  the diagonal top-left, `core.causal_mask` bottom-right)."""
-  return (query.dtype in (jnp.bfloat16, jnp.float16)
-          and key.dtype == query.dtype
-          and query.shape[-1] <= 128 and query.shape[-1] % 8 == 0
-          and mask is None and not isinstance(bias, core.PositionBias)
-          and (not is_causal or query.shape[1] == key.shape[1]))
-
-
-def _cudnn_attention(query, key, value, bias, mask, *, scale, is_causal):
-  """cuDNN's fused attention on a GPU where it supports the case; None
-  elsewhere, or where it refuses the case when traced."""
-  if jax.default_backend() != 'gpu' or not cudnn_supports(
-      query, key, bias, mask, is_causal):
-    return None
-  try:
-    return jax.nn.dot_product_attention(
-        query, key, value, bias=bias, scale=scale, is_causal=is_causal,
-        implementation='cudnn')
-  except (NotImplementedError, ValueError, RuntimeError):
-    return None
-
-
 def chunked_attention(query: Array, key: Array, value: Array,
                       bias: Array | None = None, mask: Array | None = None, *,
                       scale: float | None = None, is_causal: bool = False,
                       chunk_size: int | None = None,
-                      query_chunk_size: int | None = None) -> Array:
+                      query_chunk_size: int | None = None,
+                      kernel: str = 'auto') -> Array:
   """`scaled_dot_product_attention`, exactly, in O(T * H) memory besides a
-  block of logits. On a GPU, the cases cuDNN supports (`cudnn_supports`)
-  go to its fused kernel, which computes the same blocked algorithm.
+  block of logits: by the blocked JAX code here, or by a fused kernel that
+  computes the same blocked algorithm (model/attention/fused.py).
 
   Args:
-    chunk_size: keys per chunk; None for `default_chunk_size`.
-    query_chunk_size: queries per block; None for chunk_size.
+    chunk_size: keys per chunk of the JAX code; None for
+      `default_chunk_size`.
+    query_chunk_size: its queries per block; None for chunk_size.
+    kernel: one of fused.KERNELS: 'xla' for the JAX code, a fused kernel
+      by name (KernelError where it cannot compute the case), or 'auto'
+      for the fastest that can on this backend.
   """
   core.check_inputs(query, key, value, bias, mask)
   for name, size in (('chunk_size', chunk_size),
                      ('query_chunk_size', query_chunk_size)):
     if size is not None and size < 1:
       raise ValueError(f'{name}={size} must be positive.')
-  fused = _cudnn_attention(query, key, value, bias, mask, scale=scale,
-                           is_causal=is_causal)
-  if fused is not None:
-    return fused
   batch, q_len, num_heads, head_dim = query.shape
+  scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+  kernel = fused.choose(kernel, fused.case_of(query, key, bias, mask,
+                                                  is_causal=is_causal))
+  if kernel != 'xla':
+    return fused.run(kernel, query, key, value, bias, mask, scale=scale,
+                       is_causal=is_causal)
   chunk_size = chunk_size or default_chunk_size(batch, num_heads, q_len,
                                                 key.shape[1])
   plan = _Plan(batch, q_len, num_heads, head_dim, kv_len=key.shape[1],
-               num_kv_heads=key.shape[2],
-               scale=1.0 / math.sqrt(head_dim) if scale is None else scale,
-               is_causal=is_causal,
+               num_kv_heads=key.shape[2], scale=scale, is_causal=is_causal,
                q_chunk=min(query_chunk_size or chunk_size, q_len),
                kv_chunk=min(chunk_size, key.shape[1]))
   key = _pad(key, 1, plan.padded_kv_len)
@@ -509,8 +486,7 @@ def chunked_attention(query: Array, key: Array, value: Array,
                      plan.padded_kv_len), -2, plan.padded_q_len)
   if isinstance(mask, core.SegmentMask):
     mask = core.SegmentMask(_pad(mask.q_segment_ids_BxT, 1, plan.padded_q_len),
-                            _pad(mask.kv_segment_ids_BxS, 1,
-                                 plan.padded_kv_len))
+                            _pad(mask.kv_ids, 1, plan.padded_kv_len))
   else:
     mask = _pad(_pad(split_heads(mask, plan.num_kv_heads), -1,
                      plan.padded_kv_len), -2, plan.padded_q_len)

@@ -55,22 +55,31 @@ class SegmentMask:
   each token's segment id rather than as a [B, 1, T, S] array.
 
   A variant that visits blocks of pairs compares the ids of those blocks
-  only, so packed rows never make it build the whole mask.
+  only, so packed rows never make it build the whole mask. Without key ids
+  the keys are the queries' own positions (self-attention over packed rows),
+  and every query sees at least itself: what the fused kernels need.
   """
 
   q_segment_ids_BxT: Array
-  kv_segment_ids_BxS: Array
+  kv_segment_ids_BxS: Array | None = None
+
+  @property
+  def kv_ids(self) -> Array:
+    """The keys' ids [B, S]: the queries' own without key ids."""
+    if self.kv_segment_ids_BxS is None:
+      return self.q_segment_ids_BxT
+    return self.kv_segment_ids_BxS
 
   @property
   def shape(self) -> tuple[int, int, int, int]:
     """The shape of the mask it stands for, [B, 1, T, S]."""
     batch, q_len = self.q_segment_ids_BxT.shape
-    return batch, 1, q_len, self.kv_segment_ids_BxS.shape[1]
+    return batch, 1, q_len, self.kv_ids.shape[1]
 
   def at(self, q_index, k_index) -> Array:
     """bool [B, 1, *I] at pairs (q_index, k_index) of broadcast shape I."""
     return (self.q_segment_ids_BxT[:, q_index]
-            == self.kv_segment_ids_BxS[:, k_index])[:, None]
+            == self.kv_ids[:, k_index])[:, None]
 
 
 def mask_at(mask, q_index, k_index) -> Array:
@@ -131,7 +140,7 @@ def check_inputs(query, key, value, bias, mask) -> tuple[int, ...]:
     if mask.shape[0] != batch or mask.shape[2:] != (q_len, kv_len):
       raise ValueError(
           f'segment ids have shapes {mask.q_segment_ids_BxT.shape} and '
-          f'{mask.kv_segment_ids_BxS.shape}; expected [B, T] = '
+          f'{mask.kv_ids.shape}; expected [B, T] = '
           f'{(batch, q_len)} and [B, S] = {(batch, kv_len)}.')
   elif mask is not None:
     _check_rank4('mask', mask, full_shape)

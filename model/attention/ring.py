@@ -197,6 +197,8 @@ def ring_attention(query: Array, key: Array, value: Array,
       else scale, is_causal=is_causal, axis=axis, ring_size=ring_size)
   if ring_size == 1:
     return body(query, key, value, bias, mask)
+  if isinstance(mask, core.SegmentMask):  # Every key's ids on each device.
+    mask = core.SegmentMask(mask.q_segment_ids_BxT, mask.kv_ids)
   sequence = P(None, axis)
   in_specs = (sequence, sequence, sequence, _row_spec(bias, axis),
               _row_spec(mask, axis))

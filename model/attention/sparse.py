@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.attention import core
+from model.attention import core, fused
 
 Array = jax.Array
 # allowed(query_positions, key_positions) -> bool, broadcasting.
@@ -143,12 +143,20 @@ def _band(padded: int, block: int, window: int, is_causal: bool) -> Part:
 def local_attention(query: Array, key: Array, value: Array,
                     bias: Array | None = None, mask: Array | None = None, *,
                     scale: float | None = None, is_causal: bool = False,
-                    window: int = 128) -> Array:
+                    window: int = 128, kernel: str = 'auto') -> Array:
   """Sliding-window attention: query i sees keys j with |i - j| < window
-  (causal: 0 <= i - j < window). Computed on blocks of `window` positions,
-  each reading its neighbour blocks: O(T * window)."""
+  (causal: 0 <= i - j < window). The JAX code ('xla') computes blocks of
+  `window` positions, each reading its neighbour blocks: O(T * window);
+  `kernel` picks it or a fused kernel as for `chunked`
+  (model/attention/fused.py)."""
   _check_self_attention('local', query, key, value, bias, mask)
   _positive(window=window)
+  kernel = fused.choose(kernel, fused.case_of(
+      query, key, bias, mask, is_causal=is_causal, window=window))
+  if kernel != 'xla':
+    return fused.run(kernel, query, key, value, bias, mask,
+                       scale=_scale(query, scale), is_causal=is_causal,
+                       window=window)
   block = min(window, query.shape[1])
   part = _band(_padded(query.shape[1], block), block, window, is_causal)
   return attend_parts(query, key, value, bias, mask, scale=_scale(query, scale),
