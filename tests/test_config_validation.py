@@ -196,10 +196,20 @@ INVALID_ELSEWHERE = [
      'positive'),
     ('memory_compressed', 'model.attention_options.local.window', -1,
      'window=-1 must be positive'),
-    ('memory_compressed', 'model.attention_options.memory_compressed.kernel',
-     0, 'kernel=0 must be positive'),
+    ('memory_compressed', 'model.attention_options.memory_compressed.width',
+     0, 'width=0 must be positive'),
     ('memory_compressed', 'model.attention_options.memory_compressed.stride',
-     4, 'stride=4 must be in [1, kernel=3]'),
+     4, 'stride=4 must be in [1, width=3]'),
+    ('local', 'model.attention_options.kernel', 'flash',
+     "config.model.attention_options.kernel='flash' must be one of ['auto', "
+     "'xla', 'cudnn', 'pallas_tpu', 'pallas_gpu']"),
+    ('local', 'model.attention_options.kernel', 'cudnn',
+     "config.model.attention_options.kernel='cudnn' needs a GPU: the "
+     "decoder's self-attention is float32, causal, packed rows, window 128 "
+     "on cpu; set it to 'auto'"),
+    ('alternating', 'model.attention_options.local.kernel', 'pallas_gpu',
+     "config.model.attention_options.local.kernel='pallas_gpu' takes no "
+     'window'),
     ('local', 'model.attention_options.window', 0,
      "config.model does not build (attention='local', attention_options="
      "{'window': 0}): window=0 must be positive"),

@@ -78,7 +78,12 @@ class LocalWmt14(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
 def tiny_config(name: str, data_dir: str):
   if name == 'lm_stdlib':
-    return shrink(lm_stdlib.get_config(), data_dir, seq_len=32)
+    config = shrink(lm_stdlib.get_config(), data_dir, seq_len=32)
+    # Pallas flash attention, interpreted, on each device's share of the
+    # batch.
+    config.model.update(attention='chunked',
+                        attention_options={'kernel': 'pallas_gpu'})
+    return config
   if name == 'algorithmic':
     config = shrink(algorithmic.get_config('task=addition'), data_dir,
                     seq_len=16)
@@ -112,7 +117,7 @@ def checkpoint_steps(workdir) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize('name', sorted(EVAL_KEYS))
-def test_config_trains_saves_and_resumes(name, data_dir, tmp_path):
+def test_config_trains_saves_and_resumes(name, data_dir, tmp_path, capsys):
   if name == 'wmt14_ende':
     LocalWmt14(data_dir=data_dir, file_format='array_record'
                ).download_and_prepare()
@@ -130,6 +135,9 @@ def test_config_trains_saves_and_resumes(name, data_dir, tmp_path):
 
   final = run()
   assert set(final) == EVAL_KEYS[name]
+  if name == 'lm_stdlib':  # The start-up line names the kernel.
+    assert ('Attention kernels: decoder layer 0 chunked: pallas_gpu (as set; '
+            'float32, causal, packed rows)') in capsys.readouterr().out
   assert checkpoint_steps(workdir) == [2, 4]
   with open(os.path.join(workdir, 'config.json')) as f:
     assert json.load(f)['num_train_steps'] == 4

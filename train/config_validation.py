@@ -10,7 +10,9 @@ import jax
 import ml_collections
 
 from model import ModelConfig, attention, attention_parameters, build
-from train import device_memory, mesh, metrics, optim, parallel, steps
+from model.attention import fused
+from train import (attention_kernels, device_memory, mesh, metrics, optim,
+                   parallel, steps)
 from train.data import datasets
 from train.errors import InputError
 
@@ -118,6 +120,7 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
           f'config.dataset={config.dataset!r} ({kind}); use {family!r}.')
   _check_decode_splits(config, model_config, kind)
   positions = model_positions(config)
+  _check_kernels(config, model_config, positions)
   if model_config.position == 'learned' and positions > model_config.max_len:
     _fail(f'config.seq_len={config.seq_len} needs {positions} positions, more '
           f'than config.model.max_len={model_config.max_len}.')
@@ -148,6 +151,20 @@ def _check_attentions(config: ml_collections.ConfigDict,
             'key/value cache, which config.model.attention='
             f'{layer_config.attention!r} cannot read (dense, chunked and '
             'additive can); set it to 0.')
+
+
+def _check_kernels(config: ml_collections.ConfigDict,
+                   model_config: ModelConfig, positions: int) -> None:
+  """A kernel named in the attention options exists and computes what the
+  model's self-attention asks of it on this backend."""
+  for choice in attention_kernels.choices(config, model_config, positions):
+    if choice.option not in fused.KERNELS:
+      _fail(f'{choice.key}={choice.option!r} must be one of '
+            f'{list(fused.KERNELS)}.')
+    if choice.refusal:
+      _fail(f'{choice.key}={choice.option!r} {choice.refusal}: the '
+            f"{choice.stack}'s self-attention is {choice.case.describe()} "
+            f"on {choice.case.backend}; set it to 'auto'.")
 
 
 def _check_decode_splits(config: ml_collections.ConfigDict,

@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import ml_collections
 
 from model import ModelConfig, build
-from train import checkpointing, config_validation, flops, generate, metrics
+from train import (attention_kernels, checkpointing, config_validation, flops,
+                   generate, metrics)
 from train import mesh as mesh_lib
 from train import parallel, preemption, seq2seq_eval
 from train import workdir as workdir_lib
@@ -136,6 +137,11 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
   _say(f'{model_config.family} on {config.dataset}: {num_params:,} '
        f'parameters, {jax.device_count()} {jax.default_backend()} devices '
        f'({split}, {config.parallelism.strategy}), workdir {workdir}')
+  kernels = attention_kernels.choices(
+      config, model_config, config_validation.model_positions(config))
+  if kernels:
+    _say('Attention kernels: '
+         + '; '.join(choice.describe() for choice in kernels))
   last_step = config.num_train_steps
   first_step = int(state.step)
   writer = metrics.MetricWriter(workdir, total_steps=last_step,

@@ -1,0 +1,44 @@
+"""The kernel each self-attention of a config runs, worked out from the
+config: by family, packing, dtype and backend."""
+
+from configs import listops, lm_stdlib, wmt14_ende
+from model import ModelConfig
+from train import attention_kernels
+
+
+def summary(config, backend):
+  found = attention_kernels.choices(
+      config, ModelConfig.from_mapping(config.model), config.seq_len,
+      backend)
+  return [(c.stack, c.layers, c.case.mask, c.case.is_causal, c.kernel)
+          for c in found]
+
+
+def test_each_family_asks_its_own_cases():
+  lm = lm_stdlib.get_config()
+  lm.model.update(attention='chunked', dtype='bfloat16')
+  layers = (0, 1, 2, 3)
+  # Packed rows: Pallas on either accelerator, never cuDNN.
+  assert summary(lm, 'gpu') == [('decoder', layers, 'segments', True,
+                                 'pallas_gpu')]
+  assert summary(lm, 'tpu')[0][-1] == 'pallas_tpu'
+  assert summary(lm, 'cpu')[0][-1] == 'xla'
+  lm.pack_sequences = False
+  assert summary(lm, 'gpu')[0][2:] == ('none', True, 'cudnn')
+  # Encoder-decoder: padded source rows, then a causal decoder.
+  wmt = wmt14_ende.get_config()
+  wmt.model.attention = 'chunked'
+  encoder, decoder = summary(wmt, 'gpu')
+  assert encoder[0] == 'encoder' and encoder[2:] == ('key_padding', False,
+                                                     'cudnn')
+  assert decoder[0] == 'decoder' and decoder[2:] == ('none', True, 'cudnn')
+  wmt.model.dtype = 'float32'  # cuDNN takes half precision only.
+  assert [row[-1] for row in summary(wmt, 'gpu')] == ['xla', 'pallas_gpu']
+  # A pattern: only the entries that take a kernel, each on its layers.
+  classifier = listops.get_config()
+  classifier.model.update(attention='dense,local', num_layers=4)
+  (local,) = summary(classifier, 'tpu')
+  assert local == ('encoder', (1, 3), 'key_padding', False, 'pallas_tpu')
+  # Dense takes no kernel option.
+  classifier.model.attention = 'dense'
+  assert summary(classifier, 'tpu') == []

@@ -1,0 +1,101 @@
+"""Which kernel each self-attention of a config's model runs in training
+(see model/attention/fused.py), worked out from the config before anything
+is traced: for the config check, which refuses a kernel named in
+`config.model.attention_options.kernel` that cannot compute what the model
+asks of it, and for the trainer's start-up line.
+
+Cached decoding (a query at a time against a key/value cache, under a mask
+array) always takes 'auto': no fused kernel reads a cache.
+"""
+
+import dataclasses
+import inspect
+
+import jax
+import ml_collections
+
+from model import ModelConfig, attention, attention_parameters
+from model.attention import fused
+from model.config import BIAS_POSITIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The kernel of one stack's self-attention layers of one entry of the
+  attention pattern."""
+
+  stack: str  # 'decoder' or 'encoder'.
+  layers: tuple[int, ...]
+  attention: str
+  key: str  # The config key of its kernel option.
+  option: str  # The option's value ('auto' unset).
+  case: fused.Case
+  # What runs; None where `option` cannot compute the case (`refusal`).
+  kernel: str | None
+  refusal: str | None
+
+  def describe(self) -> str:
+    layers = (f'layer {self.layers[0]}' if len(self.layers) == 1 else
+              f'layers {",".join(map(str, self.layers))}')
+    how = ('auto' if self.option == 'auto' else 'as set') + (
+        f'; {self.case.describe()}')
+    return f'{self.stack} {layers} {self.attention}: {self.kernel} ({how})'
+
+
+def _self_attention(model_config: ModelConfig, length: int,
+                    pack_sequences: bool) -> list[tuple]:
+  """(stack, is_causal, Case.mask, q_len, kv_len) of each stack of
+  self-attention the family trains with."""
+  family = model_config.family
+  if family == 'decoder_lm':
+    if model_config.memory_length:  # The memory's keys, some not yet filled.
+      return [('decoder', True, 'key_padding', length,
+               length + model_config.memory_length)]
+    return [('decoder', True, 'segments' if pack_sequences else 'none',
+             length, length)]
+  if family == 'encoder_decoder':
+    return [('encoder', False, 'key_padding', length, length),
+            ('decoder', True, 'none', length, length)]
+  if family == 'encoder_classifier':
+    return [('encoder', False, 'key_padding', length, length)]
+  return []  # rnn_attention's attention is its own.
+
+
+def _window(layer_config: ModelConfig) -> int | None:
+  """local's window, as set or by default; None for other attentions."""
+  if layer_config.attention != 'local':
+    return None
+  default = inspect.signature(attention.get('local')).parameters['window']
+  return dict(layer_config.attention_options).get('window', default.default)
+
+
+def choices(config: ml_collections.ConfigDict, model_config: ModelConfig,
+            length: int, backend: str | None = None) -> list[Choice]:
+  """The kernel of every self-attention that takes one, on `backend`
+  (default: this process's), at activations of `length` positions."""
+  backend = backend or jax.default_backend()
+  pattern = model_config.num_attentions > 1
+  bias = 'function' if model_config.position in BIAS_POSITIONS else 'none'
+  found = []
+  for stack, is_causal, mask, q_len, kv_len in _self_attention(
+      model_config, length, config.pack_sequences):
+    for index, layer_config in enumerate(model_config.layer_configs()):
+      name = layer_config.attention
+      if 'kernel' not in attention_parameters.option_names(name):
+        continue
+      option = dict(layer_config.attention_options).get('kernel', 'auto')
+      case = fused.Case(backend, model_config.compute_dtype.name,
+                        model_config.head_dim, q_len, kv_len, is_causal,
+                        mask, bias, _window(layer_config))
+      reason = None
+      if option in fused.KERNELS and option != 'auto':
+        reason = fused.refusal(option, case)
+      kernel = None
+      if option in fused.KERNELS and reason is None:
+        kernel = fused.choose(option, case)
+      found.append(Choice(
+          stack, tuple(range(index, model_config.num_layers,
+                             model_config.num_attentions)), name,
+          'config.model.attention_options.' + (f'{name}.' if pattern else '')
+          + 'kernel', option, case, kernel, reason))
+  return found
