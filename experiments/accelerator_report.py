@@ -59,14 +59,15 @@ PROBE = [sys.executable, '-c',
          '"device_kind": jax.devices()[0].device_kind}))']
 
 
-# Each part's own flags: GPT-2 small and long attention on a GPU or TPU;
-# on a CPU, short runs that fit --budget_s=400 on 2 cores.
+# Each part's own flags: GPT-2 small and long attention (on plain, packed
+# and padded rows) on a GPU or TPU; on a CPU, short runs that fit
+# --budget_s=400 on 2 cores.
 ACCELERATOR_FLAGS = {
     'main_job': [],
     'profile': ['--steps=20'],
     'bench_train': ['--sizes=gpt2', '--dtype=bfloat16', '--steps=10'],
     'bench_attention': ['--lengths=1024,4096,16384,32768,65536',
-                        '--dtype=bfloat16']}
+                        '--dtype=bfloat16', '--rows=plain,packed,padded']}
 CPU_FLAGS = {
     'main_job': [f'--config.{key}={value}' for key, value in (
         ('num_train_steps', 30), ('log_every', 10), ('eval_every', 30),

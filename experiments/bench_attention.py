@@ -1,31 +1,53 @@
 """Attention speed and memory against sequence length: every registered
 variant and XLA's `jax.nn.dot_product_attention` ('xla'), on whatever
-backend runs this.
+backend runs this, over plain, packed or padded rows.
 
-  python -m experiments.bench_attention --out=experiments/results/bench_attention \
+  python -m experiments.bench_attention \
+      --out=experiments/results/bench_attention \
       [--lengths=1024,2048,4096,8192,16384,32768,65536] [--variants=xla,...] \
+      [--rows=plain,packed,padded] \
       [--causal=True --batch=1 --heads=8 --head_dim=64 --dtype=float32] \
       [--options=local.window=256,...] [--reps=3] [--max_seconds=60]
 
-For each variant and length: the compiled temporary memory of the forward
-pass and of forward+backward (`memory_analysis()` of the compiled program),
-and the best time of each over a first run and --reps more (fewer once the
-runs have taken 20 s). A size whose compiled memory (arguments, outputs and
-temporaries) would not fit the device, that ran out of device memory while
-compiling (XLA's autotuner can) or running, with what it needed, or that
-follows one that did not fit or took longer than --max_seconds, is skipped
-with the reason, and the sweep goes on; so is a
-variant that cannot run the case (a non-causal one when --causal, `ring`,
-which needs a mesh with a sequence axis). Exact variants
-also get their speed in model FLOP/s (matmuls only, causal half counted;
-the backward pass 2.5 times the forward) and its fraction of the device's
-peak (train/flops.py; on CPU a matmul measured in the same run).
+A variant that takes a fused kernel (model/attention/fused.py) is named
+with it in brackets, `chunked[cudnn]`, `local[pallas_tpu]`, and measured by
+that kernel alone; plain `chunked` is its 'auto' choice. By default every
+registered variant is measured, and on a GPU also chunked[xla] (the JAX
+code), chunked[cudnn] and chunked[pallas_gpu], on a TPU chunked[xla] and
+chunked[pallas_tpu] (on CPU the Pallas kernels run interpreted, which
+measures nothing of their speed: name them to run them).
 
-Writes OUT/<backend>/results.jsonl (a line per variant and length),
-results.md and .csv (forward+backward time, its ratio to xla, temporary
-memory and its ratio to xla's, per length) and scaling.png (log-log).
+--rows picks the masks: 'plain' rows, none; 'packed' rows, documents of
+about 2T/7 positions each (their ends inside any power-of-two block), as a
+SegmentMask, and for xla the [B, 1, T, S] mask their ids compare to;
+'padded' rows, whose first 3T/4 + 1 keys are real and the rest right
+padding (its start inside any block), as a key padding mask [B, 1, 1, S],
+and for xla each row's number of keys.
+
+For each rows kind, variant and length: the compiled temporary memory of
+the forward pass and of forward+backward (`memory_analysis()` of the
+compiled program), and the best time of each over a first run and --reps
+more (fewer once the runs have taken 20 s). A size whose compiled memory
+(arguments, outputs and temporaries) would not fit the device, that ran out
+of device memory while compiling (XLA's autotuner can) or running, with
+what it needed, or that follows one that did not fit or took longer than
+--max_seconds, is skipped with the reason, and the sweep goes on; so is a
+variant that cannot run the case (a non-causal one when --causal, `ring`,
+which needs a mesh with a sequence axis, one taking key padding masks only
+on packed rows, a kernel that refuses the case: `fused.KernelError`). Exact
+variants also get their speed in model FLOP/s (matmuls only, causal half
+counted, the same on packed and padded rows as on plain ones; the backward
+pass 2.5 times the forward) and its fraction of the device's peak
+(train/flops.py; on CPU a matmul measured in the same run).
+
+Writes OUT/<backend>/results.jsonl (a line per rows kind, variant and
+length), results.md and .csv (forward+backward time, its ratio to xla on
+the same kind of rows and length, temporary memory and its ratio to xla's,
+a row per kind, variant and length) and scaling.png (log-log).
 """
 
+from collections.abc import Sequence
+import itertools
 import json
 import os
 import re
@@ -40,6 +62,7 @@ import jax.numpy as jnp
 
 from experiments import common
 from model import ModelConfig, attention, attention_parameters
+from model.attention import fused
 from train import cli, device_memory, flops
 from train.errors import InputError
 
@@ -47,6 +70,77 @@ FLAGS = flags.FLAGS
 
 # Variants that compute softmax(q k^T) v exactly (the FLOP count applies).
 EXACT = ('xla', 'dense', 'chunked', 'ring')
+# The masks a run can measure: none, packed documents, right padding.
+ROWS = ('plain', 'packed', 'padded')
+
+
+def _takes_a_kernel(name: str) -> bool:
+  return name != 'xla' and 'kernel' in attention_parameters.option_names(name)
+
+
+def parse_variant(name: str) -> tuple[str, str | None]:
+  """'chunked[cudnn]' -> ('chunked', 'cudnn'); 'dense' -> ('dense', None).
+
+  Raises:
+    InputError: an unknown variant, or a kernel it does not take.
+  """
+  match = re.fullmatch(r'(\w+)(?:\[(\w+)\])?', name)
+  base, kernel = match.groups() if match else (name, None)
+  if base != 'xla' and base not in attention.names():
+    raise InputError(f'--variants: unknown attention {name!r}; registered: '
+                     f'xla, {", ".join(attention.names())}.')
+  if kernel is None:
+    return base, None
+  if not _takes_a_kernel(base):
+    takers = [n for n in attention.names() if _takes_a_kernel(n)]
+    raise InputError(f'--variants: {name!r}: {base} takes no kernel; '
+                     f'{", ".join(takers)} do.')
+  if kernel not in fused.KERNELS:
+    raise InputError(f'--variants: {name!r}: the kernel must be one of '
+                     f'{", ".join(fused.KERNELS)}.')
+  return base, kernel
+
+
+def default_variants(backend: str) -> list[str]:
+  """xla and every registered variant; where the backend has fused
+  kernels, chunked by its JAX code and by each of them too."""
+  kernels = fused.AUTO_ORDER.get(backend, ())
+  by_kernel = [f'chunked[{k}]' for k in ('xla', *kernels)] if kernels else []
+  return ['xla', *attention.names(), *by_kernel]
+
+
+def segment_ids(batch: int, length: int) -> jax.Array:
+  """int32 [B, T]: documents of about 2T/7 positions packed in each row
+  (7 being odd, their ends fall inside any power-of-two block)."""
+  ids = jnp.arange(length) * 7 // (2 * length)
+  return jnp.broadcast_to(ids, (batch, length)).astype(jnp.int32)
+
+
+def rows_mask(kind: str, batch: int, length: int):
+  """The mask of `kind` rows as the variants take it: None (plain), a
+  SegmentMask (packed) or a key padding mask bool [B, 1, 1, S] (padded:
+  the first 3T/4 + 1 keys real, the rest right padding)."""
+  if kind == 'packed':
+    return attention.SegmentMask(segment_ids(batch, length))
+  if kind == 'padded':
+    valid_S = jnp.arange(length) < length * 3 // 4 + 1
+    return jnp.broadcast_to(valid_S, (batch, 1, 1, length))
+  return None
+
+
+def xla_attention(q, k, v, mask, *, causal: bool) -> jax.Array:
+  """`jax.nn.dot_product_attention` [B, T, N, H] under a mask of
+  `rows_mask`, given as it takes it: packed rows as the [B, 1, T, S] mask
+  their ids compare to, right padding as each row's number of keys."""
+  if isinstance(mask, attention.SegmentMask):
+    ids_BxT = mask.q_segment_ids_BxT
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=ids_BxT[:, None, :, None] == ids_BxT[:, None, None, :],
+        is_causal=causal)
+  lengths_B = (None if mask is None
+               else jnp.sum(mask[:, 0, 0], axis=1, dtype=jnp.int32))
+  return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                      key_value_seq_lengths=lengths_B)
 
 
 class _Attend(nn.Module):
@@ -57,28 +151,37 @@ class _Attend(nn.Module):
   is_causal: bool
 
   @nn.compact
-  def __call__(self, q, k, v):
+  def __call__(self, q, k, v, mask):
     kwargs = attention_parameters.variant_kwargs(self, self.config)
     return attention.get(self.config.attention)(
-        q, k, v, is_causal=self.is_causal, **kwargs)
+        q, k, v, mask=mask, is_causal=self.is_causal, **kwargs)
 
 
-def _variant(name: str, length: int, options: dict, *, causal: bool,
-             heads: int, head_dim: int, q):
-  """(fn(params, q, k, v), params), or a string saying why not."""
+def _variant(name: str, kind: str, length: int, options: dict, *,
+             causal: bool, heads: int, head_dim: int, q, mask):
+  """(fn(params, q, k, v, mask), params), or a string saying why not.
+
+  Raises:
+    fused.KernelError: the kernel named in brackets refuses the case.
+  """
   if name == 'xla':
-    return (lambda params, q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=causal)), {}
-  variant = attention.spec(name)
+    return (lambda params, q, k, v, mask: xla_attention(
+        q, k, v, mask, causal=causal)), {}
+  base, kernel = parse_variant(name)
+  variant = attention.spec(base)
+  if kind == 'packed' and variant.masks != 'any':
+    return f'{name} takes key padding masks only, not packed rows'
   if causal and not variant.causal:
     return f'{name} is not causal'
-  if name == 'ring':
+  if base == 'ring':
     return 'ring needs a mesh with a sequence axis (tests/test_parallel.py)'
-  config = ModelConfig(attention=name, num_heads=heads, head_dim=head_dim,
+  options = options.get(base, {}) | ({'kernel': kernel} if kernel else {})
+  config = ModelConfig(attention=base, num_heads=heads, head_dim=head_dim,
                        d_model=heads * head_dim, max_len=length,
-                       attention_options=tuple(options.get(name, {}).items()))
+                       attention_options=tuple(options.items()))
   module = _Attend(config, causal)
-  return module.apply, module.init(jax.random.key(0), q, q, q)
+  # Jitted, so that the forward pass it traces is never run.
+  return module.apply, jax.jit(module.init)(jax.random.key(0), q, q, q, mask)
 
 
 def _best_time(compiled, args, reps: int, budget_s: float = 20.0) -> float:
@@ -129,24 +232,29 @@ def attention_flops(length: int, *, batch: int, heads: int, head_dim: int,
   return forward * (3.5 if backward else 1.0)
 
 
-def measure(name: str, length: int, *, options: dict, causal: bool,
-            batch: int, heads: int, head_dim: int, dtype, reps: int,
-            memory_limit: int) -> dict:
-  """One line of results.jsonl."""
-  row = {'variant': name, 'length': length}
+def measure(name: str, kind: str, length: int, *, options: dict,
+            causal: bool, batch: int, heads: int, head_dim: int, dtype,
+            reps: int, memory_limit: int) -> dict:
+  """One line of results.jsonl: variant `name` on `kind` rows."""
+  row = {'variant': name, 'rows': kind, 'length': length}
   shape = (batch, length, heads, head_dim)
   q, k, v = (jax.random.normal(key, shape, dtype)
              for key in jax.random.split(jax.random.key(1), 3))
-  made = _variant(name, length, options, causal=causal, heads=heads,
-                  head_dim=head_dim, q=q)
+  mask = rows_mask(kind, batch, length)
+  try:
+    made = _variant(name, kind, length, options, causal=causal, heads=heads,
+                    head_dim=head_dim, q=q, mask=mask)
+  except fused.KernelError as error:
+    return row | {'skipped': f'{name}: {error}'}
   if isinstance(made, str):
     return row | {'skipped': made}
   fn, params = made
-  loss = lambda params, q, k, v: jnp.sum(fn(params, q, k, v).astype(
-      jnp.float32))
+  loss = lambda params, q, k, v, mask: jnp.sum(fn(params, q, k, v, mask)
+                                               .astype(jnp.float32))
   programs = {'fwd': jax.jit(fn),
               'fwd_bwd': jax.jit(jax.grad(loss, argnums=(1, 2, 3)))}
-  args = (params, q, k, v)
+  args = (params, q, k, v, mask)
+  exact = parse_variant(name)[0] in EXACT
   compiled = {}
   for key, program in programs.items():
     # XLA's autotuner can run out of memory compiling, as a run can.
@@ -166,7 +274,7 @@ def measure(name: str, length: int, *, options: dict, causal: bool,
       row[f'{key}_s'] = _best_time(compiled[key], args, reps)
     except jax.errors.JaxRuntimeError as error:
       return row | _did_not_fit(key, 'running', error)
-    if name in EXACT:
+    if exact:
       row[f'{key}_gflop_per_s'] = attention_flops(
           length, batch=batch, heads=heads, head_dim=head_dim, causal=causal,
           backward=key == 'fwd_bwd') / row[f'{key}_s'] / 1e9
@@ -176,12 +284,16 @@ def measure(name: str, length: int, *, options: dict, causal: bool,
 def run(out: str, *, variants: list[str], lengths: list[int],
         options: dict[str, dict], causal: bool, batch: int, heads: int,
         head_dim: int, dtype: str, reps: int, max_seconds: float,
-        memory_limit_mb: float = 0.0, command: str = '') -> list[dict]:
-  """Measures every variant at every length; writes the results."""
+        rows: Sequence[str] = ('plain',), memory_limit_mb: float = 0.0,
+        command: str = '') -> list[dict]:
+  """Measures every variant at every length on each kind of `rows`;
+  writes the results."""
   for name in variants:
-    if name != 'xla' and name not in attention.names():
-      raise InputError(f'--variants: unknown attention {name!r}; registered: '
-                       f'xla, {", ".join(attention.names())}.')
+    parse_variant(name)
+  for kind in rows:
+    if kind not in ROWS:
+      raise InputError(f'--rows: unknown kind {kind!r}; one of '
+                       f'{", ".join(ROWS)}.')
   for name, value in (('reps', reps), ('batch', batch), ('heads', heads),
                       ('head_dim', head_dim)):
     if value < 1:
@@ -192,17 +304,18 @@ def run(out: str, *, variants: list[str], lengths: list[int],
   memory_limit = (memory_limit_mb * 2**20 if memory_limit_mb
                   else device_memory.held_bytes(host_share=0.85))
   peak = flops.peak_flops_per_device()
-  rows = []
+  results = []
   with open(os.path.join(directory, 'results.jsonl'), 'w') as lines:
-    for name in variants:
+    for kind, name in itertools.product(rows, variants):
       # Why longer lengths are not tried: too slow, or too large (whose
       # shapes can outgrow what XLA indexes).
       given_up = None
       for length in sorted(lengths):
         if given_up:
-          row = {'variant': name, 'length': length, 'skipped': given_up}
+          row = {'variant': name, 'rows': kind, 'length': length,
+                 'skipped': given_up}
         else:
-          row = measure(name, length, options=options, causal=causal,
+          row = measure(name, kind, length, options=options, causal=causal,
                         batch=batch, heads=heads, head_dim=head_dim,
                         dtype=jnp.dtype(dtype), reps=reps,
                         memory_limit=memory_limit)
@@ -213,33 +326,33 @@ def run(out: str, *, variants: list[str], lengths: list[int],
             given_up = f'{name} did not fit at length {length}'
         if 'fwd_bwd_gflop_per_s' in row and peak:
           row['fraction_of_peak'] = row['fwd_bwd_gflop_per_s'] / (peak / 1e9)
-        rows.append(row)
+        results.append(row)
         lines.write(json.dumps(row) + '\n')
         lines.flush()
         print(json.dumps(row), flush=True)
-  _write_summary(rows, directory, peak, command=command, causal=causal,
+  _write_summary(results, directory, peak, command=command, causal=causal,
                  shape=f'B={batch}, N={heads}, H={head_dim}, {dtype}')
-  return rows
+  return results
 
 
 def _write_summary(rows: list[dict], directory: str, peak: float | None, *,
                    command: str, causal: bool, shape: str) -> None:
-  """results.md/.csv: a row per variant and length with the ratios to
-  xla at that length; scaling.png."""
-  xla = {row['length']: row for row in rows
+  """results.md/.csv: a row per rows kind, variant and length with the
+  ratios to xla on that kind of rows at that length; scaling.png."""
+  xla = {(row['rows'], row['length']): row for row in rows
          if row['variant'] == 'xla' and 'fwd_bwd_s' in row}
   table = []
   for row in rows:
     line = dict(row)
-    reference = xla.get(row['length'])
+    reference = xla.get((row['rows'], row['length']))
     if reference and 'fwd_bwd_s' in row:
       line['speedup_vs_xla'] = reference['fwd_bwd_s'] / row['fwd_bwd_s']
       line['memory_vs_xla'] = (row['fwd_bwd_temp_mb']
                                / max(reference['fwd_bwd_temp_mb'], 1e-9))
     table.append(line)
-  columns = ['variant', 'length', 'fwd_s', 'fwd_bwd_s', 'speedup_vs_xla',
-             'fwd_bwd_temp_mb', 'memory_vs_xla', 'fwd_bwd_gflop_per_s',
-             'fraction_of_peak', 'skipped']
+  columns = ['rows', 'variant', 'length', 'fwd_s', 'fwd_bwd_s',
+             'speedup_vs_xla', 'fwd_bwd_temp_mb', 'memory_vs_xla',
+             'fwd_bwd_gflop_per_s', 'fraction_of_peak', 'skipped']
   preamble = (
       f'# Attention speed and memory, {"causal" if causal else "bidirectional"}'
       f', {shape}\n\n'
@@ -251,14 +364,20 @@ def _write_summary(rows: list[dict], directory: str, peak: float | None, *,
       'Times are the best of the repetitions, forward+backward is the '
       'gradient with respect to q, k and v; memory is the compiled '
       'temporaries of forward+backward; ratios are to xla '
-      '(`jax.nn.dot_product_attention`) at the same length in this run '
-      '(speedup > 1: faster).\n\n')
+      '(`jax.nn.dot_product_attention`) on the same rows at the same '
+      'length in this run (speedup > 1: faster). Rows: plain (no mask), '
+      'packed (documents of about 2T/7 positions, as segment ids) or '
+      'padded (the first 3T/4 + 1 keys real, the rest right padding).\n\n')
   table_md = common.write_table(table, columns,
                                 os.path.join(directory, 'results'), preamble)
-  variants = list(dict.fromkeys(row['variant'] for row in rows))
+  kinds = set(row['rows'] for row in rows)
+  # A series per variant; per variant and kind where there are several.
+  series = lambda row: (row['variant'] if len(kinds) == 1
+                        else f'{row["variant"]}, {row["rows"]}')
+  names = list(dict.fromkeys(map(series, rows)))
   common.plot_against_length(
       [(label, {name: [(row['length'], row.get(key)) for row in rows
-                       if row['variant'] == name] for name in variants})
+                       if series(row) == name] for name in names})
        for key, label in (('fwd_bwd_s', 'forward+backward (s)'),
                           ('fwd_bwd_temp_mb',
                            'compiled temporary memory (MiB)'))],
@@ -268,12 +387,13 @@ def _write_summary(rows: list[dict], directory: str, peak: float | None, *,
 
 def main(argv: list[str]) -> None:
   cli.run_main(argv, lambda: run(
-      FLAGS.out, variants=FLAGS.variants or ['xla'] + attention.names(),
+      FLAGS.out,
+      variants=FLAGS.variants or default_variants(jax.default_backend()),
       lengths=[int(n) for n in FLAGS.lengths],
       options=common.parse_options(FLAGS.options), causal=FLAGS.causal,
       batch=FLAGS.batch, heads=FLAGS.heads, head_dim=FLAGS.head_dim,
       dtype=FLAGS.dtype, reps=FLAGS.reps, max_seconds=FLAGS.max_seconds,
-      memory_limit_mb=FLAGS.memory_limit_mb,
+      rows=FLAGS.rows, memory_limit_mb=FLAGS.memory_limit_mb,
       command='python -m experiments.bench_attention '
       + ' '.join(sys.argv[1:])))
 
@@ -283,8 +403,14 @@ def _define_flags() -> None:
   flags.DEFINE_string('out', 'experiments/results/bench_attention',
                       'Results go to OUT/<backend>/.')
   flags.DEFINE_list('variants', [], 'Variants to measure; xla is '
-                    'jax.nn.dot_product_attention. Empty: xla and every '
-                    'registered one.')
+                    'jax.nn.dot_product_attention, chunked[cudnn] chunked '
+                    'by that fused kernel (any of model/attention/fused.py, '
+                    'for a variant taking a kernel). Empty: xla, every '
+                    'registered one, and chunked by each kernel of a GPU or '
+                    'TPU.')
+  flags.DEFINE_list('rows', ['plain'], 'Kinds of rows to measure each on: '
+                    'plain (no mask), packed (segment ids), padded (right '
+                    'padding).')
   flags.DEFINE_list('lengths', ['1024', '2048', '4096', '8192', '16384',
                                 '32768', '65536'], 'Sequence lengths.')
   flags.DEFINE_list('options', [], 'Variant options as variant.option=value '

@@ -1,6 +1,7 @@
 """The benchmark scripts run at tiny sizes, so that they cannot rot; what
 they measure (speed) is never asserted here."""
 
+import csv
 import json
 import os
 
@@ -15,30 +16,48 @@ PNG = b'\x89PNG'
 
 
 def test_bench_attention_measures_skips_and_writes_its_results(tmp_path):
+  # Pallas's GPU kernel runs interpreted on CPU; cuDNN's refuses.
   rows = bench_attention.run(
-      str(tmp_path), variants=['xla', 'chunked', 'linformer', 'ring'],
-      lengths=[32, 16], options={'chunked': {'chunk_size': 8}}, causal=True,
+      str(tmp_path), variants=['xla', 'chunked', 'chunked[pallas_gpu]',
+                               'chunked[cudnn]', 'linformer', 'ring'],
+      lengths=[16], options={'chunked': {'chunk_size': 8}}, causal=True,
       batch=1, heads=2, head_dim=8, dtype='float32', reps=1,
-      max_seconds=60.0)
+      max_seconds=60.0, rows=['plain', 'packed'])
   [directory] = [entry.path for entry in os.scandir(tmp_path)]
   with open(os.path.join(directory, 'results.jsonl')) as f:
     lines = [json.loads(line) for line in f]
-  assert lines == rows and len(rows) == 8
-  measured = {(row['variant'], row['length']): row for row in rows
+  assert lines == rows and len(rows) == 12
+  measured = {(row['rows'], row['variant']): row for row in rows
               if 'fwd_bwd_s' in row}
-  assert set(measured) == {('xla', 16), ('xla', 32), ('chunked', 16),
-                           ('chunked', 32)}
+  assert set(measured) == {
+      (kind, name) for kind in ('plain', 'packed')
+      for name in ('xla', 'chunked', 'chunked[pallas_gpu]')}
   for row in measured.values():
     assert row['fwd_s'] > 0 and row['fwd_bwd_temp_mb'] >= 0
     assert row['fwd_bwd_gflop_per_s'] > 0 and 'fraction_of_peak' in row
-  skipped = {row['variant']: row['skipped'] for row in rows
+  skipped = {(row['rows'], row['variant']): row['skipped'] for row in rows
              if 'skipped' in row}
-  assert skipped == {'linformer': 'linformer is not causal',
-                     'ring': 'ring needs a mesh with a sequence axis '
-                             '(tests/test_parallel.py)'}
+  assert set(skipped) == {
+      (kind, name) for kind in ('plain', 'packed')
+      for name in ('chunked[cudnn]', 'linformer', 'ring')}
+  assert skipped['plain', 'linformer'] == 'linformer is not causal'
+  assert skipped['packed', 'linformer'] == (
+      'linformer takes key padding masks only, not packed rows')
+  assert skipped['packed', 'ring'] == ('ring needs a mesh with a sequence '
+                                       'axis (tests/test_parallel.py)')
+  assert "kernel='cudnn' needs a GPU" in skipped['plain', 'chunked[cudnn]']
   with open(os.path.join(directory, 'results.md')) as f:
     table = f.read()
-  assert 'speedup_vs_xla' in table and '| chunked | 32 |' in table
+  # Each ratio is to xla on the same kind of rows.
+  assert 'speedup_vs_xla' in table and '| packed | xla | 16 |' in table
+  assert '| packed | chunked[pallas_gpu] | 16 |' in table
+  with open(os.path.join(directory, 'results.csv')) as f:
+    by_key = {(line['rows'], line['variant']): line
+              for line in csv.DictReader(f)}
+  for kind in ('plain', 'packed'):
+    assert float(by_key[kind, 'chunked']['speedup_vs_xla']) == pytest.approx(
+        measured[kind, 'xla']['fwd_bwd_s']
+        / measured[kind, 'chunked']['fwd_bwd_s'], rel=1e-3)
   with open(os.path.join(directory, 'scaling.png'), 'rb') as f:
     assert f.read(4) == PNG
 
@@ -103,6 +122,15 @@ def test_bench_attention_names_a_bad_argument(tmp_path):
     bench_attention.run(str(tmp_path), variants=['xla'], lengths=[16],
                         options={}, causal=True, batch=1, heads=2,
                         head_dim=8, dtype='float32', reps=0, max_seconds=1)
+  with pytest.raises(InputError, match="unknown kind 'ragged'"):
+    bench_attention.run(str(tmp_path), variants=['xla'], lengths=[16],
+                        options={}, causal=True, batch=1, heads=2,
+                        head_dim=8, dtype='float32', reps=1, max_seconds=1,
+                        rows=['ragged'])
+  with pytest.raises(InputError, match='dense takes no kernel'):
+    bench_attention.parse_variant('dense[cudnn]')
+  with pytest.raises(InputError, match='the kernel must be one of'):
+    bench_attention.parse_variant('chunked[flash]')
 
 
 @pytest.mark.slow
