@@ -119,19 +119,23 @@ def test_splash_runs_on_each_devices_share_of_the_batch():
 def test_cudnn_call_takes_right_padding_and_the_causal_window():
   """cuDNN's arguments, run by XLA's implementation of the same function:
   padding as lengths (a row of no keys gives 0), the causal window as a
-  left window; a row padded elsewhere than on the right comes out NaN."""
+  left window, a bias array; a row padded elsewhere than on the right
+  comes out NaN."""
   q, k, v = make_qkv(8, 24, 2)
   lengths = np.array([17, 0])
   padding = jnp.asarray(np.arange(24) < lengths[:, None])[:, None, None]
-  cudnn = lambda q, k, v, **kw: fused.cudnn_attention(
-      q, k, v, None, implementation='xla', scale=H ** -0.5, **kw)
+  bias = jax.random.normal(jax.random.key(11), (1, N, 24, 24))
+  cudnn = lambda q, k, v, bias=None, **kw: fused.cudnn_attention(
+      q, k, v, bias, implementation='xla', scale=H ** -0.5, **kw)
   assert_all_close(
       value_and_grads(cudnn, q, k, v, mask=padding, is_causal=True,
                       window=None),
       value_and_grads(dense, q, k, v, mask=padding, is_causal=True))
   assert_all_close(
-      value_and_grads(cudnn, q, k, v, mask=None, is_causal=True, window=5),
-      value_and_grads(dense, q, k, v, mask=window_mask(24, 5, True)))
+      value_and_grads(cudnn, q, k, v, bias=bias, mask=None, is_causal=True,
+                      window=5),
+      value_and_grads(dense, q, k, v, bias=bias,
+                      mask=window_mask(24, 5, True)))
   holes = padding.at[0, 0, 0, 3].set(False)
   out = cudnn(q, k, v, mask=holes, is_causal=False, window=None)
   assert np.isnan(out[0]).all() and (out[1] == 0).all()
@@ -185,6 +189,8 @@ AUTO = [
     (case('gpu', mask='other'), 'xla'),
     (case('gpu', bias='function'), 'xla'),
     (case('gpu', dtype='float32', mask='key_padding'), 'xla'),
+    (case('gpu', dtype='bfloat16 queries, float32 keys'), 'xla'),
+    (case('tpu', dtype='float16'), 'xla'),
 ]
 
 

@@ -100,9 +100,11 @@ def case_of(query: Array, key: Array, bias, mask, *, is_causal: bool,
     bias_kind = 'none'
   else:
     bias_kind = 'function' if isinstance(bias, core.PositionBias) else 'array'
-  return Case(jax.default_backend(), jnp.dtype(query.dtype).name,
-              query.shape[-1], query.shape[1], key.shape[1], is_causal,
-              mask_kind(mask), bias_kind, window)
+  dtype = jnp.dtype(query.dtype).name
+  if key.dtype != query.dtype:  # The fused kernels take one dtype.
+    dtype += f' queries, {jnp.dtype(key.dtype).name} keys'
+  return Case(jax.default_backend(), dtype, query.shape[-1], query.shape[1],
+              key.shape[1], is_causal, mask_kind(mask), bias_kind, window)
 
 
 def _cudnn_refusal(case: Case) -> str | None:
@@ -146,6 +148,8 @@ def _pallas_tpu_refusal(case: Case) -> str | None:
 def _pallas_gpu_refusal(case: Case) -> str | None:
   if case.backend not in ('gpu', 'cpu'):
     return 'needs a GPU (or the CPU, interpreted)'
+  if case.dtype not in ('float32', 'bfloat16', 'float16'):
+    return f'takes float32, bfloat16 or float16 inputs, not {case.dtype}'
   if case.q_len != case.kv_len:
     return ('computes self-attention only (one array of segment ids serves '
             'queries and keys)')
