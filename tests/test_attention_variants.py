@@ -1,6 +1,8 @@
 """Every attention variant against the dense reference it approximates or
 equals, and the memory each needs."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,6 +76,22 @@ CHUNKED_CASES = {
 }
 
 
+def chunked_case(name):
+  """(q, k, v, bias, the other arguments) of CHUNKED_CASES[name]."""
+  kwargs = dict(CHUNKED_CASES[name])
+  q, k, v = make_qkv(0, kwargs.pop('num_kv_heads', 2),
+                     q_len=kwargs.pop('q_len', T))
+  return q, k, v, kwargs.pop('bias', None), kwargs
+
+
+@functools.cache
+def dense_of_chunked_case(name):
+  """dense's output and gradients on CHUNKED_CASES[name], computed once
+  for the three ways chunked is run on it."""
+  q, k, v, bias, kwargs = chunked_case(name)
+  return dense(q, k, v, bias, **kwargs), grads(dense, q, k, v, bias, **kwargs)
+
+
 @pytest.mark.parametrize('query_chunk, loops', [(None, 'unrolled'),
                                                 (3, 'unrolled'),
                                                 (3, 'looped')])
@@ -82,17 +100,15 @@ def test_chunked_equals_dense_in_output_and_gradients(name, query_chunk,
                                                       loops, monkeypatch):
   if loops == 'looped':  # As long sequences run: lax loops over blocks.
     monkeypatch.setattr(chunked, 'MAX_UNROLLED_BLOCKS', 0)
-  kwargs = dict(CHUNKED_CASES[name])
-  q, k, v = make_qkv(0, kwargs.pop('num_kv_heads', 2),
-                     q_len=kwargs.pop('q_len', T))
-  bias = kwargs.pop('bias', None)
+  q, k, v, bias, kwargs = chunked_case(name)
   # Chunks of 4 keys (and blocks of 4 or 3 queries): T = 10 is not a
   # multiple, so the last is padded; with 3, the diagonal crosses blocks.
   attend = lambda *a, **kw: attention.get('chunked')(
       *a, chunk_size=4, query_chunk_size=query_chunk, **kw)
-  assert_close(attend(q, k, v, bias, **kwargs), dense(q, k, v, bias, **kwargs))
+  out, reference_grads = dense_of_chunked_case(name)
+  assert_close(attend(q, k, v, bias, **kwargs), out)
   for ours, reference in zip(grads(attend, q, k, v, bias, **kwargs),
-                             grads(dense, q, k, v, bias, **kwargs)):
+                             reference_grads):
     assert_close(ours, reference)
 
 

@@ -84,7 +84,7 @@ class Case:
     return ', '.join(parts)
 
 
-def mask_kind(mask) -> str:
+def _mask_kind(mask) -> str:
   """`Case.mask` of a mask argument."""
   if mask is None:
     return 'none'
@@ -104,7 +104,7 @@ def case_of(query: Array, key: Array, bias, mask, *, is_causal: bool,
   if key.dtype != query.dtype:  # The fused kernels take one dtype.
     dtype += f' queries, {jnp.dtype(key.dtype).name} keys'
   return Case(jax.default_backend(), dtype, query.shape[-1], query.shape[1],
-              key.shape[1], is_causal, mask_kind(mask), bias_kind, window)
+              key.shape[1], is_causal, _mask_kind(mask), bias_kind, window)
 
 
 def _cudnn_refusal(case: Case) -> str | None:
@@ -236,18 +236,15 @@ def _key_valid(mask: Array, batch: int) -> Array:
   return jnp.broadcast_to(mask[:, 0, 0, :], (batch, mask.shape[-1]))
 
 
-# cuDNN's implementation name; tests run the same call through 'xla'.
-CUDNN = 'cudnn'
-
-
 def cudnn_attention(query: Array, key: Array, value: Array, bias, mask, *,
                     scale: float, is_causal: bool, window: int | None,
-                    implementation: str = CUDNN) -> Array:
-  """cuDNN's fused attention. A key padding mask goes in as each row's
-  number of keys, which is the mask only where rows are padded on the
-  right (as every pipeline of train/data pads them): a row padded anywhere
-  else comes out NaN, loudly, rather than differing from dense. A row with
-  no key at all comes out 0, as from dense."""
+                    implementation: str = 'cudnn') -> Array:
+  """cuDNN's fused attention (tests run the same call with `implementation`
+  'xla'). A key padding mask goes in as each row's number of keys, which is
+  the mask only where rows are padded on the right (as every pipeline of
+  train/data pads them): a row padded anywhere else comes out NaN, loudly,
+  rather than differing from dense. A row with no key at all comes out 0,
+  as from dense."""
   kwargs = {}
   if window:
     kwargs['local_window_size'] = (window - 1, 0)
