@@ -469,10 +469,10 @@ def chunked_attention(query: Array, key: Array, value: Array,
   batch, q_len, num_heads, head_dim = query.shape
   scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
   kernel = fused.choose(kernel, fused.case_of(query, key, bias, mask,
-                                                  is_causal=is_causal))
+                                              is_causal=is_causal))
   if kernel != 'xla':
     return fused.run(kernel, query, key, value, bias, mask, scale=scale,
-                       is_causal=is_causal)
+                     is_causal=is_causal)
   chunk_size = chunk_size or default_chunk_size(batch, num_heads, q_len,
                                                 key.shape[1])
   plan = _Plan(batch, q_len, num_heads, head_dim, kv_len=key.shape[1],

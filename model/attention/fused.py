@@ -40,7 +40,7 @@ from model.attention import core
 Array = jax.Array
 
 KERNELS = ('auto', 'xla', 'cudnn', 'pallas_tpu', 'pallas_gpu')
-# The fused kernels 'auto' tries on each backend, fastest first; xla after.
+# The fused kernels 'auto' tries on each backend, in this order; then xla.
 AUTO_ORDER = {'tpu': ('pallas_tpu',), 'gpu': ('cudnn', 'pallas_gpu')}
 # A padding id no packed row uses.
 _PAD_ID = np.iinfo(np.int32).min

@@ -155,8 +155,8 @@ def local_attention(query: Array, key: Array, value: Array,
       query, key, bias, mask, is_causal=is_causal, window=window))
   if kernel != 'xla':
     return fused.run(kernel, query, key, value, bias, mask,
-                       scale=_scale(query, scale), is_causal=is_causal,
-                       window=window)
+                     scale=_scale(query, scale), is_causal=is_causal,
+                     window=window)
   block = min(window, query.shape[1])
   part = _band(_padded(query.shape[1], block), block, window, is_causal)
   return attend_parts(query, key, value, bias, mask, scale=_scale(query, scale),
