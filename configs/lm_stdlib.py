@@ -2,6 +2,12 @@
 
   python -m train.train --config=configs/lm_stdlib.py --workdir=workdirs/lm_stdlib
 
+A first look in about a minute (the warmup is cut short, with a warning):
+
+  python -m train.train --config=configs/lm_stdlib.py --workdir=/tmp/smoke \
+      --config.num_train_steps=20 --config.eval_every=20 \
+      --config.checkpoint_every=20 --config.num_eval_steps=5
+
 Result on 2 CPU cores: validation 2.24 bits per byte (eval_loss 1.55 nats)
 after 550 steps, 8m14s for `make train` on a fresh clone, installation
 included; the sample it prints is Python-shaped but not yet Python.

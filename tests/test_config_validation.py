@@ -24,6 +24,18 @@ def test_every_shipped_config_is_valid():
     config_validation.validate(config)
 
 
+def test_a_run_shorter_than_its_warmup_is_valid_and_warned_of():
+  config = lm_stdlib.get_config()  # 50 warmup steps.
+  assert config_validation.warnings_of(config) == []
+  config.num_train_steps = 20  # A smoke run.
+  config.batch_size = 32
+  config_validation.validate(config)
+  assert config_validation.warnings_of(config) == [
+      'config.warmup_steps=50 exceeds config.num_train_steps=20: the '
+      'learning rate never leaves its warmup, reaching 0.0012 of '
+      'config.learning_rate=0.003.']
+
+
 def test_every_default_key_has_a_comment():
   source = open(default.__file__).read()
   for key in default.get_config().keys():
@@ -56,7 +68,7 @@ INVALID = [
     ('optimizer', 'lamb', "config.optimizer='lamb' must be one of"),
     ('learning_rate', 0.0, 'config.learning_rate=0.0'),
     ('learning_rate', -1e-3, 'config.learning_rate=-0.001'),
-    ('warmup_steps', 5000, 'config.warmup_steps=5000 exceeds'),
+    ('warmup_steps', -1, 'config.warmup_steps=-1 must be an integer >= 0'),
     ('schedule', 'step', "config.schedule='step' must be one of"),
     ('final_learning_rate_fraction', 1.5,
      'config.final_learning_rate_fraction=1.5'),

@@ -96,10 +96,6 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   _text(config, 'sample_prompt', empty=True)
   if config.vocab_path is not None:
     _text(config, 'vocab_path', empty=False)
-  if config.warmup_steps > config.num_train_steps:
-    _fail(f'config.warmup_steps={config.warmup_steps} exceeds '
-          f'config.num_train_steps={config.num_train_steps}.')
-
   kind = datasets.kind_of(config.dataset)
   try:
     model_config = ModelConfig.from_mapping(config.model)
@@ -221,6 +217,21 @@ def _check_parallelism(config: ml_collections.ConfigDict,
   parallel.check_parameters(boxed_params, sizes,
                             parallel.logical_rules(config),
                             size_keys={'kv_heads': kv_heads})
+
+
+def warnings_of(config: ml_collections.ConfigDict) -> list[str]:
+  """One line for each setting of a valid config that is likely not what
+  was meant; the trainer prints them at start."""
+  found = []
+  if config.warmup_steps > config.num_train_steps:
+    reached = (config.learning_rate * config.num_train_steps
+               / config.warmup_steps)
+    found.append(
+        f'config.warmup_steps={config.warmup_steps} exceeds config.'
+        f'num_train_steps={config.num_train_steps}: the learning rate never '
+        f'leaves its warmup, reaching {reached:.3g} of '
+        f'config.learning_rate={config.learning_rate:.3g}.')
+  return found
 
 
 def model_positions(config: ml_collections.ConfigDict) -> int:

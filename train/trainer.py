@@ -137,6 +137,8 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
   _say(f'{model_config.family} on {config.dataset}: {num_params:,} '
        f'parameters, {jax.device_count()} {jax.default_backend()} devices '
        f'({split}, {config.parallelism.strategy}), workdir {workdir}')
+  for warning in config_validation.warnings_of(config):
+    _say(f'Warning: {warning}')
   kernels = attention_kernels.choices(
       config, model_config, config_validation.model_positions(config))
   if kernels:
