@@ -36,21 +36,21 @@ def parameters(name: str, heads: int, length: int, dtype) -> dict:
 
 def run(name: str, q, k, v, mask=None):
   """Output and (q, k, v) gradients of a nonlinear loss, causal where the
-  variant can be; jitted on an 8-device sequence mesh for ring."""
+  variant can be, from one compiled program; jitted on an 8-device
+  sequence mesh for ring."""
   causal = attention.spec(name).causal
   options = parameters(name, q.shape[2], k.shape[1], q.dtype)
   fn = attention.get(name)
 
-  def out(q, k, v):
-    return fn(q, k, v, mask=mask, is_causal=causal, **options)
-
   def loss(q, k, v):
-    return jnp.sum(jnp.sin(out(q, k, v).astype(jnp.float32)))
+    out = fn(q, k, v, mask=mask, is_causal=causal, **options)
+    return jnp.sum(jnp.sin(out.astype(jnp.float32))), out
 
   with jax.set_mesh(jax.make_mesh((8,), ('sequence',),
                                   axis_types=(AxisType.Auto,))):
-    return (jax.jit(out)(q, k, v),
-            jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+    (_, output), grads = jax.jit(jax.value_and_grad(
+        loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  return output, grads
 
 
 def assert_finite(output, grads):
