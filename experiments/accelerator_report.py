@@ -35,7 +35,6 @@ import sys
 import time
 from typing import NamedTuple
 
-from absl import app
 from absl import flags
 
 from configs import lm_stdlib
@@ -302,5 +301,4 @@ def _define_flags() -> None:
 
 
 if __name__ == '__main__':
-  _define_flags()
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main, _define_flags)

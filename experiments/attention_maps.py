@@ -18,7 +18,6 @@ with approximations or patterns of their own, so they are refused.
 import os
 import re
 
-from absl import app
 from absl import flags
 from flax import traverse_util
 import matplotlib
@@ -147,5 +146,4 @@ def _define_flags() -> None:
 
 
 if __name__ == '__main__':
-  _define_flags()
-  app.run(main)
+  cli.run(main, _define_flags)

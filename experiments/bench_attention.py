@@ -54,7 +54,6 @@ import re
 import sys
 import time
 
-from absl import app
 from absl import flags
 import flax.linen as nn
 import jax
@@ -429,5 +428,4 @@ def _define_flags() -> None:
 
 
 if __name__ == '__main__':
-  _define_flags()
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main, _define_flags)

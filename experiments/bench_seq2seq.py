@@ -24,7 +24,6 @@ import json
 import os
 import sys
 
-from absl import app
 from absl import flags
 import jax
 import ml_collections
@@ -140,5 +139,4 @@ def _define_flags() -> None:
 
 
 if __name__ == '__main__':
-  _define_flags()
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main, _define_flags)

@@ -26,7 +26,6 @@ import os
 import sys
 import tempfile
 
-from absl import app
 from absl import flags
 import flax.linen as nn
 import jax
@@ -291,5 +290,4 @@ def _define_flags() -> None:
 
 
 if __name__ == '__main__':
-  _define_flags()
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main, _define_flags)

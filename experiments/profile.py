@@ -47,7 +47,6 @@ import shutil
 import sys
 from typing import NamedTuple
 
-from absl import app
 from absl import flags
 import jax
 import ml_collections
@@ -375,5 +374,4 @@ def _define_flags() -> None:
 
 
 if __name__ == '__main__':
-  _define_flags()
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main, _define_flags)

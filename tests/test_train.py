@@ -3,16 +3,16 @@
 import json
 import os
 import pathlib
-import subprocess
-import sys
+import time
+import types
 
 import pytest
 import tensorflow_datasets as tfds
 
 from configs import algorithmic, listops, lm1b, lm_stdlib, wmt14_ende
+from train import config_validation, metrics
 from train.trainer import train_and_evaluate
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 TRAIN_KEYS = {'step', 'loss', 'accuracy', 'learning_rate', 'grad_norm',
               'tokens_per_s', 'steps_per_s', 'mfu'}
@@ -112,7 +112,21 @@ def checkpoint_steps(workdir) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize('name', sorted(EVAL_KEYS))
-def test_config_trains_saves_and_resumes(name, data_dir, tmp_path, capsys):
+def test_config_trains_saves_and_resumes(name, data_dir, tmp_path, capsys,
+                                        monkeypatch):
+  if name == 'lm_stdlib':
+    # Compiling seems to take 1000 s: the first interval's throughput
+    # excludes it.
+    offset = [0.0]
+    monkeypatch.setattr(metrics, 'time', types.SimpleNamespace(
+        perf_counter=lambda: time.perf_counter() + offset[0],
+        time=time.time))
+    fits = config_validation.check_step_fits
+
+    def slow_compile(*args):
+      offset[0] += 1000.0
+      return fits(*args)
+    monkeypatch.setattr(config_validation, 'check_step_fits', slow_compile)
   if name == 'wmt14_ende':
     LocalWmt14(data_dir=data_dir, file_format='array_record'
                ).download_and_prepare()
@@ -135,9 +149,16 @@ def test_config_trains_saves_and_resumes(name, data_dir, tmp_path, capsys):
 
   final = run()
   assert set(final) == EVAL_KEYS[name]
+  out = capsys.readouterr().out
   if name == 'lm_stdlib':  # The start-up line names the kernel.
     assert ('Attention kernels: decoder layer 0 chunked: pallas_gpu (as set; '
-            'float32, causal, packed rows)') in capsys.readouterr().out
+            'float32, causal, packed rows)') in out
+    assert read_metrics(workdir)[0]['steps_per_s'] > 0.02
+  # The closing summary: steps, the final metric, the checkpoint.
+  metric = metrics.quality_metric(final)
+  assert 'Done: steps 0-4 in ' in out
+  assert f'{metric} {final[metric]:.4g}' in out
+  assert f'Last checkpoint: {workdir}/checkpoints/4; ' in out
   assert checkpoint_steps(workdir) == [2, 4]
   with open(os.path.join(workdir, 'config.json')) as f:
     assert json.load(f)['num_train_steps'] == 4
@@ -184,31 +205,3 @@ def test_resumed_run_repeats_the_uninterrupted_one(name, data_dir, tmp_path):
     return [(line['step'], line['loss'], line['grad_norm'])
             for line in read_metrics(workdir)]
   assert losses(interrupted) == losses(straight)
-
-
-def run_cli(*args):
-  return subprocess.run(
-      [sys.executable, '-m', 'train.train', *args], cwd=REPO,
-      capture_output=True, text=True, timeout=120,
-      env={**os.environ, 'XLA_FLAGS': ''})
-
-
-@pytest.mark.parametrize('flag, message', [
-    ('--config.model.num_heads=3', 'config.model.num_heads=3 does not divide'),
-    ('--config.model.tie_embeddings=maybe', 'flag --config.model.'
-     "tie_embeddings=maybe: ('Non-boolean argument to boolean flag', "
-     "'maybe')"),
-], ids=['value', 'type'])
-def test_cli_rejects_a_bad_value_with_status_2(flag, message, tmp_path):
-  result = run_cli('--config=configs/lm_stdlib.py', f'--workdir={tmp_path}',
-                   flag)
-  assert result.returncode == 2
-  assert message in result.stderr
-  assert 'Traceback' not in result.stderr
-
-
-def test_cli_rejects_an_unknown_key_with_status_2(tmp_path):
-  result = run_cli('--config=configs/algorithmic.py:task=divide',
-                   f'--workdir={tmp_path}')
-  assert result.returncode == 2
-  assert 'task=' in result.stderr and 'Traceback' not in result.stderr

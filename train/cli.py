@@ -1,37 +1,157 @@
-"""What the command lines share: their prologue and their exit statuses.
+"""What the command lines share: their flag parsing, their errors and their
+exit statuses.
 
   0  done; also a training run that a signal stopped after it saved (the
      trainer says where)
-  1  a training run stopped by non-finite values or a failed save
-     (TrainingError)
-  2  bad input: a flag, a config value, a workdir, a dataset (InputError)
-Errors are one line on stderr, without a traceback.
+  1  the run itself failed: non-finite values or a failed save
+     (TrainingError), or any other error (its traceback goes to a log file
+     whose path is printed, or to the terminal with --verbose)
+  2  a mistake in what was typed: a flag, a config file or key, a config
+     value, a variant, a metric, a workdir, a dataset (InputError)
+Each error is one line on stderr, `error: ...`, naming what to fix and,
+where one exists, the nearest valid name.
+
+A command defines its flags, then hands its `main` to `run`.
 """
 
 from collections.abc import Callable
+import glob
+import os
+import re
 import sys
+import tempfile
+import traceback
 from typing import Any, NoReturn
 
+from absl import app
 from absl import flags
 from absl import logging
+from ml_collections import config_flags
 
-from train.errors import InputError, Stopped, TrainingError
+from train.errors import InputError, Stopped, TrainingError, did_you_mean
 
 
 def fail(message: str, status: int = 2) -> NoReturn:
-  print(f'error: {message}', file=sys.stderr)
+  """Prints each line of `message` as `error: ...` and exits."""
+  for line in message.splitlines() or ['']:
+    print(f'error: {line}', file=sys.stderr)
   sys.exit(status)
 
 
+def _flag_error(error: flags.Error) -> str:
+  """absl's message for a flag it refused, on one line."""
+  text = str(error)
+  unknown = re.match(r"Unknown command line flag '([^']+)'"
+                     r"(?:\. Did you mean: ([\w.-]+))?", text)
+  if unknown:
+    name, near = unknown.groups()
+    return f'unknown flag --{name}' + (f'; did you mean --{near}?'
+                                       if near else '.')
+  required = re.search(r'Flag --(\w+) must have a value other than None',
+                       text)
+  if required:
+    name = required.group(1)
+    known = flags.FLAGS[name].help if name in flags.FLAGS else ''
+    return f'--{name} is required' + (f': {known}' if known else '.')
+  # A config file that raised is reported with its traceback inside the
+  # message; the flag and the last line (the error) say it all.
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
+  first = lines[0].removeprefix('flag ')
+  if len(lines) == 1:
+    return first
+  flag = first.split(': ', 1)[0]
+  return f'{flag}: {re.sub(r"^[A-Za-z]*Error: ", "", lines[-1])}'
+
+
+def _override_error(argv: list[str], error: Exception) -> str:
+  """The message for `--config.a.b=...` naming no key of the config."""
+  text = str(error)
+  key = re.search(r"\\?'(\w+)\\?'", text)
+  near = re.search(r'Did you mean "(\w+)"', text)
+  if key is None:
+    return text
+  key = key.group(1)
+  for arg in argv:
+    name = arg.lstrip('-').split('=', 1)[0]
+    path = name.removeprefix('no').split('.')
+    if len(path) > 1 and key in path[1:]:
+      parent = '.'.join(path[:path.index(key, 1)])
+      return (f'{arg}: {parent} has no key {key!r}'
+              + (f'; did you mean {near.group(1)}?' if near else '.'))
+  return text
+
+
+def _config_file_error(argv: list[str], name: str, error: Exception) -> str:
+  """The message for `--config=PATH` that names no loadable file."""
+  given = next((arg.split('=', 1)[1] for arg in argv
+                if arg.startswith((f'--{name}=', f'-{name}='))), '')
+  path = given.split(':', 1)[0]
+  if os.path.isfile(path):  # The file itself failed to load.
+    return f'--{name}={given}: {str(error).strip().splitlines()[-1]}'
+  if os.path.isfile(path + '.py'):
+    return f'--{name}={given}: no such file; did you mean {path}.py?'
+  folder = os.path.dirname(path) or '.'
+  files = sorted(glob.glob(os.path.join(folder, '*.py')))
+  if os.path.dirname(path) == '':
+    files = [os.path.basename(f) for f in files]
+  return f'--{name}={given}: no such file{did_you_mean(path, files)}'
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing; a bad flag is one line and exit status 2."""
+  """absl's flag parsing, config files loaded; each mistake is one line
+  and exit status 2."""
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
   except flags.Error as error:
-    # A config file that raised is reported with its traceback inside the
-    # message; its first line (the flag) and last (the error) say it all.
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    fail(lines[0] if len(lines) == 1 else f'{lines[0]} {lines[-1].strip()}')
+    fail(_flag_error(error))
+  except (AttributeError, KeyError) as error:
+    fail(_override_error(argv, error))
+  for name in list(flags.FLAGS):
+    flag = flags.FLAGS[name]
+    is_config = config_flags.config_flags.is_config_flag(flag)
+    if not (is_config and flag.value is not None and name == flag.name):
+      continue
+    try:  # ml_collections defers a file's failure to the first access.
+      flag.value.keys()
+    except OSError as error:
+      fail(_config_file_error(argv, name, error))
+  return rest
+
+
+def load_config(config_arg: str, overrides: dict[str, Any]):
+  """The config that `python -m train.train --config=CONFIG_ARG
+  --config.KEY=VALUE ...` trains, read the way that command reads it;
+  InputError naming the file or key it cannot read."""
+  argv = ['train', f'--config={config_arg}',
+          *(f'--config.{key}={value}' for key, value in overrides.items())]
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file('config', None, 'Config file.',
+                                  flag_values=values, lock_config=True,
+                                  sys_argv=argv)
+  try:
+    values(argv)
+    values.config.keys()
+  except flags.Error as error:
+    raise InputError(_flag_error(error)) from None
+  except (AttributeError, KeyError) as error:
+    raise InputError(_override_error(argv, error)) from None
+  except OSError as error:
+    raise InputError(_config_file_error(argv, 'config', error)) from None
+  return values.config
+
+
+def _failure(error: Exception) -> str:
+  """One line for an unexpected error; its traceback printed (--verbose)
+  or in a log file that the line names."""
+  summary = f'{type(error).__name__}: {error}'.strip().splitlines()[0]
+  trace = traceback.format_exc()
+  if 'verbose' in flags.FLAGS and flags.FLAGS['verbose'].value:
+    print(trace, file=sys.stderr, end='')
+    return summary
+  with tempfile.NamedTemporaryFile('w', prefix='attnlab-error-',
+                                   suffix='.log', delete=False) as log:
+    log.write(' '.join(sys.argv) + '\n\n' + trace)
+  return f'{summary} (traceback in {log.name}; --verbose prints it)'
 
 
 def outcome(work: Callable[[], Any]) -> Any:
@@ -44,6 +164,8 @@ def outcome(work: Callable[[], Any]) -> Any:
     fail(str(error), status=1)
   except Stopped:
     sys.exit(0)
+  except Exception as error:  # pylint: disable=broad-except
+    fail(_failure(error), status=1)
 
 
 def run_main(argv: list[str], work: Callable[[], Any]) -> Any:
@@ -55,3 +177,17 @@ def run_main(argv: list[str], work: Callable[[], Any]) -> Any:
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
   return outcome(work)
+
+
+def run(main: Callable[[list[str]], Any],
+        define_flags: Callable[[], None] = lambda: None) -> None:
+  """Defines a command's flags and runs its `main(argv)` (which calls
+  run_main) with this module's flag parsing and --verbose."""
+  try:  # A config dict flag reads its overrides as it is defined.
+    define_flags()
+  except (AttributeError, KeyError) as error:
+    fail(_override_error(sys.argv, error))
+  if 'verbose' not in flags.FLAGS:
+    flags.DEFINE_boolean('verbose', False, 'When the run fails, print the '
+                         'traceback rather than write it to a log file.')
+  app.run(main, flags_parser=parse_flags)

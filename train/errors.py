@@ -1,5 +1,7 @@
 """The errors entry points report in one message, without a traceback."""
 
+import difflib
+
 
 class InputError(ValueError):
   """A wrong config value or a missing dataset; the message says which key
@@ -17,3 +19,11 @@ class Stopped(Exception):
   """A signal or preemption notice stopped the run after it saved a
   checkpoint; running it again resumes there. Entry points exit with
   status 0."""
+
+
+def did_you_mean(name: str, candidates) -> str:
+  """'; did you mean X?' for the candidate nearest `name`, or '.' when none
+  is near."""
+  near = difflib.get_close_matches(str(name), [str(c) for c in candidates],
+                                   n=1, cutoff=0.6)
+  return f'; did you mean {near[0]}?' if near else '.'

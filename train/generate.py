@@ -11,7 +11,6 @@ sample at the end of a document. Prints each sample, prompt included.
 
 import functools
 
-from absl import app
 from absl import flags
 import flax.linen as nn
 import jax
@@ -97,4 +96,4 @@ if __name__ == '__main__':
   flags.DEFINE_integer('num_samples', 1, 'Samples to draw.')
   flags.DEFINE_integer('seed', 0, 'Seeds the draws.')
   flags.mark_flags_as_required(['workdir'])
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main)

@@ -14,7 +14,6 @@ or dataset; 1 with one message when non-finite values or a failed save
 stopped the run (README 'Reliability').
 """
 
-from absl import app
 from absl import flags
 from ml_collections import config_flags
 
@@ -53,4 +52,4 @@ def run(config, workdir: str) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main)

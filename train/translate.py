@@ -14,7 +14,6 @@ match, per-token accuracy and, for text, BLEU (sacrebleu's, which
 
 import os
 
-from absl import app
 from absl import flags
 
 from train import cli, seq2seq_eval, trained_run
@@ -76,4 +75,4 @@ if __name__ == '__main__':
   flags.DEFINE_integer('max_length', 0, 'Output tokens at most; 0: 1.5 times '
                        'the longest input, plus 10.')
   flags.mark_flags_as_required(['workdir'])
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main)
