@@ -71,19 +71,6 @@ def read_metrics(workdir: str) -> list[dict[str, float]]:
   return [lines[i] for i in sorted(last.values())]
 
 
-# The quality metric each kind of task is judged by, with its direction.
-QUALITY_METRICS = (('eval_bits_per_byte', 'min'), ('eval_exact_match', 'max'),
-                   ('eval_accuracy', 'max'))
-
-
-def quality_metric(summary: dict[str, float]) -> str:
-  """The name of the first of QUALITY_METRICS that `summary` has."""
-  for name, _ in QUALITY_METRICS:
-    if name in summary:
-      return name
-  return 'eval_loss'
-
-
 def _cell(value) -> str:
   if isinstance(value, float):
     return f'{value:.4g}'

@@ -33,6 +33,38 @@ def is_due(step: int, every: int, last_step: int) -> bool:
   return step == last_step or (every > 0 and step % every == 0)
 
 
+# The quality metric each kind of task is judged by, with its direction.
+QUALITY_METRICS = (('eval_bits_per_byte', 'min'), ('eval_exact_match', 'max'),
+                   ('eval_accuracy', 'max'))
+
+
+def quality_metric(summary: dict[str, float]) -> str:
+  """The name of the first of QUALITY_METRICS that `summary` has."""
+  for name, _ in QUALITY_METRICS:
+    if name in summary:
+      return name
+  return 'eval_loss'
+
+
+def final_summary(kind: str, decode_splits=()) -> dict[str, str | None]:
+  """The figures a run of a `kind` dataset may log at its last step, each
+  with the direction that is better ('min' or 'max'; None for neither):
+  the training summary, then the evaluation's."""
+  names = {'loss': 'min', 'accuracy': 'max', 'learning_rate': None,
+           'grad_norm': None, 'tokens_per_s': 'max', 'steps_per_s': 'max',
+           'mfu': 'max', 'skipped_steps': 'min', 'moe_aux_loss': 'min',
+           'moe_dropped_fraction': 'min', 'eval_loss': 'min',
+           'eval_accuracy': 'max'}
+  if kind == 'lm':
+    names['eval_bits_per_byte'] = 'min'
+  if kind == 'seq2seq':
+    names['eval_exact_match'] = 'max'
+  for split in decode_splits:
+    for score in ('exact_match', 'token_accuracy', 'bleu'):
+      names[f'decode_{split}_{score}'] = 'max'
+  return names
+
+
 def summarize_train(sums: dict[str, float]) -> dict[str, float]:
   weight = max(sums['weight_sum'], 1.0)
   summary = {'loss': sums['loss_sum'] / weight,
@@ -177,7 +209,8 @@ class MetricWriter:
     summary = {key: float(value) for key, value in summary.items()}
     if self._jsonl is not None:
       try:
-        self._jsonl.write(json_line(step, summary))
+        # The wall-clock time, in seconds since the epoch, in the file only.
+        self._jsonl.write(json_line(step, summary | {'time': time.time()}))
         self._jsonl.flush()
       except OSError as error:  # A full disk, a lost mount.
         self._stop_jsonl(f'could not write the metrics of step {step} to '

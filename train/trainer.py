@@ -7,6 +7,7 @@ same loop runs on one CPU, a GPU node or a multi-host TPU pod.
 
 from collections.abc import Callable
 import os
+import time
 from typing import Any
 
 import jax
@@ -28,6 +29,48 @@ def _say(message: str) -> None:
   """A status line on the terminal, from the first host only."""
   if jax.process_index() == 0:
     print(message, flush=True)
+
+
+# What to run on a trained workdir of each kind of dataset.
+NEXT_COMMANDS = {'lm': 'sample: python -m train.generate --workdir={}',
+                 'seq2seq': 'decode: python -m train.translate --workdir={}'}
+
+
+def _duration(seconds: float) -> str:
+  minutes, seconds = divmod(round(seconds), 60)
+  hours, minutes = divmod(minutes, 60)
+  return (f'{hours}h{minutes:02d}m' if hours else
+          f'{minutes}m{seconds:02d}s' if minutes else f'{seconds}s')
+
+
+def closing_summary(*, kind: str, steps: tuple[int, int], seconds: float,
+                    evaluations: list[tuple[int, dict[str, float]]],
+                    final: dict[str, float], tokens_per_s: float | None,
+                    checkpoint: str | None, workdir: str) -> str:
+  """The lines a run ends with: steps and wall time, the final
+  evaluation (the quality metric's best of the run beside it), throughput,
+  the last checkpoint, and what to run next."""
+  metric = metrics.quality_metric(final)
+  direction = dict(metrics.QUALITY_METRICS).get(metric, 'min')
+  shown = [f'{metric} {final[metric]:.4g}']
+  values = [(summary[metric], step) for step, summary in evaluations
+            if metric in summary]
+  if len(values) > 1:
+    value, step = (min if direction == 'min' else max)(values)
+    shown[0] += f' (best {value:.4g}, step {step})'
+  shown += [f'{key} {value:.4g}' for key, value in final.items()
+            if key != metric]
+  first, last = steps
+  lines = [f'Done: steps {first}-{last} in {_duration(seconds)}; '
+           + ', '.join(shown)
+           + (f'; {tokens_per_s:,.0f} tokens/s' if tokens_per_s else '') + '.']
+  then = ['run the same command to resume (or extend it with a larger '
+          'config.num_train_steps)']
+  if kind in NEXT_COMMANDS:
+    then.append(NEXT_COMMANDS[kind].format(workdir))
+  lines.append((f'Last checkpoint: {checkpoint}; ' if checkpoint else '')
+               + '; '.join(then) + '.')
+  return '\n'.join(lines)
 
 
 def _decoding_evaluation(config: ml_collections.ConfigDict,
@@ -90,6 +133,7 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
            workdir: str, stop: preemption.StopRequest) -> dict[str, float]:
   """train_and_evaluate of a validated config in its claimed workdir,
   `stop` listening."""
+  started = time.perf_counter()
   dataset = datasets.load(config, workdir)
   config_validation.check_dataset_fits(config, dataset)
 
@@ -168,7 +212,7 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
       batch = pipeline.poisoned(batch)
     return batch
 
-  final = None
+  final, evaluations, last_logged = None, [], {}
   try:
     with program.scope():
       for step in range(first_step, last_step):
@@ -180,6 +224,8 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
             with jax.profiler.TraceAnnotation('compile'):
               config_validation.check_step_fits(program.train_step.lower(
                   state, batch, dropout_rng).compile(), config)
+            # The first throughput figure is that of the steps alone.
+            train_log.restart_clock()
           state, step_metrics = program.train_step(state, batch, dropout_rng)
           # Waits for the step before this one only: the device has this
           # one queued meanwhile.
@@ -187,6 +233,7 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
             logged = train_log.add(done, step_metrics)
             if logged:
               writer.write(*logged)
+              last_logged = logged[1]
           # After the last step a stop changes nothing: the run is done.
           stopping = stop.due(done) and done < last_step
           # A stop saves at once and leaves the evaluation to the resumed run.
@@ -197,9 +244,11 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
           if evaluate_now or save_now:
             logged = train_log.complete()
             summary = logged[1] if logged else {}
+            last_logged = summary or last_logged
             if evaluate_now:
               with jax.profiler.TraceAnnotation('evaluate'):
                 final = evaluate(state.params)
+              evaluations.append((done, final))
               summary |= final
             if summary:
               writer.write(done, summary)
@@ -239,4 +288,11 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
         temperature=config.sample_temperature)
     _say(f'--- sample (temperature {config.sample_temperature}) ---\n'
          f'{text}\n---')
+  latest = checkpointer.latest_step()
+  _say(closing_summary(
+      kind=dataset.kind, steps=(first_step, last_step),
+      seconds=time.perf_counter() - started, evaluations=evaluations,
+      final=final, tokens_per_s=last_logged.get('tokens_per_s'),
+      checkpoint=None if latest is None else os.path.join(
+          checkpointer.directory, str(latest)), workdir=workdir))
   return final
