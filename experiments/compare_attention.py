@@ -13,7 +13,9 @@ see the same data. A variant that cannot read a key/value cache trains
 without the decoding evaluations of config.decode_splits and without the
 closing sample of a language model. A variant that
 cannot run the config (a causal Linformer, say) is listed as skipped, with
-the reason.
+the reason. Variant names, options and every variant's config are checked
+before anything trains; if no variant can run the config, nothing is
+written and the reasons are given, with exit status 2.
 
 Writes DIR/results.md and DIR/results.csv (per variant: the task's quality
 metric, eval loss, parameters, training step time and tokens/s, and the
@@ -31,7 +33,6 @@ import statistics
 import sys
 import time
 
-from absl import app
 from absl import flags
 import jax
 import matplotlib
@@ -41,9 +42,9 @@ from ml_collections import config_flags
 
 from experiments import common
 from model import attention
-from train import cli, config_validation, mesh, parallel
+from train import cli, config_validation, mesh, metrics, parallel
 from train.data import datasets
-from train.errors import InputError
+from train.errors import InputError, did_you_mean
 from train.trainer import train_and_evaluate
 
 matplotlib.use('Agg')
@@ -134,7 +135,7 @@ def run_variant(config, workdir: str, lengths: list[int],
     summary = train_and_evaluate(config, workdir)
     logged = [line for line in common.read_metrics(workdir)
               if 'steps_per_s' in line]
-    metric = common.quality_metric(summary)
+    metric = metrics.quality_metric(summary)
     row = {'status': 'trained', 'metric': metric,
            metric: float(summary[metric]),
            'eval_loss': float(summary['eval_loss']),
@@ -148,6 +149,7 @@ def run_variant(config, workdir: str, lengths: list[int],
   for length in lengths:
     if str(length) in scaling:
       continue
+    print(f'  timing a train step at length {length}', flush=True)
     long = copy.deepcopy(config)
     long.seq_len = length
     long.model.max_len = max(long.model.max_len, length + 1)
@@ -200,22 +202,43 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
   """Trains and measures every variant; writes the tables and plots."""
   options = options or {}
   lengths = sorted(lengths)
-  for name in variants:
-    attention.spec(name)  # An unknown name fails before any training.
+  known = attention.names()
+  for flag, names in (('--variants', variants), ('--options', options)):
+    for name in names:
+      if name not in known:
+        raise InputError(f'{flag}: no attention variant {name!r}'
+                         f'{did_you_mean(name, known)} The variants: '
+                         f'{", ".join(known)}.')
+  for name in options:
+    if name not in variants:
+      raise InputError(f'--options: {name!r} is not among --variants='
+                       f'{",".join(variants)}.')
   kind = datasets.kind_of(base.dataset)
   unpacked = kind == 'lm' and base.pack_sequences and any(
       attention.spec(name).masks != 'any' for name in variants)
+  # Every variant's config is checked before any trains.
+  configs, skipped = {}, {}
+  for name in variants:
+    configs[name] = variant_config(base, name, options, unpacked)
+    try:
+      config_validation.validate(configs[name])
+    except InputError as error:
+      skipped[name] = ' '.join(str(error).splitlines())
+  if len(skipped) == len(variants):
+    raise InputError('no variant can run this config: ' + '; '.join(
+        f'{name}: {why}' for name, why in skipped.items()))
   os.makedirs(workdir, exist_ok=True)
   rows, metric = [], None
-  for name in variants:
-    config = variant_config(base, name, options, unpacked)
-    try:
-      config_validation.validate(config)
-    except InputError as error:
-      rows.append({'variant': name, 'status': f'skipped: {error}'})
+  for number, name in enumerate(variants, 1):
+    if name in skipped:
+      print(f'variant {number}/{len(variants)} {name}: skipped: '
+            f'{skipped[name]}', flush=True)
+      rows.append({'variant': name, 'status': f'skipped: {skipped[name]}'})
       continue
+    print(f'variant {number}/{len(variants)} {name}: training', flush=True)
     row = {'variant': name} | run_variant(
-        config, os.path.join(workdir, name), list(lengths), timing_steps)
+        configs[name], os.path.join(workdir, name), list(lengths),
+        timing_steps)
     metric = row['metric']
     rows.append(row)
   columns = ['variant', 'status', metric or 'metric', 'eval_loss', 'params',
@@ -282,5 +305,4 @@ def _define_flags() -> None:
 
 
 if __name__ == '__main__':
-  _define_flags()
-  app.run(main)
+  cli.run(main, _define_flags)

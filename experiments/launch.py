@@ -7,16 +7,19 @@ TPU (Cloud TPU VMs, through gcloud):
       [--create] [--dry_run] -- python -m train.train \
       --config=configs/lm1b.py --workdir=gs://BUCKET/run
 
-creates the slice if asked, copies this checkout (`git archive HEAD`) to
-every worker and installs it with JAX for TPU, then starts the command on
-all workers at once (`--worker=all`, detached, output in
+creates the slice if asked, copies this checkout's last commit (`git
+archive HEAD`) to every worker and installs it with JAX for TPU, then
+starts the command on all workers at once (`--worker=all`, detached, output in
 ~/attnlab/train.log) with `--config.distributed=True`, so that
 `jax.distributed.initialize()` reads the pod from the environment. A
 `gs://BUCKET/...` workdir is mounted on every worker with gcsfuse at
 /gcs/BUCKET (the convention of Vertex AI), so that all hosts write their
 checkpoint shards, and process 0 its metrics, to the bucket. The workers
 need gcsfuse, and the bucket a hierarchical namespace: orbax completes a
-checkpoint by renaming its directory, which gcsfuse does only there.
+checkpoint by renaming its directory, which gcsfuse does only there. Edits
+not committed would not run: launch refuses, naming them, unless
+--include_uncommitted copies the working tree (tracked and untracked files
+that git does not ignore) instead.
 
 GPU clusters (Slurm):
 
@@ -24,7 +27,8 @@ GPU clusters (Slurm):
       [--partition=P] [--time=24:00:00] [--dry_run] -- python -m train.train ...
 
 writes an sbatch script that starts one process per node (each seeing its
-node's GPUs) and submits it; `jax.distributed.initialize()` reads the
+node's GPUs and --cpus_per_task cores) in this checkout, as it is on the
+shared file system, and submits it; `jax.distributed.initialize()` reads the
 Slurm environment. With --dry_run, both print what they would run.
 """
 
@@ -32,8 +36,10 @@ import os
 import shlex
 import subprocess
 
-from absl import app
 from absl import flags
+
+from train import cli
+from train.errors import InputError
 
 
 FLAGS = flags.FLAGS
@@ -67,8 +73,28 @@ def gcs_workdir(train_command: list[str]) -> tuple[list[str], str | None]:
   return command, bucket
 
 
+def uncommitted(repo: str = REPO) -> list[str]:
+  """The files of `repo` whose edits are not committed (git status
+  --porcelain: modified, added, deleted, untracked and not ignored)."""
+  status = subprocess.run(['git', '-C', repo, 'status', '--porcelain'],
+                          capture_output=True, text=True, check=True).stdout
+  return [line[3:] for line in status.splitlines() if line.strip()]
+
+
+def archive_command(include_uncommitted: bool) -> list[str]:
+  """The command that packs the checkout into ARCHIVE: its last commit,
+  or the working tree's files that git does not ignore."""
+  if not include_uncommitted:
+    return ['git', '-C', REPO, 'archive', '--format=tar.gz',
+            f'--output={ARCHIVE}', 'HEAD']
+  return ['sh', '-c', f'cd {shlex.quote(REPO)} && git ls-files -z --cached '
+          '--others --exclude-standard | tar --null --ignore-failed-read '
+          f'-T - -czf {ARCHIVE}']
+
+
 def tpu_commands(name: str, zone: str, accelerator: str, runtime: str | None,
-                 create: bool, train_command: list[str]) -> list[list[str]]:
+                 create: bool, train_command: list[str],
+                 include_uncommitted: bool = False) -> list[list[str]]:
   """The commands, in order, that start `train_command` on every worker."""
   def on_workers(script: str) -> list[str]:
     return ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', name,
@@ -79,8 +105,7 @@ def tpu_commands(name: str, zone: str, accelerator: str, runtime: str | None,
     commands.append(['gcloud', 'compute', 'tpus', 'tpu-vm', 'create', name,
                      f'--zone={zone}', f'--accelerator-type={accelerator}',
                      f'--version={runtime}'])
-  commands.append(['git', '-C', REPO, 'archive', '--format=tar.gz',
-                   f'--output={ARCHIVE}', 'HEAD'])
+  commands.append(archive_command(include_uncommitted))
   commands.append(['gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', ARCHIVE,
                    f'{name}:~/attnlab.tar.gz', f'--zone={zone}',
                    '--worker=all'])
@@ -104,14 +129,16 @@ def tpu_commands(name: str, zone: str, accelerator: str, runtime: str | None,
 
 
 def sbatch_script(train_command: list[str], *, nodes: int,
-                  gpus_per_node: int, partition: str | None,
-                  time_limit: str) -> str:
-  """An sbatch script: one task per node, each with its node's GPUs."""
+                  gpus_per_node: int, cpus_per_task: int,
+                  partition: str | None, time_limit: str) -> str:
+  """An sbatch script: one task per node, each with its node's GPUs and
+  `cpus_per_task` cores (Slurm's default, one, starves the data loader)."""
   lines = ['#!/bin/bash',
            '#SBATCH --job-name=attnlab',
            f'#SBATCH --nodes={nodes}',
            '#SBATCH --ntasks-per-node=1',
            f'#SBATCH --gpus-per-node={gpus_per_node}',
+           f'#SBATCH --cpus-per-task={cpus_per_task}',
            f'#SBATCH --time={time_limit}',
            '#SBATCH --output=attnlab-%j.out']
   if partition:
@@ -132,16 +159,18 @@ def sbatch_script(train_command: list[str], *, nodes: int,
 def _python(train_command: list[str]) -> list[str]:
   """`python -m train.train ...` -> ['python', '-m', ...], checked."""
   if not train_command or 'train.train' not in train_command:
-    raise app.UsageError('give the training command after --, e.g. -- '
-                         'python -m train.train --config=... --workdir=...')
+    raise InputError('give the training command after --, e.g. -- python -m '
+                     'train.train --config=... --workdir=...')
   return ['python'] + train_command[train_command.index('-m'):]
 
 
-def main(argv: list[str]) -> None:
-  train_command = _python(argv[1:])
+def launch(train_command: list[str]) -> None:
+  """Prints, and unless --dry_run runs, what starts `train_command`."""
+  train_command = _python(train_command)
   if FLAGS.slurm:
     script = sbatch_script(train_command, nodes=FLAGS.nodes,
                            gpus_per_node=FLAGS.gpus_per_node,
+                           cpus_per_task=FLAGS.cpus_per_task,
                            partition=FLAGS.partition, time_limit=FLAGS.time)
     if FLAGS.dry_run:
       print(script, end='')
@@ -150,19 +179,34 @@ def main(argv: list[str]) -> None:
       f.write(script)
     subprocess.run(['sbatch', FLAGS.script], check=True)
     return
-  if not (FLAGS.tpu and FLAGS.zone and FLAGS.accelerator):
-    raise app.UsageError('--tpu, --zone and --accelerator are required '
-                         '(or --slurm).')
+  missing = [f'--{name}' for name in ('tpu', 'zone', 'accelerator')
+             if not FLAGS[name].value]
+  if missing:
+    raise InputError(f'{", ".join(missing)} required for a TPU launch (or '
+                     'give --slurm).')
   generation = FLAGS.accelerator.rsplit('-', 1)[0]
   runtime = FLAGS.runtime or RUNTIMES.get(generation)
   if FLAGS.create and runtime is None:
-    raise app.UsageError(f'no default --runtime for {FLAGS.accelerator}; '
-                         'give one.')
+    raise InputError(f'--runtime: no default for --accelerator='
+                     f'{FLAGS.accelerator}; give one.')
+  edits = uncommitted()
+  if edits and not FLAGS.include_uncommitted:
+    shown = ', '.join(edits[:5]) + (f' and {len(edits) - 5} more'
+                                    if len(edits) > 5 else '')
+    raise InputError(f'uncommitted edits would not run on the workers '
+                     f'(git archive HEAD copies the last commit): {shown}; '
+                     'commit them, or give --include_uncommitted.')
   for command in tpu_commands(FLAGS.tpu, FLAGS.zone, FLAGS.accelerator,
-                              runtime, FLAGS.create, train_command):
+                              runtime, FLAGS.create, train_command,
+                              FLAGS.include_uncommitted):
     print(shlex.join(command), flush=True)
     if not FLAGS.dry_run:
       subprocess.run(command, check=True)
+
+
+def main(argv: list[str]) -> None:
+  # What follows `--` is the training command, not stray arguments.
+  cli.run_main(argv[:1], lambda: launch(argv[1:]))
 
 
 def _define_flags() -> None:
@@ -179,6 +223,11 @@ def _define_flags() -> None:
   flags.DEFINE_bool('slurm', False, 'Launch on Slurm instead.')
   flags.DEFINE_integer('nodes', 1, 'Slurm nodes.')
   flags.DEFINE_integer('gpus_per_node', 8, 'GPUs per node.')
+  flags.DEFINE_integer('cpus_per_task', 32, 'CPU cores for the process on '
+                       'each node (data loading, compilation).')
+  flags.DEFINE_bool('include_uncommitted', False, 'Copy the working tree '
+                    'to the TPU workers, edits not committed included, '
+                    'rather than the last commit.')
   flags.DEFINE_string('partition', None, 'Slurm partition.')
   flags.DEFINE_string('time', '24:00:00', 'Slurm time limit.')
   flags.DEFINE_string('script', 'attnlab.sbatch',
@@ -188,5 +237,4 @@ def _define_flags() -> None:
 
 
 if __name__ == '__main__':
-  _define_flags()
-  app.run(main)
+  cli.run(main, _define_flags)

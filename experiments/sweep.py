@@ -8,8 +8,13 @@ experiments/grid.py). Each trial runs `python -m train.train` in
 DIR/<trial-name>/ with its overrides (and the --set ones, for every trial).
 A finished trial is not run again and an interrupted one (killed, or
 stopped by a signal: status 'stopped') resumes from its checkpoint, so
-re-running the command continues the sweep. A trial that fails is recorded
-with its error and the others go on.
+re-running the command continues the sweep. Before any trial runs, every
+trial's config is read and validated as train.train would, and the metric
+checked: each problem is named, with exit status 2. A trial that fails is
+recorded with its error and the others go on; if none finishes, the sweep
+exits with status 1 and leaves the reports of an earlier sweep as they
+were. A line says when each trial starts and ends, with its metric and the
+best so far.
 
 Writes DIR/leaderboard.md and DIR/leaderboard.csv (trials sorted by the
 metric of their final evaluation, failures last) and DIR/sweep.png (the
@@ -23,12 +28,15 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
-from absl import app
 from absl import flags
 import matplotlib
 
 from experiments import common
+from train import cli, config_validation, metrics
+from train.data import datasets
+from train.errors import InputError, TrainingError, did_you_mean
 
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)
@@ -40,13 +48,46 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def load_sweep(config_arg: str) -> list[dict]:
   """The trials of the config file's get_sweep()."""
+  cli.load_config(config_arg, {})  # The file exists and gives a config.
   path = config_arg.split(':', 1)[0]
   spec = importlib.util.spec_from_file_location('sweep_config', path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   if not hasattr(module, 'get_sweep'):
-    raise ValueError(f'{path} defines no get_sweep().')
+    raise InputError(f'--config={config_arg}: {path} defines no get_sweep() '
+                     '(a list of override dicts; see experiments/grid.py).')
   return module.get_sweep()
+
+
+def check_trials(config_arg: str, trials: list[dict], common_overrides: dict,
+                 metric: str | None, mode: str | None) -> tuple[str, str]:
+  """Reads and validates every trial's config, as its train.train would,
+  and the metric; InputError naming every problem. Returns the metric and
+  its mode (None, None: the task's quality metric, chosen afterwards)."""
+  problems, config = {}, None  # Each problem, with the trials it is in.
+  for trial in trials:
+    try:
+      config = cli.load_config(config_arg, common_overrides | trial)
+      config_validation.validate(config)
+    except InputError as error:
+      for line in str(error).splitlines():
+        problems.setdefault(line, []).append(trial_name(trial))
+  if problems:
+    raise InputError('\n'.join(
+        problem if len(names) == len(trials) else
+        f'trial {" and ".join(names)}: {problem}'
+        for problem, names in problems.items()))
+  if metric is None:
+    return None, None
+  known = metrics.final_summary(datasets.kind_of(config.dataset),
+                                config.decode_splits)
+  if metric not in known:
+    raise InputError(f'--metric={metric}: no trial logs it'
+                     f'{did_you_mean(metric, known)}')
+  if (mode or known[metric]) is None:
+    raise InputError(f'--mode: say whether --metric={metric} is better low '
+                     '(min) or high (max).')
+  return metric, mode or known[metric]
 
 
 def trial_name(overrides: dict) -> str:
@@ -66,7 +107,7 @@ def run_trial(config_arg: str, workdir: str, overrides: dict,
   record = common.load_json(record_path)
   if record is not None:
     if record['command'] != command[1:]:
-      raise ValueError(f'{workdir} holds a trial run as '
+      raise InputError(f'{workdir} holds a trial run as '
                        f'{" ".join(record["command"])}; sweep in a new '
                        '--workdir to change the overrides.')
     if record['status'] == 'finished':
@@ -94,7 +135,7 @@ def run_trial(config_arg: str, workdir: str, overrides: dict,
     with open(os.path.join(workdir, 'log.txt')) as log:
       lines = [line.strip() for line in log if line.strip()]
     record |= {'status': 'failed',
-               'error': lines[-1] if lines else
+               'error': lines[-1].removeprefix('error: ') if lines else
                f'exit status {process.returncode}'}
   common.save_json(record_path, record)
   return record
@@ -123,17 +164,28 @@ def leaderboard(records: list[dict], metric: str, mode: str) -> list[dict]:
 
 
 def plot(rows: list[dict], keys: list[str], metric: str, path: str) -> None:
-  """The metric against each swept key, one panel per key."""
+  """The metric against each swept key, one panel per key, the best trial
+  marked; a log axis for values spread over a decade or more, integer
+  ticks for integer keys."""
   figure, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.5),
                               squeeze=False)
-  points = [row for row in rows if row['status'] == 'finished']
+  points = [row for row in rows if 'rank' in row]
   for ax, key in zip(axes[0], keys):
     values = [row[key] for row in points]
     ax.scatter(values, [row[metric] for row in points])
-    numeric = [v for v in values if isinstance(v, (int, float))]
+    best = points[0]
+    ax.scatter([best[key]], [best[metric]], s=160, facecolors='none',
+               edgecolors='tab:red', label='best')
+    numeric = [v for v in values if isinstance(v, (int, float))
+               and not isinstance(v, bool)]
     if numeric and min(numeric) > 0 and max(numeric) >= 10 * min(numeric):
       ax.set_xscale('log')
+    if numeric and all(isinstance(v, int) for v in numeric):
+      ax.set_xticks(sorted(set(numeric)), [str(v) for v in
+                                           sorted(set(numeric))])
+      ax.minorticks_off()
     ax.set(xlabel=key, ylabel=metric)
+  axes[0][0].legend(fontsize=8)
   figure.tight_layout()
   figure.savefig(path, dpi=120)
   plt.close(figure)
@@ -142,36 +194,66 @@ def plot(rows: list[dict], keys: list[str], metric: str, path: str) -> None:
 def sweep(config_arg: str, workdir: str, *, parallel: int = 1,
           metric: str | None = None, mode: str | None = None,
           common_overrides: dict | None = None) -> list[dict]:
-  """Runs every trial not yet finished; writes the leaderboard and plot."""
+  """Runs every trial not yet finished; writes the leaderboard and plot.
+  InputError, before any trial runs, for a config, override or metric
+  that is wrong; TrainingError when no trial finished (the reports of an
+  earlier sweep are then left as they were)."""
+  common_overrides = common_overrides or {}
   trials = load_sweep(config_arg)
   names = [trial_name(trial) for trial in trials]
   if len(set(names)) != len(names):
-    raise ValueError('get_sweep() gives the same overrides twice.')
-  if mode is None:
-    known = dict(common.QUALITY_METRICS) | {'eval_loss': 'min'}
-    if metric is not None and metric not in known:
-      raise ValueError(f'say whether --metric={metric} is better low or high '
-                       '(--mode=min or max).')
-    mode = known.get(metric)
+    raise InputError(f'--config={config_arg}: get_sweep() gives the same '
+                     'overrides twice.')
+  metric, mode = check_trials(config_arg, trials, common_overrides, metric,
+                              mode)
   os.makedirs(workdir, exist_ok=True)
   # Trials run from the repository root, as `python -m train.train`.
   path, sep, argument = config_arg.partition(':')
   config_arg = os.path.abspath(path) + sep + argument
+  lock, best = threading.Lock(), {}
+
+  def run(number: int, trial: dict) -> dict:
+    name = trial_name(trial)
+    print(f'trial {number}/{len(trials)} {name}: started', flush=True)
+    record = run_trial(config_arg, os.path.join(workdir, name), trial,
+                       common_overrides, parallel)
+    with lock:
+      if record['status'] != 'finished':
+        print(f'trial {number}/{len(trials)} {name}: {record["status"]}: '
+              f'{record["error"]}', flush=True)
+        return record
+      shown = metric or metrics.quality_metric(record['metrics'])
+      direction = mode if metric else dict(metrics.QUALITY_METRICS).get(
+          shown, 'min')
+      sign = 1 if direction == 'min' else -1
+      value = record['metrics'].get(shown, math.nan)
+      if math.isfinite(value) and (not best
+                                   or sign * value < sign * best['value']):
+        best.update(value=value, name=name)
+      print(f'trial {number}/{len(trials)} {name}: finished, {shown} '
+            f'{value:.4g} (best {best.get("value", math.nan):.4g}, '
+            f'{best.get("name", "none")})', flush=True)
+    return record
+
   with concurrent.futures.ThreadPoolExecutor(max(parallel, 1)) as pool:
     try:
-      records = list(pool.map(
-          lambda trial: run_trial(config_arg, os.path.join(
-              workdir, trial_name(trial)), trial, common_overrides or {},
-                                  parallel), trials))
+      records = list(pool.map(run, range(1, len(trials) + 1), trials))
     except KeyboardInterrupt:
       # The running trials got the Ctrl-C too: they save and stop, and are
       # recorded; the trials not started yet are not.
       pool.shutdown(cancel_futures=True)
       raise
+  finished = [r['metrics'] for r in records if r['status'] == 'finished']
+  if not finished:
+    failed = records[0]
+    raise TrainingError(
+        f'no trial finished; the first, {trial_name(failed["overrides"])}, '
+        f'{failed["status"]}: {failed["error"]} (its log: '
+        f'{os.path.join(workdir, trial_name(failed["overrides"]), "log.txt")}'
+        ').')
   if metric is None:
-    finished = [r['metrics'] for r in records if r['status'] == 'finished']
-    metric = common.quality_metric(finished[0] if finished else {})
-    mode = dict(common.QUALITY_METRICS).get(metric, 'min')
+    metric = metrics.quality_metric(finished[0])
+    mode = dict(metrics.QUALITY_METRICS).get(metric, 'min')
   rows = leaderboard(records, metric, mode)
   keys = list(dict.fromkeys(key for trial in trials for key in trial))
   columns = ['rank', 'trial', 'status', metric, *keys, 'error']
@@ -180,24 +262,24 @@ def sweep(config_arg: str, workdir: str, *, parallel: int = 1,
       f'# Sweep of {config_arg}\n\nRanked by {metric} ({mode}imum best), '
       f'from each trial\'s final evaluation. '
       f'Machine: {common.machine_description()}.\n\n')
-  if keys and any(row['status'] == 'finished' for row in rows):
+  if keys and any('rank' in row for row in rows):
     plot(rows, keys, metric, os.path.join(workdir, 'sweep.png'))
   print(table)
   return rows
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
-  common_overrides = {}
-  for item in FLAGS.set:
-    key, sep, value = item.partition('=')
-    if not sep:
-      raise app.UsageError(f'--set item {item!r} is not key=value.')
-    common_overrides[key] = value
-  sweep(FLAGS.config, os.path.abspath(FLAGS.workdir),
-        parallel=FLAGS.parallel, metric=FLAGS.metric, mode=FLAGS.mode,
-        common_overrides=common_overrides)
+  def work():
+    common_overrides = {}
+    for item in FLAGS.set:
+      key, sep, value = item.partition('=')
+      if not sep:
+        raise InputError(f'--set item {item!r} is not key=value.')
+      common_overrides[key] = value
+    sweep(FLAGS.config, os.path.abspath(FLAGS.workdir),
+          parallel=FLAGS.parallel, metric=FLAGS.metric, mode=FLAGS.mode,
+          common_overrides=common_overrides)
+  cli.run_main(argv, work)
 
 
 def _define_flags() -> None:
@@ -212,11 +294,11 @@ def _define_flags() -> None:
       'metric', None, 'Final-evaluation metric to rank by; default: the '
       "task's quality metric.")
   flags.DEFINE_enum('mode', None, ['min', 'max'],
-                    'Whether lower or higher is better.')
+                    'Whether lower or higher is better; known for the '
+                    'metrics a run logs, except learning_rate and grad_norm.')
   flags.DEFINE_list('set', [], 'key=value overrides for every trial.')
   flags.mark_flags_as_required(['config', 'workdir'])
 
 
 if __name__ == '__main__':
-  _define_flags()
-  app.run(main)
+  cli.run(main, _define_flags)

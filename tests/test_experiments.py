@@ -16,7 +16,7 @@ from model import build
 from model.config import ModelConfig
 from test_train import tiny_config
 from train import steps, trained_run
-from train.errors import InputError
+from train.errors import InputError, TrainingError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PNG = b'\x89PNG'
@@ -74,11 +74,12 @@ def test_compare_does_not_train_a_finished_variant_again(comparison,
   assert again[0] == rows[0]
 
 
-def test_compare_lists_a_variant_the_config_cannot_run(data_dir, tmp_path):
+def test_compare_refuses_a_config_no_variant_can_run(data_dir, tmp_path):
   config = tiny_config('lm_stdlib', data_dir)
-  rows = compare_attention.compare(config, ['linformer'], str(tmp_path))
-  assert rows[0]['status'].startswith('skipped: ')
-  assert 'causal' in rows[0]['status']
+  with pytest.raises(InputError, match='no variant can run this config: '
+                     'linformer: .* cannot be causal'):
+    compare_attention.compare(config, ['linformer'], str(tmp_path / 'c'))
+  assert not (tmp_path / 'c').exists()
 
 
 def test_attention_maps_of_a_trained_checkpoint(comparison, monkeypatch):
@@ -135,8 +136,9 @@ def get_config():
 
 
 def get_sweep():
-  # The last trial fails: a negative learning rate is refused.
-  return grid.product(learning_rate=[1e-3, 3e-3, -1.0])
+  # The last trial fails as it runs: its data_dir cannot be made.
+  return grid.zipped(learning_rate=[1e-3, 3e-3, 1e-3],
+                     data_dir=[{data_dir!r}, {data_dir!r}, '/dev/null/data'])
 '''
 
 
@@ -150,18 +152,59 @@ def test_sweep_records_a_failure_and_skips_finished_trials(comparison,
   rows = sweep.sweep(str(config_path), workdir, parallel=2)
   assert [row['status'] for row in rows] == ['finished', 'finished', 'failed']
   assert [row['rank'] for row in rows[:2]] == [1, 2]
-  assert 'config.learning_rate=-1.0' in rows[2]['error']
+  assert rows[2]['error'].startswith(
+      "NotADirectoryError: [Errno 20] Not a directory: '/dev/null/data'")
   board = open(os.path.join(workdir, 'leaderboard.md')).read()
   assert 'failed' in board and 'learning_rate' in board
   with open(os.path.join(workdir, 'sweep.png'), 'rb') as f:
     assert f.read(4) == PNG
 
-  finished = os.path.join(workdir, 'learning_rate=0.001', 'trial.json')
+  finished = os.path.join(workdir, sweep.trial_name(
+      {'learning_rate': 1e-3, 'data_dir': data_dir}), 'trial.json')
   before = os.path.getmtime(finished)
   again = sweep.sweep(str(config_path), workdir, parallel=2)
   assert os.path.getmtime(finished) == before  # Not run again.
   assert [row['status'] for row in again] == ['finished', 'finished',
                                               'failed']
+
+
+def failed_run(command, **kwargs):
+  """What a trial's train.train leaves when it fails at once."""
+  kwargs['stdout'].write('error: boom\n')
+  return subprocess.CompletedProcess(command, returncode=1)
+
+
+def test_a_sweep_with_no_finished_trial_fails_and_keeps_the_reports(
+    data_dir, tmp_path, monkeypatch):
+  config_path = tmp_path / 'sweep_config.py'
+  config_path.write_text(SWEEP_CONFIG.format(data_dir=data_dir))
+  workdir = tmp_path / 'sweep'
+  workdir.mkdir()
+  (workdir / 'leaderboard.md').write_text('an earlier sweep')
+  monkeypatch.setattr(sweep.subprocess, 'run', failed_run)
+  with pytest.raises(TrainingError, match='no trial finished; the first, '
+                     r'.*, failed: boom \(its log: '):
+    sweep.sweep(str(config_path), str(workdir))
+  assert (workdir / 'leaderboard.md').read_text() == 'an earlier sweep'
+  assert not (workdir / 'leaderboard.csv').exists()
+
+
+def test_a_sweep_refuses_a_metric_before_any_trial(data_dir, tmp_path,
+                                                   monkeypatch):
+  config_path = tmp_path / 'sweep_config.py'
+  config_path.write_text(SWEEP_CONFIG.format(data_dir=data_dir))
+
+  def refuse(*args, **kwargs):
+    raise AssertionError('a trial ran')
+  monkeypatch.setattr(sweep.subprocess, 'run', refuse)
+  with pytest.raises(InputError, match='--metric=eval_acc: no trial logs '
+                     'it; did you mean eval_accuracy'):
+    sweep.sweep(str(config_path), str(tmp_path / 'sweep'), metric='eval_acc')
+  with pytest.raises(InputError, match='--mode: say whether --metric='
+                     'grad_norm is better low'):
+    sweep.sweep(str(config_path), str(tmp_path / 'sweep'),
+                metric='grad_norm')
+  assert not (tmp_path / 'sweep').exists()
 
 
 def test_a_trial_stopped_by_a_signal_is_not_finished(tmp_path, monkeypatch):
@@ -248,12 +291,17 @@ def test_launch_dry_run_prints_commands_and_slurm_script():
       [sys.executable, '-m', 'experiments.launch', *args, '--dry_run', '--',
        *TRAIN[:-1], '--workdir=/shared/run'], cwd=REPO, capture_output=True,
       text=True, check=True).stdout
-  tpu = run('--tpu=pod', '--zone=z', '--accelerator=v6e-64').splitlines()
+  # The working tree, which the suite's own runs may add files to.
+  tpu = run('--tpu=pod', '--zone=z', '--accelerator=v6e-64',
+            '--include_uncommitted').splitlines()
   assert len(tpu) == 4  # Archive, copy, install, start: no create.
+  assert 'git ls-files -z --cached --others --exclude-standard' in tpu[0]
   assert '--worker=all' in tpu[-1]
-  script = run('--slurm', '--nodes=4', '--gpus_per_node=8')
+  script = run('--slurm', '--nodes=4', '--gpus_per_node=8',
+               '--cpus_per_task=48')
   assert '#SBATCH --nodes=4' in script
   assert '#SBATCH --ntasks-per-node=1' in script
+  assert '#SBATCH --cpus-per-task=48' in script
   assert 'export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7' in script
   assert script.rstrip().endswith(
       'srun .venv/bin/python -m train.train --config=configs/lm1b.py '

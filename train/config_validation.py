@@ -63,90 +63,118 @@ def _choice(config, key: str, choices) -> str:
 
 
 def validate(config: ml_collections.ConfigDict) -> ModelConfig:
-  """Raises InputError naming the first bad key; returns the ModelConfig."""
+  """Returns the ModelConfig; raises InputError naming every bad key, one
+  line each. Rules that need a sound model (its kernels, its layout on the
+  mesh) run once the others pass."""
+  problems = []
+
+  def check(rule, *args):
+    try:
+      return rule(*args)
+    except InputError as error:
+      problems.append(str(error))
+
   for key in ('seq_len', 'num_train_steps', 'log_every', 'keep_checkpoints',
               'grad_accum_steps', 'sample_length'):
-    _integer(config, key, 1 if key != 'sample_length' else 0)
+    check(_integer, config, key, 1 if key != 'sample_length' else 0)
   for key in ('warmup_steps', 'eval_every', 'checkpoint_every', 'seed',
               'max_skipped_steps', 'debug_poison_step'):
-    _integer(config, key, 0)
+    check(_integer, config, key, 0)
   if config.num_eval_steps != -1:
-    _integer(config, 'num_eval_steps', 1)
-  _integer(config, 'batch_size', 1)
-  _integer(config, 'beam_size', 1)
+    check(_integer, config, 'num_eval_steps', 1)
+  check(_integer, config, 'batch_size', 1)
+  check(_integer, config, 'beam_size', 1)
   if config.num_decode_examples != -1:
-    _integer(config, 'num_decode_examples', 1)
-
-  _number(config, 'learning_rate', 0.0, float('inf'), include_low=False)
-  _number(config, 'final_learning_rate_fraction', 0.0, 1.0, include_high=True)
-  _number(config, 'weight_decay', 0.0, float('inf'))
-  _number(config, 'grad_clip_norm', 0.0, float('inf'))
-  _number(config, 'label_smoothing', 0.0, 1.0)
-  _number(config, 'adam_b1', 0.0, 1.0)
-  _number(config, 'adam_b2', 0.0, 1.0)
-  _number(config, 'adam_eps', 0.0, float('inf'), include_low=False)
-  _number(config, 'sgd_momentum', 0.0, 1.0)
-  _number(config, 'sample_temperature', 0.0, float('inf'))
-  _number(config, 'beam_alpha', 0.0, float('inf'))
-  _choice(config, 'schedule', optim.SCHEDULES)
-  _choice(config, 'optimizer', optim.OPTIMIZERS)
-  _choice(config, 'nan_policy', metrics.NAN_POLICIES)
+    check(_integer, config, 'num_decode_examples', 1)
+  inf = float('inf')
+  for key, low, high, options in (
+      ('learning_rate', 0.0, inf, {'include_low': False}),
+      ('final_learning_rate_fraction', 0.0, 1.0, {'include_high': True}),
+      ('weight_decay', 0.0, inf, {}), ('grad_clip_norm', 0.0, inf, {}),
+      ('label_smoothing', 0.0, 1.0, {}), ('adam_b1', 0.0, 1.0, {}),
+      ('adam_b2', 0.0, 1.0, {}),
+      ('adam_eps', 0.0, inf, {'include_low': False}),
+      ('sgd_momentum', 0.0, 1.0, {}), ('sample_temperature', 0.0, inf, {}),
+      ('beam_alpha', 0.0, inf, {})):
+    check(functools.partial(_number, **options), config, key, low, high)
+  check(_choice, config, 'schedule', optim.SCHEDULES)
+  check(_choice, config, 'optimizer', optim.OPTIMIZERS)
+  check(_choice, config, 'nan_policy', metrics.NAN_POLICIES)
   for key in ('data_dir', 'eval_split'):
-    _text(config, key, empty=False)
-  _text(config, 'sample_prompt', empty=True)
+    check(functools.partial(_text, empty=False), config, key)
+  check(functools.partial(_text, empty=True), config, 'sample_prompt')
   if config.vocab_path is not None:
-    _text(config, 'vocab_path', empty=False)
-  kind = datasets.kind_of(config.dataset)
-  try:
-    model_config = ModelConfig.from_mapping(config.model)
-  except ValueError as error:
-    raise InputError(str(error)) from None
+    check(functools.partial(_text, empty=False), config, 'vocab_path')
   if not isinstance(config.pack_sequences, bool):
-    _fail(f'config.pack_sequences={config.pack_sequences!r} must be True or '
-          'False.')
+    problems.append(f'config.pack_sequences={config.pack_sequences!r} must '
+                    'be True or False.')
+  kind = check(datasets.kind_of, config.dataset)
+  model_config = check(_model_config, config)
+  if kind is None or model_config is None:
+    raise InputError('\n'.join(problems))
   family = FAMILY_OF_KIND[kind]
-  _check_attentions(config, model_config, kind)
+  problems += _attention_problems(config, model_config, kind)
   if model_config.memory_length and (config.pack_sequences
                                      or config.grad_accum_steps != 1):
-    _fail(f'config.model.memory_length={model_config.memory_length} reads '
-          'contiguous streams of whole batches: set config.pack_sequences='
-          'False and config.grad_accum_steps=1.')
+    problems.append(
+        f'config.model.memory_length={model_config.memory_length} reads '
+        'contiguous streams of whole batches: set config.pack_sequences='
+        'False and config.grad_accum_steps=1.')
   if model_config.family not in (family,) + ALSO_TRAINS.get(kind, ()):
-    _fail(f'config.model.family={model_config.family!r} cannot train on '
-          f'config.dataset={config.dataset!r} ({kind}); use {family!r}.')
-  _check_decode_splits(config, model_config, kind)
+    problems.append(
+        f'config.model.family={model_config.family!r} cannot train on '
+        f'config.dataset={config.dataset!r} ({kind}); use {family!r}.')
+  check(_check_decode_splits, config, model_config, kind)
+  if problems:
+    raise InputError('\n'.join(problems))
   positions = model_positions(config)
-  _check_kernels(config, model_config, positions)
+  check(_check_kernels, config, model_config, positions)
   if model_config.position == 'learned' and positions > model_config.max_len:
-    _fail(f'config.seq_len={config.seq_len} needs {positions} positions, more '
-          f'than config.model.max_len={model_config.max_len}.')
-  _check_parallelism(config, model_config, kind)
+    problems.append(
+        f'config.seq_len={config.seq_len} needs {positions} positions, more '
+        f'than config.model.max_len={model_config.max_len}.')
+  if not problems:
+    check(_check_parallelism, config, model_config, kind)
+  if problems:
+    raise InputError('\n'.join(problems))
   return model_config
 
 
-def _check_attentions(config: ml_collections.ConfigDict,
-                      model_config: ModelConfig, kind: str) -> None:
+def _model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+  try:
+    return ModelConfig.from_mapping(config.model)
+  except ValueError as error:
+    raise InputError(str(error)) from None
+
+
+def _attention_problems(config: ml_collections.ConfigDict,
+                        model_config: ModelConfig, kind: str) -> list[str]:
   """Each attention of the pattern (or the one) against its options, the
   packed rows a language model reads, and its closing sample."""
+  problems = []
   for layer_config in model_config.layer_configs():
     known = attention_parameters.option_names(layer_config.attention)
     for name, _ in layer_config.attention_options:
       if name not in known:
-        _fail(f'unknown key config.model.attention_options.{name} for config.'
-              f'model.attention={layer_config.attention!r}; it takes '
-              f'{sorted(known) or "none"}.')
+        problems.append(
+            f'unknown key config.model.attention_options.{name} for config.'
+            f'model.attention={layer_config.attention!r}; it takes '
+            f'{sorted(known) or "none"}.')
     if kind != 'lm':
       continue
     variant = attention.spec(layer_config.attention)
     if config.pack_sequences and variant.masks != 'any':
-      _fail(f'config.model.attention={layer_config.attention!r} cannot keep '
-            'packed sequences apart (it takes key padding masks only); set '
-            'config.pack_sequences=False.')
+      problems.append(
+          f'config.model.attention={layer_config.attention!r} cannot keep '
+          'packed sequences apart (it takes key padding masks only); set '
+          'config.pack_sequences=False.')
     if config.sample_length and not variant.reads_cache:
-      _fail(f'config.sample_length={config.sample_length} samples with a '
-            'key/value cache, which config.model.attention='
-            f'{layer_config.attention!r} cannot read (dense, chunked and '
-            'additive can); set it to 0.')
+      problems.append(
+          f'config.sample_length={config.sample_length} samples with a '
+          'key/value cache, which config.model.attention='
+          f'{layer_config.attention!r} cannot read (dense, chunked and '
+          'additive can); set it to 0.')
+  return list(dict.fromkeys(problems))  # A pattern repeats its layers.
 
 
 def _check_kernels(config: ml_collections.ConfigDict,
