@@ -14,8 +14,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The default experiment; running it again resumes from its last checkpoint.
+# ARGS adds flags and WORKDIR moves it, e.g. a first look in about a minute:
+#   make train WORKDIR=/tmp/smoke ARGS=--config.num_train_steps=20
+WORKDIR ?= workdirs/lm_stdlib
+ARGS ?=
 train: $(STAMP)
-	$(BIN)/python -m train.train --config=configs/lm_stdlib.py --workdir=workdirs/lm_stdlib
+	$(BIN)/python -m train.train --config=configs/lm_stdlib.py --workdir=$(WORKDIR) $(ARGS)
 
 # Compilation dominates the suite: one worker per core (up to 4) halves it.
 test: $(STAMP)
