@@ -1,4 +1,4 @@
-"""EncoderDecoder on an algorithmic task: copy, reverse, sort or addition.
+r"""EncoderDecoder on an algorithmic task: copy, reverse, sort or addition.
 
   python -m train.train --config=configs/algorithmic.py:task=reverse \
       --workdir=workdirs/algorithmic_reverse

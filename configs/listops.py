@@ -1,4 +1,4 @@
-"""EncoderClassifier on ListOps; `:full` is the Long Range Arena setting.
+r"""EncoderClassifier on ListOps; `:full` is the Long Range Arena setting.
 
   python -m train.train --config=configs/listops.py --workdir=workdirs/listops
   python -m train.train --config=configs/listops.py:full \

@@ -1,4 +1,4 @@
-"""The byte LM of configs/lm_stdlib.py with one of the attention systems of
+r"""The byte LM of configs/lm_stdlib.py with one of the attention systems of
 the course notes, trained for the same 550 steps so the results compare:
 
   python -m train.train --config=configs/lm_systems.py:system=alternating \

@@ -1,4 +1,4 @@
-"""The RNN encoder-decoder with attention (Bahdanau et al. 2015) on an
+r"""The RNN encoder-decoder with attention (Bahdanau et al. 2015) on an
 algorithmic task, with configs/algorithmic.py's data, steps and decoding:
 
   python -m train.train --config=configs/rnn_attention.py:task=reverse \

@@ -1,4 +1,4 @@
-"""One markdown report of what the accelerator at hand does with attnlab:
+r"""One markdown report of what the accelerator at hand does with attnlab:
 the `make train` job's speed, a profile of its step, training throughput
 against stock Flax, and attention against sequence length.
 

@@ -86,20 +86,26 @@ def label(dataset: datasets.Dataset, token: int) -> str:
 
 def draw(layers: list[tuple[str, np.ndarray]], labels: list[str],
          path: str) -> None:
+  """One heatmap per layer (row) and head (column) on one colour scale,
+  0 to the largest weight drawn, with its colourbar."""
   num_heads = layers[0][1].shape[0]
-  size = 1.2 + 0.12 * len(labels)
-  figure, axes = plt.subplots(len(layers), num_heads, squeeze=False,
-                              figsize=(size * num_heads, size * len(layers)))
+  size = 1.5 + 0.16 * len(labels)
+  figure, axes = plt.subplots(
+      len(layers), num_heads, squeeze=False, layout='constrained',
+      figsize=(size * num_heads + 1.0, size * len(layers)))
   ticks = np.arange(len(labels))
+  top = max(float(weights.max()) for _, weights in layers)
   for row, (name, weights) in enumerate(layers):
     for head in range(num_heads):
       ax = axes[row, head]
-      ax.imshow(weights[head], cmap='viridis', vmin=0.0)
-      ax.set_title(f'{name} head {head}', fontsize=7)
-      ax.set_xticks(ticks, labels, fontsize=5, rotation=90)
-      ax.set_yticks(ticks, labels, fontsize=5)
-  figure.tight_layout()
-  figure.savefig(path, dpi=130)
+      image = ax.imshow(weights[head], cmap='viridis', vmin=0.0, vmax=top)
+      ax.set_title(f'{name} head {head}', fontsize=9)
+      ax.set_xticks(ticks, labels, fontsize=7, rotation=90)
+      ax.set_yticks(ticks, labels, fontsize=7)
+      ax.set(xlabel='key' if row == len(layers) - 1 else None,
+             ylabel='query' if head == 0 else None)
+  figure.colorbar(image, ax=axes, shrink=0.5, label='attention weight')
+  figure.savefig(path, dpi=110)
   plt.close(figure)
 
 

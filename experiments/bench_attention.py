@@ -1,4 +1,4 @@
-"""Attention speed and memory against sequence length: every registered
+r"""Attention speed and memory against sequence length: every registered
 variant and XLA's `jax.nn.dot_product_attention` ('xla'), on whatever
 backend runs this, over plain, packed or padded rows.
 

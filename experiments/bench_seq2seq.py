@@ -1,4 +1,4 @@
-"""Train-step time of the RNN encoder-decoder with attention (Bahdanau et
+r"""Train-step time of the RNN encoder-decoder with attention (Bahdanau et
 al. 2015) against the Transformer encoder-decoder, against length, in one
 run: recurrence against self-attention, as the course notes compare them.
 

@@ -1,4 +1,4 @@
-"""Training throughput of our DecoderLM against a decoder LM of the same
+r"""Training throughput of our DecoderLM against a decoder LM of the same
 size written with stock Flax layers, in one run.
 
   python -m experiments.bench_train --out=experiments/results/bench_train \

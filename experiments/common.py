@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import matplotlib
+import matplotlib.ticker
 import numpy as np
 
 from train import metrics
@@ -100,7 +101,7 @@ def plot_against_length(
     path: str) -> None:
   """Side-by-side log-log plots, one per (y label, {series: [(length,
   value or None)]}), with O(n) and O(n^2) slopes through the first point
-  drawn."""
+  drawn and ticks at the lengths measured."""
   figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4),
                               squeeze=False)
   for ax, (label, series) in zip(axes[0], panels):
@@ -118,6 +119,11 @@ def plot_against_length(
                 linewidth=0.8, label=f'O(n{"²" if power == 2 else ""})')
     ax.set(xscale='log', yscale='log', xlabel='sequence length',
            ylabel=label)
+    # Ticks at the lengths measured, as plain numbers.
+    ax.set_xticks(sorted(lengths), [str(n) for n in sorted(lengths)])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+        lambda value, _: f'{value:g}'))
   if axes[0][0].get_legend_handles_labels()[0]:
     axes[0][0].legend(fontsize=8)
   figure.tight_layout()

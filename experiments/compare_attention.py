@@ -1,4 +1,4 @@
-"""Trains attention variants side by side and tabulates what each costs.
+r"""Trains attention variants side by side and tabulates what each costs.
 
   python -m experiments.compare_attention --config=configs/listops.py \
       --variants=dense,chunked,local,linformer,performer,bigbird \

@@ -1,4 +1,4 @@
-"""Starts one training command on every host of a TPU pod slice or a Slurm
+r"""Starts one training command on every host of a TPU pod slice or a Slurm
 GPU cluster.
 
 TPU (Cloud TPU VMs, through gcloud):

@@ -1,4 +1,4 @@
-"""Where a training step's time goes: a short real run under the JAX
+r"""Where a training step's time goes: a short real run under the JAX
 profiler, read back into tables. What to run first when a step is slow.
 
   python -m experiments.profile --config=configs/lm_stdlib.py --workdir=DIR \

@@ -1,4 +1,4 @@
-"""Runs a config's hyperparameter sweep, one process per trial.
+r"""Runs a config's hyperparameter sweep, one process per trial.
 
   python -m experiments.sweep --config=configs/<name>.py --workdir=DIR \
       [--parallel=N] [--metric=eval_loss --mode=min] [--set=key=value,...]
@@ -32,6 +32,7 @@ import threading
 
 from absl import flags
 import matplotlib
+import matplotlib.ticker
 
 from experiments import common
 from train import cli, config_validation, metrics
@@ -165,8 +166,8 @@ def leaderboard(records: list[dict], metric: str, mode: str) -> list[dict]:
 
 def plot(rows: list[dict], keys: list[str], metric: str, path: str) -> None:
   """The metric against each swept key, one panel per key, the best trial
-  marked; a log axis for values spread over a decade or more, integer
-  ticks for integer keys."""
+  marked; a log axis for values spread over a decade or more, ticks at the
+  values swept (up to 8 of them; integer keys at every value)."""
   figure, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.5),
                               squeeze=False)
   points = [row for row in rows if 'rank' in row]
@@ -180,10 +181,10 @@ def plot(rows: list[dict], keys: list[str], metric: str, path: str) -> None:
                and not isinstance(v, bool)]
     if numeric and min(numeric) > 0 and max(numeric) >= 10 * min(numeric):
       ax.set_xscale('log')
-    if numeric and all(isinstance(v, int) for v in numeric):
-      ax.set_xticks(sorted(set(numeric)), [str(v) for v in
-                                           sorted(set(numeric))])
-      ax.minorticks_off()
+    swept = sorted(set(numeric))
+    if swept and (len(swept) <= 8 or all(isinstance(v, int) for v in swept)):
+      ax.set_xticks(swept, [f'{v:g}' for v in swept])  # The values swept.
+      ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set(xlabel=key, ylabel=metric)
   axes[0][0].legend(fontsize=8)
   figure.tight_layout()

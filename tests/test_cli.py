@@ -34,6 +34,10 @@ CASES = {
                                    '--config.model.tie_embeddings=maybe'],
                    "--config.model.tie_embeddings=maybe: ('Non-boolean "
                    "argument to boolean flag', 'maybe')"),
+    'train_choice': ('train.train', [LM, '--workdir={tmp}/w',
+                                     '--config.schedule=cosin'],
+                     "config.schedule='cosin' must be one of ['cosine', "
+                     "'linear', 'rsqrt', 'constant']; did you mean cosine?"),
     'train_config_argument': (
         'train.train', ['--config=configs/algorithmic.py:task=divide',
                         '--workdir={tmp}/w'],

@@ -330,3 +330,17 @@ def test_a_memory_needs_streams():
   config_validation.validate(config)
 
 
+
+
+def test_every_problem_of_a_config_is_reported_at_once():
+  config = lm_stdlib.get_config()
+  config.learning_rate = -1.0
+  config.model.attention = 'memory_compressed'
+  with pytest.raises(InputError) as error:
+    config_validation.validate(config)
+  lines = str(error.value).splitlines()
+  assert len(lines) == 3
+  assert lines[0] == 'config.learning_rate=-1.0 must be a number in (0.0, inf).'
+  assert 'cannot keep packed sequences apart' in lines[1]
+  assert lines[2].startswith('config.sample_length=300 samples with a '
+                             'key/value cache')

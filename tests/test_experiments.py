@@ -153,7 +153,7 @@ def test_sweep_records_a_failure_and_skips_finished_trials(comparison,
   assert [row['status'] for row in rows] == ['finished', 'finished', 'failed']
   assert [row['rank'] for row in rows[:2]] == [1, 2]
   assert rows[2]['error'].startswith(
-      "NotADirectoryError: [Errno 20] Not a directory: '/dev/null/data'")
+      "config.data_dir='/dev/null/data' cannot hold the dataset: ")
   board = open(os.path.join(workdir, 'leaderboard.md')).read()
   assert 'failed' in board and 'learning_rate' in board
   with open(os.path.join(workdir, 'sweep.png'), 'rb') as f:

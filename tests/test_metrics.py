@@ -3,6 +3,10 @@ aside, a bad line skipped by readers and reported."""
 
 import json
 import math
+import pathlib
+import struct
+
+from tensorboardX.proto import event_pb2, plugin_hparams_pb2
 
 from experiments import common
 from train import metrics
@@ -40,3 +44,45 @@ def test_readers_skip_and_report_a_bad_line(tmp_path, capsys):
   error = capsys.readouterr().err
   for number in (2, 3, 4):
     assert f'line {number} is not a metrics summary' in error
+
+
+def tensorboard_events(directory) -> list:
+  """The events of every event file under `directory` (TFRecord framing:
+  length, its CRC, the Event proto, its CRC)."""
+  events = []
+  for path in sorted(pathlib.Path(directory).rglob('events.out.tfevents.*')):
+    data = path.read_bytes()
+    while data:
+      length = struct.unpack('<Q', data[:8])[0]
+      events.append(event_pb2.Event.FromString(data[12:12 + length]))
+      data = data[16 + length:]
+  return events
+
+
+def test_tensorboard_tags_are_grouped_and_hparams_written(tmp_path):
+  writer = metrics.MetricWriter(str(tmp_path), total_steps=2, first_step=0)
+  writer.write(2, {'loss': 1.5, 'eval_loss': 1.25,
+                   'decode_validation_bleu': 30.0})
+  writer.write_hparams(metrics.flat_hparams(
+      {'learning_rate': 1e-3, 'model': {'attention': 'dense', 'window': None},
+       'decode_splits': ('validation',)}), {'eval_loss': 1.25})
+  writer.close()
+  values = [value for event in tensorboard_events(tmp_path / 'tensorboard')
+            for value in event.summary.value]
+  scalars = {value.tag: value.simple_value for value in values
+             if value.HasField('simple_value')}
+  assert scalars == {'train/loss': 1.5, 'eval/loss': 1.25,
+                     'decode/validation_bleu': 30.0}
+  [start] = [value for value in values
+             if value.tag == '_hparams_/session_start_info']
+  hparams = plugin_hparams_pb2.HParamsPluginData.FromString(
+      start.metadata.plugin_data.content).session_start_info.hparams
+  assert hparams['learning_rate'].number_value == 1e-3
+  assert hparams['model.attention'].string_value == 'dense'
+  assert hparams['decode_splits'].string_value == "('validation',)"
+  assert 'model.window' not in hparams
+  # The final evaluation, beside the hparams, under the same tag.
+  assert ('eval/loss', 1.25) in [
+      (value.tag, value.simple_value) for event in tensorboard_events(
+          tmp_path / 'tensorboard' / 'hparams')
+      for value in event.summary.value]

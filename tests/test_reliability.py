@@ -33,7 +33,7 @@ from train.trainer import train_and_evaluate
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LAST_STEP = 12
 # Depend on the clock, not on the run.
-TIMING_KEYS = {'tokens_per_s', 'steps_per_s', 'mfu'}
+TIMING_KEYS = {'time', 'tokens_per_s', 'steps_per_s', 'mfu'}
 
 
 def overrides(data_dir: str, **extra) -> dict:

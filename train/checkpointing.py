@@ -26,6 +26,7 @@ tried; a workdir whose every checkpoint is damaged stops the run rather
 than start it again from scratch over them.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -37,7 +38,7 @@ from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from train import mesh
+from train import mesh, quiet
 from train.errors import InputError, TrainingError
 from train.steps import TrainState
 
@@ -162,14 +163,17 @@ class Checkpointer:
     self._keep = keep
     if not read_only:
       self._report_incomplete()
-    self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=not read_only, read_only=read_only,
-            cleanup_tmp_directories=not read_only),
-        item_handlers={'state': ocp.StandardCheckpointHandler(),
-                       'data': ocp.JsonCheckpointHandler(),
-                       'checksums': ocp.JsonCheckpointHandler()})
+    # A reader is told that its directory is read only: it knows.
+    with (quiet.library_notices() if read_only else
+          contextlib.nullcontext()):
+      self._manager = ocp.CheckpointManager(
+          self.directory,
+          options=ocp.CheckpointManagerOptions(
+              max_to_keep=keep, create=not read_only, read_only=read_only,
+              cleanup_tmp_directories=not read_only),
+          item_handlers={'state': ocp.StandardCheckpointHandler(),
+                         'data': ocp.JsonCheckpointHandler(),
+                         'checksums': ocp.JsonCheckpointHandler()})
     self._read_only = read_only
     # The step of the save in flight, if any, and of the last complete one.
     self._saving = None

@@ -14,7 +14,7 @@ from model.attention import fused
 from train import (attention_kernels, device_memory, mesh, metrics, optim,
                    parallel, steps)
 from train.data import datasets
-from train.errors import InputError
+from train.errors import InputError, did_you_mean
 
 # The model family that trains on each kind of dataset.
 FAMILY_OF_KIND = {'lm': 'decoder_lm', 'seq2seq': 'encoder_decoder',
@@ -58,7 +58,8 @@ def _text(config, key: str, *, empty: bool) -> str:
 
 def _choice(config, key: str, choices) -> str:
   if config[key] not in choices:
-    _fail(f'config.{key}={config[key]!r} must be one of {list(choices)}.')
+    _fail(f'config.{key}={config[key]!r} must be one of {list(choices)}'
+          f'{did_you_mean(config[key], choices)}')
   return config[key]
 
 

@@ -1,4 +1,4 @@
-"""Command line: text from a trained language model.
+r"""Command line: text from a trained language model.
 
   python -m train.generate --workdir=DIR --prompt="def " \
       [--max_new_tokens=200 --temperature=0.8 --top_k=0 --top_p=1.0 \
@@ -37,7 +37,8 @@ def generate(workdir: str, prompt: str, *, max_new_tokens: int,
       raise InputError(f'--{name}={value} must be {must}.')
   run = trained_run.load(workdir)
   if run.dataset.kind != 'lm':
-    raise InputError(f'{workdir} holds a {run.model_config.family}; '
+    raise InputError(f'{workdir} holds a run of family '
+                     f'{run.model_config.family!r}; '
                      'train.generate continues language models '
                      '(train.translate decodes encoder-decoders).')
   # A learned table has no position from max_len on.

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+from typing import Any
 
 import jax
 import tensorboardX
@@ -188,6 +189,27 @@ def repair_cut_line(path: str) -> None:
         f'the disk was full); it is moved to {path}.partial.', flush=True)
 
 
+def tensorboard_tag(key: str) -> str:
+  """A summary's key as a TensorBoard tag, grouped by where it comes from:
+  eval_loss -> eval/loss, decode_validation_bleu -> decode/validation_bleu,
+  loss -> train/loss."""
+  group, _, name = key.partition('_')
+  return f'{group}/{name}' if group in ('eval', 'decode') else f'train/{key}'
+
+
+def flat_hparams(config: dict, prefix: str = '') -> dict[str, Any]:
+  """A config as {dotted key: value}, each value a number, a bool or a
+  string (TensorBoard's HParams types); None values left out."""
+  flat = {}
+  for key, value in config.items():
+    if isinstance(value, dict):
+      flat |= flat_hparams(value, f'{prefix}{key}.')
+    elif value is not None:
+      flat[prefix + key] = (value if isinstance(value, (bool, int, float, str))
+                            else str(value))
+  return flat
+
+
 class MetricWriter:
   """Writes summaries from process 0; a no-op on the other hosts."""
 
@@ -216,7 +238,7 @@ class MetricWriter:
         self._stop_jsonl(f'could not write the metrics of step {step} to '
                          f'{self._jsonl.name} ({error.strerror})')
     for key, value in summary.items():
-      self._tensorboard.add_scalar(key, value, step)
+      self._tensorboard.add_scalar(tensorboard_tag(key), value, step)
     self._tensorboard.flush()
     shown = ', '.join(f'{key} {value:.4g}' for key, value in summary.items())
     self._progress.write(f'step {step}: {shown}')
@@ -233,6 +255,20 @@ class MetricWriter:
     if problem:
       print(f'warning: {problem}; metrics.jsonl is not written any more in '
             'this run.', flush=True)
+
+  def write_hparams(self, hparams: dict[str, Any],
+                    final: dict[str, float]) -> None:
+    """The run's config and final evaluation for TensorBoard's HParams
+    view, in `tensorboard/hparams`."""
+    if self._active:
+      self._tensorboard.add_hparams(
+          hparams, {tensorboard_tag(key): float(value)
+                    for key, value in final.items()}, name='hparams')
+
+  def say(self, message: str) -> None:
+    """A status line above the progress bar."""
+    if self._active:
+      self._progress.write(message)
 
   def advance(self, steps: int = 1) -> None:
     if self._active:

@@ -11,6 +11,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
+import tqdm
 
 from model import ModelConfig
 from train import decoding, scores
@@ -84,14 +85,17 @@ def beam_decoder(model: nn.Module, vocab_size: int, *, beam_size: int,
 
 
 def decode(decoder: Callable, params, decode_set: DecodeSet, *,
-           batch_size: int, place: Callable = lambda batch: batch
-           ) -> list[list[int]]:
+           batch_size: int, place: Callable = lambda batch: batch,
+           progress: bool = False) -> list[list[int]]:
   """Each source's hypothesis up to its EOS, `batch_size` sources a call
   (the last batch padded with empty rows); `place` lays a host batch out
-  on the devices."""
+  on the devices. `progress`: a progress bar (on the first host)."""
   hypotheses = []
   sources = decode_set.sources
-  for start in range(0, len(sources), batch_size):
+  for start in tqdm.trange(
+      0, len(sources), batch_size, desc=f'decoding {decode_set.split}',
+      unit='batch', leave=False,
+      disable=not progress or jax.process_index() != 0):
     batch = np.zeros((batch_size, decode_set.source_len), np.int32)
     rows = sources[start:start + batch_size]
     for row, source in enumerate(rows):

@@ -1,4 +1,4 @@
-"""Command line: train a config, resuming from the workdir's checkpoints.
+r"""Command line: train a config, resuming from the workdir's checkpoints.
 
   python -m train.train --config=configs/lm_stdlib.py --workdir=DIR \
       [--config.key=value ...]

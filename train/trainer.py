@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import ml_collections
+import tqdm
 
 from model import ModelConfig, build
 from train import (attention_kernels, checkpointing, config_validation, flops,
@@ -98,7 +99,7 @@ def _decoding_evaluation(config: ml_collections.ConfigDict,
     for decode_set, decoder in runs:
       hypotheses = seq2seq_eval.decode(decoder, params, decode_set,
                                        batch_size=config.batch_size,
-                                       place=program.batch)
+                                       place=program.batch, progress=True)
       summary |= {f'decode_{decode_set.split}_{name}': value
                   for name, value in seq2seq_eval.score(
                       dataset, hypotheses, decode_set.references).items()}
@@ -146,10 +147,12 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
 
   def evaluate(params) -> dict[str, float]:
     totals, memory = None, program.fresh_memory()
-    for batch in pipeline.eval_batches(
+    for batch in tqdm.tqdm(pipeline.eval_batches(
         dataset, config.eval_split, seq_len=config.seq_len,
         batch_size=config.batch_size, num_batches=config.num_eval_steps,
-        layout=layout):
+        layout=layout), desc=f'evaluating on {config.eval_split}',
+                           unit='batch', leave=False,
+                           disable=jax.process_index() != 0):
       sums, memory = program.eval_step(params, program.batch(batch), memory)
       totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
     if totals is None:
@@ -178,9 +181,11 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
       program.abstract_state.params))
   split = ' x '.join(f'{axis} {size}' for axis, size in
                      program.mesh.shape.items() if size > 1) or 'one device'
+  devices = jax.device_count()
   _say(f'{model_config.family} on {config.dataset}: {num_params:,} '
-       f'parameters, {jax.device_count()} {jax.default_backend()} devices '
-       f'({split}, {config.parallelism.strategy}), workdir {workdir}')
+       f'parameters, {devices} {jax.default_backend().upper()} '
+       f'device{"s" if devices > 1 else ""} ({split}, '
+       f'{config.parallelism.strategy}), workdir {workdir}')
   for warning in config_validation.warnings_of(config):
     _say(f'Warning: {warning}')
   kernels = attention_kernels.choices(
@@ -221,9 +226,12 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
         with jax.profiler.StepTraceAnnotation('train', step_num=done):
           batch = placed_batch(done)
           if step == first_step:  # Compiled once: the calls reuse it.
+            writer.say('Compiling the train step ...')
+            compiling = time.perf_counter()
             with jax.profiler.TraceAnnotation('compile'):
               config_validation.check_step_fits(program.train_step.lower(
                   state, batch, dropout_rng).compile(), config)
+            writer.say(f'Compiled in {time.perf_counter() - compiling:.0f} s.')
             # The first throughput figure is that of the steps alone.
             train_log.restart_clock()
           state, step_metrics = program.train_step(state, batch, dropout_rng)
@@ -255,6 +263,8 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
             if save_now:
               with jax.profiler.TraceAnnotation('checkpoint'):
                 checkpointer.save(done, state, train_iterator)
+              writer.say(f'step {done}: saving the checkpoint in '
+                         f'{checkpointer.directory} (in the background)')
             train_log.restart_clock()
           if stopping:
             checkpointer.wait()
@@ -264,7 +274,8 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
             raise Stopped(f'stopped at step {done} on {stop.reason}')
       if final is None:  # Trained to the end before; evaluate again only.
         final = evaluate(state.params)
-        _say(f'Already trained to step {last_step}; evaluation: {final}')
+        _say(f'Already trained to step {last_step}: evaluated again.')
+    writer.write_hparams(metrics.flat_hparams(config.to_dict()), final)
   except metrics.NonFiniteStop as error:
     latest = checkpointer.wait()
     where = ('no checkpoint was saved before it' if latest is None else

@@ -1,4 +1,4 @@
-"""Command line: decode a split with a trained encoder-decoder and score it.
+r"""Command line: decode a split with a trained encoder-decoder and score it.
 
   python -m train.translate --workdir=DIR [--split=validation] \
       [--beam_size=4 --alpha=0.6 --batch_size=32 --max_examples=0 \
@@ -33,7 +33,8 @@ def translate(workdir: str, split: str = 'validation', *, beam_size: int = 4,
       raise InputError(f'--{name}={value} must be at least 1.')
   run = trained_run.load(workdir)
   if run.dataset.kind != 'seq2seq':
-    raise InputError(f'{workdir} holds a {run.model_config.family}; '
+    raise InputError(f'{workdir} holds a run of family '
+                     f'{run.model_config.family!r}; '
                      'train.translate decodes encoder-decoders.')
   if split not in run.dataset.splits:
     raise InputError(f'--split={split!r} is not a split of '
@@ -46,7 +47,7 @@ def translate(workdir: str, split: str = 'validation', *, beam_size: int = 4,
           run.model_config, decode_set.source_len, max_length,
           names=f'--split={split!r}'))
   hypotheses = seq2seq_eval.decode(decoder, run.params, decode_set,
-                                   batch_size=batch_size)
+                                   batch_size=batch_size, progress=True)
   text = seq2seq_eval.as_text(run.dataset)
   for name, rows in (('hyp', hypotheses), ('ref', decode_set.references)):
     with open(os.path.join(workdir, f'{split}.{name}'), 'w') as f:

@@ -15,6 +15,7 @@ been prepared there beforehand (see `not_prepared_message`).
 from collections.abc import Callable, Iterator
 import dataclasses
 import os
+import time
 from typing import Any
 
 import grain
@@ -24,7 +25,7 @@ import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 
-from train import mesh
+from train import mesh, quiet
 from train.data import algorithmic, builder_config, integrity, listops
 from train.data import stdlib, tokenizers
 from train.errors import InputError
@@ -66,14 +67,24 @@ def _build(make_builder: Callable[[], tfds.core.DatasetBuilder],
   if jax.process_index() == 0:
     try:
       with integrity.readable_metadata(data_dir):
-        make_builder().download_and_prepare()
+        with quiet.library_notices():
+          builder = make_builder()
+          built = builder.is_prepared()
+        if not built:
+          started = time.perf_counter()
+          print(f'Building the dataset {builder.name} in {data_dir} (once: '
+                'later runs read it)', flush=True)
+          with quiet.library_notices():
+            builder.download_and_prepare()
+          print(f'Built it in {time.perf_counter() - started:.0f} s.',
+                flush=True)
     except InputError as error:
       problem = str(error)
   # The others look once the first has built it; all stop if it could not.
   if not mesh.minimum_over_hosts(problem is None):
     raise InputError(problem or 'the dataset could not be built (see the '
                      "first host's output).")
-  with integrity.readable_metadata(data_dir):
+  with integrity.readable_metadata(data_dir), quiet.library_notices():
     builder = make_builder()
     builder.download_and_prepare()
   rebuild = (f'Delete {builder.data_dir} and run again: it is rebuilt on '
@@ -275,4 +286,8 @@ def load(config: ml_collections.ConfigDict, workdir: str) -> Dataset:
   """The dataset `config.dataset`, built or opened in `config.data_dir`."""
   kind_of(config.dataset)
   loader = LOADERS[config.dataset][1]
-  return loader(config, os.path.expanduser(config.data_dir), workdir)
+  try:
+    return loader(config, os.path.expanduser(config.data_dir), workdir)
+  except OSError as error:  # A data_dir that cannot be made or written.
+    raise InputError(f'config.data_dir={config.data_dir!r} cannot hold the '
+                     f'dataset: {error}.') from None
