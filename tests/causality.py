@@ -9,7 +9,7 @@ def assert_causal(model, tokens_BxT, positions=None) -> None:
   """d(logits at t)/d(embeddings at s) is exactly zero for every s > t, and
   not zero at t itself, for each t in `positions` (default: all)."""
   batch, length = tokens_BxT.shape
-  variables = model.init(jax.random.key(0), tokens_BxT)
+  variables = jax.jit(model.init)(jax.random.key(0), tokens_BxT)
   cotangent = jax.random.normal(jax.random.key(1),
                                 (batch, length, model.config.vocab_size))
 
