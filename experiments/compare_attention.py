@@ -235,7 +235,7 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
             f'{skipped[name]}', flush=True)
       rows.append({'variant': name, 'status': f'skipped: {skipped[name]}'})
       continue
-    print(f'variant {number}/{len(variants)} {name}: training', flush=True)
+    print(f'variant {number}/{len(variants)} {name}', flush=True)
     row = {'variant': name} | run_variant(
         configs[name], os.path.join(workdir, name), list(lengths),
         timing_steps)

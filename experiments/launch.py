@@ -73,10 +73,10 @@ def gcs_workdir(train_command: list[str]) -> tuple[list[str], str | None]:
   return command, bucket
 
 
-def uncommitted(repo: str = REPO) -> list[str]:
-  """The files of `repo` whose edits are not committed (git status
+def uncommitted() -> list[str]:
+  """The files of this checkout whose edits are not committed (git status
   --porcelain: modified, added, deleted, untracked and not ignored)."""
-  status = subprocess.run(['git', '-C', repo, 'status', '--porcelain'],
+  status = subprocess.run(['git', '-C', REPO, 'status', '--porcelain'],
                           capture_output=True, text=True, check=True).stdout
   return [line[3:] for line in status.splitlines() if line.strip()]
 

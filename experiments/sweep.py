@@ -61,7 +61,8 @@ def load_sweep(config_arg: str) -> list[dict]:
 
 
 def check_trials(config_arg: str, trials: list[dict], common_overrides: dict,
-                 metric: str | None, mode: str | None) -> tuple[str, str]:
+                 metric: str | None, mode: str | None
+                 ) -> tuple[str | None, str | None]:
   """Reads and validates every trial's config, as its train.train would,
   and the metric; InputError naming every problem. Returns the metric and
   its mode (None, None: the task's quality metric, chosen afterwards)."""
@@ -202,6 +203,8 @@ def sweep(config_arg: str, workdir: str, *, parallel: int = 1,
   common_overrides = common_overrides or {}
   trials = load_sweep(config_arg)
   names = [trial_name(trial) for trial in trials]
+  if not names:
+    raise InputError(f'--config={config_arg}: get_sweep() gives no trials.')
   if len(set(names)) != len(names):
     raise InputError(f'--config={config_arg}: get_sweep() gives the same '
                      'overrides twice.')
