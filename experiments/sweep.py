@@ -227,8 +227,7 @@ def sweep(config_arg: str, workdir: str, *, parallel: int = 1,
               f'{record["error"]}', flush=True)
         return record
       shown = metric or metrics.quality_metric(record['metrics'])
-      direction = mode if metric else dict(metrics.QUALITY_METRICS).get(
-          shown, 'min')
+      direction = mode if metric else metrics.QUALITY_METRICS[shown]
       sign = 1 if direction == 'min' else -1
       value = record['metrics'].get(shown, math.nan)
       if math.isfinite(value) and (not best
@@ -257,7 +256,7 @@ def sweep(config_arg: str, workdir: str, *, parallel: int = 1,
         ').')
   if metric is None:
     metric = metrics.quality_metric(finished[0])
-    mode = dict(metrics.QUALITY_METRICS).get(metric, 'min')
+    mode = metrics.QUALITY_METRICS[metric]
   rows = leaderboard(records, metric, mode)
   keys = list(dict.fromkeys(key for trial in trials for key in trial))
   columns = ['rank', 'trial', 'status', metric, *keys, 'error']

@@ -142,12 +142,18 @@ def get_sweep():
 '''
 
 
+def sweep_config(data_dir, tmp_path) -> pathlib.Path:
+  """SWEEP_CONFIG written to a file in `tmp_path`."""
+  config_path = tmp_path / 'sweep_config.py'
+  config_path.write_text(SWEEP_CONFIG.format(data_dir=data_dir))
+  return config_path
+
+
 def test_sweep_records_a_failure_and_skips_finished_trials(comparison,
                                                            data_dir,
                                                            tmp_path):
   del comparison  # Its tiny ListOps dataset is the trials' (built once).
-  config_path = tmp_path / 'sweep_config.py'
-  config_path.write_text(SWEEP_CONFIG.format(data_dir=data_dir))
+  config_path = sweep_config(data_dir, tmp_path)
   workdir = str(tmp_path / 'sweep')
   rows = sweep.sweep(str(config_path), workdir, parallel=2)
   assert [row['status'] for row in rows] == ['finished', 'finished', 'failed']
@@ -176,8 +182,7 @@ def failed_run(command, **kwargs):
 
 def test_a_sweep_with_no_finished_trial_fails_and_keeps_the_reports(
     data_dir, tmp_path, monkeypatch):
-  config_path = tmp_path / 'sweep_config.py'
-  config_path.write_text(SWEEP_CONFIG.format(data_dir=data_dir))
+  config_path = sweep_config(data_dir, tmp_path)
   workdir = tmp_path / 'sweep'
   workdir.mkdir()
   (workdir / 'leaderboard.md').write_text('an earlier sweep')
@@ -191,8 +196,7 @@ def test_a_sweep_with_no_finished_trial_fails_and_keeps_the_reports(
 
 def test_a_sweep_refuses_a_metric_before_any_trial(data_dir, tmp_path,
                                                    monkeypatch):
-  config_path = tmp_path / 'sweep_config.py'
-  config_path.write_text(SWEEP_CONFIG.format(data_dir=data_dir))
+  config_path = sweep_config(data_dir, tmp_path)
 
   def refuse(*args, **kwargs):
     raise AssertionError('a trial ran')

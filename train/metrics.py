@@ -34,17 +34,16 @@ def is_due(step: int, every: int, last_step: int) -> bool:
   return step == last_step or (every > 0 and step % every == 0)
 
 
-# The quality metric each kind of task is judged by, with its direction.
-QUALITY_METRICS = (('eval_bits_per_byte', 'min'), ('eval_exact_match', 'max'),
-                   ('eval_accuracy', 'max'))
+# The quality metric each kind of task is judged by, in order of preference
+# (eval_loss where none of the others is logged), with its direction.
+QUALITY_METRICS = {'eval_bits_per_byte': 'min', 'eval_exact_match': 'max',
+                   'eval_accuracy': 'max', 'eval_loss': 'min'}
 
 
 def quality_metric(summary: dict[str, float]) -> str:
   """The name of the first of QUALITY_METRICS that `summary` has."""
-  for name, _ in QUALITY_METRICS:
-    if name in summary:
-      return name
-  return 'eval_loss'
+  return next((name for name in QUALITY_METRICS if name in summary),
+              'eval_loss')
 
 
 def final_summary(kind: str, decode_splits=()) -> dict[str, str | None]:

@@ -52,7 +52,7 @@ def closing_summary(*, kind: str, steps: tuple[int, int], seconds: float,
   evaluation (the quality metric's best of the run beside it), throughput,
   the last checkpoint, and what to run next."""
   metric = metrics.quality_metric(final)
-  direction = dict(metrics.QUALITY_METRICS).get(metric, 'min')
+  direction = metrics.QUALITY_METRICS[metric]
   shown = [f'{metric} {final[metric]:.4g}']
   values = [(summary[metric], step) for step, summary in evaluations
             if metric in summary]
