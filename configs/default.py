@@ -11,7 +11,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from model.config import ModelConfig
-from train import parallel
+from train import sharding
 
 
 def choice(arg: str, key: str, choices: tuple[str, ...], path: str) -> str:
@@ -140,7 +140,7 @@ def get_config() -> ml_collections.ConfigDict:
   # log-probability alone.
   config.beam_alpha = 0.6
 
-  # --- Devices (README 'Scaling out'; train/mesh.py, train/parallel.py) ---
+  # --- Devices (README 'Scaling out'; train/mesh.py, train/sharding.py) ---
   # Mesh axis sizes, whose product is the number of devices of all hosts;
   # one of them may be -1 for the devices the others leave. data and fsdp
   # split the batch (fsdp the parameters too), tensor splits heads, MLP
@@ -154,7 +154,7 @@ def get_config() -> ml_collections.ConfigDict:
   # (logical axis name, mesh axis or tuple of them) pairs, tried in order;
   # names with no rule are not split. The defaults give data parallelism,
   # FSDP over embed and tensor parallelism over heads, mlp and vocab.
-  config.logical_axis_rules = parallel.DEFAULT_RULES
+  config.logical_axis_rules = sharding.DEFAULT_RULES
   # Start jax.distributed, the cluster telling JAX the processes (Cloud TPU,
   # Slurm, ...). Also started by train.train's --coordinator_address flag or
   # the JAX_COORDINATOR_ADDRESS variable.

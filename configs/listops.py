@@ -14,7 +14,7 @@ not run on this machine, so no result is claimed for it here.
 """
 
 from configs import default
-from experiments import grid
+from configs import grid
 
 
 def get_config(arg: str = ''):

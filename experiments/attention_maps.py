@@ -26,6 +26,7 @@ import numpy as np
 from train import cli, trained_run
 from train.data import datasets, tokenizers
 from train.errors import InputError
+from train.tasks import Task
 
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)
@@ -44,7 +45,7 @@ def tokens_to_draw(dataset: datasets.Dataset, config, text: str | None,
       raise InputError(f'config.dataset={config.dataset!r} is not text; '
                        'use --example.')
     ids = dataset.tokenizer.encode(text)
-    if dataset.kind == 'lm':
+    if dataset.task.documents:  # A document starts with EOS.
       ids = np.concatenate([[tokenizers.EOS_ID], ids])
   else:
     split = dataset.splits[config.eval_split]
@@ -52,20 +53,17 @@ def tokens_to_draw(dataset: datasets.Dataset, config, text: str | None,
       raise InputError(f'--example={example} is not an index of the '
                        f'{len(split)} examples of {config.eval_split!r}.')
     record = split[example]
-    ids = record['tokens' if dataset.kind == 'lm' else 'inputs']
+    ids = record[dataset.task.inputs_key]
   return np.asarray(ids, np.int32)[:max_tokens]
 
 
-def attention_weights(model, params, kind: str, tokens: np.ndarray
+def attention_weights(model, params, task: Task, tokens: np.ndarray
                       ) -> list[tuple[str, np.ndarray]]:
-  """(layer name, weights [N, T, T]) of every self-attention layer."""
-  row = tokens[None]
-  if kind == 'seq2seq':
-    _, variables = model.apply({'params': params}, row, method='encode',
-                               mutable=['intermediates'])
-  else:
-    _, variables = model.apply({'params': params}, row,
-                               mutable=['intermediates'])
+  """(layer name, weights [N, T, T]) of every self-attention layer that
+  reads `tokens`, the inputs of a `task`."""
+  _, variables = model.apply({'params': params}, tokens[None],
+                             method=task.inputs_method,
+                             mutable=['intermediates'])
   flat = traverse_util.flatten_dict(variables['intermediates'], sep='/')
   # block_2 before block_10.
   in_order = lambda path: [int(part) if part.isdigit() else part
@@ -120,10 +118,9 @@ def attention_maps(workdir: str, *, text: str | None = None,
           f'config.model.attention={layer_config.attention!r}: maps are '
           f'drawn for exact softmax attention ({", ".join(EXACT)}).')
   tokens = tokens_to_draw(run.dataset, run.config, text, example, max_tokens)
-  layers = attention_weights(run.model, run.params, run.dataset.kind, tokens)
+  layers = attention_weights(run.model, run.params, run.dataset.task, tokens)
   labels = [label(run.dataset, int(t)) for t in tokens]
-  if (run.dataset.kind == 'classification'
-      and run.model_config.pooling == 'cls'):
+  if run.dataset.task.has_classes and run.model_config.pooling == 'cls':
     labels = ['[CLS]'] + labels  # The classifier's vector before the tokens.
   output = output or os.path.join(workdir, 'attention_maps.png')
   draw(layers, labels, output)

@@ -28,13 +28,13 @@ from absl import flags
 import jax
 import ml_collections
 from ml_collections import config_flags
-import numpy as np
 
 from configs import algorithmic
 from experiments import common
 from model import ModelConfig
-from train import cli, mesh, parallel
+from train import cli
 from train.errors import InputError
+from train.program import Program
 
 FLAGS = flags.FLAGS
 FAMILIES = ('rnn_attention', 'encoder_decoder')
@@ -53,26 +53,16 @@ def measure(base: ml_collections.ConfigDict, family: str, length: int, *,
   config.update(seq_len=length, batch_size=batch)
   config.model.update(family=family, max_len=max(base.model.max_len,
                                                  length + 1))
-  model_config = ModelConfig.from_mapping(config.model)
-  program = parallel.compile_program(config, model_config, 'seq2seq',
-                                     mesh.make_mesh(config.parallelism))
-  rng = np.random.default_rng(0)
-  sources = rng.integers(3, config.model.vocab_size, (batch, length),
-                         np.int32)
-  targets = sources[:, ::-1].copy()
-  batch_arrays = program.batch({
-      'inputs': sources, 'targets': targets,
-      'decoder_inputs': np.pad(targets, ((0, 0), (1, 0)))[:, :length],
-      'weights': np.ones((batch, length), np.float32)})
+  program = Program.from_config(config)
+  batch_arrays = program.batch(program.task.synthetic_batch(config))
   dropout_rng = program.key(1)
   with program.scope():
     seconds = common.time_steps(
         lambda state, arrays: program.train_step(state, arrays, dropout_rng),
         program.init(), batch_arrays, steps=steps, warmup=warmup)
   return {'family': family, 'length': length, 'step_s': seconds,
-          'params': sum(x.size for x in jax.tree.leaves(
-              program.abstract_state.params)),
-          'sequential_steps': sequential_steps(model_config, length)}
+          'params': program.num_params,
+          'sequential_steps': sequential_steps(program.model_config, length)}
 
 
 def run(base: ml_collections.ConfigDict, out: str, *, lengths: list[int],

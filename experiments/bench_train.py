@@ -37,8 +37,9 @@ import optax
 
 from configs import lm_stdlib
 from experiments import common
-from train import cli, config_validation, flops, mesh, parallel, trainer
+from train import cli, flops, trainer
 from train.errors import InputError
+from train.program import Program
 
 FLAGS = flags.FLAGS
 
@@ -108,18 +109,10 @@ def our_config(base: ml_collections.ConfigDict, size: str, *, attention: str,
   return config
 
 
-def measure_ours(config, *, steps: int, warmup: int) -> dict:
-  model_config = config_validation.validate(config)
-  program = parallel.compile_program(config, model_config, 'lm',
-                                     mesh.make_mesh(config.parallelism))
-  rng = np.random.default_rng(0)
-  shape = (config.batch_size, config.seq_len)
-  batch = program.batch({
-      'inputs': rng.integers(1, config.model.vocab_size, shape, np.int32),
-      'targets': rng.integers(1, config.model.vocab_size, shape, np.int32),
-      'weights': np.ones(shape, np.float32),
-      'positions': np.broadcast_to(np.arange(config.seq_len, dtype=np.int32),
-                                   shape).copy()})
+def measure_ours(config, program: Program, *, steps: int,
+                 warmup: int) -> dict:
+  """The program of `config`, on a synthetic batch."""
+  batch = program.batch(program.task.synthetic_batch(config))
   dropout_rng = program.key(1)
   state = program.init()
   with program.scope():
@@ -128,9 +121,9 @@ def measure_ours(config, *, steps: int, warmup: int) -> dict:
     seconds = common.time_steps(
         lambda state, batch: program.train_step(state, batch, dropout_rng),
         state, batch, steps=steps, warmup=warmup)
-  params = program.abstract_state.params
-  return {'params': sum(x.size for x in jax.tree.leaves(params)),
-          'non_embedding_params': flops.non_embedding_params(params),
+  return {'params': program.num_params,
+          'non_embedding_params': flops.non_embedding_params(
+              program.abstract_state.params),
           'step_s': seconds, 'temp_mib': temp_bytes / 2 ** 20}
 
 
@@ -210,16 +203,17 @@ def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
       config = common.timed_run_config(
           our_config(base, size, attention=attention, dtype=dtype,
                      remat=remat), num_train_steps=2 * steps, log_every=steps)
-      measured = {'attnlab': measure_ours(config, steps=steps, warmup=warmup),
+      program = Program.from_config(config)
+      model_config = program.model_config
+      measured = {'attnlab': measure_ours(config, program, steps=steps,
+                                          warmup=warmup),
                   'stock_flax': measure_stock(
-                      config, parallel.batch_sharding(
-                          mesh.make_mesh(config.parallelism)),
-                      steps=steps, warmup=warmup)}
-      model_config = config_validation.validate(config)
+                      config, program.batch_sharding, steps=steps,
+                      warmup=warmup)}
       for name, row in measured.items():
         tokens = config.batch_size * config.seq_len
         per_token = flops.train_flops_per_example(
-            model_config, 'lm', config.seq_len,
+            model_config, program.task, config.seq_len,
             row['non_embedding_params']) / config.seq_len
         row = {'size': size, 'model': name, 'attention': (
             model_config.attention if name == 'attnlab' else

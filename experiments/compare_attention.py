@@ -37,14 +37,14 @@ from absl import flags
 import jax
 import matplotlib
 import ml_collections
-import numpy as np
 from ml_collections import config_flags
 
 from experiments import common
 from model import attention
-from train import cli, config_validation, mesh, metrics, parallel
+from train import cli, config_validation, metrics
 from train.data import datasets
 from train.errors import InputError, did_you_mean
+from train.program import Program
 from train.trainer import train_and_evaluate
 
 matplotlib.use('Agg')
@@ -68,47 +68,21 @@ def variant_config(base: ml_collections.ConfigDict, name: str,
   return config
 
 
-def synthetic_batch(config, kind: str) -> dict[str, np.ndarray]:
-  """A batch of random tokens of the shapes the pipeline gives."""
-  rng = np.random.default_rng(0)
-  shape = (config.batch_size, config.seq_len)
-  tokens = lambda: rng.integers(1, config.model.vocab_size, shape).astype(
-      np.int32)
-  ones = np.ones(shape, np.float32)
-  if kind == 'lm':
-    batch = {'inputs': tokens(), 'targets': tokens(), 'weights': ones,
-             'positions': np.broadcast_to(np.arange(config.seq_len, dtype=
-                                                    np.int32), shape).copy()}
-    if config.pack_sequences:
-      batch['segment_ids'] = np.ones(shape, np.int32)
-    return batch
-  if kind == 'seq2seq':
-    return {'inputs': tokens(), 'decoder_inputs': tokens(),
-            'targets': tokens(), 'weights': ones}
-  return {'inputs': tokens(),
-          'targets': rng.integers(0, config.model.num_classes,
-                                  config.batch_size).astype(np.int32),
-          'weights': np.ones(config.batch_size, np.float32)}
-
-
 def measure(config, timing_steps: int) -> dict[str, float]:
   """Parameters, compiled memory (peak: arguments + outputs + temporaries;
   temp: the temporaries, which hold the activations) and (with
   `timing_steps`) the median step time of the train step of `config`, on a
   synthetic batch."""
-  model_config = config_validation.validate(config)
-  kind = datasets.kind_of(config.dataset)
-  program = parallel.compile_program(config, model_config, kind,
-                                     mesh.make_mesh(config.parallelism))
+  program = Program.from_config(config)
   state = program.init()
-  batch = program.batch(synthetic_batch(config, kind))
+  batch = program.batch(program.task.synthetic_batch(config))
   rng = program.key(1)
   with program.scope():
     compiled = program.train_step.lower(state, batch, rng).compile()
   memory = compiled.memory_analysis()
   peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
           + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
-  result = {'params': int(sum(x.size for x in jax.tree.leaves(state.params))),
+  result = {'params': program.num_params,
             'peak_memory_mb': peak / 2**20,
             'temp_memory_mb': memory.temp_size_in_bytes / 2**20}
   if timing_steps:
@@ -213,9 +187,9 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
     if name not in variants:
       raise InputError(f'--options: {name!r} is not among --variants='
                        f'{",".join(variants)}.')
-  kind = datasets.kind_of(base.dataset)
-  unpacked = kind == 'lm' and base.pack_sequences and any(
-      attention.spec(name).masks != 'any' for name in variants)
+  unpacked = (datasets.task_of(base.dataset).packs and base.pack_sequences
+              and any(attention.spec(name).masks != 'any'
+                      for name in variants))
   # Every variant's config is checked before any trains.
   configs, skipped = {}, {}
   for name in variants:

@@ -4,7 +4,7 @@ r"""Runs a config's hyperparameter sweep, one process per trial.
       [--parallel=N] [--metric=eval_loss --mode=min] [--set=key=value,...]
 
 The config file defines `get_sweep()`, a list of override dicts (see
-experiments/grid.py). Each trial runs `python -m train.train` in
+configs/grid.py). Each trial runs `python -m train.train` in
 DIR/<trial-name>/ with its overrides (and the --set ones, for every trial).
 A finished trial is not run again and an interrupted one (killed, or
 stopped by a signal: status 'stopped') resumes from its checkpoint, so
@@ -56,7 +56,7 @@ def load_sweep(config_arg: str) -> list[dict]:
   spec.loader.exec_module(module)
   if not hasattr(module, 'get_sweep'):
     raise InputError(f'--config={config_arg}: {path} defines no get_sweep() '
-                     '(a list of override dicts; see experiments/grid.py).')
+                     '(a list of override dicts; see configs/grid.py).')
   return module.get_sweep()
 
 
@@ -81,7 +81,7 @@ def check_trials(config_arg: str, trials: list[dict], common_overrides: dict,
         for problem, names in problems.items()))
   if metric is None:
     return None, None
-  known = metrics.final_summary(datasets.kind_of(config.dataset),
+  known = metrics.final_summary(datasets.task_of(config.dataset),
                                 config.decode_splits)
   if metric not in known:
     raise InputError(f'--metric={metric}: no trial logs it'

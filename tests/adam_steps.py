@@ -8,7 +8,7 @@ import optax
 from train import steps
 
 
-def adam_steps(model, kind: str, params, batch, count: int,
+def adam_steps(model, task, params, batch, count: int,
                learning_rate: float = 1e-2):
   """(state after `count` steps of `steps.train_step` with Adam on `batch`,
   each step's metrics)."""
@@ -16,7 +16,7 @@ def adam_steps(model, kind: str, params, batch, count: int,
   state = steps.TrainState(step=jnp.array(0), params=params,
                            opt_state=optimizer.init(params))
   step = jax.jit(lambda state: steps.train_step(
-      state, batch, jax.random.key(1), model=model, kind=kind,
+      state, batch, jax.random.key(1), model=model, task=task,
       optimizer=optimizer, schedule=lambda _: learning_rate))
   history = []
   for _ in range(count):

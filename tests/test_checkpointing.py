@@ -11,7 +11,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 from test_train import tiny_config
-from train import checkpointing, config_validation, mesh, parallel
+from train import checkpointing
+from train.program import Program
 from train.errors import TrainingError
 from train.trainer import train_and_evaluate
 
@@ -32,9 +33,7 @@ def run(trained, tmp_path):
   config, workdir = trained
   copy = str(tmp_path / 'run')
   shutil.copytree(workdir, copy)
-  program = parallel.compile_program(
-      config, config_validation.validate(config), 'lm',
-      mesh.make_mesh(config.parallelism))
+  program = Program.from_config(config)
   return config, copy, program.abstract_state
 
 

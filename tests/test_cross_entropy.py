@@ -12,7 +12,7 @@ import pytest
 
 from model import ModelConfig, build
 from model.readout import Readout
-from train import cross_entropy, steps
+from train import cross_entropy, steps, tasks
 
 # A vocabulary of no round size, so that no block of anything divides it.
 VOCAB = 37
@@ -124,7 +124,7 @@ def test_bfloat16_train_step_has_no_float32_matmul_over_the_vocabulary(
                        num_layers=1, mlp_dim=32, max_len=8,
                        tie_embeddings=tie_embeddings, dtype='bfloat16')
   model = build(config)
-  params = steps.init_params(model, 'lm', jax.random.key(0), 8)
+  params = steps.init_params(model, tasks.LM, jax.random.key(0), 8)
   optimizer = optax.adamw(1e-3)
   state = steps.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                            opt_state=optimizer.init(params))
@@ -132,14 +132,14 @@ def test_bfloat16_train_step_has_no_float32_matmul_over_the_vocabulary(
   batch = {'inputs': row, 'targets': row, 'weights': row.astype(float),
            'positions': jnp.broadcast_to(jnp.arange(8), (2, 8))}
   train_step = jax.make_jaxpr(lambda state, batch: steps.train_step(
-      state, batch, jax.random.key(0), model=model, kind='lm',
+      state, batch, jax.random.key(0), model=model, task=tasks.LM,
       optimizer=optimizer, schedule=lambda step: 1e-3))
   assert not _contains_float32_matmul_over(
       train_step(state, batch).jaxpr, VOCAB)
   # The check sees one where the step computes in float32.
   float32_model = build(dataclasses.replace(config, dtype='float32'))
   float32_step = jax.make_jaxpr(lambda state, batch: steps.train_step(
-      state, batch, jax.random.key(0), model=float32_model, kind='lm',
+      state, batch, jax.random.key(0), model=float32_model, task=tasks.LM,
       optimizer=optimizer, schedule=lambda step: 1e-3))
   assert _contains_float32_matmul_over(float32_step(state, batch).jaxpr,
                                        VOCAB)

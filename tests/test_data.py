@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from configs import default
-from train.data import algorithmic, builder_config, datasets, listops
+from train import tasks
+from train.data import algorithmic, builder_config, datasets, layouts, listops
 from train.data import pipeline, stdlib
 from train.data import tokenizers
 from train.errors import InputError
@@ -66,13 +67,13 @@ def test_stdlib_documents_hold_every_byte_of_the_corpus_once(stdlib_dataset):
   root = stdlib.stdlib_root()
   corpus_bytes = sum((root / path).stat().st_size
                      for path in stdlib.source_files(root))
-  assert stdlib_dataset.kind == 'lm' and stdlib_dataset.byte_level
+  assert stdlib_dataset.task is tasks.LM and stdlib_dataset.byte_level
   # Each document is EOS_ID, then its bytes.
   documents = [split[i]['tokens'] for split in stdlib_dataset.splits.values()
                for i in range(len(split))]
   assert all(d[0] == tokenizers.EOS_ID for d in documents)
   assert sum(len(d) - 1 for d in documents) == corpus_bytes
-  windows = pipeline.in_memory_windows(stdlib_dataset.splits['validation'],
+  windows = layouts.in_memory_windows(stdlib_dataset.splits['validation'],
                                        seq_len=256)
   assert sum(len(windows[i]['tokens']) - 1 for i in range(len(windows))) == (
       sum(len(split[i]['tokens']) - 1
@@ -195,7 +196,7 @@ def _lm_dataset(documents):
   split = grain.MapDataset.source(
       [{'tokens': np.concatenate([[1], d]).astype(np.int32)}
        for d in documents])
-  return datasets.Dataset('lm', {'train': split, 'validation': split}, 100)
+  return datasets.Dataset(tasks.LM, {'train': split, 'validation': split}, 100)
 
 
 def test_lm_batches_hold_each_document_once_with_shifted_targets():
@@ -239,7 +240,7 @@ def test_seq2seq_batches_shift_targets_and_drop_long_examples():
               {'inputs': np.arange(2, 12, dtype=np.int32),
                'targets': np.array([3, 1], np.int32)}]
   dataset = datasets.Dataset(
-      'seq2seq', {'validation': grain.MapDataset.source(examples)}, 13)
+      tasks.SEQ2SEQ, {'validation': grain.MapDataset.source(examples)}, 13)
   (batch,) = pipeline.eval_batches(dataset, 'validation', seq_len=4,
                                    batch_size=2, num_batches=-1)
   np.testing.assert_array_equal(batch['inputs'][0], [5, 6, 1, 0])
@@ -298,7 +299,7 @@ def test_unknown_dataset_option_is_named(tmp_path):
 
 def test_in_memory_windows_cover_documents_as_the_pipeline_does():
   documents = [np.arange(1, 1 + n, dtype=np.int32) for n in (3, 20, 7, 2, 9)]
-  windows = pipeline.in_memory_windows([{'tokens': d} for d in documents],
+  windows = layouts.in_memory_windows([{'tokens': d} for d in documents],
                                        seq_len=8)
   assert all(len(windows[i]['tokens']) <= 9 for i in range(len(windows)))
 
@@ -307,9 +308,9 @@ def test_in_memory_windows_cover_documents_as_the_pipeline_does():
                                     batch_size=2, num_batches=-1)
     return sorted(t for b in batches for t in b['targets'][b['weights'] > 0])
 
-  as_windows = datasets.Dataset('lm', {'validation': windows}, 100)
+  as_windows = datasets.Dataset(tasks.LM, {'validation': windows}, 100)
   as_documents = datasets.Dataset(
-      'lm', {'validation': grain.MapDataset.source(
+      tasks.LM, {'validation': grain.MapDataset.source(
           [{'tokens': d} for d in documents])}, 100)
   assert targets(as_windows) == targets(as_documents)
   assert len(targets(as_windows)) == sum(len(d) - 1 for d in documents)

@@ -10,12 +10,13 @@ import jax
 import numpy as np
 import pytest
 
-from experiments import attention_maps, common, compare_attention, grid
+from configs import grid
+from experiments import attention_maps, common, compare_attention
 from experiments import launch, sweep
 from model import build
 from model.config import ModelConfig
 from test_train import tiny_config
-from train import steps, trained_run
+from train import steps, tasks, trained_run
 from train.errors import InputError, TrainingError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -104,10 +105,10 @@ def test_attention_maps_of_a_trained_checkpoint(comparison, monkeypatch):
 def test_attention_weights_mask_padding(comparison):
   config = trained_run.load_config(os.path.join(comparison[0], 'dense'))
   model = build(ModelConfig.from_mapping(config.model))
-  params = steps.init_params(model, 'classification', jax.random.key(0), 8)
+  params = steps.init_params(model, tasks.CLASSIFICATION, jax.random.key(0), 8)
   tokens = np.array([3, 4, 5, 6, 0, 0], np.int32)  # Two padding tokens.
   (name, weights), = attention_maps.attention_weights(
-      model, params, 'classification', tokens)
+      model, params, tasks.CLASSIFICATION, tokens)
   assert name == 'encoder/block_0'
   assert weights.shape == (2, 7, 7)  # Heads; the CLS vector, then tokens.
   np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
@@ -117,8 +118,7 @@ def test_attention_weights_mask_padding(comparison):
 # --- sweeps ---
 
 SWEEP_CONFIG = '''
-from configs import listops
-from experiments import grid
+from configs import grid, listops
 
 
 def get_config():

@@ -7,22 +7,23 @@ import optax
 import pytest
 
 from model import ModelConfig, build
-from train import flops, steps
+from train import flops, steps, tasks
 
 
-@pytest.mark.parametrize('family, kind', [('decoder_lm', 'lm'),
-                                          ('encoder_decoder', 'seq2seq')])
-def test_model_flops_match_the_compiled_step(family, kind):
+@pytest.mark.parametrize('family, task', [('decoder_lm', tasks.LM),
+                                          ('encoder_decoder', tasks.SEQ2SEQ)])
+def test_model_flops_match_the_compiled_step(family, task):
   """The formula counts matmuls; XLA's count of the compiled gradient adds
   the elementwise work (softmax, norms, activations), a few percent."""
   config = ModelConfig(family=family, vocab_size=512, d_model=128,
                        num_heads=4, num_layers=2, mlp_dim=512, max_len=128)
   model, seq_len, batch = build(config), 128, 4
-  params = steps.init_params(model, kind, jax.random.key(0), seq_len=seq_len)
+  params = steps.init_params(model, task, jax.random.key(0), seq_len=seq_len)
   tokens = jnp.ones((batch, seq_len), jnp.int32)
 
   def loss(params):
-    args = (tokens,) if kind == 'lm' else (tokens, tokens)
+    args = task.model_args({'inputs': tokens, 'positions': None,
+                            'decoder_inputs': tokens})
     logits = model.apply({'params': params}, *args)
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, tokens).mean()
@@ -30,7 +31,7 @@ def test_model_flops_match_the_compiled_step(family, kind):
   counted = jax.jit(jax.grad(loss)).lower(params).compile().cost_analysis()[
       'flops']
   formula = batch * flops.train_flops_per_example(
-      config, kind, seq_len, flops.non_embedding_params(params))
+      config, task, seq_len, flops.non_embedding_params(params))
   assert 0.85 < formula / counted < 1.05, (formula, counted)
 
 
@@ -38,7 +39,7 @@ def test_non_embedding_params_leave_out_the_embedder():
   config = ModelConfig(vocab_size=512, d_model=64, num_heads=4, num_layers=1,
                        mlp_dim=128, position='learned', max_len=32,
                        tie_embeddings=False)
-  params = steps.init_params(build(config), 'lm', jax.random.key(0),
+  params = steps.init_params(build(config), tasks.LM, jax.random.key(0),
                              seq_len=32)
   total = sum(x.size for x in jax.tree.leaves(params))
   embedder = sum(x.size for x in jax.tree.leaves(params['embedder']))
@@ -51,7 +52,7 @@ def test_a_token_goes_through_top_k_of_the_experts():
   config = ModelConfig(vocab_size=64, d_model=16, num_heads=2, num_layers=2,
                        mlp_dim=32, max_len=8,
                        moe={'num_experts': 4, 'top_k': 1})
-  params = steps.init_params(build(config), 'lm', jax.random.key(0),
+  params = steps.init_params(build(config), tasks.LM, jax.random.key(0),
                              seq_len=8)
   moe_layer = params['decoder']['block_1']['moe']
   experts = sum(x.size for name, x in moe_layer.items() if name != 'router')

@@ -8,7 +8,7 @@ import pytest
 
 from model import ModelConfig, attention, build, families
 from model.config import POSITIONS
-from train import steps
+from train import steps, tasks
 from causality import assert_causal
 
 B, T, V = 2, 8, 32
@@ -76,20 +76,20 @@ def batch_for(family):
           'weights': jnp.ones((B,))}
 
 
-KIND = {'decoder_lm': 'lm', 'encoder_decoder': 'seq2seq',
-        'encoder_classifier': 'classification'}
+TASK = {'decoder_lm': tasks.LM, 'encoder_decoder': tasks.SEQ2SEQ,
+        'encoder_classifier': tasks.CLASSIFICATION}
 
 
 def trains(config: ModelConfig) -> list[float]:
   """Losses of three Adam steps on one batch."""
   model = build(config)
-  kind = KIND[config.family]
-  params = steps.init_params(model, kind, jax.random.key(0), T)
+  task = TASK[config.family]
+  params = steps.init_params(model, task, jax.random.key(0), T)
   optimizer = optax.adam(3e-3)
   state = steps.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                            opt_state=optimizer.init(params))
   step = jax.jit(lambda state, batch: steps.train_step(
-      state, batch, jax.random.key(0), model=model, kind=kind,
+      state, batch, jax.random.key(0), model=model, task=task,
       optimizer=optimizer, schedule=lambda _: 3e-3))
   batch = batch_for(config.family)
   losses = []

@@ -11,7 +11,7 @@ import numpy as np
 from model import ModelConfig, build
 from model import moe
 from model.layers import Mlp
-from train import steps
+from train import steps, tasks
 from adam_steps import adam_steps
 
 B, T, D, M = 2, 8, 16, 32
@@ -141,10 +141,10 @@ def test_a_decoder_with_experts_trains_and_reports_its_routing():
   batch = {'inputs': ids, 'targets': jnp.roll(ids, -1, axis=1),
            'positions': jnp.tile(jnp.arange(T), (B, 1)),
            'weights': jnp.ones((B, T))}
-  params = steps.init_params(model, 'lm', jax.random.key(0), T)
+  params = steps.init_params(model, tasks.LM, jax.random.key(0), T)
   assert params['decoder']['block_1']['moe']['wi'].shape == (4, D, M)
   assert 'mlp' in params['decoder']['block_0']
-  _, history = adam_steps(model, 'lm', params, batch, 5)
+  _, history = adam_steps(model, tasks.LM, params, batch, 5)
   losses = [float(metrics['loss_sum']) for metrics in history]
   assert losses[-1] < losses[0]
   metrics = history[-1]

@@ -19,7 +19,8 @@ import pytest
 import config_overrides
 from configs import default, lm_stdlib
 from model import attention, positions
-from train import checkpointing, config_validation, mesh, parallel
+from train import checkpointing, config_validation, mesh, sharding
+from train.program import Program
 from train.errors import InputError
 from train.trainer import train_and_evaluate
 
@@ -58,9 +59,7 @@ def lm_batches(count: int):
 
 
 def program_for(config, devices):
-  model_config = config_validation.validate(config)
-  return parallel.compile_program(config, model_config, 'lm',
-                                  mesh.make_mesh(config.parallelism, devices))
+  return Program.from_config(config, devices)
 
 
 def train(program, steps: int = 5):
@@ -126,7 +125,7 @@ def test_experts_spread_over_devices_by_a_logical_axis_rule():
   def moe_config(**parallelism):
     config = small_config(**parallelism)
     config.model.moe.update(num_experts=4, top_k=2, every_n_layers=1)
-    config.logical_axis_rules = (('expert', 'fsdp'),) + parallel.DEFAULT_RULES
+    config.logical_axis_rules = (('expert', 'fsdp'),) + sharding.DEFAULT_RULES
     return config
 
   want, _ = train(program_for(moe_config(), jax.devices()[:1]))
@@ -316,11 +315,11 @@ def test_checkpoint_restores_onto_another_mesh(save_on, restore_on, tmp_path):
                                   restored_iterator)
   checkpointer.close()
   assert next(restored_iterator) == next(iterator) == 3
-  for got, want, sharding in zip(
+  for got, want, placed in zip(
       jax.tree.leaves(restored), jax.tree.leaves(state),
       jax.tree.leaves(target.state_sharding)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    assert got.sharding == sharding
+    assert got.sharding == placed
   num_devices = len(query_kernel(restored).sharding.device_set)
   assert num_devices == (8 if restore_on == 'fsdp8' else 1)
 

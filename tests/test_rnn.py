@@ -10,7 +10,8 @@ import pytest
 from configs import rnn_attention
 from model import ModelConfig, build
 from model.rnn import AttentionScore
-from train import decoding, mesh, parallel, steps
+from train import decoding, mesh, steps, tasks
+from train.program import compile_program
 from adam_steps import adam_steps
 
 V, D = 13, 32
@@ -81,8 +82,8 @@ def test_the_model_learns_to_reverse_a_handful_of_examples_exactly():
                                                 ((0, 0), (1, 0)))),
            'targets': jnp.asarray(targets), 'weights': jnp.ones((8, 6))}
   model = build(config_for())
-  params = steps.init_params(model, 'seq2seq', jax.random.key(0), 6)
-  state, _ = adam_steps(model, 'seq2seq', params, batch, 150)
+  params = steps.init_params(model, tasks.SEQ2SEQ, jax.random.key(0), 6)
+  state, _ = adam_steps(model, tasks.SEQ2SEQ, params, batch, 150)
   logits = model.apply({'params': state.params}, batch['inputs'],
                        batch['decoder_inputs'])
   np.testing.assert_array_equal(jnp.argmax(logits, -1), targets)
@@ -108,8 +109,8 @@ def test_it_trains_data_parallel_over_the_devices_as_on_one():
            'weights': np.ones((8, 6), np.float32)}
 
   def losses(devices):
-    program = parallel.compile_program(
-        config, model_config, 'seq2seq', mesh.make_mesh(config.parallelism,
+    program = compile_program(
+        config, model_config, tasks.SEQ2SEQ, mesh.make_mesh(config.parallelism,
                                                         devices))
     state, out = program.init(), []
     with program.scope():

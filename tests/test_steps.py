@@ -10,7 +10,7 @@ import pytest
 
 from configs import default
 from model import ModelConfig, build
-from train import optim, steps
+from train import optim, steps, tasks
 
 
 def _config(**overrides):
@@ -71,7 +71,7 @@ def lm_setup():
            'segment_ids': np.ones((4, 8), np.int32),
            'weights': np.ones((4, 8), np.float32)}
   batch['weights'][1, 5:] = 0  # Uneven weights across micro-batches.
-  params = steps.init_params(model, 'lm', jax.random.key(0), 8)
+  params = steps.init_params(model, tasks.LM, jax.random.key(0), 8)
   return model, params, batch
 
 
@@ -85,7 +85,7 @@ def test_gradient_accumulation_equals_one_big_batch(lm_setup):
 
   def run(accumulate):
     return steps.train_step(state, batch, jax.random.key(0), model=model,
-                            kind='lm', optimizer=optimizer,
+                            task=tasks.LM, optimizer=optimizer,
                             schedule=lambda _: 0.1,
                             grad_accum_steps=accumulate)
 
@@ -105,7 +105,7 @@ def test_dropout_rng_depends_on_the_step_only(lm_setup):
     state = steps.TrainState(step=jnp.array(step, jnp.int32), params=params,
                              opt_state=optimizer.init(params))
     _, metrics = steps.train_step(state, batch, jax.random.key(0),
-                                  model=model, kind='lm', optimizer=optimizer,
+                                  model=model, task=tasks.LM, optimizer=optimizer,
                                   schedule=lambda _: 0.1)
     return float(metrics['loss_sum'])
 

@@ -11,10 +11,12 @@ from configs import default
 from model import ModelConfig, build, weight_decay
 from model.attention_parameters import PARAMETERS
 from model.config import POSITIONS
-from train import mesh, optim, parallel, steps
+from train import mesh, optim, steps, tasks
+from train.program import compile_program
 
-KINDS = {'decoder_lm': 'lm', 'encoder_decoder': 'seq2seq',
-         'rnn_attention': 'seq2seq', 'encoder_classifier': 'classification'}
+TASKS = {'decoder_lm': tasks.LM, 'encoder_decoder': tasks.SEQ2SEQ,
+         'rnn_attention': tasks.SEQ2SEQ,
+         'encoder_classifier': tasks.CLASSIFICATION}
 
 
 def small(**overrides) -> ModelConfig:
@@ -52,7 +54,7 @@ def role(path) -> str:
 
 def boxed_params(config: ModelConfig):
   return jax.eval_shape(
-      lambda rng: steps.init_params(build(config), KINDS[config.family], rng,
+      lambda rng: steps.init_params(build(config), TASKS[config.family], rng,
                                     8, boxed=True), jax.random.key(0))
 
 
@@ -96,7 +98,7 @@ def test_a_training_program_decays_by_its_models_declarations(monkeypatch):
   config = CONFIGS['decoder_lm_moe_swiglu_rmsnorm']
   train_config = default.get_config()
   train_config.update(dict(seq_len=8, batch_size=2))
-  parallel.compile_program(train_config, config, 'lm', mesh.make_mesh(
+  compile_program(train_config, config, tasks.LM, mesh.make_mesh(
       train_config.parallelism, jax.devices()[:1]))
   [mask] = masks
   assert mask == weight_decay.decay_mask(boxed_params(config))

@@ -4,22 +4,25 @@ Each rule names the key it checks, so a mistake is reported as, e.g.,
 `config.model.num_heads=6 does not split over config.parallelism.tensor=4`.
 """
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import ml_collections
 
-from model import ModelConfig, attention, attention_parameters, build
+from model import ModelConfig, attention, attention_parameters
 from model.attention import fused
-from train import (attention_kernels, device_memory, mesh, metrics, optim,
-                   parallel, steps)
+from train import (attention_kernels, device_memory, layout_validation, mesh,
+                   metrics, optim)
 from train.data import datasets
 from train.errors import InputError, did_you_mean
+from train.tasks import Task
 
-# The model family that trains on each kind of dataset.
-FAMILY_OF_KIND = {'lm': 'decoder_lm', 'seq2seq': 'encoder_decoder',
+# The model family that trains on each task.
+FAMILY_OF_TASK = {'lm': 'decoder_lm', 'seq2seq': 'encoder_decoder',
                   'classification': 'encoder_classifier'}
-# Other families that train on a kind of dataset.
+# Other families that train on a task.
 ALSO_TRAINS = {'seq2seq': ('rnn_attention',)}
 
 
@@ -63,10 +66,26 @@ def _choice(config, key: str, choices) -> str:
   return config[key]
 
 
+@dataclasses.dataclass(frozen=True)
+class Checked:
+  """What checking a config found out on the way."""
+
+  model_config: ModelConfig
+  task: Task
+  # The parameters' shapes and logical names (nn.Partitioned leaves of
+  # jax.ShapeDtypeStruct), for their layout on the mesh.
+  param_shapes: Any
+
+
 def validate(config: ml_collections.ConfigDict) -> ModelConfig:
-  """Returns the ModelConfig; raises InputError naming every bad key, one
-  line each. Rules that need a sound model (its kernels, its layout on the
-  mesh) run once the others pass."""
+  """The ModelConfig of a config that `check` passes."""
+  return check(config).model_config
+
+
+def check(config: ml_collections.ConfigDict) -> Checked:
+  """Raises InputError naming every bad key, one line each. Rules that
+  need a sound model (its kernels, its layout on the mesh) run once the
+  others pass."""
   problems = []
 
   def check(rule, *args):
@@ -109,23 +128,23 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   if not isinstance(config.pack_sequences, bool):
     problems.append(f'config.pack_sequences={config.pack_sequences!r} must '
                     'be True or False.')
-  kind = check(datasets.kind_of, config.dataset)
+  task = check(datasets.task_of, config.dataset)
   model_config = check(_model_config, config)
-  if kind is None or model_config is None:
+  if task is None or model_config is None:
     raise InputError('\n'.join(problems))
-  family = FAMILY_OF_KIND[kind]
-  problems += _attention_problems(config, model_config, kind)
+  family = FAMILY_OF_TASK[task.name]
+  problems += _attention_problems(config, model_config, task)
   if model_config.memory_length and (config.pack_sequences
                                      or config.grad_accum_steps != 1):
     problems.append(
         f'config.model.memory_length={model_config.memory_length} reads '
         'contiguous streams of whole batches: set config.pack_sequences='
         'False and config.grad_accum_steps=1.')
-  if model_config.family not in (family,) + ALSO_TRAINS.get(kind, ()):
+  if model_config.family not in (family,) + ALSO_TRAINS.get(task.name, ()):
     problems.append(
         f'config.model.family={model_config.family!r} cannot train on '
-        f'config.dataset={config.dataset!r} ({kind}); use {family!r}.')
-  check(_check_decode_splits, config, model_config, kind)
+        f'config.dataset={config.dataset!r} ({task.name}); use {family!r}.')
+  check(_check_decode_splits, config, model_config, task)
   if problems:
     raise InputError('\n'.join(problems))
   positions = model_positions(config)
@@ -134,11 +153,13 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
     problems.append(
         f'config.seq_len={config.seq_len} needs {positions} positions, more '
         f'than config.model.max_len={model_config.max_len}.')
+  param_shapes = None
   if not problems:
-    check(_check_parallelism, config, model_config, kind)
+    param_shapes = check(layout_validation.check_layout, config,
+                         model_config, task, model_positions(config))
   if problems:
     raise InputError('\n'.join(problems))
-  return model_config
+  return Checked(model_config, task, param_shapes)
 
 
 def _model_config(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -149,7 +170,7 @@ def _model_config(config: ml_collections.ConfigDict) -> ModelConfig:
 
 
 def _attention_problems(config: ml_collections.ConfigDict,
-                        model_config: ModelConfig, kind: str) -> list[str]:
+                        model_config: ModelConfig, task: Task) -> list[str]:
   """Each attention of the pattern (or the one) against its options, the
   packed rows a language model reads, and its closing sample."""
   problems = []
@@ -161,15 +182,14 @@ def _attention_problems(config: ml_collections.ConfigDict,
             f'unknown key config.model.attention_options.{name} for config.'
             f'model.attention={layer_config.attention!r}; it takes '
             f'{sorted(known) or "none"}.')
-    if kind != 'lm':
-      continue
     variant = attention.spec(layer_config.attention)
-    if config.pack_sequences and variant.masks != 'any':
+    if task.packs and config.pack_sequences and variant.masks != 'any':
       problems.append(
           f'config.model.attention={layer_config.attention!r} cannot keep '
           'packed sequences apart (it takes key padding masks only); set '
           'config.pack_sequences=False.')
-    if config.sample_length and not variant.reads_cache:
+    if (task.continues_text and config.sample_length
+        and not variant.reads_cache):
       problems.append(
           f'config.sample_length={config.sample_length} samples with a '
           'key/value cache, which config.model.attention='
@@ -193,7 +213,7 @@ def _check_kernels(config: ml_collections.ConfigDict,
 
 
 def _check_decode_splits(config: ml_collections.ConfigDict,
-                         model_config: ModelConfig, kind: str) -> None:
+                         model_config: ModelConfig, task: Task) -> None:
   """Decoding at each evaluation: split names, of a sequence-to-sequence
   dataset, with an attention that reads a key/value cache."""
   splits = config.decode_splits
@@ -202,50 +222,16 @@ def _check_decode_splits(config: ml_collections.ConfigDict,
     _fail(f'config.decode_splits={splits!r} must be a tuple of split names.')
   if not splits:
     return
-  if kind != 'seq2seq':
+  if not task.decodes:
     _fail(f'config.decode_splits={tuple(splits)!r}: decoding evaluates '
           f'sequence-to-sequence datasets, and config.dataset='
-          f'{config.dataset!r} is {kind}; set it to ().')
+          f'{config.dataset!r} is {task.name}; set it to ().')
   for layer_config in model_config.layer_configs():
     if not attention.spec(layer_config.attention).reads_cache:
       _fail(f'config.decode_splits={tuple(splits)!r} decodes with a '
             'key/value cache, which config.model.attention='
             f'{layer_config.attention!r} cannot read (dense, chunked and '
             'additive can).')
-
-
-def _attention_setting(model_config: ModelConfig) -> str:
-  """config.model's attention and options, as a config would write them."""
-  if model_config.num_attentions == 1:
-    return (f'attention={model_config.attention!r}, attention_options='
-            f'{dict(model_config.attention_options)}')
-  options = {c.attention: dict(c.attention_options)
-             for c in model_config.layer_configs() if c.attention_options}
-  return (f'attention={",".join(model_config.attention)!r}, '
-          f'attention_options={options}')
-
-
-def _check_parallelism(config: ml_collections.ConfigDict,
-                       model_config: ModelConfig, kind: str) -> None:
-  """The mesh fits the devices, and the batch, the length and every
-  parameter split evenly over it (shapes only: nothing is computed)."""
-  if not isinstance(config.distributed, bool):
-    _fail(f'config.distributed={config.distributed!r} must be True or False.')
-  sizes = dict(mesh.make_mesh(config.parallelism).shape)
-  parallel.check_layout(config, sizes, model_positions(config))
-  try:
-    boxed_params = jax.eval_shape(functools.partial(
-        steps.init_params, build(model_config), kind, seq_len=config.seq_len,
-        boxed=True), jax.random.key(0))
-  except ValueError as error:  # E.g. an attention refusing an option value.
-    _fail(f'config.model does not build ({_attention_setting(model_config)}'
-          f'): {error}')
-  # Unset, the key/value heads are the query heads.
-  kv_heads = ('model.num_kv_heads' if config.model.num_kv_heads is not None
-              else 'model.num_heads')
-  parallel.check_parameters(boxed_params, sizes,
-                            parallel.logical_rules(config),
-                            size_keys={'kv_heads': kv_heads})
 
 
 def warnings_of(config: ml_collections.ConfigDict) -> list[str]:
@@ -266,7 +252,7 @@ def warnings_of(config: ml_collections.ConfigDict) -> list[str]:
 def model_positions(config: ml_collections.ConfigDict) -> int:
   """The length of the model's activations: config.seq_len, plus one for
   a classifier's CLS vector."""
-  cls = (FAMILY_OF_KIND[datasets.kind_of(config.dataset)]
+  cls = (FAMILY_OF_TASK[datasets.task_of(config.dataset).name]
          == 'encoder_classifier' and config.model.pooling == 'cls')
   return config.seq_len + int(cls)
 
@@ -282,7 +268,7 @@ def check_dataset_fits(config: ml_collections.ConfigDict,
     _fail(f'config.model.vocab_size={config.model.vocab_size} is smaller '
           f'than the {dataset.vocab_size} token ids of config.dataset='
           f'{config.dataset!r}.')
-  if dataset.kind == 'classification' and (
+  if dataset.task.has_classes and (
       config.model.num_classes != dataset.num_classes):
     _fail(f'config.model.num_classes={config.model.num_classes} must equal '
           f'the {dataset.num_classes} classes of config.dataset='
@@ -292,7 +278,7 @@ def check_dataset_fits(config: ml_collections.ConfigDict,
       _fail(f'config.decode_splits names {split!r}, which is not a split of '
             f'config.dataset={config.dataset!r}; it has '
             f'{sorted(dataset.splits)}.')
-  if config.sample_length and dataset.kind == 'lm':
+  if config.sample_length and dataset.task.continues_text:
     prompt = dataset.tokenizer.encode(config.sample_prompt)
     if len(prompt) + 1 >= config.seq_len:
       _fail(f'config.sample_prompt is {len(prompt)} tokens; it must be '

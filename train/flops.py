@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from model import ModelConfig
+from train.tasks import Task
 
 # Dense bfloat16 peak of one chip, FLOP/s, by a part of jax's device_kind.
 PEAK_BF16_FLOPS = (
@@ -43,17 +44,20 @@ def non_embedding_params(params: Any, expert_fraction: float = 1.0
   return total
 
 
-def train_flops_per_example(config: ModelConfig, kind: str, seq_len: int,
+def train_flops_per_example(config: ModelConfig, task: Task, seq_len: int,
                             num_params: int) -> float:
   """Forward and backward FLOPs of one example of `seq_len` tokens (and as
   many targets for seq2seq); `num_params` from `non_embedding_params`."""
-  attention_layers = config.num_layers * (3 if kind == 'seq2seq' else 1)
+  # An encoder-decoder layer attends three times: the encoder's self-
+  # attention, the decoder's and its cross-attention.
+  attention_layers = config.num_layers * (
+      3 if config.family == 'encoder_decoder' else 1)
   if config.family == 'rnn_attention':
     # One attention a target step, scored over D and reading values of 2D.
     attention_layers = 3
   flops = seq_len * (6 * num_params
                      + 6 * attention_layers * seq_len * config.d_model)
-  if kind != 'classification':
+  if task.vocabulary_logits:
     flops += 6 * seq_len * config.d_model * config.vocab_size
   return float(flops)
 

@@ -36,7 +36,7 @@ def generate(workdir: str, prompt: str, *, max_new_tokens: int,
     if not ok:
       raise InputError(f'--{name}={value} must be {must}.')
   run = trained_run.load(workdir)
-  if run.dataset.kind != 'lm':
+  if not run.dataset.task.continues_text:
     raise InputError(f'{workdir} holds a run of family '
                      f'{run.model_config.family!r}; '
                      'train.generate continues language models '

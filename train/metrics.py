@@ -46,19 +46,15 @@ def quality_metric(summary: dict[str, float]) -> str:
               'eval_loss')
 
 
-def final_summary(kind: str, decode_splits=()) -> dict[str, str | None]:
-  """The figures a run of a `kind` dataset may log at its last step, each
-  with the direction that is better ('min' or 'max'; None for neither):
-  the training summary, then the evaluation's."""
+def final_summary(task, decode_splits=()) -> dict[str, str | None]:
+  """The figures a run of a `task` (train/tasks.py) may log at its last
+  step, each with the direction that is better ('min' or 'max'; None for
+  neither): the training summary, then the evaluation's."""
   names = {'loss': 'min', 'accuracy': 'max', 'learning_rate': None,
            'grad_norm': None, 'tokens_per_s': 'max', 'steps_per_s': 'max',
            'mfu': 'max', 'skipped_steps': 'min', 'moe_aux_loss': 'min',
            'moe_dropped_fraction': 'min', 'eval_loss': 'min',
-           'eval_accuracy': 'max'}
-  if kind == 'lm':
-    names['eval_bits_per_byte'] = 'min'
-  if kind == 'seq2seq':
-    names['eval_exact_match'] = 'max'
+           'eval_accuracy': 'max'} | task.eval_metrics
   for split in decode_splits:
     for score in ('exact_match', 'token_accuracy', 'bleu'):
       names[f'decode_{split}_{score}'] = 'max'

@@ -1,7 +1,7 @@
 """The train and eval steps: pure functions of (state, batch, rng).
 
-Batches are those of `train.data.pipeline`; `kind` (lm, seq2seq,
-classification) says how a batch feeds the model. Metrics are sums over the
+Batches are those of `train.data.pipeline`; the task (train/tasks.py) says
+how a batch feeds the model. Metrics are sums over the
 batch (divided by their weight only when summarised), so that micro-batches,
 devices and eval batches add up exactly.
 """
@@ -16,6 +16,7 @@ import optax
 
 from model.readout import Readout
 from train import cross_entropy
+from train.tasks import Task
 
 Array = jax.Array
 
@@ -31,26 +32,17 @@ class TrainState:
   memory: Any = None
 
 
-def _model_args(kind: str, batch: dict[str, Array]) -> tuple[Array, ...]:
-  """The positional arguments of the model for this kind of batch."""
-  if kind == 'lm':
-    return batch['inputs'], batch['positions'], batch.get('segment_ids')
-  if kind == 'seq2seq':
-    return batch['inputs'], batch['decoder_inputs']
-  return (batch['inputs'],)
-
-
-def init_params(model: nn.Module, kind: str, rng: Array, seq_len: int, *,
+def init_params(model: nn.Module, task: Task, rng: Array, seq_len: int, *,
                 boxed: bool = False):
   """Freshly initialised parameters, unboxed from their logical axis names
   unless `boxed` (nn.Partitioned leaves, which say how to shard them)."""
   row = jnp.zeros((1, seq_len), jnp.int32)
   shapes_only = {'inputs': row, 'positions': row, 'decoder_inputs': row}
-  params = model.init(rng, *_model_args(kind, shapes_only))['params']
+  params = model.init(rng, *task.model_args(shapes_only))['params']
   return params if boxed else nn.meta.unbox(params)
 
 
-def forward(model: nn.Module, kind: str, params, batch: dict[str, Array], *,
+def forward(model: nn.Module, task: Task, params, batch: dict[str, Array], *,
             dropout_rng: Array | None = None, memory=None):
   """(model output, memory after it, mixture-of-experts statistics) for
   `batch`: the memory is that of a Transformer-XL language model, None
@@ -62,9 +54,9 @@ def forward(model: nn.Module, kind: str, params, batch: dict[str, Array], *,
   if memory is not None:
     kwargs['memory'] = memory
   experts = bool(model.config.moe.num_experts)
-  if kind != 'classification':  # Vocabulary logits: a block at a time.
+  if task.vocabulary_logits:  # Read out a block of tokens at a time.
     kwargs['readout'] = True
-  result = model.apply({'params': params}, *_model_args(kind, batch),
+  result = model.apply({'params': params}, *task.model_args(batch),
                        mutable=['moe'] if experts else False, **kwargs)
   statistics = None
   if experts:
@@ -116,14 +108,6 @@ def metric_sums(out: Array | Readout, batch: dict[str, Array], *,
   return sums
 
 
-def token_count(kind: str, batch: dict[str, Array]) -> Array:
-  """Non-padding tokens the model reads: inputs, plus targets for seq2seq."""
-  count = jnp.sum(batch['inputs'] != 0)
-  if kind == 'seq2seq':
-    count += jnp.sum(batch['weights'] > 0)
-  return count.astype(jnp.float32)
-
-
 def _micro_batches(batch: dict[str, Array], count: int) -> dict[str, Array]:
   """[B, ...] -> [count, B / count, ...]; micro-batch j takes rows j, j +
   count, ..., so that each device's rows split evenly and stay put."""
@@ -133,7 +117,7 @@ def _micro_batches(batch: dict[str, Array], count: int) -> dict[str, Array]:
 
 
 def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
-               model: nn.Module, kind: str,
+               model: nn.Module, task: Task,
                optimizer: optax.GradientTransformation,
                schedule: optax.Schedule, label_smoothing: float = 0.0,
                grad_accum_steps: int = 1, skip_nonfinite: bool = False,
@@ -166,7 +150,7 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
 
     def loss_fn(params):
       out, new_memory, experts = forward(
-          model, kind, params, micro_batch, memory=memory,
+          model, task, params, micro_batch, memory=memory,
           dropout_rng=jax.random.fold_in(step_rng, index))
       sums = metric_sums(out, micro_batch, label_smoothing=label_smoothing)
       loss = sums['loss_sum']
@@ -193,7 +177,7 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
       micro_step, (zeros, state.memory),
       (jnp.arange(grad_accum_steps), _micro_batches(batch, grad_accum_steps)))
   sums = jax.tree.map(jnp.sum, sums)
-  sums['token_count'] = token_count(kind, batch)
+  sums['token_count'] = task.token_count(batch)
   if device_axes is not None:
     # Sums, not means: devices whose examples hold more targets weigh more.
     grad_sum, sums = jax.lax.psum((grad_sum, sums), device_axes)
@@ -223,8 +207,8 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
 
 
 def eval_step(params, batch: dict[str, Array], memory=None, *,
-              model: nn.Module, kind: str) -> tuple[dict[str, Array], Any]:
+              model: nn.Module, task: Task) -> tuple[dict[str, Array], Any]:
   """Metric sums of `batch` without dropout or label smoothing, and the
   Transformer-XL memory after it (None without one)."""
-  out, memory, _ = forward(model, kind, params, batch, memory=memory)
-  return metric_sums(out, batch, exact_match=kind == 'seq2seq'), memory
+  out, memory, _ = forward(model, task, params, batch, memory=memory)
+  return metric_sums(out, batch, exact_match=task.exact_match), memory

@@ -10,11 +10,12 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-from model import ModelConfig, build
-from train import checkpointing, config_validation, mesh, parallel
+from model import ModelConfig
+from train import checkpointing
 from train import workdir as workdir_lib
 from train.data import datasets
 from train.errors import InputError
+from train.program import Program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +52,8 @@ def load(workdir: str) -> TrainedRun:
   """The run in `workdir` at its newest checkpoint that verifies (see
   checkpointing.Checkpointer.restore_latest); InputError if it has none."""
   config = load_config(workdir)
-  model_config = config_validation.validate(config)
+  program = Program.from_config(config, jax.devices()[:1])
   dataset = datasets.load(config, workdir)
-  program = parallel.compile_program(
-      config, model_config, dataset.kind,
-      mesh.make_mesh(config.parallelism, jax.devices()[:1]))
   checkpointer = checkpointing.Checkpointer(
       workdir, keep=config.keep_checkpoints, read_only=True)
   restored = checkpointer.restore_latest(program.abstract_state)
@@ -63,5 +61,5 @@ def load(workdir: str) -> TrainedRun:
   if restored is None:
     raise InputError(f'{workdir} has no checkpoint yet.')
   step, state = restored
-  return TrainedRun(config, model_config, build(model_config), dataset,
+  return TrainedRun(config, program.model_config, program.model, dataset,
                     state.params, step)

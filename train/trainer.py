@@ -1,8 +1,9 @@
 """train_and_evaluate: the training loop, composed from the config.
 
 The state and batches are laid out on the mesh of `config.parallelism`
-(train/mesh.py) as `config.logical_axis_rules` say (train/parallel.py); the
-same loop runs on one CPU, a GPU node or a multi-host TPU pod.
+(train/mesh.py) as `config.logical_axis_rules` say (train/sharding.py), by
+the run's program (train/program.py); the same loop runs on one CPU, a GPU
+node or a multi-host TPU pod.
 """
 
 from collections.abc import Callable
@@ -16,25 +17,19 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import ml_collections
 import tqdm
 
-from model import ModelConfig, build
 from train import (attention_kernels, checkpointing, config_validation, flops,
-                   generate, metrics)
-from train import mesh as mesh_lib
-from train import parallel, preemption, seq2seq_eval
+                   generate, metrics, preemption, seq2seq_eval)
+from train.program import Program
 from train import workdir as workdir_lib
 from train.data import datasets, pipeline
 from train.errors import InputError, Stopped, TrainingError
+from train.tasks import Task
 
 
 def _say(message: str) -> None:
   """A status line on the terminal, from the first host only."""
   if jax.process_index() == 0:
     print(message, flush=True)
-
-
-# What to run on a trained workdir of each kind of dataset.
-NEXT_COMMANDS = {'lm': 'sample: python -m train.generate --workdir={}',
-                 'seq2seq': 'decode: python -m train.translate --workdir={}'}
 
 
 def _duration(seconds: float) -> str:
@@ -44,7 +39,7 @@ def _duration(seconds: float) -> str:
           f'{minutes}m{seconds:02d}s' if minutes else f'{seconds}s')
 
 
-def closing_summary(*, kind: str, steps: tuple[int, int], seconds: float,
+def closing_summary(*, task: Task, steps: tuple[int, int], seconds: float,
                     evaluations: list[tuple[int, dict[str, float]]],
                     final: dict[str, float], tokens_per_s: float | None,
                     checkpoint: str | None, workdir: str) -> str:
@@ -67,31 +62,28 @@ def closing_summary(*, kind: str, steps: tuple[int, int], seconds: float,
            + (f'; {tokens_per_s:,.0f} tokens/s' if tokens_per_s else '') + '.']
   then = ['run the same command to resume (or extend it with a larger '
           'config.num_train_steps)']
-  if kind in NEXT_COMMANDS:
-    then.append(NEXT_COMMANDS[kind].format(workdir))
+  if task.next_command:
+    then.append(task.next_command.format(workdir))
   lines.append((f'Last checkpoint: {checkpoint}; ' if checkpoint else '')
                + '; '.join(then) + '.')
   return '\n'.join(lines)
 
 
 def _decoding_evaluation(config: ml_collections.ConfigDict,
-                         model_config: ModelConfig,
-                         dataset: datasets.Dataset,
-                         program: parallel.Program
+                         dataset: datasets.Dataset, program: Program
                          ) -> Callable[[Any], dict[str, float]]:
   """`params -> {decode_<split>_<score>: value}` for config.decode_splits:
   the first config.num_decode_examples inputs of each split decoded by beam
   search, config.batch_size at a time, laid out as training batches are."""
-  model = build(model_config)
   whole = NamedSharding(program.mesh, P())  # Every host reads the tokens.
   runs = []
   for split in config.decode_splits:
     decode_set = seq2seq_eval.take(dataset, split, config.num_decode_examples)
     num_tokens = seq2seq_eval.output_length(
-        model_config, decode_set.source_len, 0,
+        program.model_config, decode_set.source_len, 0,
         names=f'config.decode_splits ({split!r})')
     runs.append((decode_set, seq2seq_eval.beam_decoder(
-        model, dataset.vocab_size, beam_size=config.beam_size,
+        program.model, dataset.vocab_size, beam_size=config.beam_size,
         alpha=config.beam_alpha, num_tokens=num_tokens, out_sharding=whole)))
 
   def evaluate(params) -> dict[str, float]:
@@ -118,32 +110,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   TrainingError when non-finite values or a failed save stop the run;
   Stopped when SIGTERM, SIGINT or a preemption notice did, after saving.
   """
-  model_config = config_validation.validate(config)
+  started = time.perf_counter()
+  program = Program.from_config(config)
   workdir = os.path.abspath(workdir)
   with workdir_lib.claim(config, workdir):
     # Listening from here on: a stop asked for while the dataset is read or
     # the steps compile is acted on after the first step.
     stop = preemption.StopRequest()
     try:
-      return _train(config, model_config, workdir, stop)
+      return _train(config, program, workdir, stop, started)
     finally:
       stop.close()
 
 
-def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
-           workdir: str, stop: preemption.StopRequest) -> dict[str, float]:
-  """train_and_evaluate of a validated config in its claimed workdir,
-  `stop` listening."""
-  started = time.perf_counter()
+def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
+           stop: preemption.StopRequest, started: float) -> dict[str, float]:
+  """train_and_evaluate of a checked config's program in its claimed
+  workdir, `stop` listening; `started`: when the run started
+  (time.perf_counter)."""
+  model_config = program.model_config
   dataset = datasets.load(config, workdir)
   config_validation.check_dataset_fits(config, dataset)
 
   layout = ('streams' if model_config.memory_length else
             'packed' if config.pack_sequences else 'padded')
-  program = parallel.compile_program(config, model_config, dataset.kind,
-                                     mesh_lib.make_mesh(config.parallelism))
-  evaluate_decoding = _decoding_evaluation(config, model_config, dataset,
-                                           program)
+  evaluate_decoding = _decoding_evaluation(config, dataset, program)
 
   def evaluate(params) -> dict[str, float]:
     totals, memory = None, program.fresh_memory()
@@ -177,8 +168,7 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
     latest, state = restored
     _say(f'Resumed from the checkpoint at step {latest}.')
 
-  num_params = sum(x.size for x in jax.tree.leaves(
-      program.abstract_state.params))
+  num_params = program.num_params
   split = ' x '.join(f'{axis} {size}' for axis, size in
                      program.mesh.shape.items() if size > 1) or 'one device'
   devices = jax.device_count()
@@ -198,7 +188,7 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
   writer = metrics.MetricWriter(workdir, total_steps=last_step,
                                 first_step=first_step)
   flops_per_step = config.batch_size * flops.train_flops_per_example(
-      model_config, dataset.kind, config.seq_len,
+      model_config, program.task, config.seq_len,
       flops.non_embedding_params(
           program.abstract_state.params,
           model_config.moe.top_k / max(model_config.moe.num_experts, 1)))
@@ -289,11 +279,11 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
 
   if stop.reason:  # Asked during the final evaluation: trained, done.
     _say(f'{stop.reason}: trained to the end; no sample.')
-  elif dataset.kind == 'lm' and config.sample_length:
+  elif program.task.continues_text and config.sample_length:
     # Whole on every device: every host runs the sampling and can read it.
     # Positions stay below seq_len, the longest the model was trained on.
     [text] = generate.continue_text(
-        build(model_config), program.replicate(state.params), dataset,
+        program.model, program.replicate(state.params), dataset,
         config.sample_prompt, num_tokens=config.sample_length,
         rng=program.key(2), max_positions=config.seq_len,
         temperature=config.sample_temperature)
@@ -301,7 +291,7 @@ def _train(config: ml_collections.ConfigDict, model_config: ModelConfig,
          f'{text}\n---')
   latest = checkpointer.latest_step()
   _say(closing_summary(
-      kind=dataset.kind, steps=(first_step, last_step),
+      task=program.task, steps=(first_step, last_step),
       seconds=time.perf_counter() - started, evaluations=evaluations,
       final=final, tokens_per_s=last_logged.get('tokens_per_s'),
       checkpoint=None if latest is None else os.path.join(

@@ -32,7 +32,7 @@ def translate(workdir: str, split: str = 'validation', *, beam_size: int = 4,
     if value < 1:
       raise InputError(f'--{name}={value} must be at least 1.')
   run = trained_run.load(workdir)
-  if run.dataset.kind != 'seq2seq':
+  if not run.dataset.task.decodes:
     raise InputError(f'{workdir} holds a run of family '
                      f'{run.model_config.family!r}; '
                      'train.translate decodes encoder-decoders.')

@@ -1,7 +1,8 @@
 """Datasets by name: where the examples come from and what they mean.
 
 `load(config, workdir)` returns a `Dataset` whose splits hold examples in one
-of three canonical forms, which `train.data.pipeline` turns into batches:
+of three canonical forms, one per task (train/tasks.py), which
+`train.data.pipeline` turns into batches:
   lm:              {'tokens': int32 [n]}, a document starting with EOS_ID
   seq2seq:         {'inputs': int32 [s], 'targets': int32 [t]}, each ending
                    with EOS_ID
@@ -25,18 +26,18 @@ import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 
-from train import mesh, quiet
+from train import mesh, quiet, tasks
 from train.data import algorithmic, builder_config, integrity, listops
 from train.data import stdlib, tokenizers
-from train.errors import InputError
+from train.errors import InputError, did_you_mean
 
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
   """A dataset's splits (canonical examples) and what reading them needs."""
 
-  # lm, seq2seq or classification: the form of the examples.
-  kind: str
+  # What the examples pose (train/tasks.py), which says their form.
+  task: tasks.Task
   # Split name to a MapDataset of canonical examples.
   splits: dict[str, grain.MapDataset]
   # Every token id is below this.
@@ -50,6 +51,15 @@ class Dataset:
   # LM documents are long and held in memory: shuffle their windows one by
   # one rather than whole documents.
   shuffle_windows: bool = False
+
+  @property
+  def read_options(self) -> grain.ReadOptions:
+    """How examples are read: a corpus in memory in the batching thread
+    itself (reader threads would only contend for the GIL: 8x slower for
+    lm_stdlib's batches), files by a few reader threads."""
+    if self.shuffle_windows:
+      return grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+    return grain.ReadOptions(num_threads=4, prefetch_buffer_size=64)
 
 
 def _build(make_builder: Callable[[], tfds.core.DatasetBuilder],
@@ -123,7 +133,7 @@ def load_python_stdlib_bytes(config, data_dir, workdir) -> Dataset:
   splits = {name: grain.MapDataset.source([
       {'tokens': _document(tokenizer.encode(source[i]['text'].tobytes()))}
       for i in range(len(source))]) for name, source in sources.items()}
-  return Dataset('lm', splits, tokenizer.vocab_size, tokenizer,
+  return Dataset(tasks.LM, splits, tokenizer.vocab_size, tokenizer,
                  byte_level=True, shuffle_windows=True)
 
 
@@ -144,7 +154,7 @@ def load_algorithmic(config, data_dir, workdir) -> Dataset:
       file_format='array_record'), data_dir)
   splits = {name: grain.MapDataset.source(source)
             for name, source in sources.items()}
-  return Dataset('seq2seq', splits, algorithmic.VOCAB_SIZE)
+  return Dataset(tasks.SEQ2SEQ, splits, algorithmic.VOCAB_SIZE)
 
 
 def load_listops(config, data_dir, workdir) -> Dataset:
@@ -155,7 +165,7 @@ def load_listops(config, data_dir, workdir) -> Dataset:
       data_dir)
   splits = {name: grain.MapDataset.source(source)
             for name, source in sources.items()}
-  return Dataset('classification', splits, listops.VOCAB_SIZE,
+  return Dataset(tasks.CLASSIFICATION, splits, listops.VOCAB_SIZE,
                  num_classes=listops.NUM_CLASSES)
 
 
@@ -220,7 +230,7 @@ def load_lm1b(config, data_dir, workdir) -> Dataset:
       lambda example: {'tokens': _document(
           tokenizer.encode(_text(example['text'])))})
             for name, source in sources.items()}
-  return Dataset('lm', splits, tokenizer.vocab_size, tokenizer)
+  return Dataset(tasks.LM, splits, tokenizer.vocab_size, tokenizer)
 
 
 def load_translation(config, data_dir, workdir) -> Dataset:
@@ -261,30 +271,30 @@ def load_translation(config, data_dir, workdir) -> Dataset:
 
   splits = {name: grain.MapDataset.source(source).map(encode)
             for name, source in sources.items()}
-  return Dataset('seq2seq', splits, tokenizer.vocab_size, tokenizer)
+  return Dataset(tasks.SEQ2SEQ, splits, tokenizer.vocab_size, tokenizer)
 
 
-# Name -> (kind of its examples, loader).
+# Name -> (the task its examples pose, loader).
 LOADERS = {
-    'python_stdlib_bytes': ('lm', load_python_stdlib_bytes),
-    'algorithmic': ('seq2seq', load_algorithmic),
-    'listops': ('classification', load_listops),
-    'lm1b': ('lm', load_lm1b),
-    'wmt14_translate/de-en': ('seq2seq', load_translation),
+    'python_stdlib_bytes': (tasks.LM, load_python_stdlib_bytes),
+    'algorithmic': (tasks.SEQ2SEQ, load_algorithmic),
+    'listops': (tasks.CLASSIFICATION, load_listops),
+    'lm1b': (tasks.LM, load_lm1b),
+    'wmt14_translate/de-en': (tasks.SEQ2SEQ, load_translation),
 }
 
 
-def kind_of(name: str) -> str:
-  """lm, seq2seq or classification: the kind of dataset `name`."""
+def task_of(name: str) -> tasks.Task:
+  """The task of dataset `name` (without loading it)."""
   if name not in LOADERS:
     raise InputError(f'config.dataset={name!r} must be one of '
-                     f'{sorted(LOADERS)}.')
+                     f'{sorted(LOADERS)}{did_you_mean(name, LOADERS)}')
   return LOADERS[name][0]
 
 
 def load(config: ml_collections.ConfigDict, workdir: str) -> Dataset:
   """The dataset `config.dataset`, built or opened in `config.data_dir`."""
-  kind_of(config.dataset)
+  task_of(config.dataset)
   loader = LOADERS[config.dataset][1]
   try:
     return loader(config, os.path.expanduser(config.data_dir), workdir)

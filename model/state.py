@@ -1,0 +1,65 @@
+"""What a model carries from one call to the next: a decoding cache and a
+Transformer-XL memory. Every model call returns `(output, state)`, the state
+one of these or None.
+"""
+
+import flax
+import jax
+import jax.numpy as jnp
+
+from model.config import ModelConfig
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class KeysValues:
+  """One attention's keys and values [B, S, K, H] ([B, S, 1, D] without
+  projections), in the compute dtype."""
+
+  key: Array
+  value: Array
+
+
+@flax.struct.dataclass
+class Cache:
+  """A decoder's cache, a KeysValues per layer. `self_attention`: the keys
+  and values of the positions written so far, [B, C, ...] for C positions
+  (decoding writes one position in place a call); `cross_attention`: the
+  source's, projected once (EncoderDecoder.start_decoding) and read by
+  every beam of a source, never copied (None in a decoder without
+  cross-attention)."""
+
+  self_attention: tuple[KeysValues, ...]
+  cross_attention: tuple[KeysValues, ...] | None = None
+
+  @classmethod
+  def empty(cls, config: ModelConfig, batch_size: int,
+            length: int) -> 'Cache':
+    """Zeros for decoding up to `length` positions (no source yet). Each
+    layer holds arrays of its own, so that a step writes one position in
+    place rather than copying a stacked cache."""
+    shape = (batch_size, length, config.num_kv_heads, config.head_dim)
+    if not config.attention_projections:  # The inputs themselves, one head.
+      shape = (batch_size, length, 1, config.d_model)
+    return cls(tuple(KeysValues(jnp.zeros(shape, config.compute_dtype),
+                                jnp.zeros(shape, config.compute_dtype))
+                     for _ in range(config.num_layers)))
+
+
+@flax.struct.dataclass
+class Memory:
+  """A Transformer-XL memory (Dai et al. 2019): the hidden states that
+  entered each block over the last M positions, hidden [L, B, M, D], and
+  which of them hold a position yet, valid [B, M]."""
+
+  hidden: Array
+  valid: Array
+
+  @classmethod
+  def empty(cls, config: ModelConfig, batch_size: int) -> 'Memory':
+    """A memory holding nothing yet."""
+    length = config.memory_length
+    return cls(jnp.zeros((config.num_layers, batch_size, length,
+                          config.d_model), config.compute_dtype),
+               jnp.zeros((batch_size, length), bool))

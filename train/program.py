@@ -1,0 +1,189 @@
+"""A run's program: its config checked, its mesh, and its step functions
+compiled for that mesh. `Program.from_config(config)` builds it once, for
+the trainer, trained runs, benchmarks and comparisons alike.
+
+Two strategies build the same update:
+  pjit  `jax.jit` with the state and batch shardings and the state donated;
+        XLA inserts every collective.
+  pmap  the per-device program, written with `jax.shard_map` over the data
+        axis: local gradients, then an explicit `lax.psum` of gradient and
+        metric sums, then the same update on every device's replicated
+        state. This is the program `jax.pmap` users write; data parallel
+        only.
+"""
+
+from collections.abc import Callable
+import contextlib
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import ml_collections
+
+from model import ModelConfig, build, families, weight_decay
+from train import config_validation, optim, sharding, steps
+from train import mesh as mesh_lib
+from train.steps import TrainState
+from train.tasks import Task
+
+
+def jit_train_step(step_fn: Callable, strategy: str, mesh: Mesh,
+                   state_sharding: TrainState) -> Callable:
+  """`step_fn(state, batch, rng, device_axes=None) -> (state, metrics)` as
+  the compiled step of `strategy`; the state argument is donated."""
+  replicated = NamedSharding(mesh, P())
+  batch = sharding.batch_sharding(mesh)
+  if strategy == 'pjit':
+    return jax.jit(step_fn,
+                   in_shardings=(state_sharding, batch, replicated),
+                   out_shardings=(state_sharding, replicated),
+                   donate_argnums=0)
+
+  state_specs = jax.tree.map(lambda leaf: leaf.spec, state_sharding)
+
+  def per_device(state, batch, rng):
+    # Each device draws its own dropout masks.
+    rng = jax.random.fold_in(rng, jax.lax.axis_index(sharding.BATCH_AXES))
+    # Every axis is manual here: no logical constraints apply.
+    with nn.logical_axis_rules(()):
+      return step_fn(state, batch, rng, device_axes=sharding.BATCH_AXES)
+
+  program = jax.shard_map(per_device, mesh=mesh,
+                          in_specs=(state_specs, batch.spec, P()),
+                          out_specs=(state_specs, P()))
+  return jax.jit(program, in_shardings=(state_sharding, batch, replicated),
+                 out_shardings=(state_sharding, replicated), donate_argnums=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A run's model and step functions, compiled for one mesh, and where its
+  arrays go.
+
+  Trace and run `train_step` and `eval_step` inside `scope()`.
+  """
+
+  model_config: ModelConfig
+  task: Task
+  model: nn.Module
+  mesh: Mesh
+  rules: tuple
+  seed: int
+  # Shapes, dtypes and shardings of the train state (what a restore fills).
+  abstract_state: TrainState
+  state_sharding: TrainState
+  batch_sharding: NamedSharding
+  # () -> TrainState: fresh, laid out on the mesh.
+  init: Callable[[], TrainState]
+  # (state, batch, rng) -> (state, metric sums); the state is donated.
+  train_step: Callable[..., tuple[TrainState, dict]]
+  # (params, batch, memory) -> (metric sums, memory).
+  eval_step: Callable[..., tuple[dict, Any]]
+  # () -> an empty Transformer-XL memory (None without one).
+  fresh_memory: Callable[[], Any]
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict,
+                  devices=None) -> 'Program':
+    """The program of `config` on a mesh of `devices` (default: every
+    device of every host); InputError naming every bad key first."""
+    checked = config_validation.check(config)
+    return compile_program(
+        config, checked.model_config, checked.task,
+        mesh_lib.make_mesh(config.parallelism, devices),
+        param_shapes=checked.param_shapes)
+
+  @property
+  def num_params(self) -> int:
+    return sum(x.size for x in jax.tree.leaves(self.abstract_state.params))
+
+  def key(self, index: int) -> jax.Array:
+    """Key `index` of those the seed gives, the same on every host:
+    0 initialises, 1 draws dropout, 2 samples."""
+    return jax.jit(lambda: jax.random.split(jax.random.key(self.seed),
+                                            3)[index],
+                   out_shardings=NamedSharding(self.mesh, P()))()
+
+  def replicate(self, tree):
+    """`tree` whole on every device (so any host can read it)."""
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(self.mesh, P()))(
+        tree)
+
+  def batch(self, host_batch):
+    """Global arrays of a batch every host holds whole."""
+    return sharding.global_batch(host_batch, self.batch_sharding)
+
+  def scope(self) -> contextlib.ExitStack:
+    """The mesh and the logical axis rules, in which the steps are traced:
+    activation constraints and the ring attention's shard_map find them
+    there."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(self.mesh))
+    stack.enter_context(nn.logical_axis_rules(self.rules))
+    return stack
+
+
+def compile_program(config: ml_collections.ConfigDict,
+                    model_config: ModelConfig, task: Task, mesh: Mesh, *,
+                    param_shapes=None) -> Program:
+  """The Program of a checked config on `mesh` (jitted, compiled on first
+  call). `param_shapes`: the parameters' shapes with their logical names
+  (`steps.init_params(..., boxed=True)` under `jax.eval_shape`), if known.
+  """
+  model = build(model_config)
+  if param_shapes is None:
+    param_shapes = jax.eval_shape(functools.partial(
+        steps.init_params, model, task, seq_len=config.seq_len, boxed=True),
+        jax.random.key(config.seed))
+  optimizer, schedule = optim.make_optimizer(
+      config, weight_decay.decay_mask(param_shapes))
+  rules = sharding.logical_rules(config)
+  replicated = NamedSharding(mesh, P())
+
+  def empty_memory():
+    if not model_config.memory_length:
+      return None
+    return families.empty_memory(model_config, config.batch_size)
+
+  def fresh_state(params) -> TrainState:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params), memory=empty_memory())
+
+  abstract_state = jax.eval_shape(fresh_state, nn.meta.unbox(param_shapes))
+  strategy = config.parallelism.strategy
+  state_sharding = sharding.state_shardings(
+      abstract_state, param_shapes, mesh, rules,
+      replicate_params=strategy == 'pmap')
+  batch = sharding.batch_sharding(mesh)
+  train_step = jit_train_step(
+      functools.partial(steps.train_step, model=model, task=task,
+                        optimizer=optimizer, schedule=schedule,
+                        label_smoothing=config.label_smoothing,
+                        grad_accum_steps=config.grad_accum_steps,
+                        skip_nonfinite=config.nan_policy == 'skip'),
+      strategy, mesh, state_sharding)
+  eval_step = jax.jit(
+      functools.partial(steps.eval_step, model=model, task=task),
+      in_shardings=(state_sharding.params, batch, state_sharding.memory),
+      out_shardings=(replicated, state_sharding.memory))
+  seed = config.seed
+  init = jax.jit(
+      lambda: fresh_state(steps.init_params(
+          model, task, jax.random.split(jax.random.key(seed), 3)[0],
+          config.seq_len)),
+      out_shardings=state_sharding)
+  return Program(
+      model_config=model_config, task=task, model=model, mesh=mesh,
+      rules=rules, seed=seed,
+      abstract_state=jax.tree.map(
+          lambda leaf, leaf_sharding: jax.ShapeDtypeStruct(
+              leaf.shape, leaf.dtype, sharding=leaf_sharding),
+          abstract_state, state_sharding),
+      state_sharding=state_sharding, batch_sharding=batch, init=init,
+      train_step=train_step, eval_step=eval_step,
+      fresh_memory=jax.jit(empty_memory,
+                           out_shardings=state_sharding.memory))

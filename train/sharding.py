@@ -1,0 +1,100 @@
+"""Where the train state and batches live on the mesh.
+
+Parameters carry logical axis names (embed, heads, kv_heads, kv, mlp, vocab,
+length, expert; see model/layers.py, model/moe.py) and the Transformer
+blocks constrain their
+inputs to (activation_batch, activation_length, activation_embed).
+`config.logical_axis_rules` maps each name to mesh axes (train/mesh.py); a
+name without a rule is not split. DEFAULT_RULES give
+  data parallelism      the batch over data and fsdp;
+  FSDP                  every weight's embed dim over fsdp (each weight
+                        matrix and embedding has one);
+  tensor parallelism    heads, key/value heads, MLP units and vocabulary
+                        over tensor;
+  sequence parallelism  activations' length over sequence.
+The experts of a mixture-of-experts layer are not split by default; a rule
+('expert', 'fsdp') (or 'data') puts a share of them on each device (expert
+parallelism), placed before ('embed', 'fsdp') so that it takes the axis.
+A rule maps a name to one mesh axis or a tuple of them; for each array,
+rules are tried in order and a mesh axis is used at most once.
+
+The programs that use them are built in train/program.py.
+"""
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import ml_collections
+
+from train import mesh as mesh_lib
+from train.steps import TrainState
+
+BATCH_AXES = mesh_lib.BATCH_AXES
+
+DEFAULT_RULES = (
+    ('activation_batch', BATCH_AXES),
+    ('activation_length', 'sequence'),
+    ('embed', 'fsdp'),
+    ('heads', 'tensor'),
+    ('kv_heads', 'tensor'),
+    ('mlp', 'tensor'),
+    ('vocab', 'tensor'),
+)
+
+
+def mesh_axes(target) -> tuple[str, ...]:
+  """A rule's target as a tuple of mesh axes (None: none)."""
+  if target is None:
+    return ()
+  return (target,) if isinstance(target, str) else tuple(target)
+
+
+def logical_rules(config: ml_collections.ConfigDict) -> tuple:
+  """`config.logical_axis_rules` (checked by train/config_validation.py) as
+  a tuple of (name, mesh axes) pairs; JSON's lists are tuples again."""
+  return tuple((name, tuple(target) if isinstance(target, list) else target)
+               for name, target in config.logical_axis_rules)
+
+
+def state_shardings(abstract_state: TrainState, boxed_params, mesh: Mesh,
+                    rules, *, replicate_params: bool = False) -> TrainState:
+  """Shardings of every leaf of the train state.
+
+  Parameters follow their logical names (or are replicated, for pmap); the
+  optimizer's per-parameter statistics (Adam's moments) follow the
+  parameters; a Transformer-XL memory is split by example like the batch.
+  """
+  replicated = NamedSharding(mesh, P())
+  if replicate_params:
+    params = jax.tree.map(lambda _: replicated, abstract_state.params)
+  else:
+    params = nn.logical_to_mesh_sharding(
+        nn.get_partition_spec(boxed_params), mesh, rules)
+  structure = jax.tree.structure(abstract_state.params)
+
+  def like_params(subtree) -> bool:
+    return jax.tree.structure(subtree) == structure
+
+  opt_state = jax.tree.map(
+      lambda subtree: params if like_params(subtree) else replicated,
+      abstract_state.opt_state, is_leaf=like_params)
+  memory = None
+  if abstract_state.memory is not None:
+    memory = {'hidden': NamedSharding(mesh, P(None, BATCH_AXES)),
+              'valid': NamedSharding(mesh, P(BATCH_AXES))}
+  return TrainState(step=replicated, params=params, opt_state=opt_state,
+                    memory=memory)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Batches (and per-example metrics) are split by example."""
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def global_batch(batch, sharding: NamedSharding):
+  """The global arrays of a batch that every host holds whole (see
+  train/data/pipeline.py); each host places the rows of its devices."""
+  return jax.tree.map(
+      lambda x: jax.make_array_from_process_local_data(sharding, x, x.shape),
+      batch)
+

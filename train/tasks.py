@@ -1,0 +1,191 @@
+"""The tasks a dataset can pose, as objects: the batches of each and how
+they feed the model, what its loss and metrics count, what it reports and
+what follows a run of it. The loop, the benchmarks and the tools ask a
+dataset's task (`Dataset.task`, `datasets.task_of(name)`) instead of
+testing its name.
+
+  lm              next-token prediction over documents (bits per byte on
+                  byte-level text); a run ends with a sample of text and
+                  train.generate continues text
+  seq2seq         a target sequence from a source, teacher-forced (exact
+                  match); decoded by beam search with config.decode_splits
+                  and train.translate
+  classification  one class of a sequence
+
+Batches (see train/data/pipeline.py) are dicts of arrays [b, L]:
+  lm:             inputs, targets, positions, weights, and segment_ids
+                  when rows are packed
+  seq2seq:        inputs, decoder_inputs, targets, weights
+  classification: inputs [b, L]; targets, weights [b]
+"""
+
+from typing import Any
+
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from train.data import layouts
+
+Array = jax.Array
+Batch = dict[str, Any]
+
+
+class Task:
+  """What every task answers; the subclasses below are the tasks."""
+
+  name: str
+  # The model's output is vocabulary logits, which the loss reads out a
+  # block of tokens at a time; else class logits.
+  vocabulary_logits = True
+  # config.pack_sequences applies: several examples may share a row.
+  packs = False
+  # A run ends with a sample of text (config.sample_length).
+  continues_text = False
+  # Beam-search decoding evaluates it (config.decode_splits).
+  decodes = False
+  # The evaluation counts examples whose every target is right.
+  exact_match = False
+  # config.model.num_classes must equal the dataset's.
+  has_classes = False
+  # Evaluation figures of this task's own, with the better direction.
+  eval_metrics: dict[str, str] = {}
+  # What to run on a trained workdir ('{}': the workdir), or None.
+  next_command: str | None = None
+  # Its examples are documents, each starting with EOS, under 'tokens';
+  # else the model reads an example's 'inputs'.
+  documents = False
+  # The model's method that reads a row of inputs alone (attention maps).
+  inputs_method = '__call__'
+
+  @property
+  def inputs_key(self) -> str:
+    """The key of an example's tokens that the model reads first."""
+    return 'tokens' if self.documents else 'inputs'
+
+  def model_args(self, batch: Batch) -> tuple:
+    """The model's positional arguments for a batch."""
+    raise NotImplementedError
+
+  def token_count(self, batch: Batch) -> Array:
+    """Non-padding tokens the model reads, float32."""
+    return jnp.sum(batch['inputs'] != 0).astype(jnp.float32)
+
+  def synthetic_batch(self, config: ml_collections.ConfigDict,
+                      seed: int = 0) -> dict[str, np.ndarray]:
+    """A batch of random tokens of the shapes the pipeline gives for
+    `config` (benchmarks and compiled-memory figures)."""
+    raise NotImplementedError
+
+  def examples(self, dataset, split: str, *, seq_len: int,
+               layout: str) -> grain.MapDataset:
+    """What gets shuffled: the examples of `split` (`dataset`: a
+    train.data.datasets.Dataset)."""
+    del seq_len, layout
+    return dataset.splits[split]
+
+  def batches(self, dataset, examples: grain.MapDataset, *, seq_len: int,
+              batch_size: int, seed: int, train: bool,
+              layout: str) -> grain.IterDataset:
+    """`examples` as batches; partial final batches when not `train`."""
+    del seed, layout
+    return layouts.example_batches(
+        examples, self._row, seq_len=seq_len, batch_size=batch_size,
+        train=train, read_options=dataset.read_options)
+
+  def _row(self, example, seq_len: int) -> dict[str, np.ndarray]:
+    raise NotImplementedError
+
+
+def _random_tokens(config, rng: np.random.Generator) -> np.ndarray:
+  return rng.integers(1, config.model.vocab_size,
+                      (config.batch_size, config.seq_len)).astype(np.int32)
+
+
+class LanguageModelling(Task):
+  name = 'lm'
+  documents = True
+  packs = True
+  continues_text = True
+  eval_metrics = {'eval_bits_per_byte': 'min'}
+  next_command = 'sample: python -m train.generate --workdir={}'
+
+  def model_args(self, batch):
+    return batch['inputs'], batch['positions'], batch.get('segment_ids')
+
+  def synthetic_batch(self, config, seed=0):
+    rng = np.random.default_rng(seed)
+    shape = (config.batch_size, config.seq_len)
+    batch = {'inputs': _random_tokens(config, rng),
+             'targets': _random_tokens(config, rng),
+             'weights': np.ones(shape, np.float32),
+             'positions': np.broadcast_to(
+                 np.arange(config.seq_len, dtype=np.int32), shape).copy()}
+    if config.pack_sequences:
+      batch['segment_ids'] = np.ones(shape, np.int32)
+    return batch
+
+  def examples(self, dataset, split, *, seq_len, layout):
+    return layouts.lm_examples(dataset.splits[split], seq_len, layout=layout,
+                               in_memory=dataset.shuffle_windows)
+
+  def batches(self, dataset, examples, *, seq_len, batch_size, seed, train,
+              layout):
+    return layouts.lm_batches(examples, seq_len=seq_len,
+                              batch_size=batch_size, seed=seed, train=train,
+                              layout=layout,
+                              read_options=dataset.read_options)
+
+
+class SequenceToSequence(Task):
+  name = 'seq2seq'
+  decodes = True
+  exact_match = True
+  eval_metrics = {'eval_exact_match': 'max'}
+  next_command = 'decode: python -m train.translate --workdir={}'
+  inputs_method = 'encode'  # The encoder's.
+
+  def model_args(self, batch):
+    return batch['inputs'], batch['decoder_inputs']
+
+  def token_count(self, batch):
+    """Inputs and targets."""
+    return super().token_count(batch) + jnp.sum(batch['weights'] > 0)
+
+  def synthetic_batch(self, config, seed=0):
+    rng = np.random.default_rng(seed)
+    return {'inputs': _random_tokens(config, rng),
+            'decoder_inputs': _random_tokens(config, rng),
+            'targets': _random_tokens(config, rng),
+            'weights': np.ones((config.batch_size, config.seq_len),
+                               np.float32)}
+
+  def _row(self, example, seq_len):
+    return layouts.seq2seq_row(example, seq_len)
+
+
+class Classification(Task):
+  name = 'classification'
+  vocabulary_logits = False
+  has_classes = True
+
+  def model_args(self, batch):
+    return (batch['inputs'],)
+
+  def synthetic_batch(self, config, seed=0):
+    rng = np.random.default_rng(seed)
+    return {'inputs': _random_tokens(config, rng),
+            'targets': rng.integers(0, config.model.num_classes,
+                                    config.batch_size).astype(np.int32),
+            'weights': np.ones(config.batch_size, np.float32)}
+
+  def _row(self, example, seq_len):
+    return layouts.classification_row(example, seq_len)
+
+
+LM = LanguageModelling()
+SEQ2SEQ = SequenceToSequence()
+CLASSIFICATION = Classification()
+TASKS = {task.name: task for task in (LM, SEQ2SEQ, CLASSIFICATION)}
