@@ -55,133 +55,15 @@ import sys
 import time
 
 from absl import flags
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from experiments import common
-from model import ModelConfig, attention, attention_parameters
+from experiments import attention_cases, common
 from model.attention import fused
 from train import cli, device_memory, flops
 from train.errors import InputError
 
 FLAGS = flags.FLAGS
-
-# Variants that compute softmax(q k^T) v exactly (the FLOP count applies).
-EXACT = ('xla', 'dense', 'chunked', 'ring')
-# The masks a run can measure: none, packed documents, right padding.
-ROWS = ('plain', 'packed', 'padded')
-
-
-def _takes_a_kernel(name: str) -> bool:
-  return name != 'xla' and 'kernel' in attention_parameters.option_names(name)
-
-
-def parse_variant(name: str) -> tuple[str, str | None]:
-  """'chunked[cudnn]' -> ('chunked', 'cudnn'); 'dense' -> ('dense', None).
-
-  Raises:
-    InputError: an unknown variant, or a kernel it does not take.
-  """
-  match = re.fullmatch(r'(\w+)(?:\[(\w+)\])?', name)
-  base, kernel = match.groups() if match else (name, None)
-  if base != 'xla' and base not in attention.names():
-    raise InputError(f'--variants: unknown attention {name!r}; registered: '
-                     f'xla, {", ".join(attention.names())}.')
-  if kernel is None:
-    return base, None
-  if not _takes_a_kernel(base):
-    takers = [n for n in attention.names() if _takes_a_kernel(n)]
-    raise InputError(f'--variants: {name!r}: {base} takes no kernel; '
-                     f'{", ".join(takers)} do.')
-  if kernel not in fused.KERNELS:
-    raise InputError(f'--variants: {name!r}: the kernel must be one of '
-                     f'{", ".join(fused.KERNELS)}.')
-  return base, kernel
-
-
-def default_variants(backend: str) -> list[str]:
-  """xla and every registered variant; where the backend has fused
-  kernels, chunked by its JAX code and by each of them too."""
-  kernels = fused.AUTO_ORDER.get(backend, ())
-  by_kernel = [f'chunked[{k}]' for k in ('xla', *kernels)] if kernels else []
-  return ['xla', *attention.names(), *by_kernel]
-
-
-def segment_ids(batch: int, length: int) -> jax.Array:
-  """int32 [B, T]: documents of about 2T/7 positions packed in each row
-  (7 being odd, their ends fall inside any power-of-two block)."""
-  ids = jnp.arange(length) * 7 // (2 * length)
-  return jnp.broadcast_to(ids, (batch, length)).astype(jnp.int32)
-
-
-def rows_mask(kind: str, batch: int, length: int):
-  """The mask of `kind` rows as the variants take it: None (plain), a
-  SegmentMask (packed) or a key padding mask bool [B, 1, 1, S] (padded:
-  the first 3T/4 + 1 keys real, the rest right padding)."""
-  if kind == 'packed':
-    return attention.SegmentMask(segment_ids(batch, length))
-  if kind == 'padded':
-    valid_S = jnp.arange(length) < length * 3 // 4 + 1
-    return jnp.broadcast_to(valid_S, (batch, 1, 1, length))
-  return None
-
-
-def xla_attention(q, k, v, mask, *, causal: bool) -> jax.Array:
-  """`jax.nn.dot_product_attention` [B, T, N, H] under a mask of
-  `rows_mask`, given as it takes it: packed rows as the [B, 1, T, S] mask
-  their ids compare to, right padding as each row's number of keys."""
-  if isinstance(mask, attention.SegmentMask):
-    ids_BxT = mask.q_segment_ids_BxT
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=ids_BxT[:, None, :, None] == ids_BxT[:, None, None, :],
-        is_causal=causal)
-  lengths_B = (None if mask is None
-               else jnp.sum(mask[:, 0, 0], axis=1, dtype=jnp.int32))
-  return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                      key_value_seq_lengths=lengths_B)
-
-
-class _Attend(nn.Module):
-  """A registered variant with the parameters it owns (Linformer's
-  projections, additive attention's weights) created in its scope."""
-
-  config: ModelConfig
-  is_causal: bool
-
-  @nn.compact
-  def __call__(self, q, k, v, mask):
-    kwargs = attention_parameters.variant_kwargs(self, self.config)
-    return attention.get(self.config.attention)(
-        q, k, v, mask=mask, is_causal=self.is_causal, **kwargs)
-
-
-def _variant(name: str, kind: str, length: int, options: dict, *,
-             causal: bool, heads: int, head_dim: int, q, mask):
-  """(fn(params, q, k, v, mask), params), or a string saying why not.
-
-  Raises:
-    fused.KernelError: the kernel named in brackets refuses the case.
-  """
-  if name == 'xla':
-    return (lambda params, q, k, v, mask: xla_attention(
-        q, k, v, mask, causal=causal)), {}
-  base, kernel = parse_variant(name)
-  variant = attention.spec(base)
-  if kind == 'packed' and variant.masks != 'any':
-    return f'{name} takes key padding masks only, not packed rows'
-  if causal and not variant.causal:
-    return f'{name} is not causal'
-  if base == 'ring':
-    return 'ring needs a mesh with a sequence axis (tests/test_parallel.py)'
-  options = options.get(base, {}) | ({'kernel': kernel} if kernel else {})
-  config = ModelConfig(attention=base, num_heads=heads, head_dim=head_dim,
-                       d_model=heads * head_dim, max_len=length,
-                       attention_options=tuple(options.items()))
-  module = _Attend(config, causal)
-  # Jitted, so that the forward pass it traces is never run.
-  return module.apply, jax.jit(module.init)(jax.random.key(0), q, q, q, mask)
-
 
 def _best_time(compiled, args, reps: int, budget_s: float = 20.0) -> float:
   """The best of a first run and up to `reps` more, the more ones stopping
@@ -239,9 +121,9 @@ def measure(name: str, kind: str, length: int, *, options: dict,
   shape = (batch, length, heads, head_dim)
   q, k, v = (jax.random.normal(key, shape, dtype)
              for key in jax.random.split(jax.random.key(1), 3))
-  mask = rows_mask(kind, batch, length)
+  mask = attention_cases.rows_mask(kind, batch, length)
   try:
-    made = _variant(name, kind, length, options, causal=causal, heads=heads,
+    made = attention_cases.variant_fn(name, kind, length, options, causal=causal, heads=heads,
                     head_dim=head_dim, q=q, mask=mask)
   except fused.KernelError as error:
     return row | {'skipped': f'{name}: {error}'}
@@ -253,7 +135,7 @@ def measure(name: str, kind: str, length: int, *, options: dict,
   programs = {'fwd': jax.jit(fn),
               'fwd_bwd': jax.jit(jax.grad(loss, argnums=(1, 2, 3)))}
   args = (params, q, k, v, mask)
-  exact = parse_variant(name)[0] in EXACT
+  exact = attention_cases.parse_variant(name)[0] in attention_cases.EXACT
   compiled = {}
   for key, program in programs.items():
     # XLA's autotuner can run out of memory compiling, as a run can.
@@ -288,11 +170,11 @@ def run(out: str, *, variants: list[str], lengths: list[int],
   """Measures every variant at every length on each kind of `rows`;
   writes the results."""
   for name in variants:
-    parse_variant(name)
+    attention_cases.parse_variant(name)
   for kind in rows:
-    if kind not in ROWS:
+    if kind not in attention_cases.ROWS:
       raise InputError(f'--rows: unknown kind {kind!r}; one of '
-                       f'{", ".join(ROWS)}.')
+                       f'{", ".join(attention_cases.ROWS)}.')
   for name, value in (('reps', reps), ('batch', batch), ('heads', heads),
                       ('head_dim', head_dim)):
     if value < 1:
@@ -387,7 +269,8 @@ def _write_summary(rows: list[dict], directory: str, peak: float | None, *,
 def main(argv: list[str]) -> None:
   cli.run_main(argv, lambda: run(
       FLAGS.out,
-      variants=FLAGS.variants or default_variants(jax.default_backend()),
+      variants=FLAGS.variants or attention_cases.default_variants(
+          jax.default_backend()),
       lengths=[int(n) for n in FLAGS.lengths],
       options=common.parse_options(FLAGS.options), causal=FLAGS.causal,
       batch=FLAGS.batch, heads=FLAGS.heads, head_dim=FLAGS.head_dim,

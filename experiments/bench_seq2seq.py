@@ -31,20 +31,13 @@ from ml_collections import config_flags
 
 from configs import algorithmic
 from experiments import common
-from model import ModelConfig
+from model import families
 from train import cli
 from train.errors import InputError
 from train.program import Program
 
 FLAGS = flags.FLAGS
-FAMILIES = ('rnn_attention', 'encoder_decoder')
-
-
-def sequential_steps(model_config: ModelConfig, length: int) -> int:
-  """Steps of a forward pass that must run one after another."""
-  if model_config.family == 'rnn_attention':
-    return 2 * length
-  return 2 * model_config.num_layers
+COMPARED = ('rnn_attention', 'encoder_decoder')
 
 
 def measure(base: ml_collections.ConfigDict, family: str, length: int, *,
@@ -62,7 +55,8 @@ def measure(base: ml_collections.ConfigDict, family: str, length: int, *,
         program.init(), batch_arrays, steps=steps, warmup=warmup)
   return {'family': family, 'length': length, 'step_s': seconds,
           'params': program.num_params,
-          'sequential_steps': sequential_steps(program.model_config, length)}
+          'sequential_steps': families.FAMILIES[family].sequential_steps(
+              program.model_config, length)}
 
 
 def run(base: ml_collections.ConfigDict, out: str, *, lengths: list[int],
@@ -79,14 +73,14 @@ def run(base: ml_collections.ConfigDict, out: str, *, lengths: list[int],
     for length in lengths:
       rnn, transformer = (measure(base, family, length, batch=batch,
                                   steps=steps, warmup=warmup)
-                          for family in FAMILIES)
+                          for family in COMPARED)
       rnn['step_time_vs_transformer'] = rnn['step_s'] / transformer['step_s']
       for row in (rnn, transformer):
         rows.append(row)
         lines.write(json.dumps(row) + '\n')
         print(json.dumps(row), flush=True)
   by_family = {family: [(row['length'], row['step_s']) for row in rows
-                        if row['family'] == family] for family in FAMILIES}
+                        if row['family'] == family] for family in COMPARED}
   common.plot_against_length([('train step (s)', by_family)],
                              os.path.join(directory, 'scaling.png'))
   preamble = (

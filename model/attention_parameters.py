@@ -98,6 +98,11 @@ def option_names(name: str) -> set[str]:
   return taken
 
 
+def takes_kernel(name: str) -> bool:
+  """Whether attention `name` takes a fused kernel (the option `kernel`)."""
+  return name in attention.names() and 'kernel' in option_names(name)
+
+
 def variant_kwargs(module: nn.Module, config: ModelConfig) -> dict[str, Any]:
   """The keyword arguments of `config.attention` for this module: its
   options, with any parameters it owns created and passed in."""

@@ -1,5 +1,8 @@
 """Transformer blocks and stacks of them."""
 
+from typing import Any
+
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -7,6 +10,7 @@ import jax.numpy as jnp
 from model.config import ModelConfig
 from model.layers import MultiHeadAttention, Mlp, make_norm
 from model.moe import MoeMlp
+from model.state import Cache, KeysValues
 
 Array = jax.Array
 
@@ -14,6 +18,26 @@ Array = jax.Array
 # but its inputs (None: jax.checkpoint's default), or the matmul outputs.
 REMAT_POLICY = {'full': None,
                 'dots_saveable': jax.checkpoint_policies.dots_saveable}
+
+
+@flax.struct.dataclass
+class BlockInputs:
+  """What every block of a stack reads besides its input [B, T, D]."""
+
+  # Each token's position [B, T], for relative schemes.
+  positions_BxT: Array
+  # Self-attention's mask: broadcastable to [B, N, T, S], or an
+  # attention.SegmentMask; None for none.
+  self_mask: Any = None
+  # The encoder's output [B, S, D] that cross-attention reads (None when a
+  # cache holds its keys and values), and its mask.
+  encoded_BxSxD: Array | None = None
+  cross_mask: Array | None = None
+  # The positions [B, M] of a Transformer-XL memory's hidden states.
+  memory_positions_BxM: Array | None = None
+  # No dropout. Static (part of the tree's structure), so that remat needs
+  # no static argument.
+  deterministic: bool = flax.struct.field(pytree_node=False, default=True)
 
 
 class TransformerBlock(nn.Module):
@@ -31,70 +55,71 @@ class TransformerBlock(nn.Module):
   # The feed-forward sublayer is a mixture of experts (config.moe).
   moe: bool = False
 
+  def setup(self):
+    config = self.config
+    self.self_attention_norm = make_norm(config)
+    self.self_attention = MultiHeadAttention(config, causal=self.causal)
+    if self.cross:
+      self.cross_attention_norm = make_norm(config)
+      self.cross_attention = MultiHeadAttention(config, cross=True)
+    self.mlp_norm = make_norm(config)
+    self.feed_forward = (MoeMlp(config, name='moe') if self.moe
+                         else Mlp(config, name='mlp'))
+    self.dropout = nn.Dropout(config.dropout_rate)
+
   def _add(self, x_BxTxD: Array, update_BxTxD: Array, norm: nn.Module,
            deterministic: bool) -> Array:
     """The residual connection, normalised after it for post-norm."""
-    update_BxTxD = nn.Dropout(self.config.dropout_rate)(
-        update_BxTxD, deterministic=deterministic)
+    update_BxTxD = self.dropout(update_BxTxD, deterministic=deterministic)
     if self.config.norm_position == 'pre':
       return x_BxTxD + update_BxTxD
     return norm(x_BxTxD + update_BxTxD)
 
-  def _residual(self, x_BxTxD: Array, sublayer, name: str,
-                deterministic: bool) -> Array:
-    norm = make_norm(self.config, f'{name}_norm')
-    pre = self.config.norm_position == 'pre'
-    update = sublayer(norm(x_BxTxD) if pre else x_BxTxD)
-    return self._add(x_BxTxD, update, norm, deterministic)
+  def _normed(self, x_BxTxD: Array, norm: nn.Module) -> Array:
+    """A sublayer's input: normalised first for pre-norm."""
+    return norm(x_BxTxD) if self.config.norm_position == 'pre' else x_BxTxD
 
-  # Arguments are positional so that nn.remat can mark `deterministic` static.
-  @nn.compact
-  def __call__(self, x_BxTxD: Array, self_mask: Array | None,
-               encoded_BxSxD: Array | None, cross_mask: Array | None,
-               positions_BxT: Array, memory_BxMxD: Array | None,
-               memory_positions_BxM: Array | None,
-               cache: dict[str, Array] | None, deterministic: bool):
-    """With `memory_BxMxD` (earlier hidden states entering this block, at
-    `memory_positions_BxM`), self-attention reads them as keys and values
-    before the current positions. With a `cache` (see MultiHeadAttention):
-    self-attention's {'key', 'value'} and, in a decoder with
-    cross-attention, the source's {'cross_key', 'cross_value'} once a call
-    has projected them; returns (output, cache with both)."""
-    config = self.config
-    norm = make_norm(config, 'self_attention_norm')
-    pre = config.norm_position == 'pre'
-    queries_BxTxD = norm(x_BxTxD) if pre else x_BxTxD
-    context_BxSxD, kv_positions_BxS = queries_BxTxD, positions_BxT
+  def __call__(self, x_BxTxD: Array, inputs: BlockInputs,
+               memory_BxMxD: Array | None = None,
+               cache: KeysValues | None = None,
+               source: KeysValues | None = None
+               ) -> tuple[Array, KeysValues | None]:
+    """(output [B, T, D], self-attention's cache after it or None).
+
+    With `memory_BxMxD` (earlier hidden states entering this block, at
+    `inputs.memory_positions_BxM`), self-attention reads them as keys and
+    values before the current positions. With a `cache` (see
+    MultiHeadAttention) self-attention reads and writes it, and
+    cross-attention reads the source's keys and values from `source`.
+    """
+    norm = self.self_attention_norm
+    queries_BxTxD = self._normed(x_BxTxD, norm)
+    context_BxSxD, kv_positions_BxS = queries_BxTxD, inputs.positions_BxT
     if memory_BxMxD is not None:
-      context_BxSxD = jnp.concatenate(
-          [memory_BxMxD.astype(x_BxTxD.dtype), x_BxTxD], axis=1)
-      context_BxSxD = norm(context_BxSxD) if pre else context_BxSxD
+      context_BxSxD = self._normed(jnp.concatenate(
+          [memory_BxMxD.astype(x_BxTxD.dtype), x_BxTxD], axis=1), norm)
       kv_positions_BxS = jnp.concatenate(
-          [memory_positions_BxM, positions_BxT], axis=1)
-    self_cache = cross_cache = None
-    if cache is not None:
-      self_cache = {'key': cache['key'], 'value': cache['value']}
-      cross_cache = ({'key': cache['cross_key'], 'value': cache['cross_value']}
-                     if 'cross_key' in cache else {})
-    update = MultiHeadAttention(config, name='self_attention')(
-        queries_BxTxD, context_BxSxD, mask=self_mask, is_causal=self.causal,
-        q_positions_BxT=positions_BxT, kv_positions_BxS=kv_positions_BxS,
-        cache=self_cache, deterministic=deterministic)
-    if cache is not None:
-      update, cache = update
-    x_BxTxD = self._add(x_BxTxD, update, norm, deterministic)
+          [inputs.memory_positions_BxM, inputs.positions_BxT], axis=1)
+    update, cache = self.self_attention(
+        queries_BxTxD, context_BxSxD, mask=inputs.self_mask,
+        q_positions_BxT=inputs.positions_BxT,
+        kv_positions_BxS=kv_positions_BxS, cache=cache,
+        deterministic=inputs.deterministic)
+    x_BxTxD = self._add(x_BxTxD, update, norm, inputs.deterministic)
     if self.cross:
-      norm = make_norm(config, 'cross_attention_norm')
-      update = MultiHeadAttention(config, cross=True, name='cross_attention')(
-          norm(x_BxTxD) if pre else x_BxTxD, encoded_BxSxD, mask=cross_mask,
-          cache=cross_cache, deterministic=deterministic)
-      if cache is not None:
-        update, source = update
-        cache |= {'cross_key': source['key'], 'cross_value': source['value']}
-      x_BxTxD = self._add(x_BxTxD, update, norm, deterministic)
-    mlp = MoeMlp(config, name='moe') if self.moe else Mlp(config, name='mlp')
-    x_BxTxD = self._residual(x_BxTxD, mlp, 'mlp', deterministic)
-    return x_BxTxD if cache is None else (x_BxTxD, cache)
+      norm = self.cross_attention_norm
+      update, _ = self.cross_attention(
+          self._normed(x_BxTxD, norm), inputs.encoded_BxSxD,
+          mask=inputs.cross_mask, cache=source,
+          deterministic=inputs.deterministic)
+      x_BxTxD = self._add(x_BxTxD, update, norm, inputs.deterministic)
+    update = self.feed_forward(self._normed(x_BxTxD, self.mlp_norm))
+    return self._add(x_BxTxD, update, self.mlp_norm,
+                     inputs.deterministic), cache
+
+  def source_keys_values(self, encoded_BxSxD: Array) -> KeysValues:
+    """Cross-attention's keys and values of the encoder output."""
+    return self.cross_attention.source_keys_values(encoded_BxSxD)
 
 
 class TransformerStack(nn.Module):
@@ -107,29 +132,27 @@ class TransformerStack(nn.Module):
   causal: bool
   cross: bool
 
-  @nn.compact
-  def __call__(self, x_BxTxD: Array, positions_BxT: Array, *,
-               self_mask: Array | None = None,
-               encoded_BxSxD: Array | None = None,
-               cross_mask: Array | None = None,
-               memory_LxBxMxD: Array | None = None,
-               memory_positions_BxM: Array | None = None,
-               cache: tuple[dict[str, Array], ...] | None = None,
-               deterministic: bool = True):
-    """The output [B, T, D]; with a memory, also each block's input
-    [L, B, T, D], from which the caller forms the next memory; with a
-    `cache` (each layer's, see TransformerBlock), also the cache after this
-    call.
-
-    `positions_BxT` are each token's position, for relative schemes.
-    """
+  def setup(self):
+    config = self.config
     block_cls = TransformerBlock
-    if self.config.remat != 'none':
-      # Index 9 is `deterministic`, counting `self` as 0.
-      block_cls = nn.remat(TransformerBlock, static_argnums=(9,),
-                           policy=REMAT_POLICY[self.config.remat])
-    block_inputs, caches = [], []
-    for layer in range(self.config.num_layers):
+    if config.remat != 'none':
+      block_cls = nn.remat(TransformerBlock,
+                           policy=REMAT_POLICY[config.remat])
+    self.blocks = [block_cls(config.for_layer(layer), self.causal, self.cross,
+                             config.has_moe(layer), name=f'block_{layer}')
+                   for layer in range(config.num_layers)]
+    if config.norm_position == 'pre':
+      self.final_norm = make_norm(config)
+
+  def __call__(self, x_BxTxD: Array, inputs: BlockInputs, *,
+               memory_LxBxMxD: Array | None = None,
+               cache: Cache | None = None):
+    """(output [B, T, D], state): with a memory, the state is each block's
+    input [L, B, T, D], from which the caller forms the next memory; with a
+    `cache` (see model.state.Cache), the cache after this call; else None.
+    """
+    block_inputs, self_caches = [], []
+    for layer, block in enumerate(self.blocks):
       # Under a mesh with logical axis rules, each block's input is laid out
       # as the rules say (e.g. split by example and along the length);
       # elsewhere this does nothing.
@@ -137,22 +160,24 @@ class TransformerStack(nn.Module):
           x_BxTxD, ('activation_batch', 'activation_length',
                     'activation_embed'))
       block_inputs.append(x_BxTxD)
-      memory_BxMxD = (None if memory_LxBxMxD is None
-                      else memory_LxBxMxD[layer])
-      layer_cache = None if cache is None else cache[layer]
-      x_BxTxD = block_cls(self.config.for_layer(layer), self.causal,
-                          self.cross, self.config.has_moe(layer),
-                          name=f'block_{layer}')(
-                              x_BxTxD, self_mask, encoded_BxSxD, cross_mask,
-                              positions_BxT, memory_BxMxD,
-                              memory_positions_BxM, layer_cache, deterministic)
-      if cache is not None:
-        x_BxTxD, layer_cache = x_BxTxD
-        caches.append(layer_cache)
+      x_BxTxD, layer_cache = block(
+          x_BxTxD, inputs,
+          None if memory_LxBxMxD is None else memory_LxBxMxD[layer],
+          None if cache is None else cache.self_attention[layer],
+          None if cache is None or cache.cross_attention is None
+          else cache.cross_attention[layer])
+      self_caches.append(layer_cache)
     if self.config.norm_position == 'pre':
-      x_BxTxD = make_norm(self.config, 'final_norm')(x_BxTxD)
+      x_BxTxD = self.final_norm(x_BxTxD)
     if cache is not None:
-      return x_BxTxD, tuple(caches)
-    if memory_LxBxMxD is None:
-      return x_BxTxD
-    return x_BxTxD, jnp.stack(block_inputs)
+      return x_BxTxD, cache.replace(self_attention=tuple(self_caches))
+    if memory_LxBxMxD is not None:
+      return x_BxTxD, jnp.stack(block_inputs)
+    return x_BxTxD, None
+
+  def source_keys_values(self, encoded_BxSxD: Array
+                         ) -> tuple[KeysValues, ...]:
+    """Every block's cross-attention keys and values of the encoder
+    output: what decoding reads from the cache's cross-attention half."""
+    return tuple(block.source_keys_values(encoded_BxSxD)
+                 for block in self.blocks)

@@ -13,23 +13,17 @@ from typing import Any
 import jax.numpy as jnp
 
 from model import attention
+from model.positions import SCHEMES
 
 # The token id of padding, in every family.
 PAD_ID = 0
-FAMILIES = ('decoder_lm', 'encoder_decoder', 'encoder_classifier',
-            'rnn_attention')
 RNN_CELLS = ('lstm', 'gru')
 RNN_SCORES = ('additive', 'general')
 ACTIVATIONS = ('relu', 'gelu', 'swiglu')
 NORMS = ('layernorm', 'rmsnorm')
 NORM_POSITIONS = ('pre', 'post')
-# Absolute positions are added to the embeddings; relative ones act inside
-# self-attention (a bias on the logits, or a rotation of queries and keys).
-ABSOLUTE_POSITIONS = ('sinusoidal', 'learned')
-RELATIVE_POSITIONS = ('relative', 't5_bias', 'rope', 'alibi', 'deberta')
-# The relative schemes that add a bias to the logits, per head.
-BIAS_POSITIONS = ('relative', 't5_bias', 'alibi', 'deberta')
-POSITIONS = ('none',) + ABSOLUTE_POSITIONS + RELATIVE_POSITIONS
+# Position schemes (model/positions.py says what each does).
+POSITIONS = tuple(SCHEMES)
 POOLINGS = ('cls', 'mean')
 DTYPES = ('float32', 'bfloat16', 'float16')
 # What a block keeps for the backward pass: everything (none), only its
@@ -91,7 +85,7 @@ class ModelConfig:
   # Which model: decoder_lm (GPT-2), encoder_decoder (Vaswani et al. 2017),
   # encoder_classifier (an encoder with a pooled classification head), or
   # rnn_attention (Bahdanau et al. 2015: a bidirectional RNN encoder and an
-  # attending RNN decoder, no Transformer blocks; model/rnn.py).
+  # attending RNN decoder, no Transformer blocks). See model/families/.
   family: str = 'decoder_lm'
   # Number of token ids, padding (0) included.
   vocab_size: int = 256
@@ -189,6 +183,9 @@ class ModelConfig:
   memory_length: int = 0
 
   def __post_init__(self):
+    # The registry of families (model/families/) imports this module.
+    from model.families import FAMILIES
+
     def fail(message):
       raise ValueError(message)
 
@@ -207,10 +204,12 @@ class ModelConfig:
                  'relative_buckets'):
       check_positive(name)
     check_choice('family', FAMILIES)
+    family = FAMILIES[self.family]
     check_choice('mlp_activation', ACTIVATIONS)
     check_choice('norm', NORMS)
     check_choice('norm_position', NORM_POSITIONS)
     check_choice('position', POSITIONS)
+    scheme = SCHEMES[self.position]
     check_choice('pooling', POOLINGS)
     check_choice('dtype', DTYPES)
     check_choice('param_dtype', DTYPES)
@@ -225,10 +224,11 @@ class ModelConfig:
       if not isinstance(getattr(self, name), bool):
         fail(f'config.model.{name}={getattr(self, name)!r} must be True or '
              'False.')
-    if not self.attention_projections and self.position in BIAS_POSITIONS:
+    if not self.attention_projections and scheme.bias:
+      unbiased = [name for name, s in SCHEMES.items() if not s.bias]
       fail(f'config.model.position={self.position!r} biases each head, and '
            'config.model.attention_projections=False leaves one head of '
-           "the model's width: use none, sinusoidal, learned or rope.")
+           f"the model's width: use one of {unbiased}.")
 
     if isinstance(self.moe, dict):
       known = {field.name for field in dataclasses.fields(MoeConfig)}
@@ -238,9 +238,10 @@ class ModelConfig:
              f'{", ".join(sorted(known))}.')
       object.__setattr__(self, 'moe', MoeConfig(**self.moe))
     self.moe.check(fail)
-    if self.moe.num_experts and self.family == 'rnn_attention':
+    if self.moe.num_experts and not family.feed_forward:
       fail('config.model.moe.num_experts is for the Transformer families; '
-           "config.model.family='rnn_attention' has no feed-forward blocks.")
+           f'config.model.family={self.family!r} has no feed-forward '
+           'blocks.')
     if self.moe.num_experts and self.moe.every_n_layers > self.num_layers:
       fail(f'config.model.moe.every_n_layers={self.moe.every_n_layers} '
            f'exceeds config.model.num_layers={self.num_layers}: no block '
@@ -248,9 +249,11 @@ class ModelConfig:
     if not isinstance(self.memory_length, int) or self.memory_length < 0:
       fail(f'config.model.memory_length={self.memory_length!r} must be an '
            'integer >= 0.')
-    if self.memory_length and self.family != 'decoder_lm':
-      fail('config.model.memory_length is for config.model.family='
-           f"'decoder_lm', not {self.family!r}.")
+    if self.memory_length and not family.memory:
+      keeping = ' or '.join(f'config.model.family={name!r}'
+                            for name, f in FAMILIES.items() if f.memory)
+      fail(f'config.model.memory_length is for {keeping}, not '
+           f'{self.family!r}.')
     if (not isinstance(self.rope_max_wavelength, (int, float))
         or self.rope_max_wavelength <= 1):
       fail(f'config.model.rope_max_wavelength={self.rope_max_wavelength!r} '
@@ -268,16 +271,16 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       fail(f'config.model.num_kv_heads={self.num_kv_heads} does not divide '
            f'config.model.num_heads={self.num_heads}.')
-    if self.position == 'rope' and self.head_dim % 2:
-      fail(f'config.model.position=\'rope\' rotates pairs of channels: '
-           f'config.model.head_dim={self.head_dim} must be even.')
+    if scheme.rotation and self.head_dim % 2:
+      fail(f'config.model.position={self.position!r} rotates pairs of '
+           f'channels: config.model.head_dim={self.head_dim} must be even.')
     if isinstance(self.attention, str) and ',' in self.attention:
       object.__setattr__(self, 'attention', tuple(
           name.strip() for name in self.attention.split(',')))
     if isinstance(self.attention, (tuple, list)):
       self._check_pattern(fail)
     else:
-      self._check_attention(fail)
+      self._check_attention(fail, family)
 
   def _check_pattern(self, fail) -> None:
     """Several attentions: each entry, with its options, is checked as the
@@ -308,8 +311,9 @@ class ModelConfig:
         fail(f'config.model.attention[{index}]: {error}')
     object.__setattr__(self, 'attention', tuple(resolved))
 
-  def _check_attention(self, fail) -> None:
-    """What the one attention function must honour in this model."""
+  def _check_attention(self, fail, family) -> None:
+    """What the one attention function must honour in this model of
+    `family` (model.families.Family)."""
     if self.attention not in ['auto'] + attention.names():
       fail(f'config.model.attention={self.attention!r} must be one of '
            f"{['auto'] + attention.names()}.")
@@ -323,23 +327,25 @@ class ModelConfig:
     if self.attention_dropout_rate > 0 and not variant.dropout:
       fail(f'config.model.attention={self.attention!r} has no attention '
            'dropout; set config.model.attention_dropout_rate=0.')
-    if self.family != 'encoder_classifier' and not variant.causal:
+    if family.decoder and not variant.causal:
       fail(f'config.model.attention={self.attention!r} cannot be causal, '
            f'which the decoder of config.model.family={self.family!r} needs.')
+    scheme = SCHEMES[self.position]
     if self.memory_length:
-      if self.position not in RELATIVE_POSITIONS:
+      if not scheme.relative:
+        relative = [name for name, s in SCHEMES.items() if s.relative]
         fail(f'config.model.memory_length={self.memory_length} needs a '
              'relative position scheme (config.model.position in '
-             f'{list(RELATIVE_POSITIONS)}), not {self.position!r}.')
+             f'{relative}), not {self.position!r}.')
       if not variant.longer_keys:
         fail(f'config.model.attention={self.attention!r} cannot attend to '
              'more keys than queries, which config.model.memory_length '
              'needs.')
-    if self.position == 'rope' and not variant.dot_product:
-      fail(f"config.model.position='rope' makes scores relative only when "
-           f'they are dot products q . k, which those of config.model.'
-           f'attention={self.attention!r} are not.')
-    if self.position in BIAS_POSITIONS and not variant.bias:
+    if scheme.rotation and not variant.dot_product:
+      fail(f'config.model.position={self.position!r} makes scores relative '
+           'only when they are dot products q . k, which those of config.'
+           f'model.attention={self.attention!r} are not.')
+    if scheme.bias and not variant.bias:
       fail(f'config.model.position={self.position!r} adds a bias to the '
            f'logits, which config.model.attention={self.attention!r} cannot '
            'take.')

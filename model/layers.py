@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from model import attention, attention_parameters, positions
-from model.config import RELATIVE_POSITIONS, ModelConfig
+from model.config import ModelConfig
+from model.state import KeysValues
 from model.weight_decay import undecayed
 
 Array = jax.Array
@@ -78,109 +79,100 @@ class MultiHeadAttention(nn.Module):
 
   config: ModelConfig
   cross: bool = False
+  # Each query attends to keys at its position and before (self-attention
+  # of a decoder).
+  causal: bool = False
 
-  def _position_bias(self, q_BxTxNxH, k_BxSxKxH, q_positions_BxT,
-                     kv_positions_BxS, is_causal):
-    """The logit bias of the relative position scheme (None for rope and
-    the absolute schemes)."""
+  def setup(self):
     config = self.config
-    if config.position == 'deberta':
-      return positions.DisentangledBias(
-          config.num_heads, config.head_dim, config.relative_max_distance,
-          param_dtype=config.weight_dtype, name='disentangled')(
-              q_BxTxNxH, k_BxSxKxH, q_positions_BxT, kv_positions_BxS,
-              config.d_model, positions.deberta_scale(config.head_dim))
-    if config.position == 'alibi':
-      return positions.alibi_bias(q_positions_BxT, kv_positions_BxS,
-                                  config.num_heads)
-    if config.position == 't5_bias':
-      return positions.T5Bias(
-          config.num_heads, config.relative_buckets,
-          config.relative_max_distance, bidirectional=not is_causal,
-          param_dtype=config.weight_dtype, name='t5_bias')(
-              q_positions_BxT, kv_positions_BxS)
-    if config.position == 'relative':
-      return positions.ShawRelative(
-          config.head_dim, config.relative_max_distance,
-          param_dtype=config.weight_dtype, name='relative')(
-              q_BxTxNxH, q_positions_BxT, kv_positions_BxS,
-              scale=config.head_dim ** -0.5)
-    return None
+    if self._parameter_free:
+      if config.attention in attention_parameters.PARAMETERS:
+        raise ValueError(
+            f'config.model.attention={config.attention!r} has parameters '
+            'of its own; config.model.attention_projections=False wants '
+            'none.')
+    else:
+      heads = (config.num_heads, config.head_dim)
+      kv_heads = (config.num_kv_heads, config.head_dim)
+      self.query = _dense(heads, ('embed', 'heads', 'kv'), config, 'query')
+      self.key = _dense(kv_heads, ('embed', 'kv_heads', 'kv'), config, 'key')
+      self.value = _dense(kv_heads, ('embed', 'kv_heads', 'kv'), config,
+                          'value')
+      self.out = _dense(config.d_model, ('heads', 'kv', 'embed'), config,
+                        'out', num_in=2)
+    if self.cross:
+      self.variant, self.options = attention.spec('dense'), {}
+      return
+    self.variant = attention.spec(config.attention)
+    self.options = attention_parameters.variant_kwargs(self, config)
+    self.scheme = positions.SCHEMES[config.position]
+    self.position_layer = (self.scheme.bias_layer(config, self.causal)
+                           if self.scheme.bias_layer else None)
 
   def _rotate(self, x, positions_BxT):
-    """`x` [B, T, heads, H] rotated by position for rope; else `x`."""
-    if self.config.position != 'rope':
+    """`x` [B, T, heads, H] rotated by position where the scheme rotates;
+    else `x`."""
+    if not self.scheme.rotation:
       return x
-    return positions.rotate(x, positions_BxT, self.config.rope_max_wavelength)
+    return positions.rotate(x, positions_BxT,
+                            self.scheme.rotation(self.config))
 
-  @nn.compact
-  def __call__(self, inputs_q_BxTxD: Array, inputs_kv_BxSxD: Array, *,
-               mask: Array | None = None, is_causal: bool = False,
+  def __call__(self, inputs_q_BxTxD: Array, inputs_kv_BxSxD: Array | None,
+               *, mask: Array | None = None,
                q_positions_BxT: Array | None = None,
                kv_positions_BxS: Array | None = None,
-               cache: dict[str, Array] | None = None,
-               deterministic: bool = True):
-    """Attention output [B, T, D]; positions are needed by relative schemes
-    (self-attention only).
+               cache: KeysValues | None = None,
+               deterministic: bool = True
+               ) -> tuple[Array, KeysValues | None]:
+    """(attention output [B, T, D], the cache after it or None); positions
+    are needed by relative schemes (self-attention only).
 
-    With a `cache` (self-attention; see `init_cache` in model/families.py):
-    {'key', 'value'} [B, C, K, H], the keys and values of positions 0..C-1
-    written so far. This call's keys and values are written at
-    `q_positions_BxT`, each query attends to the cached positions up to its
-    own, and the result is (output, cache): a prompt of any length is read
-    in one call, then one token a call.
+    With a `cache` (self-attention; see model.state.Cache): the keys and
+    values of positions 0..C-1 written so far. This call's keys and values
+    are written at `q_positions_BxT`, each query attends to the cached
+    positions up to its own, and the cache with them is returned: a prompt
+    of any length is read in one call, then one token a call.
 
-    With a `cache` for cross-attention: {} (project `inputs_kv_BxSxD`) or
-    the {'key', 'value'} [B, S, K, H] a call returned (`inputs_kv_BxSxD` is
-    not read); the queries may be `copies` consecutive rows per source row
-    (beam search's layout). Returns (output, {'key', 'value'}).
+    With a `cache` for cross-attention: the source's keys and values
+    (`source_keys_values`; `inputs_kv_BxSxD` is not read), returned as
+    they are; the queries may be `copies` consecutive rows per source row
+    (beam search's layout).
     """
-    config = self.config
     q_BxTxNxH = self._queries(inputs_q_BxTxD)
     if self.cross and cache is not None:
-      return self._cached_cross(q_BxTxNxH, inputs_kv_BxSxD, mask, cache,
-                                inputs_q_BxTxD.shape[-1])
-    k_BxSxKxH, v_BxSxKxH = self._keys_values(inputs_kv_BxSxD)
-    bias = None
-    if self.cross:
-      if cache is not None:
-        return self._cross_from_cache(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask,
-                                      inputs_q_BxTxD.shape[-1])
-      variant, kwargs = attention.spec('dense'), {}
-    else:
-      variant = attention.spec(config.attention)
-      kwargs = attention_parameters.variant_kwargs(self, config)
+      return self._cached_cross(q_BxTxNxH, mask, cache), cache
+    config = self.config
+    source = self.source_keys_values(inputs_kv_BxSxD)
+    k_BxSxKxH, v_BxSxKxH = source.key, source.value
+    kwargs = dict(self.options)
+    if not self.cross:
       if self._parameter_free:
-        if config.attention in attention_parameters.PARAMETERS:
-          raise ValueError(
-              f'config.model.attention={config.attention!r} has parameters '
-              'of its own; config.model.attention_projections=False wants '
-              'none.')
         kwargs['scale'] = 1.0
-      if config.position == 'deberta':
-        # Content logits take DeBERTa's scale too.
-        kwargs['scale'] = positions.deberta_scale(config.head_dim)
+      if self.scheme.logit_scale:
+        kwargs['scale'] = self.scheme.logit_scale(config)
       q_BxTxNxH = self._rotate(q_BxTxNxH, q_positions_BxT)
       k_BxSxKxH = self._rotate(k_BxSxKxH, kv_positions_BxS)
     if cache is not None:
-      if not variant.reads_cache:
+      if not self.variant.reads_cache:
         raise ValueError(
             f'config.model.attention={config.attention!r} cannot read a cache '
             '(cached decoding needs dense, chunked or additive attention).')
       if 'kernel' in kwargs:  # No fused kernel reads a cache.
         kwargs['kernel'] = 'auto'
       cache = _write(cache, k_BxSxKxH, v_BxSxKxH, q_positions_BxT)
-      k_BxSxKxH, v_BxSxKxH = cache['key'], cache['value']
+      k_BxSxKxH, v_BxSxKxH = cache.key, cache.value
       kv_positions_BxS = jnp.broadcast_to(
           jnp.arange(k_BxSxKxH.shape[1]), k_BxSxKxH.shape[:2])
       written = (kv_positions_BxS[:, None, None, :]
                  <= q_positions_BxT[:, None, :, None])
       mask = written if mask is None else mask & written
-    if not self.cross and config.position in RELATIVE_POSITIONS:
-      bias = self._position_bias(q_BxTxNxH, k_BxSxKxH, q_positions_BxT,
-                                 kv_positions_BxS, is_causal)
+    bias = None
+    if not self.cross and self.scheme.bias:
+      bias = self.scheme.bias(
+          self.position_layer, config, q_BxTxNxH, k_BxSxKxH,
+          q_positions_BxT, kv_positions_BxS)
     # With a cache, the mask says what each query sees.
-    causal = is_causal and cache is None
+    causal = self.causal and cache is None
     if self.is_mutable_collection('intermediates'):
       # For pictures (experiments/attention_maps.py): the softmax weights
       # [B, N, T, S] of exact attention under this layer's mask.
@@ -188,14 +180,13 @@ class MultiHeadAttention(nn.Module):
                attention.attention_weights(q_BxTxNxH, k_BxSxKxH, bias, mask,
                                            scale=kwargs.get('scale'),
                                            is_causal=causal))
-    if variant.dropout and not deterministic and (
+    if self.variant.dropout and not deterministic and (
         config.attention_dropout_rate > 0.0):
       kwargs |= {'dropout_rate': config.attention_dropout_rate,
                  'dropout_rng': self.make_rng('dropout')}
-    out_BxTxNxH = variant.fn(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias, mask,
-                             is_causal=causal, **kwargs)
-    out_BxTxD = self._out(out_BxTxNxH, inputs_q_BxTxD.shape[-1])
-    return out_BxTxD if cache is None else (out_BxTxD, cache)
+    out_BxTxNxH = self.variant.fn(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias,
+                                  mask, is_causal=causal, **kwargs)
+    return self._out(out_BxTxNxH), cache
 
   @property
   def _parameter_free(self) -> bool:
@@ -206,56 +197,45 @@ class MultiHeadAttention(nn.Module):
     """Queries [B, T, N, H] of the inputs ([B, T, 1, D] parameter-free)."""
     if self._parameter_free:
       return inputs_q_BxTxD[:, :, None]
-    return _dense((self.config.num_heads, self.config.head_dim),
-                  ('embed', 'heads', 'kv'), self.config,
-                  'query')(inputs_q_BxTxD)
+    return self.query(inputs_q_BxTxD)
 
-  def _out(self, x_BxTxNxH: Array, features: int) -> Array:
+  def _out(self, x_BxTxNxH: Array) -> Array:
     if self._parameter_free:
-      return x_BxTxNxH.reshape(*x_BxTxNxH.shape[:2], features)
-    return _dense(features, ('heads', 'kv', 'embed'), self.config, 'out',
-                  num_in=2)(x_BxTxNxH)
+      return x_BxTxNxH.reshape(*x_BxTxNxH.shape[:2], self.config.d_model)
+    return self.out(x_BxTxNxH)
 
-  def _keys_values(self, inputs_kv_BxSxD: Array) -> tuple[Array, Array]:
+  def source_keys_values(self, inputs_kv_BxSxD: Array) -> KeysValues:
     """Keys and values [B, S, K, H] of the inputs ([B, S, 1, D] each
-    parameter-free)."""
+    parameter-free): for cross-attention, what decoding projects once."""
     if self._parameter_free:
-      return inputs_kv_BxSxD[:, :, None], inputs_kv_BxSxD[:, :, None]
-    config = self.config
-    features = (config.num_kv_heads, config.head_dim)
-    return tuple(_dense(features, ('embed', 'kv_heads', 'kv'), config,
-                        name)(inputs_kv_BxSxD) for name in ('key', 'value'))
+      return KeysValues(inputs_kv_BxSxD[:, :, None],
+                        inputs_kv_BxSxD[:, :, None])
+    return KeysValues(self.key(inputs_kv_BxSxD), self.value(inputs_kv_BxSxD))
 
-  def _cached_cross(self, q_BxTxNxH: Array, inputs_kv_BxSxD: Array | None,
-                    mask: Array | None, cache: dict[str, Array],
-                    features: int) -> tuple[Array, dict[str, Array]]:
+  def _cached_cross(self, q_BxTxNxH: Array, mask: Array | None,
+                    source: KeysValues) -> Array:
     """Cross-attention while decoding: the source's keys and values are
-    projected once and read by every beam of it, never copied."""
-    if cache:
-      k_BxSxKxH, v_BxSxKxH = cache['key'], cache['value']
-    else:
-      k_BxSxKxH, v_BxSxKxH = self._keys_values(inputs_kv_BxSxD)
+    read by every beam of it, never copied."""
     rows, length = q_BxTxNxH.shape[:2]
-    copies = rows // k_BxSxKxH.shape[0]
+    copies = rows // source.key.shape[0]
     # [B * copies, T] queries as [B, copies * T]: each row's beams together.
-    q_BxCTxNxH = q_BxTxNxH.reshape(k_BxSxKxH.shape[0], copies * length,
+    q_BxCTxNxH = q_BxTxNxH.reshape(source.key.shape[0], copies * length,
                                    *q_BxTxNxH.shape[2:])
     out_BxCTxNxH = attention.scaled_dot_product_attention(
-        q_BxCTxNxH, k_BxSxKxH, v_BxSxKxH, None, mask)
-    out_BxTxD = self._out(out_BxCTxNxH.reshape(q_BxTxNxH.shape), features)
-    return out_BxTxD, {'key': k_BxSxKxH, 'value': v_BxSxKxH}
+        q_BxCTxNxH, source.key, source.value, None, mask)
+    return self._out(out_BxCTxNxH.reshape(q_BxTxNxH.shape))
 
 
-def _write(cache: dict[str, Array], k_BxTxKxH: Array, v_BxTxKxH: Array,
-           positions_BxT: Array) -> dict[str, Array]:
+def _write(cache: KeysValues, k_BxTxKxH: Array, v_BxTxKxH: Array,
+           positions_BxT: Array) -> KeysValues:
   """The cache with each example's new keys and values at its positions."""
   rows_BxT = jnp.broadcast_to(jnp.arange(positions_BxT.shape[0])[:, None],
                               positions_BxT.shape)
-  return {
-      'key': cache['key'].at[rows_BxT, positions_BxT].set(
-          k_BxTxKxH.astype(cache['key'].dtype)),
-      'value': cache['value'].at[rows_BxT, positions_BxT].set(
-          v_BxTxKxH.astype(cache['value'].dtype))}
+  return KeysValues(
+      cache.key.at[rows_BxT, positions_BxT].set(
+          k_BxTxKxH.astype(cache.key.dtype)),
+      cache.value.at[rows_BxT, positions_BxT].set(
+          v_BxTxKxH.astype(cache.value.dtype)))
 
 
 class Mlp(nn.Module):
@@ -278,11 +258,11 @@ class Mlp(nn.Module):
         hidden_BxTxM)
 
 
-def make_norm(config: ModelConfig, name: str) -> nn.Module:
+def make_norm(config: ModelConfig) -> nn.Module:
   """LayerNorm or RMSNorm as `config.norm` says, statistics in float32."""
   scale_init = undecayed(nn.initializers.ones, ('embed',))
   common = dict(dtype=config.compute_dtype, param_dtype=config.weight_dtype,
-                scale_init=scale_init, name=name)
+                scale_init=scale_init)
   if config.norm == 'rmsnorm':
     return nn.RMSNorm(**common)
   return nn.LayerNorm(

@@ -1,7 +1,13 @@
 """Position information: absolute encodings added to the token embeddings,
-and relative ones applied inside self-attention."""
+and relative ones applied inside self-attention; SCHEMES says what each
+scheme (config.model.position) does, for the model, decoding and the
+config checks to ask.
+"""
 
+from collections.abc import Callable
+import dataclasses
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -266,3 +272,107 @@ class DisentangledBias(nn.Module):
     return attention.PositionBias(
         {'q_positions': q_positions_BxT, 'kv_positions': kv_positions_BxS,
          'c2p': c2p_BxNxTxR, 'p2c': p2c_BxNxSxR}, at)
+
+
+# --- The schemes, by the name config.model.position gives. ---
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionScheme:
+  """What a position scheme does to a model; `config` is the model's
+  ModelConfig. Absolute schemes add an embedding of each position to the
+  token embeddings; relative ones act inside self-attention, by a bias on
+  its logits or by rotating its queries and keys."""
+
+  name: str
+  # config -> a layer of positions [B, T] to [B, T, D], added to the token
+  # embeddings (a Module, which the embedder names).
+  embedding: Callable[[Any], Callable[[Array], Array]] | None = None
+  # (layer, config, q, k, q_positions, kv_positions) -> the bias [B, N, T,
+  # S] of self-attention's logits, as a PositionBias; (config, causal) ->
+  # the layer holding its parameters (None: it has none).
+  bias: Callable[..., attention.PositionBias] | None = None
+  bias_layer: Callable[[Any, bool], nn.Module] | None = None
+  # Rotates self-attention's queries and keys by position (config -> the
+  # largest wavelength).
+  rotation: Callable[[Any], float] | None = None
+  # config -> the scale of self-attention's logits, in place of the
+  # attention's own.
+  logit_scale: Callable[[Any], float] | None = None
+  # config -> the number of positions it can represent (None: any).
+  max_positions: Callable[[Any], int | None] = lambda config: None
+
+  @property
+  def relative(self) -> bool:
+    """It acts inside self-attention, on relative positions only."""
+    return self.bias is not None or self.rotation is not None
+
+
+def _sinusoidal_embedding(config) -> Callable[[Array], Array]:
+  return functools.partial(sinusoidal, d_model=config.d_model)
+
+
+def _learned_embedding(config) -> nn.Module:
+  return LearnedPositions(config.max_len, config.d_model,
+                          config.weight_dtype, name='learned_positions')
+
+
+def _shaw_layer(config, causal: bool) -> nn.Module:
+  del causal
+  return ShawRelative(config.head_dim, config.relative_max_distance,
+                      param_dtype=config.weight_dtype, name='relative')
+
+
+def _shaw_bias(layer, config, q_BxTxNxH, k_BxSxKxH, q_positions_BxT,
+               kv_positions_BxS) -> attention.PositionBias:
+  del k_BxSxKxH
+  return layer(q_BxTxNxH, q_positions_BxT, kv_positions_BxS,
+               scale=config.head_dim ** -0.5)
+
+
+def _t5_layer(config, causal: bool) -> nn.Module:
+  return T5Bias(config.num_heads, config.relative_buckets,
+                config.relative_max_distance, bidirectional=not causal,
+                param_dtype=config.weight_dtype, name='t5_bias')
+
+
+def _t5_bias(layer, config, q_BxTxNxH, k_BxSxKxH, q_positions_BxT,
+             kv_positions_BxS) -> attention.PositionBias:
+  del config, q_BxTxNxH, k_BxSxKxH
+  return layer(q_positions_BxT, kv_positions_BxS)
+
+
+def _alibi_bias(layer, config, q_BxTxNxH, k_BxSxKxH, q_positions_BxT,
+                kv_positions_BxS) -> attention.PositionBias:
+  del layer, q_BxTxNxH, k_BxSxKxH
+  return alibi_bias(q_positions_BxT, kv_positions_BxS, config.num_heads)
+
+
+def _deberta_layer(config, causal: bool) -> nn.Module:
+  del causal
+  return DisentangledBias(config.num_heads, config.head_dim,
+                          config.relative_max_distance,
+                          param_dtype=config.weight_dtype,
+                          name='disentangled')
+
+
+def _deberta_bias(layer, config, q_BxTxNxH, k_BxSxKxH, q_positions_BxT,
+                  kv_positions_BxS) -> attention.PositionBias:
+  return layer(q_BxTxNxH, k_BxSxKxH, q_positions_BxT, kv_positions_BxS,
+               config.d_model, deberta_scale(config.head_dim))
+
+
+SCHEMES: dict[str, PositionScheme] = {scheme.name: scheme for scheme in (
+    PositionScheme('none'),
+    PositionScheme('sinusoidal', embedding=_sinusoidal_embedding),
+    PositionScheme('learned', embedding=_learned_embedding,
+                   max_positions=lambda config: config.max_len),
+    PositionScheme('relative', bias_layer=_shaw_layer, bias=_shaw_bias),
+    PositionScheme('t5_bias', bias_layer=_t5_layer, bias=_t5_bias),
+    PositionScheme('rope',
+                   rotation=lambda config: config.rope_max_wavelength),
+    PositionScheme('alibi', bias=_alibi_bias),
+    # Content logits take DeBERTa's scale too.
+    PositionScheme('deberta', bias_layer=_deberta_layer, bias=_deberta_bias,
+                   logit_scale=lambda config: deberta_scale(config.head_dim)),
+)}

@@ -16,7 +16,7 @@ def assert_causal(model, tokens_BxT, positions=None) -> None:
   @jax.jit
   def embedding_grads(t):
     def loss(perturbations):
-      logits = model.apply({'params': variables['params'],
+      logits, _ = model.apply({'params': variables['params'],
                             'perturbations': perturbations}, tokens_BxT)
       return jnp.sum(logits[:, t] * cotangent[:, t])
     return jax.grad(loss)(variables['perturbations'])['embeddings']

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from model import attention
-from model.attention import chunked, kernel, sparse
+from model.attention import chunk_plan, kernel, sparse
 
 B, T, N, H = 2, 10, 4, 8
 dense = attention.scaled_dot_product_attention
@@ -99,7 +99,7 @@ def dense_of_chunked_case(name):
 def test_chunked_equals_dense_in_output_and_gradients(name, query_chunk,
                                                       loops, monkeypatch):
   if loops == 'looped':  # As long sequences run: lax loops over blocks.
-    monkeypatch.setattr(chunked, 'MAX_UNROLLED_BLOCKS', 0)
+    monkeypatch.setattr(chunk_plan, 'MAX_UNROLLED_BLOCKS', 0)
   q, k, v, bias, kwargs = chunked_case(name)
   # Chunks of 4 keys (and blocks of 4 or 3 queries): T = 10 is not a
   # multiple, so the last is padded; with 3, the diagonal crosses blocks.
@@ -114,7 +114,7 @@ def test_chunked_equals_dense_in_output_and_gradients(name, query_chunk,
 
 def test_causal_chunked_visits_only_blocks_on_or_below_the_diagonal():
   def visits(q_len, kv_len, q_chunk, kv_chunk):
-    plan = chunked._Plan(1, q_len, 1, 1, kv_len, 1, 1.0, True, q_chunk,
+    plan = chunk_plan.Plan(1, q_len, 1, 1, kv_len, 1, 1.0, True, q_chunk,
                          kv_chunk)
     seen = plan.key_chunks_seen()
     # The backward pass visits the same blocks, a chunk of keys at a time.

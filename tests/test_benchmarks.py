@@ -9,7 +9,8 @@ import jax
 import pytest
 
 from configs import algorithmic, lm_stdlib
-from experiments import bench_attention, bench_seq2seq, bench_train
+from experiments import attention_cases, bench_attention, bench_seq2seq
+from experiments import bench_train
 from train.errors import InputError
 
 PNG = b'\x89PNG'
@@ -128,9 +129,9 @@ def test_bench_attention_names_a_bad_argument(tmp_path):
                         head_dim=8, dtype='float32', reps=1, max_seconds=1,
                         rows=['ragged'])
   with pytest.raises(InputError, match='dense takes no kernel'):
-    bench_attention.parse_variant('dense[cudnn]')
+    attention_cases.parse_variant('dense[cudnn]')
   with pytest.raises(InputError, match='the kernel must be one of'):
-    bench_attention.parse_variant('chunked[flash]')
+    attention_cases.parse_variant('chunked[flash]')
 
 
 @pytest.mark.slow

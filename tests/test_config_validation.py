@@ -9,7 +9,9 @@ import pytest
 import config_overrides
 from configs import algorithmic, default, listops, lm1b, lm_stdlib
 from configs import lm_systems, rnn_attention, wmt14_ende
-from train import config_validation, train
+from model import families
+from train import config_keys as declared_keys
+from train import config_validation, tasks, train
 from train.errors import InputError
 
 
@@ -37,11 +39,22 @@ def test_a_run_shorter_than_its_warmup_is_valid_and_warned_of():
 
 
 def test_every_default_key_has_a_comment():
-  source = open(default.__file__).read()
-  for key in default.get_config().keys():
-    line = source.index(f'config.{key} = ')
+  """The training keys are declared in train/config_keys.py, a comment
+  above each; config.model's fields are checked in test_config.py."""
+  source = open(declared_keys.__file__).read()
+  assert set(default.get_config().keys()) == (set(declared_keys.KEYS)
+                                              | {'model'})
+  for key in declared_keys.KEYS:
+    line = source.index(f"    '{key}': Key(")
     previous = source[:line].rstrip().splitlines()[-1].strip()
     assert previous.startswith('#'), key
+
+
+def test_every_family_trains_on_registered_tasks_and_every_task_has_one():
+  for family in families.FAMILIES.values():
+    assert set(family.tasks) <= set(tasks.TASKS), family.name
+  for name in tasks.TASKS:
+    assert families.trainers(name), name
 
 
 def test_config_arguments_are_checked():

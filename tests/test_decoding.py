@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from model import ModelConfig, build
-from model.families import init_cache
+from model.state import Cache
 from test_train import tiny_config
 from train import decoding, generate
 from train.errors import InputError
@@ -69,11 +69,11 @@ def test_decoder_lm_cached_logits_equal_a_full_pass(position):
     return model.apply(params, tokens, positions, cache=cache)
 
   def step_or_start(tokens, positions, cache):
-    cache = init_cache(config, B, T) if cache is None else cache
+    cache = Cache.empty(config, B, T) if cache is None else cache
     return step(tokens, positions, cache)
 
   tokens, got = cached_logits(step_or_start, T)
-  want = jax.jit(model.apply)(params, tokens)
+  want, _ = jax.jit(model.apply)(params, tokens)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -93,11 +93,11 @@ def test_encoder_decoder_cached_logits_equal_a_full_pass(position):
     return step(tokens, positions, empty if cache is None else cache)
 
   tokens, got = cached_logits(step_or_start, T)
-  want = jax.jit(model.apply)({'params': params}, source, tokens)
+  want, _ = jax.jit(model.apply)({'params': params}, source, tokens)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
   twice, _ = step(np.repeat(tokens, 2, axis=0),
                   np.tile(np.arange(T), (2 * B, 1)),
-                  init_cache(config, 2 * B, T))
+                  Cache.empty(config, 2 * B, T))
   np.testing.assert_allclose(twice, np.repeat(want, 2, axis=0), atol=1e-5,
                              rtol=1e-5)
 
@@ -112,7 +112,7 @@ def test_a_variant_that_cannot_read_a_cache_is_refused():
                      'cache'):
     model.apply(params, jnp.ones((B, 1), jnp.int32), jnp.zeros((B, 1),
                                                                jnp.int32),
-                cache=init_cache(config, B, T))
+                cache=Cache.empty(config, B, T))
 
 
 # --- choosing tokens ---
@@ -177,7 +177,8 @@ def lm():
 def greedy_by_full_passes(model, params, prompts, lengths, num_tokens):
   """Greedy decoding that recomputes a full forward pass per token."""
   rows = [list(prompt[:length]) for prompt, length in zip(prompts, lengths)]
-  forward = jax.jit(lambda tokens: model.apply({'params': params}, tokens))
+  forward = jax.jit(lambda tokens: model.apply({'params': params},
+                                               tokens)[0])
   for _ in range(num_tokens):
     buffer = np.zeros((len(rows), 16), np.int32)
     for b, row in enumerate(rows):
@@ -217,8 +218,8 @@ def test_rows_end_at_eos(lm):
 
 
 def beam_lm(model, params, prompts, lengths, **options):
-  cache = init_cache(model.config, prompts.shape[0],
-                     prompts.shape[1] + options['num_tokens'])
+  cache = Cache.empty(model.config, prompts.shape[0],
+                      prompts.shape[1] + options['num_tokens'])
   return jax.jit(functools.partial(
       decoding.beam_search, decoding.lm_step(model, params), **options))(
           cache, prompts, lengths)
@@ -300,7 +301,7 @@ def test_a_wide_beam_finds_the_best_sequence_of_brute_force():
                            alpha=alpha)
 
   log_probs = jax.jit(lambda row: jax.nn.log_softmax(
-      model.apply({'params': params}, row[None])[0]))
+      model.apply({'params': params}, row[None])[0][0]))
 
   def score(continuation):
     row = np.zeros(8, np.int32)

@@ -24,7 +24,7 @@ def test_model_flops_match_the_compiled_step(family, task):
   def loss(params):
     args = task.model_args({'inputs': tokens, 'positions': None,
                             'decoder_inputs': tokens})
-    logits = model.apply({'params': params}, *args)
+    logits, _ = model.apply({'params': params}, *args)
     return optax.softmax_cross_entropy_with_integer_labels(
         logits, tokens).mean()
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from model import attention
-from model.attention import fused
+from model.attention import fused, fused_kernels
 from model.attention.fused import Case
 
 B, N, H = 2, 4, 16
@@ -125,7 +125,7 @@ def test_cudnn_call_takes_right_padding_and_the_causal_window():
   lengths = np.array([17, 0])
   padding = jnp.asarray(np.arange(24) < lengths[:, None])[:, None, None]
   bias = jax.random.normal(jax.random.key(11), (1, N, 24, 24))
-  cudnn = lambda q, k, v, bias=None, **kw: fused.cudnn_attention(
+  cudnn = lambda q, k, v, bias=None, **kw: fused_kernels.cudnn_attention(
       q, k, v, bias, implementation='xla', scale=H ** -0.5, **kw)
   assert_all_close(
       value_and_grads(cudnn, q, k, v, mask=padding, is_causal=True,
@@ -153,7 +153,7 @@ def test_rows_with_keys_match_brute_force():
       if window:
         allowed &= (offsets < window) & (offsets > -window)
       np.testing.assert_array_equal(
-          fused.rows_with_keys(jnp.asarray(valid), 11, is_causal=is_causal,
+          fused_kernels.rows_with_keys(jnp.asarray(valid), 11, is_causal=is_causal,
                                  window=window), allowed.any(-1))
 
 

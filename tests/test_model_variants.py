@@ -6,7 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from model import ModelConfig, attention, build, families
+from model import ModelConfig, attention, build
+from model.state import Memory
 from model.config import POSITIONS
 from train import steps, tasks
 from causality import assert_causal
@@ -168,9 +169,9 @@ def test_transformer_xl_memory_equals_one_long_causal_pass(
   model = build(config)
   ids = jnp.asarray(np.random.default_rng(3).integers(1, V, (B, 2 * T)))
   params = {'params': model.init(jax.random.key(0), ids[:, :T])['params']}
-  long_pass = model.apply(params, ids)
+  long_pass, _ = model.apply(params, ids)
   first, memory = model.apply(params, ids[:, :T],
-                              memory=families.empty_memory(config, B))
+                              memory=Memory.empty(config, B))
   second, _ = model.apply(params, ids[:, T:], memory=memory)
   np.testing.assert_allclose(first, long_pass[:, :T], atol=1e-5)
   np.testing.assert_allclose(second, long_pass[:, T:], atol=1e-5)
@@ -181,11 +182,10 @@ def test_transformer_xl_memory_forgets_beyond_its_length():
   model = build(config)
   ids = jnp.asarray(np.random.default_rng(4).integers(1, V, (B, 2 * T)))
   params = {'params': model.init(jax.random.key(0), ids[:, :T])['params']}
-  _, memory = model.apply(params, ids[:, :T],
-                          memory=families.empty_memory(config, B))
+  _, memory = model.apply(params, ids[:, :T], memory=Memory.empty(config, B))
   changed = ids.at[:, :T - 3].set(7)  # Before what the memory keeps.
   _, changed_memory = model.apply(params, changed[:, :T],
-                                  memory=families.empty_memory(config, B))
+                                  memory=Memory.empty(config, B))
   second, _ = model.apply(params, ids[:, T:], memory=memory)
   changed_second, _ = model.apply(params, ids[:, T:], memory=changed_memory)
   # Earlier layers' memories changed (they saw the tokens), so outputs may;

@@ -102,7 +102,7 @@ def test_parameter_count_matches_architecture(name):
 def test_output_shape_and_dtype(name):
   config = FAMILY_CONFIGS[name]
   variables = init(config)
-  out = build(config).apply(variables, *model_inputs(config))
+  out, _ = build(config).apply(variables, *model_inputs(config))
   expected = {'decoder_lm': (B, T, V), 'encoder_decoder': (B, T, V),
               'encoder_classifier': (B, config.num_classes)}[config.family]
   assert out.shape == expected and out.dtype == jnp.float32
@@ -131,13 +131,14 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
   config = small_config(dtype='bfloat16')
   model = build(config)
   variables = init(config)
-  logits, state = model.apply(variables, tokens(), capture_intermediates=True)
+  (logits, _), state = model.apply(variables, tokens(),
+                                   capture_intermediates=True)
   params = nn.meta.unbox(variables['params'])
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
   assert logits.dtype == jnp.float32
-  block_out = state['intermediates']['decoder']['block_0']['__call__'][0]
+  block_out, _ = state['intermediates']['decoder']['block_0']['__call__'][0]
   assert block_out.dtype == jnp.bfloat16
-  reference = build(small_config()).apply(variables, tokens())
+  reference, _ = build(small_config()).apply(variables, tokens())
   np.testing.assert_allclose(logits, reference, atol=0.1)
 
 
@@ -152,8 +153,8 @@ def test_encoder_decoder_prefix_logits_ignore_later_targets():
   variables = init(config)
   targets = tokens(1)
   changed = targets.at[:, 5:].set(7)
-  logits = model.apply(variables, tokens(0), targets)
-  changed_logits = model.apply(variables, tokens(0), changed)
+  logits, _ = model.apply(variables, tokens(0), targets)
+  changed_logits, _ = model.apply(variables, tokens(0), changed)
   np.testing.assert_array_equal(logits[:, :5], changed_logits[:, :5])
   assert not np.allclose(logits[:, 5:], changed_logits[:, 5:])
 
@@ -168,7 +169,7 @@ def test_encoder_decoder_ignores_padded_source_tokens():
   encoded = model.apply(variables, source, method='encode')
   noise = jnp.zeros_like(encoded).at[1, -3:].set(100.0)
   decode = lambda e: model.apply(variables, e, source, tokens(1),
-                                 method='decode')
+                                 method='decode')[0]
   np.testing.assert_allclose(decode(encoded), decode(encoded + noise),
                              atol=1e-5)
 
@@ -208,10 +209,11 @@ def test_classifier_ignores_padding(pooling):
   variables = init(config)
   source = tokens(0)
   longer = jnp.pad(source, ((0, 0), (0, 4)))
-  logits = model.apply(variables, source)
-  np.testing.assert_allclose(logits, model.apply(variables, longer), atol=1e-5)
+  classify = lambda x: model.apply(variables, x)[0]
+  logits = classify(source)
+  np.testing.assert_allclose(logits, classify(longer), atol=1e-5)
   # The pooled vector depends on the tokens themselves.
-  assert not np.allclose(logits, model.apply(variables, source.at[:, 0].set(5)))
+  assert not np.allclose(logits, classify(source.at[:, 0].set(5)))
 
 
 def test_sinusoidal_positions_follow_the_formula():
@@ -230,8 +232,8 @@ def test_sinusoidal_positions_follow_the_formula():
 def test_tied_logits_are_the_embedding_transposed_over_sqrt_d():
   config = small_config()
   variables = init(config)
-  logits, state = build(config).apply(variables, tokens(),
-                                      capture_intermediates=True)
+  (logits, _), state = build(config).apply(variables, tokens(),
+                                           capture_intermediates=True)
   hidden = state['intermediates']['decoder']['final_norm']['__call__'][0]
   embedding = nn.meta.unbox(
       variables['params'])['embedder']['token_embedding']['embedding']
@@ -244,7 +246,7 @@ def test_only_post_norm_blocks_end_in_a_norm(norm_position):
   config = small_config(norm_position=norm_position)
   _, state = build(config).apply(init(config), tokens(),
                                  capture_intermediates=True)
-  out_BxTxD = state['intermediates']['decoder']['block_0']['__call__'][0]
+  out_BxTxD, _ = state['intermediates']['decoder']['block_0']['__call__'][0]
   # A fresh LayerNorm (scale 1, bias 0) leaves each position at mean 0 and
   # variance 1; a pre-norm block returns the residual sum, which is not.
   normalized = (np.allclose(out_BxTxD.mean(-1), 0.0, atol=1e-4)
@@ -264,7 +266,7 @@ def test_remat_gives_the_same_gradients(policy):
   def grads(config):
     model = build(config)
     variables = init(config)
-    loss = lambda p: jnp.sum(model.apply({'params': p}, tokens()) ** 2)
+    loss = lambda p: jnp.sum(model.apply({'params': p}, tokens())[0] ** 2)
     return jax.grad(loss)(variables['params'])
 
   plain, remat = grads(small_config()), grads(small_config(remat=policy))
@@ -281,7 +283,7 @@ def test_dropout_is_active_only_when_not_deterministic(rates):
   variables = init(config)
   apply = lambda seed, deterministic: model.apply(
       variables, tokens(), deterministic=deterministic,
-      rngs={'dropout': jax.random.key(seed)})
+      rngs={'dropout': jax.random.key(seed)})[0]
   np.testing.assert_array_equal(apply(0, True), apply(1, True))
   assert not np.allclose(apply(0, False), apply(1, False))
   np.testing.assert_array_equal(apply(0, False), apply(0, False))
@@ -305,7 +307,7 @@ def test_decoder_lm_trains(overrides):
   @jax.jit
   def step(params, opt_state):
     def loss_fn(params):
-      logits = model.apply({'params': params}, inputs)
+      logits, _ = model.apply({'params': params}, inputs)
       return optax.softmax_cross_entropy_with_integer_labels(
           logits, targets).mean()
     loss, grads = jax.value_and_grad(loss_fn)(params)
@@ -328,7 +330,7 @@ def test_parameter_free_self_attention_is_the_notes_first_form():
   x = jax.random.normal(jax.random.key(3), (B, T, D)) / 4
   variables = layer.init(jax.random.key(0), x, x)
   assert not jax.tree.leaves(variables)
-  attend = lambda x: layer.apply(variables, x, x)
+  attend = lambda x: layer.apply(variables, x, x)[0]
   weights = jax.nn.softmax(jnp.einsum('bid,bjd->bij', x, x), axis=-1)
   np.testing.assert_allclose(attend(x), jnp.einsum('bij,bjd->bid', weights,
                                                    x), atol=1e-5)
@@ -369,7 +371,7 @@ def test_packed_rows_build_no_length_by_length_mask():
   positions = jnp.asarray(np.tile(np.arange(length) % (length // 2), (B, 1)))
   params = model.init(jax.random.key(0), packed)['params']
   loss = lambda p: jnp.sum(model.apply({'params': p}, packed, positions,
-                                       segment_ids))
+                                       segment_ids)[0])
   hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
   assert 'pred[2,1,1,4,4]' in hlo  # A block's [B, K, G, Q, C] of ids.
   assert not re.findall(rf'pred\[[0-9,]*{length},{length}\]', hlo)
@@ -384,8 +386,10 @@ def test_packed_rows_equal_separate_sequences():
   packed = jnp.concatenate([first, second])[None]
   segment_ids = jnp.array([[1] * 5 + [2] * 3])
   positions = jnp.array([list(range(5)) + list(range(3))])
-  logits = model.apply(variables, packed, positions, segment_ids)
+  logits, _ = model.apply(variables, packed, positions, segment_ids)
   np.testing.assert_allclose(logits[0, :5],
-                             model.apply(variables, first[None])[0], atol=1e-5)
+                             model.apply(variables, first[None])[0][0],
+                             atol=1e-5)
   np.testing.assert_allclose(logits[0, 5:],
-                             model.apply(variables, second[None])[0], atol=1e-5)
+                             model.apply(variables, second[None])[0][0],
+                             atol=1e-5)

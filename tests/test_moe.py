@@ -82,7 +82,8 @@ def test_room_is_taken_in_sequence_order_so_a_decoder_stays_causal():
   rng = np.random.default_rng(1)
   tokens = jnp.asarray(rng.integers(1, 32, (16, T)))
   variables = model.init(jax.random.key(0), tokens)
-  apply = jax.jit(model.apply)
+  apply = jax.jit(lambda variables, tokens: model.apply(variables,
+                                                        tokens)[0])
   logits = apply(variables, tokens)
   for p in range(1, T):
     later = tokens.at[:, p:].set(jnp.asarray(rng.integers(1, 32, (16, T - p))))

@@ -9,7 +9,7 @@ import pytest
 
 from configs import rnn_attention
 from model import ModelConfig, build
-from model.rnn import AttentionScore
+from model.families.rnn_attention import AttentionScore
 from train import decoding, mesh, steps, tasks
 from train.program import compile_program
 from adam_steps import adam_steps
@@ -32,18 +32,19 @@ def test_attention_is_a_distribution_over_the_real_source_positions(
   model = build(config_for(cell, score))
   variables = model.init(jax.random.key(0), SOURCE, DECODER_INPUTS)
   state = model.apply(variables, SOURCE, method=model.start)
-  _, _, weights = model.apply(variables, state, DECODER_INPUTS,
-                              method=model.decode)  # [B, T, S]
+  _, sown = model.apply(variables, state, DECODER_INPUTS,
+                        method=model.decode, mutable=['intermediates'])
+  [weights] = sown['intermediates']['attention_weights']  # [B, T, S]
   np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
   np.testing.assert_array_equal(weights[0, :, 5], 0.0)
   np.testing.assert_array_equal(weights[1, :, 3:], 0.0)
   # A row with no source at all (a batch's filler) attends to nothing.
   empty = SOURCE.at[1].set(0)
-  assert np.isfinite(model.apply(variables, empty, DECODER_INPUTS)).all()
+  assert np.isfinite(model.apply(variables, empty, DECODER_INPUTS)[0]).all()
   # More padding changes nothing: the encoder stops at each row's length.
   longer = jnp.pad(SOURCE, ((0, 0), (0, 3)))
-  np.testing.assert_allclose(model.apply(variables, longer, DECODER_INPUTS),
-                             model.apply(variables, SOURCE, DECODER_INPUTS),
+  np.testing.assert_allclose(model.apply(variables, longer, DECODER_INPUTS)[0],
+                             model.apply(variables, SOURCE, DECODER_INPUTS)[0],
                              atol=1e-5)
 
 
@@ -70,7 +71,7 @@ def test_decoding_a_token_a_step_equals_the_full_pass():
     got.append(logits[:, 0])
   np.testing.assert_allclose(
       np.stack(got, axis=1),
-      model.apply({'params': params}, SOURCE, DECODER_INPUTS), atol=1e-5)
+      model.apply({'params': params}, SOURCE, DECODER_INPUTS)[0], atol=1e-5)
 
 
 def test_the_model_learns_to_reverse_a_handful_of_examples_exactly():
@@ -84,8 +85,8 @@ def test_the_model_learns_to_reverse_a_handful_of_examples_exactly():
   model = build(config_for())
   params = steps.init_params(model, tasks.SEQ2SEQ, jax.random.key(0), 6)
   state, _ = adam_steps(model, tasks.SEQ2SEQ, params, batch, 150)
-  logits = model.apply({'params': state.params}, batch['inputs'],
-                       batch['decoder_inputs'])
+  logits, _ = model.apply({'params': state.params}, batch['inputs'],
+                          batch['decoder_inputs'])
   np.testing.assert_array_equal(jnp.argmax(logits, -1), targets)
   # And greedy decoding, feeding its own outputs, finds them.
   step, cache = decoding.seq2seq_step(model, state.params, batch['inputs'], 7)

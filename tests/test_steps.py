@@ -105,8 +105,8 @@ def test_dropout_rng_depends_on_the_step_only(lm_setup):
     state = steps.TrainState(step=jnp.array(step, jnp.int32), params=params,
                              opt_state=optimizer.init(params))
     _, metrics = steps.train_step(state, batch, jax.random.key(0),
-                                  model=model, task=tasks.LM, optimizer=optimizer,
-                                  schedule=lambda _: 0.1)
+                                  model=model, task=tasks.LM,
+                                  optimizer=optimizer, schedule=lambda _: 0.1)
     return float(metrics['loss_sum'])
 
   assert loss_at(3) == loss_at(3)

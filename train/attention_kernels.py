@@ -16,7 +16,8 @@ import ml_collections
 
 from model import ModelConfig, attention, attention_parameters
 from model.attention import fused
-from model.config import BIAS_POSITIONS
+from model.positions import SCHEMES
+from model.families import FAMILIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,25 +43,6 @@ class Choice:
     return f'{self.stack} {layers} {self.attention}: {self.kernel} ({how})'
 
 
-def _self_attention(model_config: ModelConfig, length: int,
-                    pack_sequences: bool) -> list[tuple]:
-  """(stack, is_causal, Case.mask, q_len, kv_len) of each stack of
-  self-attention the family trains with."""
-  family = model_config.family
-  if family == 'decoder_lm':
-    if model_config.memory_length:  # The memory's keys, some not yet filled.
-      return [('decoder', True, 'key_padding', length,
-               length + model_config.memory_length)]
-    return [('decoder', True, 'segments' if pack_sequences else 'none',
-             length, length)]
-  if family == 'encoder_decoder':
-    return [('encoder', False, 'key_padding', length, length),
-            ('decoder', True, 'none', length, length)]
-  if family == 'encoder_classifier':
-    return [('encoder', False, 'key_padding', length, length)]
-  return []  # rnn_attention's attention is its own.
-
-
 def _window(layer_config: ModelConfig) -> int | None:
   """local's window, as set or by default; None for other attentions."""
   if layer_config.attention != 'local':
@@ -75,13 +57,14 @@ def choices(config: ml_collections.ConfigDict, model_config: ModelConfig,
   (default: this process's), at activations of `length` positions."""
   backend = backend or jax.default_backend()
   pattern = model_config.num_attentions > 1
-  bias = 'function' if model_config.position in BIAS_POSITIONS else 'none'
+  bias = 'function' if SCHEMES[model_config.position].bias else 'none'
   found = []
-  for stack, is_causal, mask, q_len, kv_len in _self_attention(
-      model_config, length, config.pack_sequences):
+  stacks = FAMILIES[model_config.family].self_attention(
+      model_config, length, config.pack_sequences)
+  for stack, is_causal, mask, q_len, kv_len in stacks:
     for index, layer_config in enumerate(model_config.layer_configs()):
       name = layer_config.attention
-      if 'kernel' not in attention_parameters.option_names(name):
+      if not attention_parameters.takes_kernel(name):
         continue
       option = dict(layer_config.attention_options).get('kernel', 'auto')
       case = fused.Case(backend, model_config.compute_dtype.name,

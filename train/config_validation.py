@@ -1,69 +1,30 @@
-"""Checks a training config before anything is built or compiled.
+"""Checks a training config before anything is built or compiled: each key
+by its rule (train/config_keys.py), `config.model` by ModelConfig, then what
+the keys ask of each other, of the dataset's task, of the model's attention
+and (train/layout_validation.py) of the mesh.
 
 Each rule names the key it checks, so a mistake is reported as, e.g.,
 `config.model.num_heads=6 does not split over config.parallelism.tensor=4`.
 """
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import ml_collections
 
-from model import ModelConfig, attention, attention_parameters
+from model import ModelConfig, attention, attention_parameters, families
 from model.attention import fused
-from train import (attention_kernels, device_memory, layout_validation, mesh,
-                   metrics, optim)
+from model.positions import SCHEMES
+from train import (attention_kernels, config_keys, device_memory,
+                   layout_validation, mesh)
 from train.data import datasets
-from train.errors import InputError, did_you_mean
+from train.errors import InputError
 from train.tasks import Task
-
-# The model family that trains on each task.
-FAMILY_OF_TASK = {'lm': 'decoder_lm', 'seq2seq': 'encoder_decoder',
-                  'classification': 'encoder_classifier'}
-# Other families that train on a task.
-ALSO_TRAINS = {'seq2seq': ('rnn_attention',)}
 
 
 def _fail(message: str):
   raise InputError(message)
-
-
-def _integer(config, key: str, minimum: int) -> int:
-  value = config[key]
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    _fail(f'config.{key}={value!r} must be an integer >= {minimum}.')
-  return value
-
-
-def _number(config, key: str, low: float, high: float, *,
-            include_low: bool = True, include_high: bool = False) -> float:
-  value = config[key]
-  ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-  if ok:
-    ok = (value >= low if include_low else value > low) and (
-        value <= high if include_high else value < high)
-  if not ok:
-    interval = (('[' if include_low else '(') + f'{low}, {high}'
-                + (']' if include_high else ')'))
-    _fail(f'config.{key}={value!r} must be a number in {interval}.')
-  return value
-
-
-def _text(config, key: str, *, empty: bool) -> str:
-  value = config[key]
-  if not isinstance(value, str) or not (empty or value):
-    _fail(f'config.{key}={value!r} must be a{"" if empty else " non-empty"} '
-          'string.')
-  return value
-
-
-def _choice(config, key: str, choices) -> str:
-  if config[key] not in choices:
-    _fail(f'config.{key}={config[key]!r} must be one of {list(choices)}'
-          f'{did_you_mean(config[key], choices)}')
-  return config[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,45 +55,11 @@ def check(config: ml_collections.ConfigDict) -> Checked:
     except InputError as error:
       problems.append(str(error))
 
-  for key in ('seq_len', 'num_train_steps', 'log_every', 'keep_checkpoints',
-              'grad_accum_steps', 'sample_length'):
-    check(_integer, config, key, 1 if key != 'sample_length' else 0)
-  for key in ('warmup_steps', 'eval_every', 'checkpoint_every', 'seed',
-              'max_skipped_steps', 'debug_poison_step'):
-    check(_integer, config, key, 0)
-  if config.num_eval_steps != -1:
-    check(_integer, config, 'num_eval_steps', 1)
-  check(_integer, config, 'batch_size', 1)
-  check(_integer, config, 'beam_size', 1)
-  if config.num_decode_examples != -1:
-    check(_integer, config, 'num_decode_examples', 1)
-  inf = float('inf')
-  for key, low, high, options in (
-      ('learning_rate', 0.0, inf, {'include_low': False}),
-      ('final_learning_rate_fraction', 0.0, 1.0, {'include_high': True}),
-      ('weight_decay', 0.0, inf, {}), ('grad_clip_norm', 0.0, inf, {}),
-      ('label_smoothing', 0.0, 1.0, {}), ('adam_b1', 0.0, 1.0, {}),
-      ('adam_b2', 0.0, 1.0, {}),
-      ('adam_eps', 0.0, inf, {'include_low': False}),
-      ('sgd_momentum', 0.0, 1.0, {}), ('sample_temperature', 0.0, inf, {}),
-      ('beam_alpha', 0.0, inf, {})):
-    check(functools.partial(_number, **options), config, key, low, high)
-  check(_choice, config, 'schedule', optim.SCHEDULES)
-  check(_choice, config, 'optimizer', optim.OPTIMIZERS)
-  check(_choice, config, 'nan_policy', metrics.NAN_POLICIES)
-  for key in ('data_dir', 'eval_split'):
-    check(functools.partial(_text, empty=False), config, key)
-  check(functools.partial(_text, empty=True), config, 'sample_prompt')
-  if config.vocab_path is not None:
-    check(functools.partial(_text, empty=False), config, 'vocab_path')
-  if not isinstance(config.pack_sequences, bool):
-    problems.append(f'config.pack_sequences={config.pack_sequences!r} must '
-                    'be True or False.')
+  problems += config_keys.problems(config)
   task = check(datasets.task_of, config.dataset)
   model_config = check(_model_config, config)
   if task is None or model_config is None:
     raise InputError('\n'.join(problems))
-  family = FAMILY_OF_TASK[task.name]
   problems += _attention_problems(config, model_config, task)
   if model_config.memory_length and (config.pack_sequences
                                      or config.grad_accum_steps != 1):
@@ -140,23 +67,26 @@ def check(config: ml_collections.ConfigDict) -> Checked:
         f'config.model.memory_length={model_config.memory_length} reads '
         'contiguous streams of whole batches: set config.pack_sequences='
         'False and config.grad_accum_steps=1.')
-  if model_config.family not in (family,) + ALSO_TRAINS.get(task.name, ()):
+  trainers = families.trainers(task.name)
+  if model_config.family not in trainers:
     problems.append(
         f'config.model.family={model_config.family!r} cannot train on '
-        f'config.dataset={config.dataset!r} ({task.name}); use {family!r}.')
+        f'config.dataset={config.dataset!r} ({task.name}); use '
+        + ' or '.join(map(repr, trainers)) + '.')
   check(_check_decode_splits, config, model_config, task)
   if problems:
     raise InputError('\n'.join(problems))
-  positions = model_positions(config)
+  positions = model_positions(config, model_config)
   check(_check_kernels, config, model_config, positions)
-  if model_config.position == 'learned' and positions > model_config.max_len:
+  limit = SCHEMES[model_config.position].max_positions(model_config)
+  if limit is not None and positions > limit:
     problems.append(
         f'config.seq_len={config.seq_len} needs {positions} positions, more '
-        f'than config.model.max_len={model_config.max_len}.')
+        f'than config.model.max_len={limit}.')
   param_shapes = None
   if not problems:
     param_shapes = check(layout_validation.check_layout, config,
-                         model_config, task, model_positions(config))
+                         model_config, task, positions)
   if problems:
     raise InputError('\n'.join(problems))
   return Checked(model_config, task, param_shapes)
@@ -249,12 +179,12 @@ def warnings_of(config: ml_collections.ConfigDict) -> list[str]:
   return found
 
 
-def model_positions(config: ml_collections.ConfigDict) -> int:
-  """The length of the model's activations: config.seq_len, plus one for
-  a classifier's CLS vector."""
-  cls = (FAMILY_OF_TASK[datasets.task_of(config.dataset).name]
-         == 'encoder_classifier' and config.model.pooling == 'cls')
-  return config.seq_len + int(cls)
+def model_positions(config: ml_collections.ConfigDict,
+                    model_config: ModelConfig) -> int:
+  """The length of the model's activations: config.seq_len, plus what the
+  family adds (a classifier's CLS vector)."""
+  family = families.FAMILIES[model_config.family]
+  return config.seq_len + family.extra_positions(model_config)
 
 
 def check_dataset_fits(config: ml_collections.ConfigDict,

@@ -2,9 +2,9 @@
 a call, inside `lax.while_loop` (no Python loop per token).
 
 A model is seen through `step(tokens_BxT, positions_BxT, cache) ->
-(logits_BxTxV, cache)`: a DecoderLM, or an EncoderDecoder's decoder with
-the encoder output bound, or an RnnAttention decoder whose "cache" is its
-recurrent state (see `lm_step`, `seq2seq_step`). Prompts are
+(logits_BxTxV, cache)`: a DecoderLM, or a sequence-to-sequence family's
+decoding step with its sources bound (see `lm_step`, `seq2seq_step`; an
+RnnAttention's "cache" is its recurrent state). Prompts are
 right-padded to a common length and each example continues after its own
 (`prompt_lengths_B`), so examples of different lengths share a batch.
 """
@@ -16,12 +16,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model.families import PAD_ID, init_cache
+from model import state
+from model.config import PAD_ID
 
 Array = jax.Array
-# What a step carries from call to call, rows first: each layer's
-# {'key', 'value'} (see model.families.init_cache), or an RNN decoder's
-# state (model.rnn.RnnAttention.start).
+# What a step carries from call to call, rows first: a model.state.Cache,
+# or an RNN decoder's state (RnnAttention.start).
 Cache = Any
 Step = Callable[[Array, Array, Cache], tuple[Array, Cache]]
 
@@ -49,39 +49,22 @@ def seq2seq_step(model: nn.Module, params, inputs_BxS: Array, length: int,
   """The step of a sequence-to-sequence model's decoder, choosing among ids
   below `vocab_size`, and its empty cache for `length` positions.
 
-  EncoderDecoder: the sources are encoded, and every layer's
-  cross-attention keys and values projected, once; called with k
-  consecutive copies of each row (as beam search lays out its beams), the
-  copies read them. RnnAttention: the cache is the decoder's state, which
-  holds the sources' annotations (positions are not read: the state knows
-  where it is)."""
+  The model's `start_decoding` reads the sources once (an EncoderDecoder
+  projects every layer's cross-attention keys and values of them); every
+  step reads that, and k consecutive copies of each row (as beam search
+  lays out its beams) read it without copying it. The cache is what the
+  family carries: an EncoderDecoder's self-attention keys and values, an
+  RnnAttention's state (which holds the sources' annotations)."""
   variables = {'params': params}
-  if model.config.family == 'rnn_attention':
-    def rnn_step(tokens_BxT, positions_BxT, state):
-      del positions_BxT
-      logits_BxTxV, state, _ = model.apply(variables, state, tokens_BxT,
-                                           method=model.decode)
-      return _only_known(logits_BxTxV, vocab_size), state
-    return rnn_step, model.apply(variables, inputs_BxS, method=model.start)
-  encoded_BxSxD = model.apply(variables, inputs_BxS, method=model.encode)
-  # The projections live inside the decoder's blocks: a pass over one token
-  # (its logits unused) makes them.
-  start_Bx1 = jnp.zeros((inputs_BxS.shape[0], 1), jnp.int32)
-  _, filled = model.apply(
-      variables, encoded_BxSxD, inputs_BxS, start_Bx1, start_Bx1,
-      cache=init_cache(model.config, inputs_BxS.shape[0], 1),
-      method=model.decode)
-  sources = tuple({name: layer[name] for name in ('cross_key', 'cross_value')}
-                  for layer in filled)
+  source, cache = model.apply(variables, inputs_BxS, length,
+                              method='start_decoding')
 
   def step(tokens_BxT, positions_BxT, cache):
     logits_BxTxV, cache = model.apply(
-        variables, None, inputs_BxS, tokens_BxT, positions_BxT,
-        cache=tuple(own | source for own, source in zip(cache, sources)),
-        method=model.decode)
-    return _only_known(logits_BxTxV, vocab_size), tuple(
-        {name: layer[name] for name in ('key', 'value')} for layer in cache)
-  return step, init_cache(model.config, inputs_BxS.shape[0], length)
+        variables, source, inputs_BxS, tokens_BxT, positions_BxT, cache,
+        method='decoding_step')
+    return _only_known(logits_BxTxV, vocab_size), cache
+  return step, cache
 
 
 def top_k_mask(logits_BxV: Array, k: int) -> Array:
@@ -306,7 +289,7 @@ def sample_lm(model: nn.Module, params, prompts_BxP: Array,
               vocab_size: int | None = None, **choice) -> Array:
   """`sample` from a DecoderLM with a fresh cache, among ids below
   `vocab_size`; `choice`: temperature, top_k, top_p, eos_id."""
-  cache = init_cache(model.config, prompts_BxP.shape[0],
-                     prompts_BxP.shape[1] + num_tokens)
+  cache = state.Cache.empty(model.config, prompts_BxP.shape[0],
+                            prompts_BxP.shape[1] + num_tokens)
   return sample(lm_step(model, params, vocab_size), cache, prompts_BxP,
                 prompt_lengths_B, num_tokens=num_tokens, rng=rng, **choice)

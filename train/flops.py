@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from model import ModelConfig
+from model.families import FAMILIES
 from train.tasks import Task
 
 # Dense bfloat16 peak of one chip, FLOP/s, by a part of jax's device_kind.
@@ -48,13 +49,7 @@ def train_flops_per_example(config: ModelConfig, task: Task, seq_len: int,
                             num_params: int) -> float:
   """Forward and backward FLOPs of one example of `seq_len` tokens (and as
   many targets for seq2seq); `num_params` from `non_embedding_params`."""
-  # An encoder-decoder layer attends three times: the encoder's self-
-  # attention, the decoder's and its cross-attention.
-  attention_layers = config.num_layers * (
-      3 if config.family == 'encoder_decoder' else 1)
-  if config.family == 'rnn_attention':
-    # One attention a target step, scored over D and reading values of 2D.
-    attention_layers = 3
+  attention_layers = FAMILIES[config.family].attention_layers(config)
   flops = seq_len * (6 * num_params
                      + 6 * attention_layers * seq_len * config.d_model)
   if task.vocabulary_logits:

@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from model.positions import SCHEMES
 from train import cli, decoding, trained_run
 from train.data import datasets, tokenizers
 from train.errors import InputError
@@ -45,8 +46,8 @@ def generate(workdir: str, prompt: str, *, max_new_tokens: int,
   return continue_text(
       run.model, run.params, run.dataset, prompt, num_tokens=max_new_tokens,
       rng=jax.random.key(seed), num_samples=num_samples,
-      max_positions=(run.model_config.max_len
-                     if run.model_config.position == 'learned' else None),
+      max_positions=SCHEMES[run.model_config.position].max_positions(
+          run.model_config),
       temperature=temperature, top_k=top_k, top_p=top_p)
 
 

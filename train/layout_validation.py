@@ -39,9 +39,6 @@ def check_layout(config: ml_collections.ConfigDict, model_config: ModelConfig,
   """The mesh fits the devices, and the batch, the length (`positions` in
   the model) and every parameter split evenly over it (shapes only: nothing
   is computed). Returns the parameters' shapes and logical names."""
-  if not isinstance(config.distributed, bool):
-    raise InputError(f'config.distributed={config.distributed!r} must be '
-                     'True or False.')
   sizes = dict(mesh.make_mesh(config.parallelism).shape)
   _check_splits(config, sizes, positions)
   rules = _logical_rules(config)

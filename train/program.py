@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 
-from model import ModelConfig, build, families, weight_decay
+from model import ModelConfig, build, weight_decay
+from model.state import Memory
 from train import config_validation, optim, sharding, steps
 from train import mesh as mesh_lib
 from train.steps import TrainState
@@ -147,7 +148,7 @@ def compile_program(config: ml_collections.ConfigDict,
   def empty_memory():
     if not model_config.memory_length:
       return None
-    return families.empty_memory(model_config, config.batch_size)
+    return Memory.empty(model_config, config.batch_size)
 
   def fresh_state(params) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,

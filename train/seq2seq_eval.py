@@ -14,6 +14,7 @@ import numpy as np
 import tqdm
 
 from model import ModelConfig
+from model.positions import SCHEMES
 from train import decoding, scores
 from train.data import datasets, tokenizers
 from train.errors import InputError
@@ -52,18 +53,19 @@ def take(dataset: datasets.Dataset, split: str, count: int) -> DecodeSet:
 def output_length(model_config: ModelConfig, source_len: int,
                   max_length: int, *, names: str) -> int:
   """Tokens to decode: `max_length`, or with 0 one and a half times the
-  source and 10 more; fewer where a learned position table ends (the
-  decoder reads a start token, then its outputs). `names` says which
-  setting asked for these sources, for the error of a source longer than
-  a learned table."""
+  source and 10 more; fewer where the position scheme ends (a learned
+  table; the decoder reads a start token, then its outputs). `names` says
+  which setting asked for these sources, for the error of a source longer
+  than the scheme's positions."""
   num_tokens = max_length or int(1.5 * source_len) + 10
-  if model_config.position != 'learned':
+  limit = SCHEMES[model_config.position].max_positions(model_config)
+  if limit is None:
     return num_tokens
-  if source_len > model_config.max_len:
+  if source_len > limit:
     raise InputError(f'{names} has inputs of {source_len} tokens, more than '
-                     f'the {model_config.max_len} learned positions of the '
+                     f'the {limit} {model_config.position} positions of the '
                      'model.')
-  return min(num_tokens, model_config.max_len - 1)
+  return min(num_tokens, limit - 1)
 
 
 def beam_decoder(model: nn.Module, vocab_size: int, *, beam_size: int,

@@ -26,6 +26,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 
+from model.state import Memory
 from train import mesh as mesh_lib
 from train.steps import TrainState
 
@@ -80,8 +81,8 @@ def state_shardings(abstract_state: TrainState, boxed_params, mesh: Mesh,
       abstract_state.opt_state, is_leaf=like_params)
   memory = None
   if abstract_state.memory is not None:
-    memory = {'hidden': NamedSharding(mesh, P(None, BATCH_AXES)),
-              'valid': NamedSharding(mesh, P(BATCH_AXES))}
+    memory = Memory(hidden=NamedSharding(mesh, P(None, BATCH_AXES)),
+                    valid=NamedSharding(mesh, P(BATCH_AXES)))
   return TrainState(step=replicated, params=params, opt_state=opt_state,
                     memory=memory)
 

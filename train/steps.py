@@ -62,9 +62,8 @@ def forward(model: nn.Module, task: Task, params, batch: dict[str, Array], *,
   if experts:
     result, sown = result
     statistics = _moe_statistics(sown['moe'])
-  if memory is None:
-    return result, None, statistics
-  return *result, statistics
+  out, memory = result
+  return out, memory, statistics
 
 
 def _moe_statistics(sown) -> dict[str, Array]:

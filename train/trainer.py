@@ -179,7 +179,8 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
   for warning in config_validation.warnings_of(config):
     _say(f'Warning: {warning}')
   kernels = attention_kernels.choices(
-      config, model_config, config_validation.model_positions(config))
+      config, model_config,
+      config_validation.model_positions(config, model_config))
   if kernels:
     _say('Attention kernels: '
          + '; '.join(choice.describe() for choice in kernels))

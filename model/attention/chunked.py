@@ -14,7 +14,6 @@ pass, which visits the same blocks. Any T and S work: the last block and
 chunk are padded with masked queries and keys.
 """
 
-import dataclasses
 import functools
 import math
 
@@ -22,235 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.attention import core, fused
+from model.attention import chunk_plan, core, fused, online_softmax
 
 Array = jax.Array
 
 
-def split_heads(x: Array | None, num_kv_heads: int) -> Array | None:
-  """[B, N, T, S]-broadcastable -> [B, K, G, T, S]-broadcastable."""
-  if x is None:
-    return None
-  if x.shape[1] == 1:
-    return x[:, :, None]
-  return x.reshape(x.shape[0], num_kv_heads, -1, *x.shape[2:])
-
-
-def _pad(x: Array | None, axis: int, length: int) -> Array | None:
-  """x padded with zeros (False) to `length` along `axis`, unless that axis
-  is a broadcast one of size 1."""
-  if x is None or x.shape[axis] in (1, length):
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, length - x.shape[axis])
-  return jnp.pad(x, widths)
-
-
-def _block(x: Array | None, starts: tuple[Array, Array],
-           sizes: tuple[int, int]) -> Array | None:
-  """The [query block, key chunk] of x's last two axes (a broadcast axis of
-  size 1 is kept)."""
-  if x is None:
-    return x
-  for axis, start, size in zip((-2, -1), starts, sizes):
-    if x.shape[axis] != 1:
-      x = jax.lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim + axis)
-  return x
-
-
-def _add_block(total: Array, update: Array, starts: tuple[Array, Array]
-               ) -> Array:
-  """total with `update` added at the block `starts` of its last two axes
-  (0 along a broadcast axis)."""
-  index = [0] * (total.ndim - 2) + [
-      start if total.shape[axis] != 1 else 0
-      for axis, start in zip((-2, -1), starts)]
-  old = jax.lax.dynamic_slice(total, index, update.shape)
-  return jax.lax.dynamic_update_slice(total, old + update, index)
-
-
-# Loops over at most this many blocks, whose logits together take at most
-# UNROLLED_LOGITS_BYTES, are unrolled: static slices and no loop overhead,
-# while XLA may hold every block's logits at once.
-MAX_UNROLLED_BLOCKS = 64
-UNROLLED_LOGITS_BYTES = 96 * 2**20
-
-
-def _unrolls(batch: int, num_heads: int, q_len: int, kv_len: int,
-             q_chunk: int, kv_chunk: int) -> bool:
-  blocks = -(-q_len // q_chunk) * -(-kv_len // kv_chunk)
-  return blocks <= MAX_UNROLLED_BLOCKS and (
-      blocks * batch * num_heads * q_chunk * kv_chunk * 4
-      <= UNROLLED_LOGITS_BYTES)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-  """Static shapes and options; which blocks are visited; the logits of one
-  block."""
-
-  batch: int
-  q_len: int
-  num_heads: int
-  head_dim: int
-  kv_len: int
-  num_kv_heads: int
-  scale: float
-  is_causal: bool
-  q_chunk: int
-  kv_chunk: int
-
-  @property
-  def group(self) -> int:
-    return self.num_heads // self.num_kv_heads
-
-  @property
-  def num_q_chunks(self) -> int:
-    return -(-self.q_len // self.q_chunk)
-
-  @property
-  def num_kv_chunks(self) -> int:
-    return -(-self.kv_len // self.kv_chunk)
-
-  @property
-  def padded_q_len(self) -> int:
-    return self.num_q_chunks * self.q_chunk
-
-  @property
-  def padded_kv_len(self) -> int:
-    return self.num_kv_chunks * self.kv_chunk
-
-  @property
-  def unrolled(self) -> bool:
-    return _unrolls(self.batch, self.num_heads, self.q_len, self.kv_len,
-                    self.q_chunk, self.kv_chunk)
-
-  def key_chunks_seen(self) -> np.ndarray:
-    """[query blocks]: how many chunks of keys, from the first, the queries
-    of each block see (causal: up to the last query's diagonal, aligned
-    bottom-right as `core.causal_mask`)."""
-    if not self.is_causal:
-      return np.full(self.num_q_chunks, self.num_kv_chunks, np.int32)
-    last_query = np.minimum(
-        (np.arange(self.num_q_chunks) + 1) * self.q_chunk, self.q_len) - 1
-    last_key = last_query + self.kv_len - self.q_len
-    return np.clip(last_key // self.kv_chunk + 1, 0,
-                   self.num_kv_chunks).astype(np.int32)
-
-  def first_query_block(self) -> np.ndarray:
-    """[key chunks]: the first block of queries that sees each chunk (the
-    number of blocks if none does)."""
-    return np.searchsorted(self.key_chunks_seen(),
-                           np.arange(self.num_kv_chunks),
-                           side='right').astype(np.int32)
-
-  def queries(self, query: Array) -> Array:
-    """[B, T, N, H] -> float32 [B, K, G, padded T, H]."""
-    q = query.reshape(self.batch, self.q_len, self.num_kv_heads, self.group,
-                      self.head_dim)
-    q = jnp.transpose(q, (0, 2, 3, 1, 4)).astype(jnp.float32)
-    return _pad(q, 3, self.padded_q_len)
-
-  def query_block(self, x: Array, index: Array) -> Array:
-    """Block `index` of x's query axis (axis 3 of [B, K, G, T, ...])."""
-    return jax.lax.dynamic_slice_in_dim(x, index * self.q_chunk, self.q_chunk,
-                                        axis=3)
-
-  def key_chunk(self, x: Array, index: Array) -> Array:
-    """Chunk `index` of keys or values [B, S, K, H]."""
-    return jax.lax.dynamic_slice_in_dim(x, index * self.kv_chunk,
-                                        self.kv_chunk, axis=1)
-
-  def starts(self, q_index: Array, kv_index: Array) -> tuple[Array, Array]:
-    return q_index * self.q_chunk, kv_index * self.kv_chunk
-
-  def bias_block(self, bias, q_index: Array, kv_index: Array):
-    """The bias of block (q_index, kv_index), [B?, K?, G?, Tq?, Tk?]."""
-    if not isinstance(bias, core.PositionBias):
-      return _block(bias, self.starts(q_index, kv_index),
-                    (self.q_chunk, self.kv_chunk))
-    # Padded queries and keys read the last real one (and are masked).
-    queries = jnp.minimum(q_index * self.q_chunk + jnp.arange(self.q_chunk),
-                          self.q_len - 1)
-    keys = jnp.minimum(kv_index * self.kv_chunk + jnp.arange(self.kv_chunk),
-                       self.kv_len - 1)
-    return split_heads(bias.at(queries[:, None], keys[None, :]),
-                       self.num_kv_heads)
-
-  def mask_block(self, mask, q_index: Array, kv_index: Array):
-    """The mask of block (q_index, kv_index), [B?, K?, G?, Tq?, Tk?]."""
-    if not isinstance(mask, core.SegmentMask):
-      return _block(mask, self.starts(q_index, kv_index),
-                    (self.q_chunk, self.kv_chunk))
-    # Slices of the (padded) ids, compared: [B, 1, 1, Q, C].
-    q_start, kv_start = self.starts(q_index, kv_index)
-    q_ids = jax.lax.dynamic_slice_in_dim(mask.q_segment_ids_BxT, q_start,
-                                         self.q_chunk, axis=1)
-    kv_ids = jax.lax.dynamic_slice_in_dim(mask.kv_ids, kv_start,
-                                          self.kv_chunk, axis=1)
-    return (q_ids[:, :, None] == kv_ids[:, None, :])[:, None, None]
-
-  def logits(self, q_BxKxGxQxH, k_BxCxKxH, bias_block, mask, q_index,
-             kv_index):
-    """Masked logits of block (q_index, kv_index), [B, K, G, Q, C], -inf
-    where excluded."""
-    logits = jnp.einsum('bkgqh,bckh->bkgqc', q_BxKxGxQxH,
-                        k_BxCxKxH.astype(jnp.float32)) * self.scale
-    if bias_block is not None:
-      logits = logits + bias_block.astype(jnp.float32)
-    queries = q_index * self.q_chunk + jnp.arange(self.q_chunk)
-    keys = kv_index * self.kv_chunk + jnp.arange(self.kv_chunk)
-    # The padding of the last block and chunk.
-    valid = (queries[:, None] < self.q_len) & (keys[None, :] < self.kv_len)
-    if self.is_causal:
-      valid = valid & (keys[None, :]
-                       <= queries[:, None] + self.kv_len - self.q_len)
-    mask = self.mask_block(mask, q_index, kv_index)
-    if mask is not None:
-      valid = valid & mask
-    return jnp.where(valid, logits, -jnp.inf)
-
-  def join_queries(self, x: Array) -> Array:
-    """[query blocks, B, K, G, Q, ...] -> [B, K, G, padded T, ...]."""
-    x = jnp.moveaxis(x, 0, 3)
-    return x.reshape(*x.shape[:3], -1, *x.shape[5:])
-
-
-def online_softmax_init(shape: tuple[int, ...], head_dim: int):
-  """The online softmax of rows `shape` before any key: (running max, running
-  sum of exponentials, running weighted sum of values [*shape, head_dim])."""
-  return (jnp.full(shape, -jnp.inf), jnp.zeros(shape),
-          jnp.zeros(shape + (head_dim,)))
-
-
-def online_softmax_step(stats, logits_BxKxGxTxC: Array, v_BxCxKxH: Array):
-  """`stats` after one more chunk of keys: its masked logits (-inf where
-  excluded) and its values."""
-  row_max, row_sum, acc = stats
-  new_max = jnp.maximum(row_max, jnp.max(logits_BxKxGxTxC, axis=-1))
-  # Rows with nothing to attend yet keep a reference of 0, not -inf.
-  reference = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-  rescale = jnp.exp(row_max - reference)
-  weights = jnp.exp(logits_BxKxGxTxC - reference[..., None])
-  row_sum = row_sum * rescale + jnp.sum(weights, axis=-1)
-  acc = acc * rescale[..., None] + jnp.einsum(
-      'bkgtc,bckh->bkgth', weights, v_BxCxKxH.astype(jnp.float32))
-  return new_max, row_sum, acc
-
-
-def online_softmax_result(stats) -> tuple[Array, Array]:
-  """(output [B, K, G, T, H], log-sum-exp [B, K, G, T]) of the keys seen;
-  rows that saw none give 0 and a log-sum-exp of +inf."""
-  row_max, row_sum, acc = stats
-  nonempty = row_sum > 0
-  out = acc / jnp.where(nonempty, row_sum, 1.0)[..., None]
-  reference = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  log_sum_exp = jnp.where(nonempty, reference + jnp.log(
-      jnp.where(nonempty, row_sum, 1.0)), jnp.inf)
-  return out, log_sum_exp
-
-
-def _fori_loop(plan: _Plan, lower, upper, body, init):
+def _fori_loop(plan: chunk_plan.Plan, lower, upper, body, init):
   """`lax.fori_loop`, or the same loop unrolled (Python int indices) where
   `plan.unrolled`."""
   if plan.unrolled:
@@ -260,7 +36,7 @@ def _fori_loop(plan: _Plan, lower, upper, body, init):
   return jax.lax.fori_loop(lower, upper, body, init)
 
 
-def _scan(plan: _Plan, body, carry, xs):
+def _scan(plan: chunk_plan.Plan, body, carry, xs):
   """`lax.scan` over numpy `xs`, or the same loop unrolled where
   `plan.unrolled`."""
   if not plan.unrolled:
@@ -272,7 +48,7 @@ def _scan(plan: _Plan, body, carry, xs):
   return carry, jax.tree.map(lambda *x: jnp.stack(x), *outputs)
 
 
-def _forward(plan: _Plan, query, key, value, bias, mask):
+def _forward(plan: chunk_plan.Plan, query, key, value, bias, mask):
   """Output [B, K, G, padded T, H] and log-sum-exp [B, K, G, padded T]
   (+inf for rows that see no key)."""
   q = plan.queries(query)
@@ -285,14 +61,14 @@ def _forward(plan: _Plan, query, key, value, bias, mask):
       logits = plan.logits(q_block, plan.key_chunk(key, kv_index),
                            plan.bias_block(bias, q_index, kv_index), mask,
                            q_index, kv_index)
-      return online_softmax_step(stats, logits, plan.key_chunk(value,
+      return online_softmax.step(stats, logits, plan.key_chunk(value,
                                                                kv_index))
 
     stats = _fori_loop(
         plan, 0, chunks_seen, visit,
-        online_softmax_init((plan.batch, plan.num_kv_heads, plan.group,
+        online_softmax.init((plan.batch, plan.num_kv_heads, plan.group,
                              plan.q_chunk), plan.head_dim))
-    return None, online_softmax_result(stats)
+    return None, online_softmax.result(stats)
 
   _, (out, log_sum_exp) = _scan(
       plan, query_block, None,
@@ -300,7 +76,7 @@ def _forward(plan: _Plan, query, key, value, bias, mask):
   return plan.join_queries(out), plan.join_queries(log_sum_exp)
 
 
-def _to_output(plan: _Plan, out_BxKxGxTxH: Array, dtype) -> Array:
+def _to_output(plan: chunk_plan.Plan, out_BxKxGxTxH: Array, dtype) -> Array:
   """[B, K, G, padded T, H] -> [B, T, N, H]."""
   out = jnp.transpose(out_BxKxGxTxH[:, :, :, :plan.q_len], (0, 3, 1, 2, 4))
   return out.reshape(plan.batch, plan.q_len, plan.num_heads,
@@ -392,8 +168,9 @@ def _attend_bwd(plan, residuals, d_out):
         d_bias = _add_inexact(
             d_bias, pull_back(_reduce_to(d_logits, bias_block.shape))[0])
       elif bias is not None:
-        d_bias = _add_block(d_bias, _reduce_to(d_logits, bias_block.shape),
-                            plan.starts(q_index, kv_index))
+        d_bias = chunk_plan.add_block(
+            d_bias, _reduce_to(d_logits, bias_block.shape),
+            plan.starts(q_index, kv_index))
       return d_query, d_key, d_value, d_bias
 
     d_query, d_bias = carry
@@ -427,14 +204,14 @@ def default_chunk_size(batch: int, num_heads: int, q_len: int,
                        kv_len: int) -> int:
   """Keys per chunk (and queries per block) for the backend. On CPU, short
   sequences take the smallest blocks, from 64, whose loops unroll (see
-  `_unrolls`); longer ones the largest power of two up to 512 whose block
-  of logits over every example and head fits 8 MiB of cache (512 for B=1,
-  N=8; 128 for B=8, N=8). experiments/bench_attention.py and
+  `chunk_plan.unrolls`); longer ones the largest power of two up to 512
+  whose block of logits over every example and head fits 8 MiB of cache
+  (512 for B=1, N=8; 128 for B=8, N=8). experiments/bench_attention.py and
   bench_train.py measured these choices. Elsewhere 512."""
   if jax.default_backend() != 'cpu':
     return 512
   for chunk in (64, 128, 256, 512):
-    if _unrolls(batch, num_heads, q_len, kv_len, min(chunk, q_len),
+    if chunk_plan.unrolls(batch, num_heads, q_len, kv_len, min(chunk, q_len),
                 min(chunk, kv_len)):
       return chunk
   chunk = 512
@@ -475,19 +252,20 @@ def chunked_attention(query: Array, key: Array, value: Array,
                      is_causal=is_causal)
   chunk_size = chunk_size or default_chunk_size(batch, num_heads, q_len,
                                                 key.shape[1])
-  plan = _Plan(batch, q_len, num_heads, head_dim, kv_len=key.shape[1],
+  plan = chunk_plan.Plan(batch, q_len, num_heads, head_dim, kv_len=key.shape[1],
                num_kv_heads=key.shape[2], scale=scale, is_causal=is_causal,
                q_chunk=min(query_chunk_size or chunk_size, q_len),
                kv_chunk=min(chunk_size, key.shape[1]))
-  key = _pad(key, 1, plan.padded_kv_len)
-  value = _pad(value, 1, plan.padded_kv_len)
+  pad, split = chunk_plan.pad, online_softmax.split_heads
+  key = pad(key, 1, plan.padded_kv_len)
+  value = pad(value, 1, plan.padded_kv_len)
   if not isinstance(bias, core.PositionBias):
-    bias = _pad(_pad(split_heads(bias, plan.num_kv_heads), -1,
-                     plan.padded_kv_len), -2, plan.padded_q_len)
+    bias = pad(pad(split(bias, plan.num_kv_heads), -1, plan.padded_kv_len),
+               -2, plan.padded_q_len)
   if isinstance(mask, core.SegmentMask):
-    mask = core.SegmentMask(_pad(mask.q_segment_ids_BxT, 1, plan.padded_q_len),
-                            _pad(mask.kv_ids, 1, plan.padded_kv_len))
+    mask = core.SegmentMask(pad(mask.q_segment_ids_BxT, 1, plan.padded_q_len),
+                            pad(mask.kv_ids, 1, plan.padded_kv_len))
   else:
-    mask = _pad(_pad(split_heads(mask, plan.num_kv_heads), -1,
-                     plan.padded_kv_len), -2, plan.padded_q_len)
+    mask = pad(pad(split(mask, plan.num_kv_heads), -1, plan.padded_kv_len),
+               -2, plan.padded_q_len)
   return _attend(plan, query, key, value, bias, mask)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
-from model.attention import chunked, core
+from model.attention import core, online_softmax
 
 Array = jax.Array
 
@@ -67,10 +67,10 @@ def _ring_body(query, key, value, bias, mask, *, scale: float,
       (0, 2, 3, 1, 4)).astype(jnp.float32)
   q_positions = index * block + jnp.arange(block)
   bias = (bias if isinstance(bias, core.PositionBias)
-          else chunked.split_heads(bias, num_kv_heads))
+          else online_softmax.split_heads(bias, num_kv_heads))
   segments = isinstance(mask, core.SegmentMask)
   if not segments:
-    mask = chunked.split_heads(mask, num_kv_heads)
+    mask = online_softmax.split_heads(mask, num_kv_heads)
 
   def fold(stats, k_blk, v_blk, source):
     """Folds the key block that started on device `source` into `stats`."""
@@ -78,7 +78,7 @@ def _ring_body(query, key, value, bias, mask, *, scale: float,
     logits = jnp.einsum('bkgth,bckh->bkgtc', q_BxKxGxTxH,
                         k_blk.astype(jnp.float32)) * scale
     if isinstance(bias, core.PositionBias):
-      logits = logits + chunked.split_heads(
+      logits = logits + online_softmax.split_heads(
           bias.at(q_positions[:, None], k_positions[None, :]), num_kv_heads)
     elif bias is not None:
       logits = logits + _columns(bias, source * block, block).astype(
@@ -87,12 +87,12 @@ def _ring_body(query, key, value, bias, mask, *, scale: float,
     if is_causal:
       valid = k_positions[None, :] <= q_positions[:, None]
     if segments:
-      valid = valid & chunked.split_heads(
+      valid = valid & online_softmax.split_heads(
           mask.at(jnp.arange(block)[:, None], k_positions[None, :]),
           num_kv_heads)
     elif mask is not None:
       valid = valid & _columns(mask, source * block, block)
-    return chunked.online_softmax_step(
+    return online_softmax.step(
         stats, jnp.where(valid, logits, -jnp.inf), v_blk)
 
   # Recompute each step's logits in the backward pass rather than keep them:
@@ -108,7 +108,7 @@ def _ring_body(query, key, value, bias, mask, *, scale: float,
     stats = fold(stats, k_blk, v_blk, (index - hop) % ring_size)
     return (stats, k_blk, v_blk), None
 
-  stats = chunked.online_softmax_init(
+  stats = online_softmax.init(
       (batch, num_kv_heads, group, block), head_dim)
   if ring_size > 1:  # The statistics differ from device to device.
     stats = jax.lax.pcast(stats, axis, to='varying')
@@ -116,7 +116,7 @@ def _ring_body(query, key, value, bias, mask, *, scale: float,
   if ring_size > 1:
     (stats, _, _), _ = jax.lax.scan(step, (stats, key, value),
                                     jnp.arange(1, ring_size))
-  out, _ = chunked.online_softmax_result(stats)
+  out, _ = online_softmax.result(stats)
   out = jnp.transpose(out, (0, 3, 1, 2, 4))
   return out.reshape(batch, block, num_heads, head_dim).astype(query.dtype)
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from model.attention import core
 from model.config import PAD_ID, ModelConfig
+from model.families.family import Family
 from model.readout import Readout
 from model.weight_decay import undecayed
 
@@ -135,23 +136,49 @@ class RnnAttention(nn.Module):
 
   def decode(self, state: dict, decoder_inputs_BxT: Array, *,
              deterministic: bool = True, readout: bool = False
-             ) -> tuple[Array | Readout, dict, Array]:
+             ) -> tuple[Array | Readout, dict]:
     """(logits [B, T, V] (with `readout`, their `Readout`), the state after
-    the T steps, attention weights [B, T, S]) for decoder inputs [B, T]."""
+    the T steps) for decoder inputs [B, T]; the attention weights [B, T, S]
+    are sown as the intermediate 'attention_weights'."""
     embedded_BxTxD = self.dropout(self.embedder(decoder_inputs_BxT),
                                   deterministic=deterministic)
     state, (outputs_BxTx3D, weights_BxTxS) = self.steps(state,
                                                         embedded_BxTxD)
+    self.sow('intermediates', 'attention_weights', weights_BxTxS)
     readout_BxTxD = self.dropout(jnp.tanh(self.readout(outputs_BxTx3D)),
                                  deterministic=deterministic)
     # The output projection is the embedding transposed.
     out = Readout(readout_BxTxD, self.embedder.embedding, weights_spec='vd',
                   compute_dtype=self.config.compute_dtype)
-    return (out if readout else out.logits()), state, weights_BxTxS
+    return (out if readout else out.logits()), state
 
   def __call__(self, inputs_BxS: Array, decoder_inputs_BxT: Array, *,
-               deterministic: bool = True, readout: bool = False):
+               deterministic: bool = True, readout: bool = False
+               ) -> tuple[Array | Readout, None]:
+    """(logits [B, T, V] or their `Readout`, no state)."""
     state = self.start(inputs_BxS, deterministic=deterministic)
-    out, _, _ = self.decode(state, decoder_inputs_BxT,
-                            deterministic=deterministic, readout=readout)
-    return out
+    out, _ = self.decode(state, decoder_inputs_BxT,
+                         deterministic=deterministic, readout=readout)
+    return out, None
+
+  def start_decoding(self, inputs_BxS: Array, length: int
+                     ) -> tuple[None, dict]:
+    """(nothing shared, the decoder's state): the state holds the sources'
+    annotations, and knows its position (`length` is not needed)."""
+    del length
+    return None, self.start(inputs_BxS)
+
+  def decoding_step(self, source: None, inputs_BxS: Array,
+                    tokens_BxT: Array, positions_BxT: Array, state: dict
+                    ) -> tuple[Array, dict]:
+    """(logits [B, T, V], the state after `tokens_BxT`)."""
+    del source, inputs_BxS, positions_BxT
+    return self.decode(state, tokens_BxT)
+
+
+FAMILY = Family(
+    name='rnn_attention', module=RnnAttention, tasks=('seq2seq',),
+    # One attention a target step, scored over D and reading values of 2D.
+    attention_layers=lambda config: 3,
+    sequential_steps=lambda config, length: 2 * length,
+    feed_forward=False)

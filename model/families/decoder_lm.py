@@ -1,0 +1,98 @@
+"""`decoder_lm`: a GPT-2-style causal language model (Radford et al. 2019),
+optionally with Transformer-XL's memory (Dai et al. 2019)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from model import attention
+from model.blocks import BlockInputs, TransformerStack
+from model.config import ModelConfig
+from model.embedder import Embedder, default_positions, output
+from model.families.family import Family, Stack
+from model.readout import Readout
+from model.state import Cache, Memory
+
+Array = jax.Array
+
+
+class DecoderLM(nn.Module):
+  """Tokens [B, T] to next-token logits, float32 [B, T, V]; logits[:, t]
+  sees tokens <= t."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens_BxT: Array, positions_BxT: Array | None = None,
+               segment_ids_BxT: Array | None = None, *,
+               memory: Memory | None = None, cache: Cache | None = None,
+               deterministic: bool = True, readout: bool = False
+               ) -> tuple[Array | Readout, Memory | Cache | None]:
+    """(logits, state). With `readout`, a `Readout` of the logits in their
+    place, for a loss that computes them a block at a time.
+
+    Rows packed with several sequences give each token's `segment_ids_BxT`
+    (and its position within its sequence): tokens attend only within their
+    own segment; the state is None. With a `memory` (Memory.empty to
+    start) of the hidden states before this segment, the state is the
+    memory after it: the last config.memory_length positions, with no
+    gradient. With a `cache` (Cache.empty), the tokens are read at
+    `positions_BxT` after those the cache holds, and the state is the cache
+    with them.
+    """
+    if positions_BxT is None:
+      positions_BxT = default_positions(tokens_BxT)
+    embedder = Embedder(self.config, name='embedder')
+    x_BxTxD = embedder(tokens_BxT, positions_BxT, deterministic=deterministic)
+    # A zero-valued hook: the gradient with respect to the 'perturbations'
+    # collection is d(loss)/d(embeddings); a no-op unless that is passed.
+    x_BxTxD = self.perturb('embeddings', x_BxTxD)
+    decoder = TransformerStack(self.config, causal=True, cross=False,
+                               name='decoder')
+    if cache is not None:
+      x_BxTxD, cache = decoder(
+          x_BxTxD, BlockInputs(positions_BxT, deterministic=deterministic),
+          cache=cache)
+      return output(embedder, x_BxTxD, readout), cache
+    if memory is None:
+      self_mask = None
+      if segment_ids_BxT is not None:
+        # Compared block by block where attention is: never [B, 1, T, T].
+        self_mask = attention.SegmentMask(segment_ids_BxT)
+      x_BxTxD, _ = decoder(x_BxTxD, BlockInputs(
+          positions_BxT, self_mask, deterministic=deterministic))
+      return output(embedder, x_BxTxD, readout), None
+    if segment_ids_BxT is not None:
+      raise ValueError('a Transformer-XL memory reads contiguous text, not '
+                       'packed segments.')
+    length = memory.valid.shape[1]
+    # The memory holds the positions just before the segment's first.
+    memory_positions_BxM = (positions_BxT[:, :1] - length
+                            + jnp.arange(length)[None])
+    valid_BxS = jnp.concatenate(
+        [memory.valid, jnp.ones(tokens_BxT.shape, bool)], axis=1)
+    x_BxTxD, inputs_LxBxTxD = decoder(
+        x_BxTxD, BlockInputs(positions_BxT, valid_BxS[:, None, None, :],
+                             memory_positions_BxM=memory_positions_BxM,
+                             deterministic=deterministic),
+        memory_LxBxMxD=memory.hidden)
+    hidden = jnp.concatenate(
+        [memory.hidden, inputs_LxBxTxD.astype(memory.hidden.dtype)], axis=2)
+    new_memory = jax.lax.stop_gradient(Memory(hidden[:, :, -length:],
+                                              valid_BxS[:, -length:]))
+    return output(embedder, x_BxTxD, readout), new_memory
+
+
+def _self_attention(config: ModelConfig, length: int,
+                    packed: bool) -> list[Stack]:
+  if config.memory_length:  # The memory's keys, some not yet filled.
+    return [('decoder', True, 'key_padding', length,
+             length + config.memory_length)]
+  return [('decoder', True, 'segments' if packed else 'none', length,
+           length)]
+
+
+FAMILY = Family(
+    name='decoder_lm', module=DecoderLM, tasks=('lm',),
+    attention_layers=lambda config: config.num_layers,
+    self_attention=_self_attention, memory=True)

@@ -1,0 +1,42 @@
+"""What a model family declares about itself, for the code around it."""
+
+from collections.abc import Callable
+import dataclasses
+
+import flax.linen as nn
+
+from model.config import ModelConfig
+
+# A stack of self-attention: (name, causal, mask, query length, key
+# length), the mask as model.attention.fused.Case names it.
+Stack = tuple[str, bool, str, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """A model family: its module, what it trains on, and what the checks,
+  the kernel table and the FLOPs count ask of it."""
+
+  name: str
+  # Built with the ModelConfig: module(config).
+  module: type[nn.Module]
+  # The tasks (train/tasks.py) it trains on, by name.
+  tasks: tuple[str, ...]
+  # Attention layers a token's step attends over the whole length through,
+  # forward (model FLOPs, train/flops.py).
+  attention_layers: Callable[[ModelConfig], int]
+  # Its stacks of self-attention for activations of `length` positions,
+  # rows packed or not (train/attention_kernels.py); none of its own: [].
+  self_attention: Callable[[ModelConfig, int, bool], list[Stack]] = (
+      lambda config, length, packed: [])
+  # Activations beyond the tokens (a classifier's CLS vector).
+  extra_positions: Callable[[ModelConfig], int] = lambda config: 0
+  # Forward steps that must run one after another for `length` tokens.
+  sequential_steps: Callable[[ModelConfig, int], int] = (
+      lambda config, length: 2 * config.num_layers)
+  # Its feed-forward layers are Transformer blocks' (config.model.moe).
+  feed_forward: bool = True
+  # It can keep a Transformer-XL memory (config.model.memory_length).
+  memory: bool = False
+  # It has a causal decoder, which a bidirectional-only attention cannot be.
+  decoder: bool = True
