@@ -28,4 +28,3 @@ def zipped(**values: list[Any]) -> list[dict[str, Any]]:
                      f'{ {k: len(v) for k, v in values.items()} }.')
   keys = list(values)
   return [dict(zip(keys, combination)) for combination in zip(*values.values())]
-

@@ -33,7 +33,8 @@ def parse_variant(name: str) -> tuple[str, str | None]:
   if kernel is None:
     return base, None
   if not attention_parameters.takes_kernel(base):
-    takers = [n for n in attention.names() if attention_parameters.takes_kernel(n)]
+    takers = [n for n in attention.names()
+              if attention_parameters.takes_kernel(n)]
     raise InputError(f'--variants: {name!r}: {base} takes no kernel; '
                      f'{", ".join(takers)} do.')
   if kernel not in fused.KERNELS:

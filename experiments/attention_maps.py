@@ -23,10 +23,10 @@ from flax import traverse_util
 import matplotlib
 import numpy as np
 
+from model.families import FAMILIES
 from train import cli, trained_run
 from train.data import datasets, tokenizers
 from train.errors import InputError
-from train.tasks import Task
 
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)
@@ -57,12 +57,12 @@ def tokens_to_draw(dataset: datasets.Dataset, config, text: str | None,
   return np.asarray(ids, np.int32)[:max_tokens]
 
 
-def attention_weights(model, params, task: Task, tokens: np.ndarray
+def attention_weights(model, params, tokens: np.ndarray
                       ) -> list[tuple[str, np.ndarray]]:
   """(layer name, weights [N, T, T]) of every self-attention layer that
-  reads `tokens`, the inputs of a `task`."""
-  _, variables = model.apply({'params': params}, tokens[None],
-                             method=task.inputs_method,
+  reads `tokens`, the model's inputs (an encoder-decoder's encoder's)."""
+  method = FAMILIES[model.config.family].inputs_method
+  _, variables = model.apply({'params': params}, tokens[None], method=method,
                              mutable=['intermediates'])
   flat = traverse_util.flatten_dict(variables['intermediates'], sep='/')
   # block_2 before block_10.
@@ -112,13 +112,17 @@ def attention_maps(workdir: str, *, text: str | None = None,
                    max_tokens: int = 48) -> str:
   """Draws the maps of the run in `workdir`; returns the PNG's path."""
   run = trained_run.load(workdir)
+  family = FAMILIES[run.model_config.family]
+  if not family.self_attention(run.model_config, max_tokens, False):
+    raise InputError(f'config.model.family={family.name!r} has no '
+                     'self-attention to draw.')
   for layer_config in run.model_config.layer_configs():
     if layer_config.attention not in EXACT:
       raise InputError(
           f'config.model.attention={layer_config.attention!r}: maps are '
           f'drawn for exact softmax attention ({", ".join(EXACT)}).')
   tokens = tokens_to_draw(run.dataset, run.config, text, example, max_tokens)
-  layers = attention_weights(run.model, run.params, run.dataset.task, tokens)
+  layers = attention_weights(run.model, run.params, tokens)
   labels = [label(run.dataset, int(t)) for t in tokens]
   if run.dataset.task.has_classes and run.model_config.pooling == 'cls':
     labels = ['[CLS]'] + labels  # The classifier's vector before the tokens.

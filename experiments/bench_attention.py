@@ -123,8 +123,9 @@ def measure(name: str, kind: str, length: int, *, options: dict,
              for key in jax.random.split(jax.random.key(1), 3))
   mask = attention_cases.rows_mask(kind, batch, length)
   try:
-    made = attention_cases.variant_fn(name, kind, length, options, causal=causal, heads=heads,
-                    head_dim=head_dim, q=q, mask=mask)
+    made = attention_cases.variant_fn(
+        name, kind, length, options, causal=causal, heads=heads,
+        head_dim=head_dim, q=q, mask=mask)
   except fused.KernelError as error:
     return row | {'skipped': f'{name}: {error}'}
   if isinstance(made, str):

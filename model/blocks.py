@@ -65,12 +65,15 @@ class TransformerBlock(nn.Module):
     self.mlp_norm = make_norm(config)
     self.feed_forward = (MoeMlp(config, name='moe') if self.moe
                          else Mlp(config, name='mlp'))
-    self.dropout = nn.Dropout(config.dropout_rate)
+    # A dropout layer per residual, in order, named as flax names layers
+    # made inline, so that a seed draws the masks it always drew.
+    self.dropouts = [nn.Dropout(config.dropout_rate, name=f'Dropout_{i}')
+                     for i in range(3 if self.cross else 2)]
 
   def _add(self, x_BxTxD: Array, update_BxTxD: Array, norm: nn.Module,
-           deterministic: bool) -> Array:
+           dropout: nn.Module, deterministic: bool) -> Array:
     """The residual connection, normalised after it for post-norm."""
-    update_BxTxD = self.dropout(update_BxTxD, deterministic=deterministic)
+    update_BxTxD = dropout(update_BxTxD, deterministic=deterministic)
     if self.config.norm_position == 'pre':
       return x_BxTxD + update_BxTxD
     return norm(x_BxTxD + update_BxTxD)
@@ -105,16 +108,18 @@ class TransformerBlock(nn.Module):
         q_positions_BxT=inputs.positions_BxT,
         kv_positions_BxS=kv_positions_BxS, cache=cache,
         deterministic=inputs.deterministic)
-    x_BxTxD = self._add(x_BxTxD, update, norm, inputs.deterministic)
+    x_BxTxD = self._add(x_BxTxD, update, norm, self.dropouts[0],
+                        inputs.deterministic)
     if self.cross:
       norm = self.cross_attention_norm
       update, _ = self.cross_attention(
           self._normed(x_BxTxD, norm), inputs.encoded_BxSxD,
           mask=inputs.cross_mask, cache=source,
           deterministic=inputs.deterministic)
-      x_BxTxD = self._add(x_BxTxD, update, norm, inputs.deterministic)
+      x_BxTxD = self._add(x_BxTxD, update, norm, self.dropouts[1],
+                          inputs.deterministic)
     update = self.feed_forward(self._normed(x_BxTxD, self.mlp_norm))
-    return self._add(x_BxTxD, update, self.mlp_norm,
+    return self._add(x_BxTxD, update, self.mlp_norm, self.dropouts[-1],
                      inputs.deterministic), cache
 
   def source_keys_values(self, encoded_BxSxD: Array) -> KeysValues:

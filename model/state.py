@@ -1,6 +1,7 @@
 """What a model carries from one call to the next: a decoding cache and a
-Transformer-XL memory. Every model call returns `(output, state)`, the state
-one of these or None.
+Transformer-XL memory. A model's forward call (`__call__`, and an
+encoder-decoder's `decode`) returns `(output, state)`, the state one of
+these or None.
 """
 
 import flax
@@ -27,8 +28,10 @@ class Cache:
   and values of the positions written so far, [B, C, ...] for C positions
   (decoding writes one position in place a call); `cross_attention`: the
   source's, projected once (EncoderDecoder.start_decoding) and read by
-  every beam of a source, never copied (None in a decoder without
-  cross-attention)."""
+  every beam of a source, never copied. Each decoding step puts the
+  source's half in and takes it out again, so that the cache a decoding
+  loop carries (and beam search copies per beam) holds None there, as a
+  decoder without cross-attention does."""
 
   self_attention: tuple[KeysValues, ...]
   cross_attention: tuple[KeysValues, ...] | None = None

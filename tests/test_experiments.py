@@ -107,8 +107,7 @@ def test_attention_weights_mask_padding(comparison):
   model = build(ModelConfig.from_mapping(config.model))
   params = steps.init_params(model, tasks.CLASSIFICATION, jax.random.key(0), 8)
   tokens = np.array([3, 4, 5, 6, 0, 0], np.int32)  # Two padding tokens.
-  (name, weights), = attention_maps.attention_weights(
-      model, params, tasks.CLASSIFICATION, tokens)
+  (name, weights), = attention_maps.attention_weights(model, params, tokens)
   assert name == 'encoder/block_0'
   assert weights.shape == (2, 7, 7)  # Heads; the CLS vector, then tokens.
   np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)

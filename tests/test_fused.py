@@ -153,8 +153,9 @@ def test_rows_with_keys_match_brute_force():
       if window:
         allowed &= (offsets < window) & (offsets > -window)
       np.testing.assert_array_equal(
-          fused_kernels.rows_with_keys(jnp.asarray(valid), 11, is_causal=is_causal,
-                                 window=window), allowed.any(-1))
+          fused_kernels.rows_with_keys(jnp.asarray(valid), 11,
+                                       is_causal=is_causal, window=window),
+          allowed.any(-1))
 
 
 def case(backend, dtype='bfloat16', head_dim=64, q_len=256, kv_len=256,

@@ -43,21 +43,21 @@ def validate(config: ml_collections.ConfigDict) -> ModelConfig:
   return check(config).model_config
 
 
-def check(config: ml_collections.ConfigDict) -> Checked:
+def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
   """Raises InputError naming every bad key, one line each. Rules that
-  need a sound model (its kernels, its layout on the mesh) run once the
-  others pass."""
+  need a sound model (its kernels, its layout on a mesh of `devices`,
+  default every device of every host) run once the others pass."""
   problems = []
 
-  def check(rule, *args):
+  def collect(rule, *args):
     try:
       return rule(*args)
     except InputError as error:
       problems.append(str(error))
 
   problems += config_keys.problems(config)
-  task = check(datasets.task_of, config.dataset)
-  model_config = check(_model_config, config)
+  task = collect(datasets.task_of, config.dataset)
+  model_config = collect(_model_config, config)
   if task is None or model_config is None:
     raise InputError('\n'.join(problems))
   problems += _attention_problems(config, model_config, task)
@@ -73,11 +73,11 @@ def check(config: ml_collections.ConfigDict) -> Checked:
         f'config.model.family={model_config.family!r} cannot train on '
         f'config.dataset={config.dataset!r} ({task.name}); use '
         + ' or '.join(map(repr, trainers)) + '.')
-  check(_check_decode_splits, config, model_config, task)
+  collect(_check_decode_splits, config, model_config, task)
   if problems:
     raise InputError('\n'.join(problems))
   positions = model_positions(config, model_config)
-  check(_check_kernels, config, model_config, positions)
+  collect(_check_kernels, config, model_config, positions)
   limit = SCHEMES[model_config.position].max_positions(model_config)
   if limit is not None and positions > limit:
     problems.append(
@@ -85,8 +85,8 @@ def check(config: ml_collections.ConfigDict) -> Checked:
         f'than config.model.max_len={limit}.')
   param_shapes = None
   if not problems:
-    param_shapes = check(layout_validation.check_layout, config,
-                         model_config, task, positions)
+    param_shapes = collect(layout_validation.check_layout, config,
+                           model_config, task, positions, devices)
   if problems:
     raise InputError('\n'.join(problems))
   return Checked(model_config, task, param_shapes)

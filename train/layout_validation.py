@@ -35,11 +35,12 @@ def _attention_setting(model_config: ModelConfig) -> str:
 
 
 def check_layout(config: ml_collections.ConfigDict, model_config: ModelConfig,
-                 task: Task, positions: int):
-  """The mesh fits the devices, and the batch, the length (`positions` in
-  the model) and every parameter split evenly over it (shapes only: nothing
-  is computed). Returns the parameters' shapes and logical names."""
-  sizes = dict(mesh.make_mesh(config.parallelism).shape)
+                 task: Task, positions: int, devices=None):
+  """The mesh fits `devices` (default: every device of every host), and
+  the batch, the length (`positions` in the model) and every parameter
+  split evenly over it (shapes only: nothing is computed). Returns the
+  parameters' shapes and logical names."""
+  sizes = dict(mesh.make_mesh(config.parallelism, devices).shape)
   _check_splits(config, sizes, positions)
   rules = _logical_rules(config)
   try:

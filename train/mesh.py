@@ -10,7 +10,7 @@ The mesh has four named axes, always in this order (MESH_AXES):
   sequence  sequence parallelism: activations split along the length; the
             `ring` attention variant passes keys and values round this axis.
 An axis of size 1 costs nothing. Which parameter and activation dims go to
-which axis is `config.logical_axis_rules` (see train/parallel.py).
+which axis is `config.logical_axis_rules` (see train/sharding.py).
 """
 
 from collections.abc import Sequence

@@ -91,8 +91,9 @@ class Program:
   def from_config(cls, config: ml_collections.ConfigDict,
                   devices=None) -> 'Program':
     """The program of `config` on a mesh of `devices` (default: every
-    device of every host); InputError naming every bad key first."""
-    checked = config_validation.check(config)
+    device of every host); InputError naming every bad key, checked for
+    that mesh, first."""
+    checked = config_validation.check(config, devices)
     return compile_program(
         config, checked.model_config, checked.task,
         mesh_lib.make_mesh(config.parallelism, devices),

@@ -51,7 +51,7 @@ def mesh_axes(target) -> tuple[str, ...]:
 
 
 def logical_rules(config: ml_collections.ConfigDict) -> tuple:
-  """`config.logical_axis_rules` (checked by train/config_validation.py) as
+  """`config.logical_axis_rules` (checked by train/layout_validation.py) as
   a tuple of (name, mesh axes) pairs; JSON's lists are tuples again."""
   return tuple((name, tuple(target) if isinstance(target, list) else target)
                for name, target in config.logical_axis_rules)
@@ -98,4 +98,3 @@ def global_batch(batch, sharding: NamedSharding):
   return jax.tree.map(
       lambda x: jax.make_array_from_process_local_data(sharding, x, x.shape),
       batch)
-

@@ -57,8 +57,6 @@ class Task:
   # Its examples are documents, each starting with EOS, under 'tokens';
   # else the model reads an example's 'inputs'.
   documents = False
-  # The model's method that reads a row of inputs alone (attention maps).
-  inputs_method = '__call__'
 
   @property
   def inputs_key(self) -> str:
@@ -145,7 +143,6 @@ class SequenceToSequence(Task):
   exact_match = True
   eval_metrics = {'eval_exact_match': 'max'}
   next_command = 'decode: python -m train.translate --workdir={}'
-  inputs_method = 'encode'  # The encoder's.
 
   def model_args(self, batch):
     return batch['inputs'], batch['decoder_inputs']

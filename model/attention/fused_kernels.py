@@ -148,7 +148,8 @@ def splash(query, key, value, mask, *, scale, is_causal, window):
     out = jax.vmap(kernel)(q, k, v)
   else:
     out = jax.vmap(lambda q, k, v, q_ids, kv_ids: kernel(
-        q, k, v, segment_ids=splash_ops.SegmentIds(q_ids, kv_ids)))(q, k, v, *ids)
+        q, k, v, segment_ids=splash_ops.SegmentIds(q_ids, kv_ids)))(
+            q, k, v, *ids)
   out = jnp.transpose(out, (0, 2, 1, 3))[:, :q_len]
   if mask is None or isinstance(mask, core.SegmentMask):
     return out  # Every query sees a key (itself, under segments).

@@ -20,7 +20,6 @@ def split_heads(x: Array | None, num_kv_heads: int) -> Array | None:
   return x.reshape(x.shape[0], num_kv_heads, -1, *x.shape[2:])
 
 
-
 def init(shape: tuple[int, ...], head_dim: int):
   """The online softmax of rows `shape` before any key: (running max, running
   sum of exponentials, running weighted sum of values [*shape, head_dim])."""

@@ -8,8 +8,8 @@ FAMILIES.
   encoder_classifier  EncoderClassifier, an encoder and a classifier head
   rnn_attention       RnnAttention, the RNN encoder-decoder with attention
 
-Inputs are int token ids [B, T] with 0 as padding. Every model call returns
-(output, state): logits (float32 whatever config.dtype is) or their
+Inputs are int token ids [B, T] with 0 as padding. A model's forward call
+(`__call__`; an EncoderDecoder's `decode`) returns (output, state): logits (float32 whatever config.dtype is) or their
 Readout, and a model.state Cache or Memory, or None. The sequence-to-
 sequence families decode through two methods: `start_decoding(inputs_BxS,
 length) -> (source, state)` and `decoding_step(source, inputs_BxS,

@@ -98,4 +98,4 @@ FAMILY = Family(
     name='encoder_decoder', module=EncoderDecoder, tasks=('seq2seq',),
     # The encoder's self-attention, the decoder's and its cross-attention.
     attention_layers=lambda config: 3 * config.num_layers,
-    self_attention=_self_attention)
+    self_attention=_self_attention, inputs_method='encode')

@@ -29,6 +29,9 @@ class Family:
   # rows packed or not (train/attention_kernels.py); none of its own: [].
   self_attention: Callable[[ModelConfig, int, bool], list[Stack]] = (
       lambda config, length, packed: [])
+  # The module's method that reads a row of inputs alone: what the maps of
+  # its self-attention feed (experiments/attention_maps.py).
+  inputs_method: str = '__call__'
   # Activations beyond the tokens (a classifier's CLS vector).
   extra_positions: Callable[[ModelConfig], int] = lambda config: 0
   # Forward steps that must run one after another for `length` tokens.

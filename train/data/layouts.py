@@ -1,5 +1,6 @@
 """How canonical examples (see `train.data.datasets`) become rows of a
-batch; the task of a dataset (train/tasks.py) picks the layout.
+batch. The trainer picks a language model's layout from the config; a
+dataset's task (train/tasks.py) batches its examples with these.
 
 Language-model documents are laid out in one of three ways (LAYOUTS):
   packed:  cut into windows of at most L + 1 tokens (inputs tokens[:-1],
@@ -191,7 +192,6 @@ def _unpacked_lm_example(window, seq_len: int) -> dict[str, np.ndarray]:
           'targets': _pad_to(window['targets'], seq_len),
           'positions': np.arange(seq_len, dtype=np.int32),
           'weights': (np.arange(seq_len) < length).astype(np.float32)}
-
 
 
 def lm_examples(documents: grain.MapDataset, seq_len: int, *, layout: str,

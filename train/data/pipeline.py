@@ -94,4 +94,3 @@ def eval_batches(dataset: Dataset, split: str, *, seq_len: int,
   while empty is not None and count < num_batches:
     count += 1
     yield empty
-
