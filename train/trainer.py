@@ -19,10 +19,10 @@ import tqdm
 
 from train import (attention_kernels, checkpointing, config_validation, flops,
                    generate, metrics, preemption, seq2seq_eval)
-from train.program import Program
 from train import workdir as workdir_lib
 from train.data import datasets, pipeline
 from train.errors import InputError, Stopped, TrainingError
+from train.program import Program
 from train.tasks import Task
 
 
