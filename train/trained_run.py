@@ -41,10 +41,6 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   config.parallelism.update(data=-1, fsdp=1, tensor=1, sequence=1,
                             strategy='pjit', dcn_data=1)
   config.distributed = False
-  # JSON has no tuples: pairs come back as lists.
-  config.logical_axis_rules = tuple(
-      (name, tuple(target) if isinstance(target, list) else target)
-      for name, target in config.logical_axis_rules)
   return config
 
 
