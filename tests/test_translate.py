@@ -8,8 +8,10 @@ import sys
 import pytest
 
 from configs import algorithmic
+from experiments import length_generalisation
+from test_experiments import recount
 from test_train import LocalWmt14, read_metrics, shrink, tiny_config
-from train import scores, translate
+from train import scores, seq2seq_eval, translate
 from train.errors import InputError
 from train.trainer import train_and_evaluate
 
@@ -70,6 +72,13 @@ def test_training_logs_the_bleu_of_its_decoded_validation_split(
   for name in ('bleu', 'exact_match', 'token_accuracy'):
     assert last[f'decode_validation_{name}'] == pytest.approx(
         result[name], abs=1e-6), name
+  # What it decoded is kept, with the inputs.
+  decoded = seq2seq_eval.read_decoded(
+      os.path.join(translation_workdir, 'decoded', 'validation.jsonl'))
+  assert len(decoded) == 8 and all(e['inputs'] for e in decoded)
+  assert scores.token_accuracy(
+      [e['hypothesis'] for e in decoded], [e['reference'] for e in decoded]
+  ) == pytest.approx(last['decode_validation_token_accuracy'])
 
 
 def test_translate_names_a_split_the_dataset_lacks(translation_workdir):
@@ -103,3 +112,10 @@ def test_a_reverse_model_trained_300_steps_decodes_most_inputs(data_dir,
   assert final['decode_validation_exact_match'] == pytest.approx(
       results[1]['exact_match'], abs=0.011)
   assert 0 <= final['decode_long_token_accuracy'] < 1
+  # The study's length buckets of what it decoded, against a recount.
+  for split, buckets in (('validation', [(1, 3), (4, 6)]),
+                         ('long', [(7, 7), (8, 8)])):
+    decoded = seq2seq_eval.read_decoded(
+        os.path.join(tmp_path, 'decoded', f'{split}.jsonl'))
+    assert length_generalisation.by_length(decoded, buckets) == [
+        pytest.approx(recount(decoded, low, high)) for low, high in buckets]

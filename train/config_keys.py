@@ -178,7 +178,8 @@ KEYS: dict[str, Key] = {
     # --- Sequence-to-sequence: decoding at each evaluation ---
     # Splits whose inputs are decoded at each evaluation: the exact match,
     # per-token accuracy and, for text, BLEU of what the model writes,
-    # logged as decode_<split>_<score>; () for none.
+    # logged as decode_<split>_<score>, and what it wrote in
+    # workdir/decoded/<split>.jsonl; () for none.
     'decode_splits': Key(()),
     # Examples decoded from each of those splits (its first ones); -1 for
     # all.

@@ -6,6 +6,8 @@ during training (config.decode_splits).
 
 from collections.abc import Callable
 import dataclasses
+import json
+import os
 from typing import Any
 
 import flax.linen as nn
@@ -105,6 +107,26 @@ def decode(decoder: Callable, params, decode_set: DecodeSet, *,
     outputs = np.asarray(decoder(params, place(batch)))
     hypotheses += [until_eos(row) for row in outputs[:len(rows)]]
   return hypotheses
+
+
+def write_decoded(path: str, decode_set: DecodeSet,
+                  hypotheses: list[list[int]]) -> None:
+  """One JSON line per example, {"inputs", "hypothesis", "reference"} (ids),
+  written whole: to a temporary file, then renamed over `path`."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + '.tmp', 'w') as f:
+    for source, hypothesis, reference in zip(
+        decode_set.sources, hypotheses, decode_set.references):
+      f.write(json.dumps({'inputs': [int(i) for i in source],
+                          'hypothesis': hypothesis,
+                          'reference': reference}) + '\n')
+  os.replace(path + '.tmp', path)
+
+
+def read_decoded(path: str) -> list[dict[str, list[int]]]:
+  """The examples write_decoded wrote."""
+  with open(path) as f:
+    return [json.loads(line) for line in f]
 
 
 def as_text(dataset: datasets.Dataset) -> Callable[[list[int]], str]:

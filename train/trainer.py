@@ -70,11 +70,13 @@ def closing_summary(*, task: Task, steps: tuple[int, int], seconds: float,
 
 
 def _decoding_evaluation(config: ml_collections.ConfigDict,
-                         dataset: datasets.Dataset, program: Program
-                         ) -> Callable[[Any], dict[str, float]]:
+                         dataset: datasets.Dataset, program: Program,
+                         workdir: str) -> Callable[[Any], dict[str, float]]:
   """`params -> {decode_<split>_<score>: value}` for config.decode_splits:
   the first config.num_decode_examples inputs of each split decoded by beam
-  search, config.batch_size at a time, laid out as training batches are."""
+  search, config.batch_size at a time, laid out as training batches are.
+  What was decoded is written to workdir/decoded/<split>.jsonl (see
+  seq2seq_eval.write_decoded), replaced at each evaluation."""
   whole = NamedSharding(program.mesh, P())  # Every host reads the tokens.
   runs = []
   for split in config.decode_splits:
@@ -95,6 +97,10 @@ def _decoding_evaluation(config: ml_collections.ConfigDict,
       summary |= {f'decode_{decode_set.split}_{name}': value
                   for name, value in seq2seq_eval.score(
                       dataset, hypotheses, decode_set.references).items()}
+      if jax.process_index() == 0:
+        seq2seq_eval.write_decoded(
+            os.path.join(workdir, 'decoded', f'{decode_set.split}.jsonl'),
+            decode_set, hypotheses)
     return summary
   return evaluate
 
@@ -134,7 +140,8 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
 
   layout = ('streams' if model_config.memory_length else
             'packed' if config.pack_sequences else 'padded')
-  evaluate_decoding = _decoding_evaluation(config, dataset, program)
+  evaluate_decoding = _decoding_evaluation(config, dataset, program,
+                                           workdir)
 
   def evaluate(params) -> dict[str, float]:
     totals, memory = None, program.fresh_memory()
