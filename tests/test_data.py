@@ -1,7 +1,10 @@
 """Datasets, tokenizers and the batch pipeline."""
 
+import concurrent.futures
 import pathlib
 import random
+import time
+import types
 
 import grain
 import ml_collections
@@ -287,6 +290,45 @@ def test_unprepared_tfds_dataset_says_how_to_prepare_it(tmp_path):
   config = _config(dataset='lm1b', data_dir=str(tmp_path))
   with pytest.raises(InputError, match='tfds build lm1b .*array_record'):
     datasets.load(config, str(tmp_path / 'workdir'))
+
+
+class SlowBuilder:
+  """A builder whose build takes a while and, like tfds's, fails when
+  another process finished the same build first."""
+
+  name = 'slow'
+  data_dir = 'unused'
+
+  def __init__(self, state: dict):
+    self.state = state
+
+  def is_prepared(self) -> bool:
+    return self.state['built']
+
+  def download_and_prepare(self) -> None:
+    if self.state['built']:
+      return
+    self.state['builds'] += 1
+    time.sleep(0.3)
+    if self.state['built']:
+      raise OSError('Cannot rename ...: destination already exists.')
+    self.state['built'] = True
+
+  def as_data_source(self) -> dict:
+    return {'train': types.SimpleNamespace(
+        split='train', dataset_info=types.SimpleNamespace(splits={}))}
+
+
+def test_processes_that_build_one_dataset_at_once_take_turns(tmp_path):
+  """Trials of a sweep start together: one builds, the others wait and
+  find the dataset built."""
+  state = {'built': False, 'builds': 0}
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    loads = [pool.submit(datasets._build, lambda: SlowBuilder(state),
+                         str(tmp_path)) for _ in range(3)]
+    for load in loads:
+      assert set(load.result()) == {'train'}
+  assert state['builds'] == 1
 
 
 def test_unknown_dataset_option_is_named(tmp_path):

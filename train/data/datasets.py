@@ -14,7 +14,9 @@ been prepared there beforehand (see `not_prepared_message`).
 """
 
 from collections.abc import Callable, Iterator
+import contextlib
 import dataclasses
+import fcntl
 import os
 import time
 from typing import Any
@@ -62,6 +64,18 @@ class Dataset:
     return grain.ReadOptions(num_threads=4, prefetch_buffer_size=64)
 
 
+@contextlib.contextmanager
+def _building_alone(data_dir: str) -> Iterator[None]:
+  """Holds data_dir/.build.lock (flock): processes that would build a
+  dataset at once (the trials of a sweep starting together) take turns,
+  and the later ones find it built."""
+  data_dir = os.path.expanduser(data_dir)
+  os.makedirs(data_dir, exist_ok=True)
+  with open(os.path.join(data_dir, '.build.lock'), 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # Released when the file is closed.
+    yield
+
+
 def _build(make_builder: Callable[[], tfds.core.DatasetBuilder],
            data_dir: str) -> dict[str, Any]:
   """Prepares an embedded dataset once (array_record) and opens its splits.
@@ -78,16 +92,20 @@ def _build(make_builder: Callable[[], tfds.core.DatasetBuilder],
     try:
       with integrity.readable_metadata(data_dir):
         with quiet.library_notices():
-          builder = make_builder()
-          built = builder.is_prepared()
+          built = make_builder().is_prepared()
         if not built:
-          started = time.perf_counter()
-          print(f'Building the dataset {builder.name} in {data_dir} (once: '
-                'later runs read it)', flush=True)
-          with quiet.library_notices():
-            builder.download_and_prepare()
-          print(f'Built it in {time.perf_counter() - started:.0f} s.',
-                flush=True)
+          with _building_alone(data_dir):
+            with quiet.library_notices():
+              builder = make_builder()  # Another process may have built it.
+              built = builder.is_prepared()
+            if not built:
+              started = time.perf_counter()
+              print(f'Building the dataset {builder.name} in {data_dir} '
+                    '(once: later runs read it)', flush=True)
+              with quiet.library_notices():
+                builder.download_and_prepare()
+              print(f'Built it in {time.perf_counter() - started:.0f} s.',
+                    flush=True)
     except InputError as error:
       problem = str(error)
   # The others look once the first has built it; all stop if it could not.
