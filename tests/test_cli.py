@@ -155,3 +155,12 @@ def test_a_failure_of_the_run_is_one_line_and_status_1(capsys):
   text = pathlib.Path(log.group(1)).read_text()
   os.remove(log.group(1))
   assert 'Traceback' in text and '1 / 0' in text
+
+
+def test_an_interrupted_command_says_so_with_status_130(capsys):
+  def interrupted():
+    raise KeyboardInterrupt
+  with pytest.raises(SystemExit) as stop:
+    cli.outcome(interrupted)
+  assert stop.value.code == 130
+  assert capsys.readouterr().err == 'Interrupted.\n'

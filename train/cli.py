@@ -8,6 +8,8 @@ exit statuses.
      whose path is printed, or to the terminal with --verbose)
   2  a mistake in what was typed: a flag, a config file or key, a config
      value, a variant, a metric, a workdir, a dataset (InputError)
+  130  interrupted (Ctrl-C) without a traceback, where the command does not
+     stop on it by itself (the trainer saves and exits with 0)
 Each error is one line on stderr, `error: ...`, naming what to fix and,
 where one exists, the nearest valid name.
 
@@ -164,6 +166,9 @@ def outcome(work: Callable[[], Any]) -> Any:
     fail(str(error), status=1)
   except Stopped:
     sys.exit(0)
+  except KeyboardInterrupt:  # A command with no handler of its own.
+    print('Interrupted.', file=sys.stderr)
+    sys.exit(130)
   except Exception as error:  # pylint: disable=broad-except
     fail(_failure(error), status=1)
 
