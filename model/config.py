@@ -110,7 +110,9 @@ class ModelConfig:
   # (Vaswani et al. 2017).
   norm_position: str = 'pre'
   # Position information: none; absolute, added to the embeddings:
-  # sinusoidal (Vaswani et al. 2017) or learned; or relative, in
+  # sinusoidal (Vaswani et al. 2017), learned, or random_sinusoidal
+  # (sinusoidal of positions drawn from [0, max_len) in training, Ruoss et
+  # al. 2023; encoder_decoder only); or relative, in
   # self-attention: relative (Shaw et al. 2018, learned per clipped
   # distance), t5_bias (Raffel et al. 2020, learned per distance bucket),
   # rope (Su et al. 2021, rotated queries and keys), alibi (Press et al.
@@ -120,7 +122,8 @@ class ModelConfig:
   # all scaled by 1 / sqrt(3 head_dim)).
   position: str = 'sinusoidal'
   # Longest sequence (in tokens) the model reads: the learned position
-  # table's size, and Linformer's projected length.
+  # table's size, random_sinusoidal's range, and Linformer's projected
+  # length.
   max_len: int = 512
   # relative, deberta: distances are clipped to +-this; t5_bias: distances
   # beyond it share the last bucket.
@@ -224,6 +227,12 @@ class ModelConfig:
       if not isinstance(getattr(self, name), bool):
         fail(f'config.model.{name}={getattr(self, name)!r} must be True or '
              'False.')
+    if scheme.randomized and not family.random_positions:
+      drawing = ' or '.join(f'{name!r}' for name, f in FAMILIES.items()
+                            if f.random_positions)
+      fail(f'config.model.position={self.position!r} draws random positions '
+           f'in training, which config.model.family={drawing} does, not '
+           f'{self.family!r}.')
     if not self.attention_projections and scheme.bias:
       unbiased = [name for name, s in SCHEMES.items() if not s.bias]
       fail(f'config.model.position={self.position!r} biases each head, and '

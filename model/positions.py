@@ -274,6 +274,17 @@ class DisentangledBias(nn.Module):
          'c2p': c2p_BxNxTxR, 'p2c': p2c_BxNxSxR}, at)
 
 
+def random_positions(key: Array, batch: int, length: int,
+                     max_positions: int) -> Array:
+  """[batch, length] int32: each row `length` distinct positions drawn
+  uniformly from [0, max_positions), in increasing order (Ruoss et al.
+  2023: a model trained on them has met every position up to
+  max_positions, however short its sequences)."""
+  scores_BxP = jax.random.uniform(key, (batch, max_positions))
+  _, drawn_BxL = jax.lax.top_k(scores_BxP, length)  # A random subset.
+  return jnp.sort(drawn_BxL, axis=-1).astype(jnp.int32)
+
+
 # --- The schemes, by the name config.model.position gives. ---
 
 
@@ -301,6 +312,10 @@ class PositionScheme:
   logit_scale: Callable[[Any], float] | None = None
   # config -> the number of positions it can represent (None: any).
   max_positions: Callable[[Any], int | None] = lambda config: None
+  # In training, each example's positions are random_positions of
+  # [0, max_positions) instead of 0..T-1, drawn by the family (which must
+  # declare Family.random_positions); evaluation and decoding read 0..T-1.
+  randomized: bool = False
 
   @property
   def relative(self) -> bool:
@@ -367,6 +382,10 @@ SCHEMES: dict[str, PositionScheme] = {scheme.name: scheme for scheme in (
     PositionScheme('sinusoidal', embedding=_sinusoidal_embedding),
     PositionScheme('learned', embedding=_learned_embedding,
                    max_positions=lambda config: config.max_len),
+    # Sinusoidal encodings of positions drawn from [0, max_len) in training.
+    PositionScheme('random_sinusoidal', embedding=_sinusoidal_embedding,
+                   max_positions=lambda config: config.max_len,
+                   randomized=True),
     PositionScheme('relative', bias_layer=_shaw_layer, bias=_shaw_bias),
     PositionScheme('t5_bias', bias_layer=_t5_layer, bias=_t5_bias),
     PositionScheme('rope',

@@ -1,4 +1,5 @@
-"""Relative position schemes: each depends on offsets only, as it claims."""
+"""Position schemes: each relative one depends on offsets only, as it
+claims; randomized positions are drawn and shared as they claim."""
 
 import math
 
@@ -8,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import DecoderLM, ModelConfig
+from model import DecoderLM, EncoderDecoder, ModelConfig
 from model import positions
+from model.families import encoder_decoder as encoder_decoder_lib
 from model.layers import MultiHeadAttention
 
 B, T, N, H = 2, 8, 4, 8
@@ -176,3 +178,70 @@ def test_decoder_lm_with_relative_positions_ignores_a_shift(position,
   shifted, _ = model.apply(params, tokens, base + 13)
   assert np.allclose(model.apply(params, tokens, base)[0], shifted,
                      atol=1e-4) == relative
+
+
+def test_random_positions_are_an_increasing_uniform_draw():
+  """Distinct, increasing, in range; each position drawn with probability
+  length / max_positions (4000 rows: within 5 standard deviations)."""
+  rows = np.asarray(positions.random_positions(jax.random.key(0), 4000, 6,
+                                               24))
+  assert rows.shape == (4000, 6) and rows.dtype == np.int32
+  assert (np.diff(rows, axis=1) > 0).all()
+  assert rows.min() >= 0 and rows.max() < 24
+  counts = np.bincount(rows.ravel(), minlength=24)
+  p = 6 / 24
+  assert np.abs(counts - 4000 * p).max() < 5 * math.sqrt(4000 * p * (1 - p))
+
+
+def encoder_decoder(position: str, max_len: int):
+  config = ModelConfig(family='encoder_decoder', vocab_size=32, d_model=32,
+                       num_heads=N, num_layers=1, mlp_dim=32, max_len=max_len,
+                       position=position)
+  return EncoderDecoder(config)
+
+
+def test_random_sinusoidal_draws_one_set_of_positions_for_source_and_target(
+    monkeypatch):
+  """In training the source and target read the same drawn positions, the
+  first S and T of them; evaluation reads 0..T-1, as sinusoidal does."""
+  rng = np.random.default_rng(0)
+  inputs = jnp.asarray(rng.integers(1, 32, (B, T)))
+  targets = jnp.asarray(rng.integers(1, 32, (B, T - 3)))
+  model = encoder_decoder('random_sinusoidal', max_len=64)
+  params = {'params': model.init(jax.random.key(0), inputs,
+                                 targets)['params']}
+  evaluated, _ = model.apply(params, inputs, targets)
+  sinusoidal, _ = encoder_decoder('sinusoidal', 64).apply(params, inputs,
+                                                          targets)
+  np.testing.assert_array_equal(evaluated, sinusoidal)
+
+  drawn = jnp.asarray(np.sort(rng.choice(64, (B, T), replace=False)))
+  monkeypatch.setattr(encoder_decoder_lib, 'random_positions',
+                      lambda key, batch, length, limit: drawn[:, :length])
+  trained, _ = model.apply(params, inputs, targets, deterministic=False,
+                           rngs={'dropout': jax.random.key(1)})
+  by_hand, _ = model.apply(
+      params, inputs, targets, method=lambda m, s, t: m.decode(
+          m.encode(s, drawn), s, t, drawn[:, :T - 3]))
+  np.testing.assert_allclose(trained, by_hand, atol=1e-6)
+  assert not np.allclose(trained, evaluated, atol=1e-3)
+
+
+def test_random_positions_fill_a_range_as_long_as_the_sequence_in_order():
+  """With max_len the sequence's length the only draw is 0..T-1."""
+  model = encoder_decoder('random_sinusoidal', max_len=T)
+  inputs = jnp.asarray(np.random.default_rng(0).integers(1, 32, (B, T)))
+  params = {'params': model.init(jax.random.key(0), inputs,
+                                 inputs)['params']}
+  trained, _ = model.apply(params, inputs, inputs, deterministic=False,
+                           rngs={'dropout': jax.random.key(1)})
+  np.testing.assert_allclose(trained, model.apply(params, inputs, inputs)[0],
+                             atol=1e-6)
+
+
+def test_only_a_family_that_draws_positions_takes_a_randomized_scheme():
+  with pytest.raises(ValueError, match="config.model.position="
+                     "'random_sinusoidal' draws random positions in training, "
+                     "which config.model.family='encoder_decoder' does, not "
+                     "'decoder_lm'"):
+    ModelConfig(position='random_sinusoidal')

@@ -11,6 +11,7 @@ from configs import default
 from model import ModelConfig, build, weight_decay
 from model.attention_parameters import PARAMETERS
 from model.config import POSITIONS
+from model.positions import SCHEMES
 from train import mesh, optim, steps, tasks
 from train.program import compile_program
 
@@ -40,7 +41,9 @@ CONFIGS = {
 } | {f'attention_{name}': small(family='encoder_classifier', num_classes=3,
                                 pooling='mean',
                                 attention=name) for name in PARAMETERS} | {
-    f'position_{name}': small(position=name) for name in POSITIONS}
+    f'position_{name}': small(position=name, family=(
+        'encoder_decoder' if SCHEMES[name].randomized else 'decoder_lm'))
+    for name in POSITIONS}
 
 
 def role(path) -> str:

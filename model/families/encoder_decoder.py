@@ -9,6 +9,7 @@ from model.blocks import BlockInputs, TransformerStack
 from model.config import ModelConfig
 from model.embedder import Embedder, default_positions, output, padding_mask
 from model.families.family import Family, Stack
+from model.positions import SCHEMES, random_positions
 from model.readout import Readout
 from model.state import Cache, KeysValues
 
@@ -26,11 +27,16 @@ class EncoderDecoder(nn.Module):
     self.encoder = TransformerStack(self.config, causal=False, cross=False)
     self.decoder = TransformerStack(self.config, causal=True, cross=True)
 
-  def encode(self, inputs_BxS: Array, *, deterministic: bool = True) -> Array:
-    """Encoder output [B, S, D] for source tokens [B, S]."""
-    x_BxSxD = self.embedder(inputs_BxS, deterministic=deterministic)
+  def encode(self, inputs_BxS: Array, positions_BxS: Array | None = None,
+             *, deterministic: bool = True) -> Array:
+    """Encoder output [B, S, D] for source tokens [B, S] at
+    `positions_BxS` (default 0..S-1)."""
+    if positions_BxS is None:
+      positions_BxS = default_positions(inputs_BxS)
+    x_BxSxD = self.embedder(inputs_BxS, positions_BxS,
+                            deterministic=deterministic)
     x_BxSxD, _ = self.encoder(x_BxSxD, BlockInputs(
-        default_positions(inputs_BxS), padding_mask(inputs_BxS),
+        positions_BxS, padding_mask(inputs_BxS),
         deterministic=deterministic))
     return x_BxSxD
 
@@ -62,10 +68,24 @@ class EncoderDecoder(nn.Module):
   def __call__(self, inputs_BxS: Array, decoder_inputs_BxT: Array, *,
                deterministic: bool = True, readout: bool = False
                ) -> tuple[Array | Readout, None]:
-    """(target logits or their `Readout`, no state)."""
-    encoded_BxSxD = self.encode(inputs_BxS, deterministic=deterministic)
+    """(target logits or their `Readout`, no state). In training, a
+    randomized position scheme's positions are drawn once per example
+    (from the 'dropout' random stream) and shared: source and target token
+    i read the same position, as they read position i otherwise."""
+    source_positions = target_positions = None
+    if SCHEMES[self.config.position].randomized and not deterministic:
+      (batch, source_len), target_len = (inputs_BxS.shape,
+                                         decoder_inputs_BxT.shape[1])
+      shared_BxL = random_positions(
+          self.make_rng('dropout'), batch, max(source_len, target_len),
+          self.config.max_len)
+      source_positions = shared_BxL[:, :source_len]
+      target_positions = shared_BxL[:, :target_len]
+    encoded_BxSxD = self.encode(inputs_BxS, source_positions,
+                                deterministic=deterministic)
     return self.decode(encoded_BxSxD, inputs_BxS, decoder_inputs_BxT,
-                       deterministic=deterministic, readout=readout)
+                       target_positions, deterministic=deterministic,
+                       readout=readout)
 
   def start_decoding(self, inputs_BxS: Array, length: int
                      ) -> tuple[tuple[KeysValues, ...], Cache]:
@@ -98,4 +118,5 @@ FAMILY = Family(
     name='encoder_decoder', module=EncoderDecoder, tasks=('seq2seq',),
     # The encoder's self-attention, the decoder's and its cross-attention.
     attention_layers=lambda config: 3 * config.num_layers,
-    self_attention=_self_attention, inputs_method='encode')
+    self_attention=_self_attention, inputs_method='encode',
+    random_positions=True)

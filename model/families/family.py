@@ -43,3 +43,6 @@ class Family:
   memory: bool = False
   # It has a causal decoder, which a bidirectional-only attention cannot be.
   decoder: bool = True
+  # It draws a randomized position scheme's positions in training
+  # (PositionScheme.randomized).
+  random_positions: bool = False
