@@ -68,7 +68,11 @@ class Dataset:
 def _building_alone(data_dir: str) -> Iterator[None]:
   """Holds data_dir/.build.lock (flock): processes that would build a
   dataset at once (the trials of a sweep starting together) take turns,
-  and the later ones find it built."""
+  and the later ones find it built. A data_dir on an object store
+  (gs://...) holds no lock file: there, builds are not serialised."""
+  if '://' in data_dir:
+    yield
+    return
   data_dir = os.path.expanduser(data_dir)
   os.makedirs(data_dir, exist_ok=True)
   with open(os.path.join(data_dir, '.build.lock'), 'w') as lock:
