@@ -191,6 +191,10 @@ def test_random_positions_are_an_increasing_uniform_draw():
   counts = np.bincount(rows.ravel(), minlength=24)
   p = 6 / 24
   assert np.abs(counts - 4000 * p).max() < 5 * math.sqrt(4000 * p * (1 - p))
+  # A range as long as the sequence leaves one draw: 0..T-1.
+  np.testing.assert_array_equal(
+      positions.random_positions(jax.random.key(1), 3, 5, 5),
+      np.tile(np.arange(5), (3, 1)))
 
 
 def encoder_decoder(position: str, max_len: int):
@@ -225,18 +229,6 @@ def test_random_sinusoidal_draws_one_set_of_positions_for_source_and_target(
           m.encode(s, drawn), s, t, drawn[:, :T - 3]))
   np.testing.assert_allclose(trained, by_hand, atol=1e-6)
   assert not np.allclose(trained, evaluated, atol=1e-3)
-
-
-def test_random_positions_fill_a_range_as_long_as_the_sequence_in_order():
-  """With max_len the sequence's length the only draw is 0..T-1."""
-  model = encoder_decoder('random_sinusoidal', max_len=T)
-  inputs = jnp.asarray(np.random.default_rng(0).integers(1, 32, (B, T)))
-  params = {'params': model.init(jax.random.key(0), inputs,
-                                 inputs)['params']}
-  trained, _ = model.apply(params, inputs, inputs, deterministic=False,
-                           rngs={'dropout': jax.random.key(1)})
-  np.testing.assert_allclose(trained, model.apply(params, inputs, inputs)[0],
-                             atol=1e-6)
 
 
 def test_only_a_family_that_draws_positions_takes_a_randomized_scheme():
