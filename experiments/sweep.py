@@ -29,6 +29,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 from absl import flags
 import matplotlib
@@ -118,10 +119,14 @@ def run_trial(config_arg: str, workdir: str, overrides: dict,
   env = dict(os.environ)
   if parallel > 1:  # Trials on one accelerator share its memory.
     env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', f'{0.9 / parallel:.2f}')
+  started = time.perf_counter()
   with open(os.path.join(workdir, 'log.txt'), 'w') as log:
     process = subprocess.run(command, cwd=REPO, env=env, stdout=log,
                              stderr=subprocess.STDOUT)
-  record = {'overrides': overrides, 'command': command[1:]}
+  # Wall time of every run of the trial, an interrupted one's included.
+  seconds = time.perf_counter() - started + (record or {}).get('seconds', 0)
+  record = {'overrides': overrides, 'command': command[1:],
+            'seconds': seconds}
   evaluations = [line for line in common.read_metrics(workdir)
                  if 'eval_loss' in line]
   # A run stopped by SIGTERM or SIGINT also exits with 0, before its end.
