@@ -76,14 +76,10 @@ def by_length(examples: list[dict], buckets=BUCKETS) -> list[dict]:
   return rows
 
 
-def cell_rows(workdir: str, cell: dict) -> list[dict] | None:
-  """The scores of one finished cell (None if it has not finished): per
-  split, one row over all its inputs (lengths 'all'), then one per
-  bucket."""
+def cell_rows(workdir: str, cell: dict) -> list[dict]:
+  """The scores of one finished cell: per split, one row over all its
+  inputs (lengths 'all'), then one per bucket."""
   name = sweep.trial_name(cell)
-  record = common.load_json(os.path.join(workdir, name, 'trial.json'))
-  if record is None or record['status'] != 'finished':
-    return None
   rows = []
   for split in SPLITS:
     path = os.path.join(workdir, name, 'decoded', f'{split}.jsonl')
@@ -142,13 +138,13 @@ def report(workdir: str, out: str, command: str) -> str:
   cells = sweep.load_sweep(CONFIG)
   rows, missing, seconds = [], [], 0.0
   for cell in cells:
-    found = cell_rows(workdir, cell)
-    if found is None:
+    record = common.load_json(os.path.join(
+        workdir, sweep.trial_name(cell), 'trial.json'))
+    if record is None or record['status'] != 'finished':
       missing.append(sweep.trial_name(cell))
       continue
-    rows += found
-    seconds += common.load_json(os.path.join(
-        workdir, sweep.trial_name(cell), 'trial.json')).get('seconds', 0.0)
+    rows += cell_rows(workdir, cell)
+    seconds += record.get('seconds', 0.0)
   if not rows:
     raise InputError(f'{workdir} holds no finished cell of {CONFIG}.')
   tasks = list(dict.fromkeys(c['dataset_options.task'] for c in cells))

@@ -18,7 +18,7 @@ from experiments import launch, length_generalisation, sweep
 from model import build
 from model.config import ModelConfig
 from test_train import tiny_config
-from train import cli, seq2seq_eval, steps, tasks, trained_run
+from train import cli, metrics, seq2seq_eval, steps, tasks, trained_run
 from train.errors import InputError, TrainingError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -331,10 +331,11 @@ def test_the_study_sweeps_every_position_scheme_on_three_tasks():
               ('none', 'sinusoidal', 'learned', 'relative', 't5_bias', 'rope',
                'alibi', 'random_sinusoidal')))
   configs = [cli.load_config(STUDY, cell) for cell in cells]
-  first = flat(configs[0].to_dict())
+  first = metrics.flat_hparams(configs[0].to_dict())
   for cell, config in zip(cells, configs):
-    differ = {key for key, value in flat(config.to_dict()).items()
-              if first[key] != value}
+    keys = metrics.flat_hparams(config.to_dict())
+    assert set(keys) == set(first)
+    differ = {key for key, value in keys.items() if first[key] != value}
     assert differ <= set(cell), differ
     assert config.decode_splits == ('validation', 'long')
     assert config.beam_size == 1 and config.eval_every == (
@@ -344,17 +345,6 @@ def test_the_study_sweeps_every_position_scheme_on_three_tasks():
   # A learned table reaches the longest output decoded.
   assert seq2seq_eval.output_length(configs[2].model, 401, 0,
                                     names='long') == int(1.5 * 401) + 10
-
-
-def flat(tree: dict, prefix: str = '') -> dict:
-  """{'model.position': ..., ...} of a nested dict."""
-  items = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      items |= flat(value, f'{prefix}{key}.')
-    else:
-      items[prefix + key] = value
-  return items
 
 
 def test_the_study_reports_its_finished_cells(tmp_path):
