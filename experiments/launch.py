@@ -30,6 +30,25 @@ writes an sbatch script that starts one process per node (each seeing its
 node's GPUs and --cpus_per_task cores) in this checkout, as it is on the
 shared file system, and submits it; `jax.distributed.initialize()` reads the
 Slurm environment. With --dry_run, both print what they would run.
+
+Sweeps (a search's study, experiments/study.py): with --sweep, the command
+after -- is a worker, `python -m experiments.sweep --config=... \
+--workdir=SHARED --study=URL`, and --workers=N of it start:
+
+  python -m experiments.launch --slurm --sweep --workers=16 --at_once=4 \
+      --gpus_per_node=1 -- python -m experiments.sweep ... --study=URL
+
+is a Slurm job array (`--array=0-15%4`), one worker per task on one node;
+
+  python -m experiments.launch --sweep --workers=4 --tpu=NAME --zone=ZONE \
+      --accelerator=v5litepod-8 [--create] -- python -m experiments.sweep ...
+
+sets up TPU VMs NAME-0 to NAME-3 (one host each) as above and starts a
+worker on each. The workers share the study's database, so the URL must
+reach it from every machine: SQLite on a file system the cluster shares and
+can lock, or a database server (postgresql://, mysql+pymysql://; the TPU
+VMs install its Python driver, a Slurm checkout needs it in .venv); TPU VMs
+take a server only.
 """
 
 import os
@@ -48,6 +67,9 @@ ARCHIVE = '/tmp/attnlab.tar.gz'
 JAX_TPU = ('"jax[tpu]>=0.10.2,<0.11" -f '
            'https://storage.googleapis.com/jax-releases/libtpu_releases.html')
 JAX_CUDA = '"jax[cuda12]>=0.10.2,<0.11"'
+# The Python driver of a sweep's database server, by the study URL's scheme
+# (SQLAlchemy's default ones).
+DRIVERS = {'postgresql': 'psycopg2-binary', 'mysql+pymysql': 'PyMySQL'}
 # The TPU VM image of each accelerator generation (the prefix of its type).
 RUNTIMES = {'v4': 'tpu-ubuntu2204-base', 'v5p': 'v2-alpha-tpuv5',
             'v5litepod': 'v2-alpha-tpuv5-lite', 'v6e': 'v2-alpha-tpuv6e'}
@@ -94,8 +116,12 @@ def archive_command(include_uncommitted: bool) -> list[str]:
 
 def tpu_commands(name: str, zone: str, accelerator: str, runtime: str | None,
                  create: bool, train_command: list[str],
-                 include_uncommitted: bool = False) -> list[list[str]]:
-  """The commands, in order, that start `train_command` on every worker."""
+                 include_uncommitted: bool = False, *,
+                 log: str = 'train.log', packages: tuple[str, ...] = ()
+                 ) -> list[list[str]]:
+  """The commands, in order, that start `train_command` on every worker
+  (with --config.distributed=True when it is train.train), its output in
+  ~/attnlab/`log`."""
   def on_workers(script: str) -> list[str]:
     return ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', name,
             f'--zone={zone}', '--worker=all', f'--command={script}']
@@ -113,8 +139,10 @@ def tpu_commands(name: str, zone: str, accelerator: str, runtime: str | None,
       'rm -rf ~/attnlab && mkdir -p ~/attnlab && '
       'tar -xzf ~/attnlab.tar.gz -C ~/attnlab && cd ~/attnlab && '
       'python3 -m venv .venv && .venv/bin/pip install -q -e . '
-      f'{JAX_TPU}'))
-  command, bucket = gcs_workdir(distributed(train_command))
+      + ' '.join((*packages, JAX_TPU))))
+  if 'train.train' in train_command:
+    train_command = distributed(train_command)
+  command, bucket = gcs_workdir(train_command)
   if bucket:
     commands.append(on_workers(
         f'sudo mkdir -p /gcs/{bucket} && sudo chmod a+rwx /gcs/{bucket} && '
@@ -124,30 +152,68 @@ def tpu_commands(name: str, zone: str, accelerator: str, runtime: str | None,
   # ~/attnlab/train.log on each worker.
   commands.append(on_workers(
       f'cd ~/attnlab && nohup .venv/bin/{shlex.join(command)} '
-      '> train.log 2>&1 &'))
+      f'> {log} 2>&1 &'))
+  return commands
+
+
+def tpu_sweep_commands(name: str, zone: str, accelerator: str,
+                       runtime: str | None, create: bool,
+                       sweep_command: list[str], workers: int,
+                       include_uncommitted: bool = False
+                       ) -> list[list[str]]:
+  """The commands that start a worker of `sweep_command`'s study on each
+  of `workers` TPU VMs, NAME-0 to NAME-<workers - 1> (one host each): the
+  checkout packed once, then each VM set up and started as tpu_commands
+  does."""
+  commands = []
+  study = next(arg.split('=', 1)[1] for arg in sweep_command
+               if arg.startswith('--study='))
+  driver = DRIVERS.get(study.split('://', 1)[0])
+  for index in range(workers):
+    for command in tpu_commands(f'{name}-{index}', zone, accelerator,
+                                runtime, create, sweep_command,
+                                include_uncommitted, log='sweep.log',
+                                packages=(driver,) if driver else ()):
+      if command not in commands:  # The archive, made once.
+        commands.append(command)
   return commands
 
 
 def sbatch_script(train_command: list[str], *, nodes: int,
                   gpus_per_node: int, cpus_per_task: int,
-                  partition: str | None, time_limit: str) -> str:
+                  partition: str | None, time_limit: str,
+                  array: tuple[int, int] | None = None) -> str:
   """An sbatch script: one task per node, each with its node's GPUs and
-  `cpus_per_task` cores (Slurm's default, one, starves the data loader)."""
+  `cpus_per_task` cores (Slurm's default, one, starves the data loader).
+  With `array` (workers, at once), a sweep's: a job array of `workers`
+  one-node tasks, at most `at once` running, each a worker of the study
+  of `train_command` (an experiments.sweep command)."""
+  name, output = (('attnlab-sweep', 'attnlab-sweep-%A_%a.out') if array
+                  else ('attnlab', 'attnlab-%j.out'))
   lines = ['#!/bin/bash',
-           '#SBATCH --job-name=attnlab',
+           f'#SBATCH --job-name={name}',
            f'#SBATCH --nodes={nodes}',
            '#SBATCH --ntasks-per-node=1',
            f'#SBATCH --gpus-per-node={gpus_per_node}',
            f'#SBATCH --cpus-per-task={cpus_per_task}',
            f'#SBATCH --time={time_limit}',
-           '#SBATCH --output=attnlab-%j.out']
+           f'#SBATCH --output={output}']
+  if array:
+    lines.append(f'#SBATCH --array=0-{array[0] - 1}%{array[1]}')
   if partition:
     lines.append(f'#SBATCH --partition={partition}')
   lines += ['set -euo pipefail',
             f'cd {shlex.quote(REPO)}',
             '# Once per checkout: python3 -m venv .venv && '
-            f'.venv/bin/pip install -e . {JAX_CUDA}',
-            '# One process per node; jax.distributed.initialize() reads '
+            f'.venv/bin/pip install -e . {JAX_CUDA}']
+  if array:
+    lines += ['# Each array task is one worker: it takes trials from the '
+              'study until none is left, then ends,',
+              '# making room for the next task, which takes over any trial '
+              'whose worker was lost.',
+              f'srun .venv/bin/{shlex.join(train_command)}']
+    return '\n'.join(lines) + '\n'
+  lines += ['# One process per node; jax.distributed.initialize() reads '
             'SLURM_* for the coordinator, process count and id,',
             '# and this, for the GPUs each process drives (all its node\'s).',
             'export JAX_LOCAL_DEVICE_IDS='
@@ -156,22 +222,41 @@ def sbatch_script(train_command: list[str], *, nodes: int,
   return '\n'.join(lines) + '\n'
 
 
-def _python(train_command: list[str]) -> list[str]:
-  """`python -m train.train ...` -> ['python', '-m', ...], checked."""
-  if not train_command or 'train.train' not in train_command:
-    raise InputError('give the training command after --, e.g. -- python -m '
-                     'train.train --config=... --workdir=...')
-  return ['python'] + train_command[train_command.index('-m'):]
+def _python(command: list[str], sweep: bool = False) -> list[str]:
+  """`python -m train.train ...` (or, for a sweep, `python -m
+  experiments.sweep ... --study=URL`) -> ['python', '-m', ...], checked."""
+  module = 'experiments.sweep' if sweep else 'train.train'
+  if not command or module not in command or '-m' not in command:
+    raise InputError(f'give the {"sweep" if sweep else "training"} command '
+                     f'after --, e.g. -- python -m {module} --config=... '
+                     '--workdir=...' + (' --study=URL' if sweep else ''))
+  command = ['python'] + command[command.index('-m'):]
+  if sweep:
+    study = next((arg.split('=', 1)[1] for arg in command
+                  if arg.startswith('--study=')), None)
+    if study is None:
+      raise InputError('--sweep: the workers share one study: give the sweep '
+                       'command --study=URL (a database every worker reaches).')
+    if not FLAGS.slurm and study.startswith('sqlite:'):
+      raise InputError(f'--study={study}: TPU VMs share no file system that '
+                       'SQLite can lock; give a database server URL '
+                       '(postgresql://... or mysql://...).')
+  return command
 
 
 def launch(train_command: list[str]) -> None:
   """Prints, and unless --dry_run runs, what starts `train_command`."""
-  train_command = _python(train_command)
+  train_command = _python(train_command, FLAGS.sweep)
   if FLAGS.slurm:
-    script = sbatch_script(train_command, nodes=FLAGS.nodes,
-                           gpus_per_node=FLAGS.gpus_per_node,
-                           cpus_per_task=FLAGS.cpus_per_task,
-                           partition=FLAGS.partition, time_limit=FLAGS.time)
+    if FLAGS.sweep and FLAGS.nodes != 1:
+      raise InputError('--nodes: a sweep worker runs on one node; --workers '
+                       'sets how many.')
+    script = sbatch_script(
+        train_command, nodes=FLAGS.nodes, gpus_per_node=FLAGS.gpus_per_node,
+        cpus_per_task=FLAGS.cpus_per_task, partition=FLAGS.partition,
+        time_limit=FLAGS.time,
+        array=((FLAGS.workers, FLAGS.at_once or FLAGS.workers)
+               if FLAGS.sweep else None))
     if FLAGS.dry_run:
       print(script, end='')
       return
@@ -196,9 +281,13 @@ def launch(train_command: list[str]) -> None:
     raise InputError(f'uncommitted edits would not run on the workers '
                      f'(git archive HEAD copies the last commit): {shown}; '
                      'commit them, or give --include_uncommitted.')
-  for command in tpu_commands(FLAGS.tpu, FLAGS.zone, FLAGS.accelerator,
-                              runtime, FLAGS.create, train_command,
-                              FLAGS.include_uncommitted):
+  commands = (
+      tpu_sweep_commands(FLAGS.tpu, FLAGS.zone, FLAGS.accelerator, runtime,
+                         FLAGS.create, train_command, FLAGS.workers,
+                         FLAGS.include_uncommitted) if FLAGS.sweep else
+      tpu_commands(FLAGS.tpu, FLAGS.zone, FLAGS.accelerator, runtime,
+                   FLAGS.create, train_command, FLAGS.include_uncommitted))
+  for command in commands:
     print(shlex.join(command), flush=True)
     if not FLAGS.dry_run:
       subprocess.run(command, check=True)
@@ -232,6 +321,14 @@ def _define_flags() -> None:
   flags.DEFINE_string('time', '24:00:00', 'Slurm time limit.')
   flags.DEFINE_string('script', 'attnlab.sbatch',
                       'Where to write the sbatch script.')
+  flags.DEFINE_bool('sweep', False, 'Start workers of a sweep\'s study '
+                    '(the command after -- is `python -m experiments.sweep '
+                    '... --study=URL`): a Slurm job array, or one TPU VM per '
+                    'worker (NAME-0, NAME-1, ...).')
+  flags.DEFINE_integer('workers', 1, 'Workers of a --sweep: Slurm array '
+                       'tasks, or TPU VMs.', lower_bound=1)
+  flags.DEFINE_integer('at_once', None, 'Slurm array tasks of a --sweep '
+                       'running at once (%K); default: all.', lower_bound=1)
   flags.DEFINE_bool('dry_run', False,
                     'Print the commands instead of running them.')
 

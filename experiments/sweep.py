@@ -19,8 +19,18 @@ best so far.
 Writes DIR/leaderboard.md and DIR/leaderboard.csv (trials sorted by the
 metric of their final evaluation, failures last) and DIR/sweep.png (the
 metric against each swept value).
+
+A `get_sweep()` that returns a search space (configs/search.py) runs as a
+study instead (experiments/study.py):
+
+  python -m experiments.sweep --config=FILE --workdir=DIR \
+      [--study=sqlite:///DIR/study.db] [--parallel=N] [--heartbeat=60]
+
+is one worker (N threads) of the study; start it as many times, on as many
+machines, as there should be workers, with the same --study and --workdir.
 """
 
+from collections.abc import Sequence
 import concurrent.futures
 import importlib.util
 import math
@@ -35,6 +45,7 @@ from absl import flags
 import matplotlib
 import matplotlib.ticker
 
+from configs import search
 from experiments import common
 from train import cli, config_validation, metrics
 from train.data import datasets
@@ -46,10 +57,14 @@ from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)
 
 FLAGS = flags.FLAGS
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Exit status of a search's trial (experiments/trial.py) that its pruner
+# stopped.
+PRUNED = 3
 
 
-def load_sweep(config_arg: str) -> list[dict]:
-  """The trials of the config file's get_sweep()."""
+def load_sweep(config_arg: str) -> list[dict] | search.Space:
+  """The config file's get_sweep(): a grid's trials, or a search space;
+  InputError for a file without one, or one that cannot be built."""
   cli.load_config(config_arg, {})  # The file exists and gives a config.
   path = config_arg.split(':', 1)[0]
   spec = importlib.util.spec_from_file_location('sweep_config', path)
@@ -57,8 +72,12 @@ def load_sweep(config_arg: str) -> list[dict]:
   spec.loader.exec_module(module)
   if not hasattr(module, 'get_sweep'):
     raise InputError(f'--config={config_arg}: {path} defines no get_sweep() '
-                     '(a list of override dicts; see configs/grid.py).')
-  return module.get_sweep()
+                     '(a list of override dicts, configs/grid.py, or a '
+                     'search space, configs/search.py).')
+  try:
+    return module.get_sweep()
+  except ValueError as error:  # A distribution or space out of its range.
+    raise InputError(f'--config={config_arg}: get_sweep(): {error}') from None
 
 
 def check_trials(config_arg: str, trials: list[dict], common_overrides: dict,
@@ -100,9 +119,14 @@ def trial_name(overrides: dict) -> str:
 
 
 def run_trial(config_arg: str, workdir: str, overrides: dict,
-              common_overrides: dict, parallel: int = 1) -> dict:
-  """Runs one trial to its end (or reads its record); returns the record."""
-  command = [sys.executable, '-m', 'train.train', f'--config={config_arg}',
+              common_overrides: dict, parallel: int = 1, *,
+              module: str = 'train.train', extra: Sequence[str] = ()
+              ) -> dict:
+  """Runs one trial to its end (or reads its record); returns the record,
+  whose status is finished, stopped (by a signal, after saving), pruned
+  (`module` exited with PRUNED) or failed. `extra`: more arguments
+  of `module`, not part of what the record compares."""
+  command = [sys.executable, '-m', module, f'--config={config_arg}',
              f'--workdir={workdir}']
   command += [f'--config.{key}={value}'
               for key, value in (common_overrides | overrides).items()]
@@ -120,9 +144,9 @@ def run_trial(config_arg: str, workdir: str, overrides: dict,
   if parallel > 1:  # Trials on one accelerator share its memory.
     env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', f'{0.9 / parallel:.2f}')
   started = time.perf_counter()
-  with open(os.path.join(workdir, 'log.txt'), 'w') as log:
-    process = subprocess.run(command, cwd=REPO, env=env, stdout=log,
-                             stderr=subprocess.STDOUT)
+  with open(os.path.join(workdir, 'log.txt'), 'a') as log:
+    process = subprocess.run(command + list(extra), cwd=REPO, env=env,
+                             stdout=log, stderr=subprocess.STDOUT)
   # Wall time of every run of the trial, an interrupted one's included.
   seconds = time.perf_counter() - started + (record or {}).get('seconds', 0)
   record = {'overrides': overrides, 'command': command[1:],
@@ -134,6 +158,8 @@ def run_trial(config_arg: str, workdir: str, overrides: dict,
   if (process.returncode == 0 and evaluations
       and evaluations[-1]['step'] == config.get('num_train_steps')):
     record |= {'status': 'finished', 'metrics': evaluations[-1]}
+  elif process.returncode == PRUNED:
+    record |= {'status': 'pruned', 'metrics': evaluations[-1]}
   elif process.returncode == 0:
     record |= {'status': 'stopped',
                'error': 'stopped before its last step; run the sweep again '
@@ -207,6 +233,9 @@ def sweep(config_arg: str, workdir: str, *, parallel: int = 1,
   earlier sweep are then left as they were)."""
   common_overrides = common_overrides or {}
   trials = load_sweep(config_arg)
+  if isinstance(trials, search.Space):
+    raise InputError(f'--config={config_arg}: get_sweep() gives a search '
+                     'space; experiments/study.py runs it.')
   names = [trial_name(trial) for trial in trials]
   if not names:
     raise InputError(f'--config={config_arg}: get_sweep() gives no trials.')
@@ -284,9 +313,26 @@ def main(argv: list[str]) -> None:
       if not sep:
         raise InputError(f'--set item {item!r} is not key=value.')
       common_overrides[key] = value
-    sweep(FLAGS.config, os.path.abspath(FLAGS.workdir),
-          parallel=FLAGS.parallel, metric=FLAGS.metric, mode=FLAGS.mode,
-          common_overrides=common_overrides)
+    workdir = os.path.abspath(FLAGS.workdir)
+    definition = load_sweep(FLAGS.config)
+    if not isinstance(definition, search.Space):
+      if FLAGS.study:
+        raise InputError(f'--study: get_sweep() of {FLAGS.config} is a '
+                         'grid, which runs here; a study runs a search '
+                         'space (configs/search.py).')
+      sweep(FLAGS.config, workdir, parallel=FLAGS.parallel,
+            metric=FLAGS.metric, mode=FLAGS.mode,
+            common_overrides=common_overrides)
+      return
+    # Imported here: it builds on this module.
+    from experiments import study  # pylint: disable=import-outside-toplevel
+    metric, mode = study.check(FLAGS.config, definition, common_overrides,
+                               FLAGS.metric, FLAGS.mode)
+    study.run(FLAGS.config, workdir, definition,
+              url=FLAGS.study or f'sqlite:///{workdir}/study.db',
+              name=FLAGS.study_name or os.path.basename(workdir),
+              metric=metric, mode=mode, common_overrides=common_overrides,
+              heartbeat=FLAGS.heartbeat, parallel=FLAGS.parallel)
   cli.run_main(argv, work)
 
 
@@ -305,6 +351,14 @@ def _define_flags() -> None:
                     'Whether lower or higher is better; known for the '
                     'metrics a run logs, except learning_rate and grad_norm.')
   flags.DEFINE_list('set', [], 'key=value overrides for every trial.')
+  flags.DEFINE_string(
+      'study', None, 'A search\'s study, shared by its workers: '
+      'sqlite:///PATH or a database URL; default: sqlite:///WORKDIR/study.db.')
+  flags.DEFINE_string('study_name', None, 'Name of the study in its '
+                      "database; default: the workdir's name.")
+  flags.DEFINE_integer('heartbeat', 60, 'Seconds between the heartbeats '
+                       "of a search's running trial; one not heard from for "
+                       'two is taken over by another worker.', lower_bound=1)
   flags.mark_flags_as_required(['config', 'workdir'])
 
 

@@ -84,6 +84,26 @@ CASES = {
                   "config.model has no key 'dmodel'; did you mean d_model?"),
     'sweep_no_workdir': ('experiments.sweep', [LISTOPS],
                          '--workdir is required'),
+    'sweep_study_of_a_grid': (
+        'experiments.sweep',
+        ['--config=configs/length_generalisation.py', '--workdir={tmp}/s',
+         '--study=sqlite:///{tmp}/s.db'],
+        '--study: get_sweep() of configs/length_generalisation.py is a '
+        'grid'),
+    'sweep_search_metric': ('experiments.sweep',
+                            [LISTOPS, '--workdir={tmp}/s', '--metric=loss'],
+                            '--metric=loss: a search ranks and prunes by a '
+                            'metric of the evaluation'),
+    'launch_sweep_no_study': ('experiments.launch',
+                              ['--slurm', '--sweep', '--dry_run', '--',
+                               'python', '-m', 'experiments.sweep', LISTOPS,
+                               '--workdir=/tmp/s'],
+                              '--sweep: the workers share one study'),
+    'launch_sweep_sqlite_on_tpu': (
+        'experiments.launch',
+        ['--sweep', *TPU, '--', 'python', '-m', 'experiments.sweep', LISTOPS,
+         '--workdir=/tmp/s', '--study=sqlite:///s.db'],
+        'TPU VMs share no file system that SQLite can lock'),
     'launch_no_command': ('experiments.launch', ['--slurm', '--dry_run'],
                           'give the training command after --'),
     'launch_no_tpu': ('experiments.launch', ['--dry_run', *TRAIN],

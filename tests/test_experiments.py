@@ -14,7 +14,7 @@ import pytest
 
 from configs import grid
 from experiments import attention_maps, common, compare_attention
-from experiments import launch, length_generalisation, sweep
+from experiments import launch, length_generalisation, study, sweep
 from model import build
 from model.config import ModelConfig
 from test_train import tiny_config
@@ -118,23 +118,27 @@ def test_attention_weights_mask_padding(comparison):
 
 # --- sweeps ---
 
-SWEEP_CONFIG = '''
-from configs import grid, listops
+# A config file of tests/test_train.py's tiny ListOps, for the trials of
+# sweeps, which read their config from a file.
+TINY_LISTOPS = '''
+from configs import grid, listops, search
 
 
 def get_config():
-  """tests/test_train.py's tiny ListOps, whose dataset is built already."""
   config = listops.get_config()
   config.data_dir = {data_dir!r}
-  config.update(batch_size=8, num_train_steps=4, warmup_steps=1, log_every=2,
-                eval_every=4, checkpoint_every=4, num_eval_steps=2,
+  config.update(batch_size=8, num_train_steps={steps}, warmup_steps=1,
+                log_every={log_every}, eval_every={eval_every},
+                checkpoint_every={checkpoint_every}, num_eval_steps=2,
                 seq_len=32)
   config.model.update(d_model=16, num_heads=2, num_layers=1, mlp_dim=32,
                       max_len=33, dtype='float32')
   config.dataset_options.update(min_length=5, max_length=32, num_train=200,
                                 num_eval=20)
   return config
+'''
 
+SWEEP_CONFIG = TINY_LISTOPS + '''
 
 def get_sweep():
   # The last trial fails as it runs: its data_dir cannot be made.
@@ -146,7 +150,9 @@ def get_sweep():
 def sweep_config(data_dir, tmp_path) -> pathlib.Path:
   """SWEEP_CONFIG written to a file in `tmp_path`."""
   config_path = tmp_path / 'sweep_config.py'
-  config_path.write_text(SWEEP_CONFIG.format(data_dir=data_dir))
+  config_path.write_text(SWEEP_CONFIG.format(
+      data_dir=data_dir, steps=4, log_every=2, eval_every=4,
+      checkpoint_every=4))
   return config_path
 
 
@@ -260,10 +266,13 @@ def test_grid_helpers():
     grid.zipped(a=[1], b=[1, 2])
 
 
-def test_listops_config_defines_a_sweep():
-  trials = sweep.load_sweep(str(REPO / 'configs' / 'listops.py') + ':full')
-  assert len(trials) == 6 and {'learning_rate', 'warmup_steps'} == set(
-      trials[0])
+def test_listops_config_defines_a_search_valid_at_every_bound():
+  config = str(REPO / 'configs' / 'listops.py')
+  space = sweep.load_sweep(config + ':full')
+  assert set(space.space) == {'learning_rate', 'warmup_steps',
+                              'model.dropout_rate'}
+  assert study.check(config, space, {}, None, None) == ('eval_accuracy',
+                                                        'max')
 
 
 # --- the length-generalisation study ---

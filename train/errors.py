@@ -21,6 +21,11 @@ class Stopped(Exception):
   status 0."""
 
 
+class Pruned(Stopped):
+  """The run's evaluation hook (a sweep's pruner) stopped it after an
+  evaluation and a checkpoint; experiments/trial.py exits with status 3."""
+
+
 def did_you_mean(name: str, candidates) -> str:
   """'; did you mean X?' for the candidate nearest `name`, or '.' when none
   is near."""

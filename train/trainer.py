@@ -21,7 +21,7 @@ from train import (attention_kernels, checkpointing, config_validation, flops,
                    generate, metrics, preemption, seq2seq_eval)
 from train import workdir as workdir_lib
 from train.data import datasets, pipeline
-from train.errors import InputError, Stopped, TrainingError
+from train.errors import InputError, Pruned, Stopped, TrainingError
 from train.program import Program
 from train.tasks import Task
 
@@ -105,11 +105,16 @@ def _decoding_evaluation(config: ml_collections.ConfigDict,
   return evaluate
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict,
-                       workdir: str) -> dict[str, float]:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str,
+    on_evaluation: Callable[[int, dict[str, float]], bool] | None = None
+) -> dict[str, float]:
   """Trains `config` in `workdir`, resuming from its latest checkpoint.
 
   Returns the final evaluation summary (eval_loss, eval_accuracy, ...).
+  `on_evaluation(step, summary)` is called after each evaluation before
+  the last step (on every host: its answer must agree); True stops the
+  run there after saving a checkpoint, raising Pruned (a sweep's pruner).
   The workdir is this run's while it runs (see train/workdir.py).
   Raises train.errors.InputError, naming the key, for a bad config, a
   workdir in use or one that holds another config;
@@ -124,13 +129,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     # the steps compile is acted on after the first step.
     stop = preemption.StopRequest()
     try:
-      return _train(config, program, workdir, stop, started)
+      return _train(config, program, workdir, stop, started, on_evaluation)
     finally:
       stop.close()
 
 
 def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
-           stop: preemption.StopRequest, started: float) -> dict[str, float]:
+           stop: preemption.StopRequest, started: float,
+           on_evaluation: Callable[[int, dict[str, float]], bool] | None
+           ) -> dict[str, float]:
   """train_and_evaluate of a checked config's program in its claimed
   workdir, `stop` listening; `started`: when the run started
   (time.perf_counter)."""
@@ -215,7 +222,7 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
       batch = pipeline.poisoned(batch)
     return batch
 
-  final, evaluations, last_logged = None, [], {}
+  final, evaluations, last_logged, pruned = None, [], {}, False
   try:
     with program.scope():
       for step in range(first_step, last_step):
@@ -256,6 +263,9 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
                 final = evaluate(state.params)
               evaluations.append((done, final))
               summary |= final
+              pruned = (on_evaluation is not None and done < last_step
+                        and on_evaluation(done, final))
+              save_now = save_now or pruned
             if summary:
               writer.write(done, summary)
             if save_now:
@@ -270,6 +280,11 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
                  f'{checkpointer.directory} and stopped; run the same command '
                  'to resume.')
             raise Stopped(f'stopped at step {done} on {stop.reason}')
+          if pruned:
+            checkpointer.wait()
+            _say(f'Pruned at step {done}: saved its checkpoint in '
+                 f'{checkpointer.directory}.')
+            raise Pruned(f'pruned at step {done}')
       if final is None:  # Trained to the end before; evaluate again only.
         final = evaluate(state.params)
         _say(f'Already trained to step {last_step}: evaluated again.')

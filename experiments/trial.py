@@ -1,0 +1,81 @@
+r"""One trial of a search sweep: train.train's run, reporting its metric to
+the study at every evaluation, and stopped there if the study's pruner says
+so. The sweep's workers start it (experiments/study.py):
+
+  python -m experiments.trial --config=FILE --workdir=DIR \
+      --study=URL --study_name=NAME --trial_id=ID --metric=NAME \
+      [--config.key=value ...]
+
+Exit status as train.train's, and 3 when the pruner stopped the trial
+(after it saved its checkpoint). The trial dies with its worker: a worker
+killed at once (kill -9, a lost node) sends it SIGTERM, and it saves and
+stops; the study then gives it to the next worker, which resumes it.
+One process: a trial does not span hosts.
+"""
+
+import ctypes
+import os
+import signal
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+import optuna
+
+from experiments import study as study_lib
+from experiments import sweep as sweep_lib
+from train import cli
+from train.errors import Pruned
+from train.trainer import train_and_evaluate
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'Experiment config file, optionally with :argument.',
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, "The trial's directory.")
+_STUDY = flags.DEFINE_string('study', None, 'URL of the study.')
+_STUDY_NAME = flags.DEFINE_string('study_name', None, 'Name of the study.')
+_TRIAL_ID = flags.DEFINE_integer('trial_id', None,
+                                 "The trial's id in the study's storage.")
+_METRIC = flags.DEFINE_string('metric', None, 'Evaluation metric reported.')
+flags.mark_flags_as_required(['config', 'workdir', 'study', 'study_name',
+                              'trial_id', 'metric'])
+
+
+def _die_with_parent() -> None:
+  """SIGTERM when the worker that started this process dies (Linux)."""
+  if sys.platform.startswith('linux'):
+    PR_SET_PDEATHSIG = 1  # pylint: disable=invalid-name
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # It died before that took effect.
+      os.kill(os.getpid(), signal.SIGTERM)
+
+
+def reporter(trial: optuna.Trial, metric: str):
+  """The trainer's evaluation hook: reports `metric` at the step and
+  answers whether the pruner stops the trial."""
+  def on_evaluation(step: int, summary: dict[str, float]) -> bool:
+    trial.report(summary[metric], step)
+    return trial.should_prune()
+  return on_evaluation
+
+
+def main(argv: list[str]) -> None:
+  def work():
+    _die_with_parent()
+    config = _CONFIG.value
+    space = sweep_lib.load_sweep(
+        config_flags.get_config_filename(flags.FLAGS['config']))
+    study = optuna.load_study(
+        study_name=_STUDY_NAME.value, storage=study_lib.storage(_STUDY.value),
+        pruner=study_lib.pruner(space, config.eval_every))
+    trial = optuna.Trial(study, _TRIAL_ID.value)
+    try:
+      train_and_evaluate(config, _WORKDIR.value,
+                         on_evaluation=reporter(trial, _METRIC.value))
+    except Pruned:
+      sys.exit(sweep_lib.PRUNED)
+  cli.run_main(argv, work)
+
+
+if __name__ == '__main__':
+  cli.run(main)
