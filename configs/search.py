@@ -11,9 +11,10 @@ of a grid (configs/grid.py), for `python -m experiments.sweep`.
 Keys are config keys, dotted for nested ones. The trials are drawn by a
 sampler ('tpe', Optuna's tree-structured Parzen estimator, or 'random')
 and a pruner stops those whose metric, reported at every evaluation, is
-worse than the median of the trials before them at the same step
-('median'), or keeps the best 1/3 at each rung of successive halving
-('asha'), or none ('none'). Nothing here needs Optuna: the sweep turns
+worse than the median of the finished trials at the same step ('median'),
+or outside the best third at a rung of asynchronous successive halving
+('asha', rungs at the prune_after-th evaluation's step times 1, 3, 9, ...),
+or none ('none'). Nothing here needs Optuna: the sweep turns
 these into its distributions (experiments/study.py).
 """
 
@@ -107,8 +108,8 @@ class Space:
   metric) with `mode` 'min' or 'max' (None: known for the metric).
 
   The pruner judges a trial only from its `prune_after`th evaluation on,
-  and only once `startup_trials` trials have reported at that step; the
-  sampler draws at random for the first `startup_trials` trials (TPE).
+  and only once `startup_trials` trials have finished; the sampler draws
+  at random for the first `startup_trials` trials (TPE).
   `seed`: with the trial's number, seeds its draw.
   """
   space: dict[str, Distribution]

@@ -240,7 +240,7 @@ def _python(command: list[str], sweep: bool = False) -> list[str]:
     if not FLAGS.slurm and study.startswith('sqlite:'):
       raise InputError(f'--study={study}: TPU VMs share no file system that '
                        'SQLite can lock; give a database server URL '
-                       '(postgresql://... or mysql://...).')
+                       '(postgresql://... or mysql+pymysql://...).')
   return command
 
 

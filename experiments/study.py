@@ -19,9 +19,10 @@ put back in the queue at once.
 
 Why Optuna: its samplers (TPE, random) and pruners (median, successive
 halving) are standard, it installs from the package index, runs offline,
-and keeps a study in SQLite or any SQLAlchemy database with row-level
-updates, so that many workers can share one; its heartbeats find trials
-whose worker died.
+and keeps a study in SQLite or any SQLAlchemy database that many workers
+can share (row locks on a server; on SQLite, a write lock taken as each
+transaction begins: _lock_on_begin); its heartbeats find trials whose
+worker died.
 """
 
 from collections.abc import Callable
@@ -31,6 +32,7 @@ import math
 import os
 import random
 import shlex
+import signal
 import threading
 import time
 import warnings
@@ -79,6 +81,22 @@ def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
                       user_attrs={RESUMES: trial_directory(trial)})
 
 
+def _lock_on_begin(engine: sqlalchemy.engine.Engine) -> None:
+  """Makes each SQLite transaction take the database's write lock as it
+  begins. Optuna moves a trial from one state to another by reading it,
+  then writing it, in one transaction, counting on SELECT ... FOR UPDATE,
+  which SQLite ignores: two workers could both take one queued trial."""
+  @sqlalchemy.event.listens_for(engine, 'connect')
+  def _no_implicit_transactions(connection, record):
+    del record
+    connection.isolation_level = None  # pysqlite's own BEGIN, deferred.
+
+  @sqlalchemy.event.listens_for(engine, 'begin')
+  def _begin_immediate(connection):
+    connection.exec_driver_sql('BEGIN IMMEDIATE')
+  engine.dispose()  # The connections made so far, without these.
+
+
 def storage(url: str, heartbeat: int | None = None
             ) -> optuna.storages.RDBStorage:
   """The study's database at `url`; with `heartbeat` (seconds), a trial
@@ -92,10 +110,13 @@ def storage(url: str, heartbeat: int | None = None
     kwargs['engine_kwargs'] = {'connect_args': {'timeout': 60}}
   for _ in range(5):
     try:
-      return optuna.storages.RDBStorage(
+      opened = optuna.storages.RDBStorage(
           url, heartbeat_interval=heartbeat,
           heartbeat_stale_trial_callback=requeue if heartbeat else None,
           **kwargs)
+      if url.startswith('sqlite:'):
+        _lock_on_begin(opened.engine)
+      return opened
     except sqlalchemy.exc.DBAPIError as error:
       # Workers starting together on a new database each create its
       # tables: the later ones fail, and find them made when they retry.
@@ -127,9 +148,24 @@ def pruner(space: search.Space, eval_every: int
     return optuna.pruners.MedianPruner(n_startup_trials=space.startup_trials,
                                        n_warmup_steps=first)
   if space.pruner == 'asha':
-    return optuna.pruners.SuccessiveHalvingPruner(min_resource=first,
-                                                  reduction_factor=3)
+    return _AfterStartup(optuna.pruners.SuccessiveHalvingPruner(
+        min_resource=first, reduction_factor=3), space.startup_trials)
   return optuna.pruners.NopPruner()
+
+
+class _AfterStartup(optuna.pruners.BasePruner):
+  """`pruner`'s decision, kept only once `startup` trials have finished
+  (it still sees every report: successive halving records its rungs)."""
+
+  def __init__(self, pruner: optuna.pruners.BasePruner, startup: int):
+    self._pruner, self._startup = pruner, startup
+
+  def prune(self, study: optuna.Study,
+            trial: optuna.trial.FrozenTrial) -> bool:
+    decision = self._pruner.prune(study, trial)
+    finished = study.get_trials(
+        deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    return decision and len(finished) >= self._startup
 
 
 def suggest(trial: optuna.Trial, space: search.Space) -> dict:
@@ -185,6 +221,8 @@ def _take(study: optuna.Study, budget: int) -> optuna.Trial | None:
                          for t in trials) >= budget:
     return None
   trial = study.ask()
+  # From its first moment: a trial without a heartbeat is never stale.
+  study._storage.record_heartbeat(trial._trial_id)  # noqa: SLF001
   if RESUMES in trial.user_attrs:
     return trial
   # Workers asking at once may together pass the budget: a trial's numbers
@@ -207,7 +245,10 @@ def _beating(study: optuna.Study, trial: optuna.Trial, interval: int):
 
   def loop():
     while not done.wait(interval):
-      beat()
+      try:
+        beat()
+      except sqlalchemy.exc.SQLAlchemyError:
+        pass  # A busy database: the next beat is in time.
   thread = threading.Thread(target=loop, daemon=True)
   thread.start()
   try:
@@ -258,6 +299,10 @@ class Worker:
 
   def _run(self, study: optuna.Study, trial: optuna.Trial) -> None:
     directory = trial_directory(trial)
+    if self.stop.is_set():  # Taken as Ctrl-C came: left to the next worker.
+      requeue(study, study.trials[trial.number])
+      study.tell(trial, state=optuna.trial.TrialState.FAIL)
+      return
     with _beating(study, trial, self.heartbeat):
       # Seeded by the trial's number: its draw does not depend on which
       # worker took it (the draw happens as the values are suggested).
@@ -322,18 +367,27 @@ def run(config_arg: str, workdir: str, space: search.Space, *, url: str,
   def wait():  # Polled: a Ctrl-C in Thread.join can leave it unjoined.
     while any(thread.is_alive() for thread in threads):
       time.sleep(0.2)
+  def terminate(signum, frame):
+    del signum, frame
+    raise KeyboardInterrupt
+  # A scheduler's SIGTERM (Slurm signals every process of the job) stops
+  # the worker as Ctrl-C does.
+  previous = signal.signal(signal.SIGTERM, terminate)
   try:
     wait()
   except KeyboardInterrupt:
-    # The trials got the Ctrl-C too: they save, stop and are requeued.
+    # The trials got the signal too: they save, stop and are requeued.
     worker.stop.set()
     wait()
     raise
+  finally:
+    signal.signal(signal.SIGTERM, previous)
   if worker.errors:
     raise worker.errors[0]
   study = open_study(url, name, sweep)
+  shown = sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
   command = ['python', '-m', 'experiments.sweep', f'--config={config_arg}',
-             f'--workdir={os.path.relpath(workdir)}', f'--study={url}']
+             f'--workdir={os.path.relpath(workdir)}', f'--study={shown}']
   command += [f'--set={key}={value}'
               for key, value in common_overrides.items()]
   rows = study_report.write(

@@ -41,18 +41,25 @@ def rows(trials: dict[str, optuna.trial.FrozenTrial], space: search.Space,
   for name, trial in trials.items():
     record = common.load_json(os.path.join(workdir, name, 'trial.json')) or {}
     status = STATES[trial.state.name]
-    if status == 'failed' and 'error' not in record and 'metrics' in record:
-      record['error'] = f'{metric} is {record["metrics"].get(metric)}'
-    # The last evaluation: the final one, or where the pruner stopped it.
-    last = record.get('metrics', {}) if status in ('finished', 'pruned') else {}
-    value, step = last.get(metric), last.get('step')
+    error = ''  # Of the trial's last run, if that run failed.
+    if status == 'failed' and record.get('status') == 'failed':
+      error = record['error']
+    elif status == 'failed' and record.get('status') == 'finished':
+      error = f'{metric} is {record["metrics"].get(metric)}'
+    # The last evaluation: the final one (the value told to the study), or
+    # where the pruner stopped it (the last value reported).
+    value = step = None
+    if status == 'finished':
+      value, step = trial.value, record.get('metrics', {}).get('step')
+    elif status == 'pruned' and trial.intermediate_values:
+      step = max(trial.intermediate_values)
+      value = trial.intermediate_values[step]
     rows.append({'trial': name, 'status': status, metric: value,
                  # A trial waiting to resume has its values fixed only.
                  'step': step, **{key: (trial.params or trial.system_attrs.get(
                      'fixed_params', {})).get(key) for key in space.space},
                  'seconds': record.get('seconds'),
-                 'error': record.get('error', '') if status == 'failed'
-                 else ''})
+                 'error': error})
   order = {'finished': 0, 'pruned': 1, 'running': 2, 'waiting': 3,
            'failed': 4}
   rows.sort(key=lambda row: (order[row['status']],

@@ -36,6 +36,7 @@ import importlib.util
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -60,6 +61,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Exit status of a search's trial (experiments/trial.py) that its pruner
 # stopped.
 PRUNED = 3
+# Exit statuses of a trial stopped by a signal before it could save (the
+# signal came during its start, or twice): it resumes from its last
+# checkpoint, as one stopped after saving (exit status 0) does.
+INTERRUPTED = (130, -signal.SIGINT, -signal.SIGTERM)
 
 
 def load_sweep(config_arg: str) -> list[dict] | search.Space:
@@ -137,7 +142,7 @@ def run_trial(config_arg: str, workdir: str, overrides: dict,
       raise InputError(f'{workdir} holds a trial run as '
                        f'{" ".join(record["command"])}; sweep in a new '
                        '--workdir to change the overrides.')
-    if record['status'] == 'finished':
+    if record['status'] in ('finished', 'pruned'):
       return record
   os.makedirs(workdir, exist_ok=True)
   env = dict(os.environ)
@@ -160,7 +165,7 @@ def run_trial(config_arg: str, workdir: str, overrides: dict,
     record |= {'status': 'finished', 'metrics': evaluations[-1]}
   elif process.returncode == PRUNED:
     record |= {'status': 'pruned', 'metrics': evaluations[-1]}
-  elif process.returncode == 0:
+  elif process.returncode in (0, *INTERRUPTED):
     record |= {'status': 'stopped',
                'error': 'stopped before its last step; run the sweep again '
                'to resume it'}

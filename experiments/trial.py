@@ -25,7 +25,7 @@ import optuna
 from experiments import study as study_lib
 from experiments import sweep as sweep_lib
 from train import cli
-from train.errors import Pruned
+from train.errors import InputError, Pruned
 from train.trainer import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -54,6 +54,9 @@ def reporter(trial: optuna.Trial, metric: str):
   """The trainer's evaluation hook: reports `metric` at the step and
   answers whether the pruner stops the trial."""
   def on_evaluation(step: int, summary: dict[str, float]) -> bool:
+    if metric not in summary:  # eval_bits_per_byte of a tokenized LM.
+      raise InputError(f'--metric={metric}: the evaluation does not log it; '
+                       f'it logs {", ".join(sorted(summary))}.')
     trial.report(summary[metric], step)
     return trial.should_prune()
   return on_evaluation
