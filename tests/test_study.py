@@ -120,13 +120,18 @@ def test_the_pruner_stops_a_trial_worse_than_the_median():
     good = synthetic.ask()
     good.report(0.5, 20)
     assert not good.should_prune(), name
-  # Fewer finished trials than startup_trials: no median yet.
-  space = search.Space({'x': search.uniform(0, 1)}, trials=9)
-  early = optuna.create_study(pruner=study.pruner(space, eval_every=10))
-  early.add_trial(completed({10: 1.0}))
-  bad = early.ask()
-  bad.report(9.0, 10)
-  assert not bad.should_prune()
+  # Fewer finished trials than startup_trials: neither prunes yet.
+  for name in ('median', 'asha'):
+    space = search.Space({'x': search.uniform(0, 1)}, trials=9, pruner=name)
+    early = optuna.create_study(pruner=study.pruner(space, eval_every=10))
+    for value in (1.0, 2.0):
+      finished = early.ask()
+      finished.report(value, 10)
+      finished.should_prune()
+      early.tell(finished, value)
+    bad = early.ask()
+    bad.report(9.0, 10)
+    assert not bad.should_prune(), name
 
 
 def test_workers_asking_at_once_do_not_pass_the_budget(tmp_path):
