@@ -150,7 +150,8 @@ def plot_history(rows: list[dict], metric: str, mode: str, workdir: str,
     if row['trial'] in top:
       curves.plot(steps, values, marker='.', label=row['trial'], zorder=2)
     else:
-      curves.plot(steps, values, color='lightgray', zorder=1)
+      # Marked: a trial pruned at its first evaluation is one point.
+      curves.plot(steps, values, marker='.', color='lightgray', zorder=1)
   curves.set(xlabel='step', ylabel=metric,
              title=f'top {len(top)} in colour, the others grey')
   if top:
