@@ -156,14 +156,13 @@ def test_workers_asking_at_once_do_not_pass_the_budget(tmp_path):
     study.open_study(url, 'budget', {'mode': 'max'})
 
 
-@pytest.fixture(scope='module')
-def trial_env(tmp_path_factory) -> dict[str, str]:
-  """The environment of the trials: one CPU device, and JAX's compilation
-  cache shared. The trials of these tests differ in their seed only: the
-  first to run compiles the steps, the others read them from the cache."""
-  return {'XLA_FLAGS': '',
-          'JAX_COMPILATION_CACHE_DIR': str(tmp_path_factory.mktemp('jax')),
-          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'}
+@pytest.fixture
+def trial_env() -> dict[str, str]:
+  """The environment of the trials: one CPU device. The trials of these
+  tests differ in their seed only: the first to run compiles the steps,
+  the others read them from the session's compilation cache
+  (tests/conftest.py)."""
+  return {'XLA_FLAGS': ''}
 
 
 def _worker(config, workdir, env) -> subprocess.Popen:
