@@ -75,7 +75,7 @@ def latest_attempts(study: optuna.Study
           if not trial.user_attrs.get(SURPLUS)}
 
 
-def requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+def requeue(study: optuna.Study, trial: optuna.trial.BaseTrial) -> None:
   """Puts `trial` back in the queue: the next worker resumes it."""
   study.enqueue_trial(trial.params,
                       user_attrs={RESUMES: trial_directory(trial)})
@@ -300,7 +300,7 @@ class Worker:
   def _run(self, study: optuna.Study, trial: optuna.Trial) -> None:
     directory = trial_directory(trial)
     if self.stop.is_set():  # Taken as Ctrl-C came: left to the next worker.
-      requeue(study, study.trials[trial.number])
+      requeue(study, trial)
       study.tell(trial, state=optuna.trial.TrialState.FAIL)
       return
     with _beating(study, trial, self.heartbeat):
@@ -330,7 +330,7 @@ class Worker:
       self.say(f'{directory}: finished, {metric} {value:.4g} (best '
                f'{study.best_value:.4g}, {trial_directory(study.best_trial)})')
     elif status == 'stopped':  # It saved: the next worker resumes it.
-      requeue(study, study.trials[trial.number])
+      requeue(study, trial)
       study.tell(trial, state=optuna.trial.TrialState.FAIL)
       self.say(f'{directory}: stopped, and back in the queue: the next '
                'worker resumes it.')
