@@ -8,7 +8,16 @@ of a grid (configs/grid.py), for `python -m experiments.sweep`.
          'model.position': search.choice(['learned', 'rope'])},
         trials=20, metric='eval_accuracy', mode='max')
 
-Keys are config keys, dotted for nested ones. The trials are drawn by a
+Keys are config keys, dotted for nested ones, or the name of a choice of
+presets, each setting several keys at once (a model's shape with the steps
+it runs in a fixed time):
+
+  'shape': search.presets({'narrow': {'model.d_model': 128,
+                                      'num_train_steps': 600},
+                           'wide': {'model.d_model': 256,
+                                    'num_train_steps': 250}})
+
+The trials are drawn by a
 sampler ('tpe', Optuna's tree-structured Parzen estimator, or 'random')
 and a pruner stops those whose metric, reported at every evaluation, is
 worse than the median of the finished trials at the same step ('median'),
@@ -66,13 +75,22 @@ class IntRange:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-  """One of `values` (numbers, strings, booleans or None)."""
+  """One of `values` (numbers, strings, booleans or None). With `sets`
+  (presets()), each value is a name and sets[i] the ((key, value), ...)
+  that values[i] stands for."""
   values: tuple[Any, ...]
+  sets: tuple[tuple[tuple[str, Any], ...], ...] = ()
 
   def __post_init__(self):
     if len(self.values) < 2 or len(set(self.values)) != len(self.values):
       raise ValueError(f'choice needs two or more distinct values, got '
                        f'{list(self.values)}.')
+    if self.sets and not all(self.sets):
+      raise ValueError('each preset sets one or more keys.')
+
+  def overrides(self, value: Any) -> dict[str, Any]:
+    """The config keys `value` sets: those of its preset."""
+    return dict(self.sets[self.values.index(value)])
 
   @property
   def bounds(self) -> list[Any]:
@@ -94,6 +112,12 @@ def int_range(low: int, high: int, step: int = 1,
 
 def choice(values) -> Choice:
   return Choice(tuple(values))
+
+
+def presets(named: dict[str, dict[str, Any]]) -> Choice:
+  """A choice of names, each standing for the config keys it sets."""
+  return Choice(tuple(named), tuple(tuple(sorted(keys.items()))
+                                    for keys in named.values()))
 
 
 Distribution = Uniform | IntRange | Choice
@@ -137,8 +161,26 @@ class Space:
       raise ValueError(f'sampler={self.sampler!r}: one of {SAMPLERS}.')
     if self.pruner not in PRUNERS:
       raise ValueError(f'pruner={self.pruner!r}: one of {PRUNERS}.')
+    for key, distribution in self.space.items():
+      if isinstance(distribution, Choice):
+        both = {k for keys in distribution.sets for k, _ in keys} & set(
+            self.space)
+        if both:
+          raise ValueError(f'{key}: its presets set {sorted(both)}, which '
+                           'the space also draws.')
     if self.prune_after < 1 or self.startup_trials < 0:
       raise ValueError('prune_after >= 1 and startup_trials >= 0.')
+
+  def overrides(self, values: dict[str, Any]) -> dict[str, Any]:
+    """The config overrides of a trial's `values` (a preset's name
+    replaced by the keys it sets)."""
+    overrides = {}
+    for key, value in values.items():
+      distribution = self.space[key]
+      overrides |= (distribution.overrides(value)
+                    if isinstance(distribution, Choice) and distribution.sets
+                    else {key: value})
+    return overrides
 
   def corners(self) -> list[dict[str, Any]]:
     """Overrides that reach every bound of every key (each key's bounds
@@ -147,11 +189,15 @@ class Space:
     corners = [first]
     for key, distribution in self.space.items():
       corners += [first | {key: value} for value in distribution.bounds[1:]]
-    return corners
+    return [self.overrides(corner) for corner in corners]
 
   def describe(self) -> dict[str, str]:
     """key -> the distribution, as a line of text."""
     def text(d: Distribution) -> str:
+      if isinstance(d, Choice) and d.sets:
+        return 'presets ' + '; '.join(
+            f'{name}: ' + ', '.join(f'{k}={v}' for k, v in keys)
+            for name, keys in zip(d.values, d.sets))
       if isinstance(d, Choice):
         return f'choice {list(d.values)}'
       scale = 'log-uniform' if d.log else 'uniform'

@@ -308,14 +308,15 @@ class Worker:
       # worker took it (the draw happens as the values are suggested).
       study.sampler = sampler(self.space, int(np.random.SeedSequence(
           [self.space.seed, trial.number]).generate_state(1)[0]))
-      overrides = suggest(trial, self.space)
+      values = suggest(trial, self.space)
       resumed = ' (resumed)' if RESUMES in trial.user_attrs else ''
       self.say(f'{directory}{resumed}: started, '
-               + ', '.join(f'{k}={v}' for k, v in overrides.items()))
+               + ', '.join(f'{k}={v}' for k, v in values.items()))
       try:
         record = sweep_lib.run_trial(
             self.config_arg, os.path.join(self.workdir, directory),
-            overrides, self.common_overrides, self.parallel,
+            self.space.overrides(values), self.common_overrides,
+            self.parallel,
             module='experiments.trial',
             extra=[f'--study={self.url}', f'--study_name={self.name}',
                    f'--trial_id={trial._trial_id}',  # noqa: SLF001
@@ -379,23 +380,32 @@ def run(config_arg: str, workdir: str, space: search.Space, *, url: str,
     # The trials got the signal too: they save, stop and are requeued.
     worker.stop.set()
     wait()
+    report(config_arg, workdir, space, url, name, sweep, common_overrides)
     raise
   finally:
     signal.signal(signal.SIGTERM, previous)
   if worker.errors:
     raise worker.errors[0]
+  rows = report(config_arg, workdir, space, url, name, sweep,
+                common_overrides)
+  if not any(row['status'] == 'finished' for row in rows):
+    raise TrainingError(f'no trial finished; see {workdir}/leaderboard.md.')
+  return rows
+
+
+def report(config_arg: str, workdir: str, space: search.Space, url: str,
+           name: str, sweep: dict, common_overrides: dict) -> list[dict]:
+  """Writes the report of the study as it stands (study_report.write);
+  returns its rows."""
   study = open_study(url, name, sweep)
   shown = sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
   command = ['python', '-m', 'experiments.sweep', f'--config={config_arg}',
              f'--workdir={os.path.relpath(workdir)}', f'--study={shown}']
   command += [f'--set={key}={value}'
               for key, value in common_overrides.items()]
-  rows = study_report.write(
+  return study_report.write(
       latest_attempts(study), space, sweep, workdir, shlex.join(command),
       study_report.wall_time(study.get_trials(deepcopy=False)))
-  if not any(row['status'] == 'finished' for row in rows):
-    raise TrainingError(f'no trial finished; see {workdir}/leaderboard.md.')
-  return rows
 
 
 def check(config_arg: str, space: search.Space, common_overrides: dict,

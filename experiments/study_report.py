@@ -72,7 +72,8 @@ def rows(trials: dict[str, optuna.trial.FrozenTrial], space: search.Space,
 
 def best_command(sweep: dict, row: dict, space: search.Space) -> str:
   """The command that trains the best trial's configuration alone."""
-  overrides = sweep['overrides'] | {key: row[key] for key in space.space}
+  overrides = sweep['overrides'] | space.overrides(
+      {key: row[key] for key in space.space})
   return shlex.join(['python', '-m', 'train.train',
                      f'--config={sweep["config"]}',
                      f'--workdir=workdirs/{row["trial"]}']

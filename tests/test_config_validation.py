@@ -85,6 +85,8 @@ INVALID = [
     ('schedule', 'step', "config.schedule='step' must be one of"),
     ('final_learning_rate_fraction', 1.5,
      'config.final_learning_rate_fraction=1.5'),
+    ('decay_fraction', 0.0,
+     'config.decay_fraction=0.0 must be a number in (0.0, 1.0]'),
     ('adam_b1', 1.5, 'config.adam_b1=1.5 must be a number in [0.0, 1.0)'),
     ('adam_b2', 1.0, 'config.adam_b2=1.0'),
     ('adam_eps', 0.0, 'config.adam_eps=0.0'),
@@ -246,6 +248,8 @@ TYPE_CHECKED = {'pack_sequences', 'vocab_path', 'distributed',
 
 
 SHIPPED = {'lm_stdlib': lm_stdlib.get_config,
+           'lm_stdlib:baseline': functools.partial(lm_stdlib.get_config,
+                                                   'baseline'),
            **{system: functools.partial(lm_systems.get_config,
                                         f'system={system}')
               for system in lm_systems.SYSTEMS},

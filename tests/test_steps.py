@@ -47,6 +47,15 @@ def test_linear_and_constant_schedules():
   np.testing.assert_allclose(optim.learning_rate_schedule(config)(50), 1.0)
 
 
+def test_wsd_schedule_holds_the_peak_then_decays_over_the_last_fraction():
+  schedule = optim.learning_rate_schedule(_config(
+      learning_rate=1.0, warmup_steps=10, num_train_steps=110,
+      schedule='wsd', decay_fraction=0.2, final_learning_rate_fraction=0.0))
+  np.testing.assert_allclose(
+      [schedule(s) for s in (5, 10, 50, 88, 99, 110)],
+      [0.5, 1.0, 1.0, 1.0, 0.5, 0.0], atol=1e-6)
+
+
 def test_exact_match_counts_examples_with_every_target_right():
   targets = jnp.array([[2, 3, 1, 0], [2, 3, 1, 0], [0, 0, 0, 0]])
   weights = (targets > 0).astype(jnp.float32)

@@ -23,8 +23,11 @@ PNG = b'\x89PNG'
 SEARCH_CONFIG = TINY_LISTOPS + '''
 
 def get_sweep():
-  # Seeds: every trial trains the same program (see trial_env).
-  return search.Space({{'seed': search.int_range(0, 10**6)}},
+  # Seeds and logging: every trial trains the same program (see trial_env).
+  return search.Space({{'seed': search.int_range(0, 10**6),
+                        'logging': search.presets(
+                            {{'often': {{'log_every': 25}},
+                             'seldom': {{'log_every': 50}}}})}},
                       trials={trials}, sampler='random', pruner={pruner!r},
                       metric='eval_loss', mode='min')
 '''
@@ -65,12 +68,30 @@ def test_a_search_space_is_checked_before_anything_runs(tmp_path, data_dir):
                              first | {'model.position': 'learned'}]
   assert space.describe()['warmup_steps'] == (
       'integer uniform in [0, 390] step 50')
+  # A preset stands for the keys it sets, in trials and corners alike.
+  shapes = search.presets({'narrow': {'model.d_model': 16, 'seed': 1},
+                           'wide': {'model.d_model': 32}})
+  space = search.Space({'shape': shapes, 'learning_rate': search.uniform(
+      1e-4, 1e-3)}, trials=2)
+  assert space.overrides({'shape': 'wide', 'learning_rate': 1e-4}) == {
+      'model.d_model': 32, 'learning_rate': 1e-4}
+  assert space.corners()[:2] == [
+      {'model.d_model': 16, 'seed': 1, 'learning_rate': 1e-4},
+      {'model.d_model': 32, 'learning_rate': 1e-4}]
+  assert space.describe()['shape'] == (
+      'presets narrow: model.d_model=16, seed=1; wide: model.d_model=32')
+  with pytest.raises(ValueError, match='also draws'):
+    search.Space({'shape': shapes, 'seed': search.int_range(0, 9)}, trials=2)
 
   config = str(search_config(tmp_path, data_dir))
   for space, metric, message in (
       (search.Space({'model.dmodel': search.int_range(16, 32)}, trials=2),
        None, "config.model has no key 'dmodel'; did you mean d_model?"),
       (search.Space({'model.num_heads': search.choice([2, 3])}, trials=2),
+       None, 'model.num_heads'),
+      (search.Space({'heads': search.presets({'two': {'model.num_heads': 2},
+                                              'three': {'model.num_heads': 3}
+                                              })}, trials=2),
        None, 'model.num_heads'),
       (search.Space({'learning_rate': search.uniform(1e-4, 1e-3)}, trials=2),
        'eval_acc', '--metric=eval_acc: no trial logs it; did you mean '
@@ -232,15 +253,20 @@ def test_two_workers_run_a_study_and_a_killed_trial_resumes(
   resumed = int(log.split('Resumed from the checkpoint at step ')[1]
                 .split('.')[0])
   assert 25 <= resumed < 100
-  for trial in attempts:
+  for trial, attempt in attempts.items():
     record = sweep.common.load_json(str(workdir / trial / 'trial.json'))
     assert record['status'] == 'finished'
     assert record['metrics']['step'] == 100
+    # The preset drawn set its keys.
+    config = sweep.common.load_json(str(workdir / trial / 'config.json'))
+    assert config['log_every'] == {'often': 25, 'seldom': 50}[
+        attempt.params['logging']]
 
   board = (workdir / 'leaderboard.md').read_text()
   assert board.count('| finished |') == 6
   best = board.split('Best (')[1].split(',')[0]
   assert f'--workdir=workdirs/{best} --config.seed=' in board
+  assert '--config.log_every=' in board.split('Best (')[1]
   for name in ('params.png', 'history.png'):
     assert (workdir / name).read_bytes()[:4] == PNG
 

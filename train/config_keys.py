@@ -120,11 +120,15 @@ KEYS: dict[str, Key] = {
     'learning_rate': Key(1e-3, number(0.0, INF, include_low=False)),
     # Steps of linear warmup from 0.
     'warmup_steps': Key(100, integer(0)),
-    # After warmup: cosine, linear, rsqrt or constant (train/optim.py).
+    # After warmup: cosine, linear, rsqrt, constant or wsd (train/optim.py).
     'schedule': Key('cosine', one_of(optim.SCHEDULES)),
-    # End of cosine/linear decay, as a fraction of learning_rate.
+    # End of cosine/linear/wsd decay, as a fraction of learning_rate.
     'final_learning_rate_fraction': Key(0.1, number(0.0, 1.0,
                                                     include_high=True)),
+    # wsd: the last fraction of num_train_steps, decaying linearly from the
+    # peak; the steps between warmup and it stay at the peak.
+    'decay_fraction': Key(0.2, number(0.0, 1.0, include_low=False,
+                                      include_high=True)),
     # Decay rate of adamw's first-moment (mean) estimate.
     'adam_b1': Key(0.9, number(0.0, 1.0)),
     # Decay rate of adamw's second-moment estimate.

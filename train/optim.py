@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-SCHEDULES = ('cosine', 'linear', 'rsqrt', 'constant')
+SCHEDULES = ('cosine', 'linear', 'rsqrt', 'constant', 'wsd')
 OPTIMIZERS = ('adamw', 'sgd')
 
 
@@ -14,7 +14,10 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   cosine / linear: decay to `final_learning_rate_fraction * learning_rate`
     at `num_train_steps`;
   rsqrt: peak * sqrt(warmup_steps / step) (Vaswani et al. 2017);
-  constant: stay at the peak.
+  constant: stay at the peak;
+  wsd: warmup-stable-decay (Hu et al. 2024): stay at the peak, then decay
+    linearly to `final_learning_rate_fraction * learning_rate` over the
+    last `decay_fraction` of `num_train_steps`.
   """
   peak, warmup = config.learning_rate, config.warmup_steps
   decay_steps = max(config.num_train_steps - warmup, 1)
@@ -27,6 +30,12 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   elif config.schedule == 'rsqrt':
     def decay(count):
       return peak * jnp.sqrt(max(warmup, 1) / (count + max(warmup, 1)))
+  elif config.schedule == 'wsd':
+    cooldown = max(round(config.decay_fraction * config.num_train_steps), 1)
+    stable = max(config.num_train_steps - warmup - cooldown, 0)
+    decay = optax.join_schedules(
+        [optax.constant_schedule(peak),
+         optax.linear_schedule(peak, final, cooldown)], [stable])
   else:
     decay = optax.constant_schedule(peak)
   if warmup == 0:
