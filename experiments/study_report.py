@@ -103,7 +103,11 @@ def plot_params(rows: list[dict], space: search.Space, metric: str,
                  [best[metric]], s=160, facecolors='none',
                  edgecolors='tab:red', label='best')
     if position:
-      ax.set_xticks(range(len(position)), [str(v) for v in position])
+      labels = [str(v) for v in position]
+      slanted = sum(map(len, labels)) > 30  # Long names (presets) slant.
+      ax.set_xticks(range(len(position)), labels,
+                    rotation=30 if slanted else 0,
+                    ha='right' if slanted else 'center')
     elif distribution.log:
       ax.set_xscale('log')
     ax.set(xlabel=key)
