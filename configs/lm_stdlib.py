@@ -9,12 +9,17 @@ with a warning):
 
   make train WORKDIR=/tmp/smoke ARGS=--config.num_train_steps=20
 
-The default is the best configuration that trains in 10 minutes on 2 CPU
-cores, evaluation and closing sample included: the baseline with the
-overrides of SPEEDRUN, the best trial of this file's search (get_sweep();
-experiments/results/lm_speedrun/).
+The default is the best configuration its search found (get_sweep();
+experiments/results/lm_speedrun/) among those that train in 10 minutes on
+2 CPU cores, evaluations and closing sample included: the baseline with
+the overrides of SPEEDRUN.
 
-Result on 2 CPU cores: RESULT_PLACEHOLDER
+Result on 2 CPU cores: validation 1.437 bits per byte (eval_loss 0.996
+nats) after 1000 steps of 16 rows; `make train` on a fresh clone took
+7m43s, installation included, 7m09s of it the training loop with its two
+evaluations; the search's run of it (learning rate 3.309e-3, rounded
+here) reached 1.434. The sample it prints has Python's indentation,
+comments and docstrings, not yet its sense.
 
 `baseline`, the default before that search (sinusoidal positions, 550
 steps): validation 2.24 bits per byte (2.236 when last measured) in 349 s

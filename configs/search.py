@@ -17,14 +17,13 @@ it runs in a fixed time):
                            'wide': {'model.d_model': 256,
                                     'num_train_steps': 250}})
 
-The trials are drawn by a
-sampler ('tpe', Optuna's tree-structured Parzen estimator, or 'random')
-and a pruner stops those whose metric, reported at every evaluation, is
-worse than the median of the finished trials at the same step ('median'),
-or outside the best third at a rung of asynchronous successive halving
-('asha', rungs at the prune_after-th evaluation's step times 1, 3, 9, ...),
-or none ('none'). Nothing here needs Optuna: the sweep turns
-these into its distributions (experiments/study.py).
+The trials are drawn by a sampler ('tpe', Optuna's tree-structured Parzen
+estimator, or 'random') and a pruner stops those whose metric, reported at
+every evaluation, is worse than the median of the finished trials at the
+same step ('median'), or outside the best third at a rung of asynchronous
+successive halving ('asha', rungs at the prune_after-th evaluation's step
+times 1, 3, 9, ...), or none ('none'). Nothing here needs Optuna: the
+sweep turns these into its distributions (experiments/study.py).
 """
 
 import dataclasses

@@ -15,7 +15,8 @@ A worker that dies (kill -9, a lost node) stops beating: after two
 --heartbeat intervals the next worker to look puts its trial back in the
 queue, and whoever takes it resumes it from its checkpoint in the same
 directory. A trial stopped by a signal (Ctrl-C, SIGTERM: it saves first) is
-put back in the queue at once.
+put back in the queue at once, and its worker writes the report as the
+study stands.
 
 Why Optuna: its samplers (TPE, random) and pruners (median, successive
 halving) are standard, it installs from the package index, runs offline,
@@ -348,8 +349,8 @@ class Worker:
 def run(config_arg: str, workdir: str, space: search.Space, *, url: str,
         name: str, metric: str, mode: str, common_overrides: dict,
         heartbeat: int = 60, parallel: int = 1) -> list[dict]:
-  """Runs `parallel` workers of the sweep here until the study is done,
-  then writes the report; returns its rows."""
+  """Runs `parallel` workers of the sweep here until the study is done
+  (or Ctrl-C, SIGTERM), then writes the report; returns its rows."""
   sweep = identity(config_arg, space, common_overrides, metric, mode)
   open_study(url, name, sweep)  # Refused here, before any worker starts.
   os.makedirs(workdir, exist_ok=True)

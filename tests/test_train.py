@@ -10,7 +10,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from configs import algorithmic, listops, lm1b, lm_stdlib, wmt14_ende
-from train import config_validation, metrics
+from train import config_validation, metrics, tasks, trainer
 from train.trainer import train_and_evaluate
 
 
@@ -159,6 +159,12 @@ def test_config_trains_saves_and_resumes(name, data_dir, tmp_path, capsys,
   assert 'Done: steps 0-4 in ' in out
   assert f'{metric} {final[metric]:.4g}' in out
   assert f'Last checkpoint: {workdir}/checkpoints/4; ' in out
+  # Only a schedule that does not depend on num_train_steps extends.
+  assert 'extend it with a larger config.num_train_steps' in out
+  assert 'extend' not in trainer.closing_summary(
+      task=tasks.LM, steps=(0, 4), seconds=1.0, evaluations=[],
+      final={'eval_loss': 1.0}, tokens_per_s=None, checkpoint=None,
+      workdir=workdir, extendable=False)
   assert checkpoint_steps(workdir) == [2, 4]
   with open(os.path.join(workdir, 'config.json')) as f:
     assert json.load(f)['num_train_steps'] == 4

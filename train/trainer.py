@@ -42,10 +42,12 @@ def _duration(seconds: float) -> str:
 def closing_summary(*, task: Task, steps: tuple[int, int], seconds: float,
                     evaluations: list[tuple[int, dict[str, float]]],
                     final: dict[str, float], tokens_per_s: float | None,
-                    checkpoint: str | None, workdir: str) -> str:
+                    checkpoint: str | None, workdir: str,
+                    extendable: bool) -> str:
   """The lines a run ends with: steps and wall time, the final
   evaluation (the quality metric's best of the run beside it), throughput,
-  the last checkpoint, and what to run next."""
+  the last checkpoint, and what to run next (`extendable`: a larger
+  num_train_steps may resume it)."""
   metric = metrics.quality_metric(final)
   direction = metrics.QUALITY_METRICS[metric]
   shown = [f'{metric} {final[metric]:.4g}']
@@ -60,8 +62,9 @@ def closing_summary(*, task: Task, steps: tuple[int, int], seconds: float,
   lines = [f'Done: steps {first}-{last} in {_duration(seconds)}; '
            + ', '.join(shown)
            + (f'; {tokens_per_s:,.0f} tokens/s' if tokens_per_s else '') + '.']
-  then = ['run the same command to resume (or extend it with a larger '
-          'config.num_train_steps)']
+  then = ['run the same command to resume' + (
+      ' (or extend it with a larger config.num_train_steps)' if extendable
+      else '')]
   if task.next_command:
     then.append(task.next_command.format(workdir))
   lines.append((f'Last checkpoint: {checkpoint}; ' if checkpoint else '')
@@ -318,5 +321,6 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
       seconds=time.perf_counter() - started, evaluations=evaluations,
       final=final, tokens_per_s=last_logged.get('tokens_per_s'),
       checkpoint=None if latest is None else os.path.join(
-          checkpointer.directory, str(latest)), workdir=workdir))
+          checkpointer.directory, str(latest)), workdir=workdir,
+      extendable=config.schedule in workdir_lib.LENGTH_FREE_SCHEDULES))
   return final
