@@ -37,7 +37,8 @@ CASES = {
     'train_choice': ('train.train', [LM, '--workdir={tmp}/w',
                                      '--config.schedule=cosin'],
                      "config.schedule='cosin' must be one of ['cosine', "
-                     "'linear', 'rsqrt', 'constant']; did you mean cosine?"),
+                     "'linear', 'rsqrt', 'constant', 'wsd']; did you mean "
+                     "cosine?"),
     'train_config_argument': (
         'train.train', ['--config=configs/algorithmic.py:task=divide',
                         '--workdir={tmp}/w'],
@@ -72,8 +73,9 @@ CASES = {
                             [LISTOPS, '--workdir={tmp}/c'],
                             '--variants is required'),
     'sweep_without_get_sweep': ('experiments.sweep',
-                                [LM, '--workdir={tmp}/s'],
-                                'configs/lm_stdlib.py defines no '
+                                ['--config=configs/lm_systems.py',
+                                 '--workdir={tmp}/s'],
+                                'configs/lm_systems.py defines no '
                                 'get_sweep()'),
     'sweep_metric': ('experiments.sweep',
                      [LISTOPS, '--workdir={tmp}/s', '--metric=eval_acc'],
