@@ -14,8 +14,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The default experiment; running it again resumes from its last checkpoint.
-# ARGS adds flags and WORKDIR moves it, e.g. a first look in about a minute:
-#   make train WORKDIR=/tmp/smoke ARGS=--config.num_train_steps=20
+# ARGS adds flags (quoted when there are several) and WORKDIR moves it,
+# e.g. a first look in under a minute:
+#   make train WORKDIR=/tmp/smoke \
+#       ARGS='--config.num_train_steps=20 --config.num_eval_steps=20'
 WORKDIR ?= workdirs/lm_stdlib
 ARGS ?=
 train: $(STAMP)

@@ -11,6 +11,7 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
+from model import attention, attention_parameters
 from model.config import ModelConfig
 from train import config_keys
 
@@ -24,6 +25,27 @@ def choice(arg: str, key: str, choices: tuple[str, ...], path: str) -> str:
   return name
 
 
+def attention_options() -> ml_collections.ConfigDict:
+  """`config.model.attention_options`, every key unset: each option of
+  every registered attention (config.model.attention_options.window), and
+  the same under each attention's name, for a config that cycles several
+  (config.model.attention_options.local.window). An unset option (None)
+  takes the attention's default; a set one must be an option of the
+  attention it reaches (train/config_validation.py)."""
+  taken = {name: attention_parameters.option_types(name)
+           for name in attention.names()}
+  every = {}
+  for types in taken.values():
+    every |= types
+  values = {option: config_dict.placeholder(kind)
+            for option, kind in sorted(every.items())}
+  for name, types in taken.items():
+    values[name] = ml_collections.ConfigDict(
+        {option: config_dict.placeholder(kind)
+         for option, kind in sorted(types.items())})
+  return ml_collections.ConfigDict(values)
+
+
 def model_defaults() -> ml_collections.ConfigDict:
   """`config.model`: every ModelConfig field at its default."""
   values = {}
@@ -32,8 +54,8 @@ def model_defaults() -> ml_collections.ConfigDict:
     # None; a typed placeholder lets `--config.model.head_dim=64` parse.
     values[field.name] = (config_dict.placeholder(int) if field.default is None
                           else field.default)
-  # Options are named per variant, e.g. config.model.attention_options.window.
-  values['attention_options'] = ml_collections.ConfigDict()
+  # The attention's options, e.g. config.model.attention_options.window.
+  values['attention_options'] = attention_options()
   # Mixture of experts, e.g. config.model.moe.num_experts (0: off).
   values['moe'] = ml_collections.ConfigDict(
       dataclasses.asdict(ModelConfig().moe))

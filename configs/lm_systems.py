@@ -32,8 +32,6 @@ load-balancing loss 1.01 and 3.2% of token choices dropped over the last
 step 500, the two run one after the other).
 """
 
-import ml_collections
-
 from configs import default, lm_stdlib
 
 SYSTEMS = ('alternating', 'memory_compressed', 'parameter_free', 'deberta',
@@ -49,13 +47,11 @@ def get_config(arg: str = 'system=alternating'):
     config.sample_length = 0  # Local layers cannot read a key/value cache.
   if system == 'alternating':
     model.attention = 'dense,local'
-    model.attention_options = ml_collections.ConfigDict(
-        {'local': {'window': 32}})
+    model.attention_options.local.window = 32
   elif system == 'memory_compressed':
     model.attention = 'local,memory_compressed'
-    model.attention_options = ml_collections.ConfigDict(
-        {'local': {'window': 32},
-         'memory_compressed': {'width': 3, 'stride': 3}})
+    model.attention_options.local.window = 32
+    model.attention_options.memory_compressed.update(width=3, stride=3)
     config.pack_sequences = False
   elif system == 'parameter_free':
     model.attention_projections = False

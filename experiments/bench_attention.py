@@ -172,6 +172,7 @@ def run(out: str, *, variants: list[str], lengths: list[int],
   writes the results."""
   for name in variants:
     attention_cases.parse_variant(name)
+  common.check_options(options)
   for kind in rows:
     if kind not in attention_cases.ROWS:
       raise InputError(f'--rows: unknown kind {kind!r}; one of '
@@ -272,7 +273,7 @@ def main(argv: list[str]) -> None:
       FLAGS.out,
       variants=FLAGS.variants or attention_cases.default_variants(
           jax.default_backend()),
-      lengths=[int(n) for n in FLAGS.lengths],
+      lengths=common.parse_integers('--lengths', FLAGS.lengths),
       options=common.parse_options(FLAGS.options), causal=FLAGS.causal,
       batch=FLAGS.batch, heads=FLAGS.heads, head_dim=FLAGS.head_dim,
       dtype=FLAGS.dtype, reps=FLAGS.reps, max_seconds=FLAGS.max_seconds,

@@ -1,5 +1,6 @@
-"""What the experiment scripts share: config overrides, a run's metrics,
-result tables and plots, and a description of the machine."""
+"""What the experiment scripts share: their flags' values checked, config
+overrides, a run's metrics, result tables and plots, and a description of
+the machine."""
 
 import ast
 from collections.abc import Sequence
@@ -16,8 +17,9 @@ import matplotlib
 import matplotlib.ticker
 import numpy as np
 
+from model import attention, attention_parameters
 from train import metrics
-from train.errors import InputError
+from train.errors import InputError, did_you_mean
 
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)
@@ -30,6 +32,40 @@ def parse_value(text: str) -> Any:
     return ast.literal_eval(text)
   except (ValueError, SyntaxError):
     return text
+
+
+def parse_integers(flag: str, items: list[str]) -> list[int]:
+  """The positive integers of a list flag; InputError naming the flag."""
+  try:
+    values = [int(item) for item in items]
+  except ValueError:
+    values = []
+  if len(values) < len(items) or any(value < 1 for value in values):
+    raise InputError(f'{flag}={",".join(items)} must be positive integers.')
+  return values
+
+
+def check_variant(flag: str, name: str) -> None:
+  """InputError naming `flag` unless `name` is a registered attention."""
+  known = attention.names()
+  if name not in known:
+    raise InputError(f'{flag}: no attention variant {name!r}'
+                     f'{did_you_mean(name, known)} The variants: '
+                     f'{", ".join(known)}.')
+
+
+def check_options(options: dict[str, dict]) -> None:
+  """Each variant of --options (as parse_options gives them) is registered
+  and takes its options; InputError naming the first that is not."""
+  for name, given in options.items():
+    check_variant('--options', name)
+    known = sorted(attention_parameters.option_names(name))
+    for option in given:
+      if option not in known:
+        raise InputError(
+            f'--options: {name}.{option}: {name} has no option {option!r}'
+            f'{did_you_mean(option, known)} Its options: '
+            f'{", ".join(known)}.')
 
 
 def parse_options(items: list[str]) -> dict[str, dict]:

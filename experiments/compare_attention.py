@@ -3,7 +3,7 @@ r"""Trains attention variants side by side and tabulates what each costs.
   python -m experiments.compare_attention --config=configs/listops.py \
       --variants=dense,chunked,local,linformer,performer,bigbird \
       --options=local.window=32,bigbird.block=16 --workdir=DIR \
-      [--lengths=512,1024,2048] [--config.key=value ...]
+      [--lengths=512,1024,2048] [--skip_unrunnable] [--config.key=value ...]
 
 Every variant trains with the same seed, data, steps and model size, through
 `train_and_evaluate`, in DIR/<variant>/; a finished variant (its
@@ -11,11 +11,13 @@ result.json) is not trained again. For language models, if any variant
 takes key-padding masks only, every variant reads unpacked rows, so that all
 see the same data. A variant that cannot read a key/value cache trains
 without the decoding evaluations of config.decode_splits and without the
-closing sample of a language model. A variant that
-cannot run the config (a causal Linformer, say) is listed as skipped, with
-the reason. Variant names, options and every variant's config are checked
-before anything trains; if no variant can run the config, nothing is
-written and the reasons are given, with exit status 2.
+closing sample of a language model. Each variant's options come from
+--options alone. Everything given (variant names, options, lengths, every
+variant's config) is checked before anything trains: a mistake, or a
+variant that cannot run the config (a causal Linformer, say), stops the
+comparison with the reasons and exit status 2, nothing written. With
+--skip_unrunnable, such variants are listed as skipped instead, with the
+reason (unless none can run).
 
 Writes DIR/results.md and DIR/results.csv (per variant: the task's quality
 metric, eval loss, parameters, training step time and tokens/s, and the
@@ -43,7 +45,7 @@ from experiments import common
 from model import attention
 from train import cli, config_validation, metrics
 from train.data import datasets
-from train.errors import InputError, did_you_mean
+from train.errors import InputError
 from train.program import Program
 from train.trainer import train_and_evaluate
 
@@ -58,8 +60,12 @@ def variant_config(base: ml_collections.ConfigDict, name: str,
   config = copy.deepcopy(base)
   config.unlock()
   config.model.attention = name
-  config.model.attention_options = ml_collections.ConfigDict(
-      options.get(name, {}))
+  for option, value in options.get(name, {}).items():
+    try:
+      config.model.attention_options[option] = value
+    except TypeError as error:  # ml_collections' check of the type.
+      raise InputError(f'--options: {name}.{option}={value!r}: {error}'
+                       ) from None
   if unpacked:
     config.pack_sequences = False
   if not attention.spec(name).reads_cache:
@@ -172,21 +178,25 @@ def plot_scaling(rows: list[dict], lengths: list[int], path: str) -> None:
 def compare(base: ml_collections.ConfigDict, variants: list[str],
             workdir: str, *, options: dict[str, dict] | None = None,
             lengths: list[int] = (), timing_steps: int = 3,
-            command: str = '') -> list[dict]:
-  """Trains and measures every variant; writes the tables and plots."""
+            skip_unrunnable: bool = False, command: str = '') -> list[dict]:
+  """Trains and measures every variant; writes the tables and plots.
+  InputError before anything trains for a mistake in what was given, and
+  (unless `skip_unrunnable`) for a variant that cannot run `base`."""
   options = options or {}
   lengths = sorted(lengths)
-  known = attention.names()
-  for flag, names in (('--variants', variants), ('--options', options)):
-    for name in names:
-      if name not in known:
-        raise InputError(f'{flag}: no attention variant {name!r}'
-                         f'{did_you_mean(name, known)} The variants: '
-                         f'{", ".join(known)}.')
+  for name in variants:
+    common.check_variant('--variants', name)
+  common.check_options(options)
   for name in options:
     if name not in variants:
       raise InputError(f'--options: {name!r} is not among --variants='
                        f'{",".join(variants)}.')
+  preset = metrics.flat_hparams(base.model.attention_options.to_dict())
+  if preset:
+    raise InputError(
+        f'--config sets config.model.attention_options ({preset}); each '
+        'variant takes its options from --options, e.g. '
+        '--options=local.window=32.')
   unpacked = (datasets.task_of(base.dataset).packs and base.pack_sequences
               and any(attention.spec(name).masks != 'any'
                       for name in variants))
@@ -198,9 +208,14 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
       config_validation.validate(configs[name])
     except InputError as error:
       skipped[name] = ' '.join(str(error).splitlines())
+  reasons = '; '.join(f'{name}: {why}' for name, why in skipped.items())
   if len(skipped) == len(variants):
-    raise InputError('no variant can run this config: ' + '; '.join(
-        f'{name}: {why}' for name, why in skipped.items()))
+    raise InputError(f'no variant can run this config: {reasons}')
+  if skipped and not skip_unrunnable:
+    raise InputError(
+        f'--variants: {", ".join(skipped)} cannot run this config '
+        f'({reasons}); leave {"it" if len(skipped) == 1 else "them"} out, '
+        'or give --skip_unrunnable to compare the others.')
   os.makedirs(workdir, exist_ok=True)
   rows, metric = [], None
   for number, name in enumerate(variants, 1):
@@ -250,8 +265,8 @@ def main(argv: list[str]) -> None:
   cli.run_main(argv, lambda: compare(
       FLAGS.config, FLAGS.variants, FLAGS.workdir,
       options=common.parse_options(FLAGS.options),
-      lengths=[int(n) for n in FLAGS.lengths],
-      timing_steps=FLAGS.timing_steps,
+      lengths=common.parse_integers('--lengths', FLAGS.lengths),
+      timing_steps=FLAGS.timing_steps, skip_unrunnable=FLAGS.skip_unrunnable,
       command='python -m experiments.compare_attention '
       + ' '.join(sys.argv[1:])))
 
@@ -275,6 +290,10 @@ def _define_flags() -> None:
       'compile its memory, on synthetic batches.')
   flags.DEFINE_integer(
       'timing_steps', 3, 'Steps timed (after one warm-up) at each length.')
+  flags.DEFINE_boolean(
+      'skip_unrunnable', False, 'List the variants that cannot run the '
+      'config as skipped, with the reason, and compare the others; without '
+      'it, such a variant stops the comparison before anything trains.')
   flags.mark_flags_as_required(['config', 'variants', 'workdir'])
 
 

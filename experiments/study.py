@@ -389,6 +389,7 @@ def run(config_arg: str, workdir: str, space: search.Space, *, url: str,
     raise worker.errors[0]
   rows = report(config_arg, workdir, space, url, name, sweep,
                 common_overrides)
+  print(study_report.summary(rows, sweep, workdir), flush=True)
   if not any(row['status'] == 'finished' for row in rows):
     raise TrainingError(f'no trial finished; see {workdir}/leaderboard.md.')
   return rows

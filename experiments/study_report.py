@@ -180,21 +180,40 @@ def wall_time(attempts: list[optuna.trial.FrozenTrial]) -> str:
           f'one\'s end; the trials took {own / 60:.0f} min together')
 
 
+def _tally(table_rows: list[dict], sweep: dict) -> str:
+  """'6 of 8 trials (5 finished, 1 pruned)'."""
+  counts = {}
+  for row in table_rows:
+    counts[row['status']] = counts.get(row['status'], 0) + 1
+  return (f'{len(table_rows)} of {sweep["trials"]} trials ('
+          + ', '.join(f'{n} {status}' for status, n in counts.items()) + ')')
+
+
+def _best(table_rows: list[dict]) -> dict | None:
+  return next((row for row in table_rows if row.get('rank') == 1), None)
+
+
+def summary(table_rows: list[dict], sweep: dict, workdir: str) -> str:
+  """The line a worker ends with: the study's trials, the best, and where
+  the report is."""
+  metric, best = sweep['metric'], _best(table_rows)
+  return (f'Search: {_tally(table_rows, sweep)}'
+          + (f'; best {metric} {best[metric]:.4g} ({best["trial"]})'
+             if best else '')
+          + f'; report in {os.path.join(workdir, "leaderboard.md")}.')
+
+
 def write(trials: dict[str, optuna.trial.FrozenTrial], space: search.Space,
           sweep: dict, workdir: str, command: str, wall: str) -> list[dict]:
   """Writes the report of `trials` (rows()) in `workdir`, run by each
   worker's `command` in `wall` time (wall_time()); returns its rows."""
   metric, mode = sweep['metric'], sweep['mode']
   table_rows = rows(trials, space, sweep, workdir)
-  counts = {}
-  for row in table_rows:
-    counts[row['status']] = counts.get(row['status'], 0) + 1
-  best = next((row for row in table_rows if row.get('rank') == 1), None)
+  best = _best(table_rows)
   header = (
       f'# Search sweep of {sweep["config"]}\n\n'
-      f'{len(table_rows)} of {sweep["trials"]} trials ('
-      + ', '.join(f'{n} {status}' for status, n in counts.items())
-      + f'), ranked by {metric} ({mode}imum best) from each trial\'s final '
+      f'{_tally(table_rows, sweep)}'
+      + f', ranked by {metric} ({mode}imum best) from each trial\'s final '
       'evaluation; a pruned trial shows the last value it reported, at '
       f'`step`. Machine: {common.machine_description()}.\n\n'
       f'Each worker: `{command}`. Wall time: {wall}.\n\n'

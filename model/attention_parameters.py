@@ -11,6 +11,7 @@ registry, and no change to the model.
 from collections.abc import Callable
 import inspect
 import math
+import typing
 from typing import Any
 
 import flax.linen as nn
@@ -83,19 +84,35 @@ PARAMETERS: dict[str, Callable[..., dict[str, Any]]] = {
     'additive': _additive,
     'memory_compressed': _memory_compressed,
 }
-def _keyword_options(fn: Callable[..., Any]) -> set[str]:
-  """Names of `fn`'s keyword-only arguments that have defaults."""
-  return {p.name for p in inspect.signature(fn).parameters.values()
-          if p.kind == p.KEYWORD_ONLY and p.default is not p.empty}
+def _keyword_options(fn: Callable[..., Any]) -> dict[str, type]:
+  """{name: type} of `fn`'s keyword-only arguments that have defaults, the
+  type as annotated (`int | None` read as int)."""
+  hints = typing.get_type_hints(fn)
+  options = {}
+  for p in inspect.signature(fn).parameters.values():
+    if p.kind == p.KEYWORD_ONLY and p.default is not p.empty:
+      kinds = [kind for kind in typing.get_args(hints[p.name])
+               if kind is not type(None)]
+      options[p.name] = kinds[0] if kinds else hints[p.name]
+  return options
+
+
+def option_types(name: str) -> dict[str, type]:
+  """{key: type} of the keys of config.model.attention_options that
+  attention `name` takes: its function's keyword options and those its
+  parameters read."""
+  taken = {option: kind
+           for option, kind in _keyword_options(attention.get(name)).items()
+           if option not in _SET_BY_THE_MODEL}
+  if name in PARAMETERS:
+    taken |= _keyword_options(PARAMETERS[name])
+  return taken
 
 
 def option_names(name: str) -> set[str]:
   """The keys of config.model.attention_options that attention `name`
-  takes: its function's keyword options and those its parameters read."""
-  taken = _keyword_options(attention.get(name)) - _SET_BY_THE_MODEL
-  if name in PARAMETERS:
-    taken |= _keyword_options(PARAMETERS[name])
-  return taken
+  takes."""
+  return set(option_types(name))
 
 
 def takes_kernel(name: str) -> bool:

@@ -32,6 +32,19 @@ DTYPES = ('float32', 'bfloat16', 'float16')
 REMAT_POLICIES = ('none', 'full', 'dots_saveable')
 
 
+def _set_options(options: Mapping[str, Any]) -> dict[str, Any]:
+  """The attention options given a value: those config.model leaves unset
+  (None, the attention's default: configs/default.py), and the groups
+  under an attention's name with none set, are left out."""
+  kept = {}
+  for key, value in options.items():
+    if isinstance(value, Mapping):
+      value = _set_options(value)
+    if value not in (None, {}):
+      kept[key] = value
+  return kept
+
+
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
   """`config.model.moe`: mixture-of-experts feed-forward layers (Shazeer et
@@ -149,10 +162,10 @@ class ModelConfig:
   attention_projections: bool = True
   # Options of that function (e.g. window for local, rank for linformer;
   # kernel for chunked and local: auto, xla, cudnn, pallas_tpu or
-  # pallas_gpu, see model/attention/fused.py), as (name, value) pairs;
-  # from_mapping accepts a dict. With several attentions, a dict from each
-  # entry's name to its options, e.g. {'local': {'window': 64}} (held as
-  # one tuple of pairs per entry).
+  # pallas_gpu, see model/attention/fused.py), as (name, value) pairs, or a
+  # dict: {'window': 64}. Options may also be keyed by the attention's
+  # name, {'local': {'window': 64}}, which is how several attentions take
+  # theirs (held as one tuple of pairs per entry).
   attention_options: tuple = ()
   # Output projection shares the token embedding matrix (Press & Wolf 2017).
   tie_embeddings: bool = True
@@ -286,25 +299,49 @@ class ModelConfig:
     if isinstance(self.attention, str) and ',' in self.attention:
       object.__setattr__(self, 'attention', tuple(
           name.strip() for name in self.attention.split(',')))
+    if isinstance(self.attention_options, Mapping):
+      object.__setattr__(self, 'attention_options',
+                         self._options_by_entry(fail))
     if isinstance(self.attention, (tuple, list)):
       self._check_pattern(fail)
     else:
       self._check_attention(fail, family)
+
+  def _options_by_entry(self, fail) -> tuple:
+    """attention_options given as a mapping, as this config holds them:
+    (name, value) pairs for one attention, a tuple of them per entry for
+    several. The mapping holds options ({'window': 32}: one attention
+    only) and options keyed by the attention's name ({'local':
+    {'window': 32}})."""
+    several = isinstance(self.attention, (tuple, list))
+    names = tuple(self.attention) if several else (self.attention,)
+    shown = ','.join(names)
+    options = dict(self.attention_options)
+    by_name = {key: dict(options.pop(key)) for key in list(options)
+               if isinstance(options[key], Mapping)}
+    for key in sorted(by_name.keys() - set(names)):
+      fail(f'config.model.attention_options.{key} names no entry of '
+           f'config.model.attention={shown!r}.')
+    if options and several:
+      option = sorted(options)[0]
+      fail(f'config.model.attention_options.{option} names no entry of '
+           f'config.model.attention={shown!r}; with several attentions, '
+           'options are keyed by their names: config.model.'
+           f'attention_options.<name>.{option}.')
+    if options and by_name:
+      fail(f'config.model.attention_options sets {sorted(options)} and '
+           f'{self.attention}: {sorted(by_name[self.attention])}; give the '
+           'options of one attention in one of the two places.')
+    per_entry = tuple(tuple(sorted(by_name.get(name, options).items()))
+                      for name in names)
+    return per_entry if several else per_entry[0]
 
   def _check_pattern(self, fail) -> None:
     """Several attentions: each entry, with its options, is checked as the
     attention of the layers it serves."""
     names = tuple(self.attention)
     options = self.attention_options
-    if isinstance(options, dict):  # Options by entry name.
-      unknown = sorted(set(options) - set(names))
-      if unknown:
-        fail(f'config.model.attention_options.{unknown[0]} names no entry '
-             f'of config.model.attention={",".join(names)!r}; with several '
-             'attentions, its keys are their names.')
-      options = tuple(tuple(sorted(dict(options.get(name, {})).items()))
-                      for name in names)
-    elif options == ():
+    if options == ():
       options = ((),) * len(names)
     if len(options) != len(names):
       fail(f'config.model.attention_options={options!r} must give the '
@@ -329,9 +366,6 @@ class ModelConfig:
     if self.attention == 'auto':
       object.__setattr__(self, 'attention', attention.fastest_exact(
           dropout=self.attention_dropout_rate > 0))
-    if isinstance(self.attention_options, dict):
-      object.__setattr__(self, 'attention_options',
-                         tuple(sorted(self.attention_options.items())))
     variant = attention.spec(self.attention)
     if self.attention_dropout_rate > 0 and not variant.dropout:
       fail(f'config.model.attention={self.attention!r} has no attention '
@@ -364,6 +398,12 @@ class ModelConfig:
     """Entries of the attention pattern (1 for a single attention)."""
     return len(self.attention) if isinstance(self.attention, tuple) else 1
 
+  def option_key(self, name: str, option: str) -> str:
+    """The config key of `option` of the attention `name`: under the
+    attention's name where the model cycles several."""
+    return ('config.model.attention_options.'
+            + (f'{name}.' if self.num_attentions > 1 else '') + option)
+
   def for_layer(self, layer: int) -> 'ModelConfig':
     """This config with layer `layer`'s attention and options: the entry
     `layer % num_attentions` of a list; itself for a single attention."""
@@ -390,6 +430,8 @@ class ModelConfig:
     for name in ('attention_options', 'moe'):
       if hasattr(values.get(name), 'to_dict'):  # An ml_collections ConfigDict.
         values[name] = values[name].to_dict()
+    if isinstance(values.get('attention_options'), Mapping):
+      values['attention_options'] = _set_options(values['attention_options'])
     return cls(**values)
 
   def has_moe(self, layer: int) -> bool:

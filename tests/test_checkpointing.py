@@ -139,6 +139,79 @@ def test_a_damaged_checkpoint_falls_back_to_the_one_before(run, damage,
   assert os.path.exists(os.path.join(workdir, 'checkpoints', 'corrupt', '4'))
 
 
+def delete_checksums_and_sizes(workdir: str, step: int) -> None:
+  """A double fault, or a partial copy: the checkpoint's own checksums and
+  its file sizes gone."""
+  step_dir = os.path.join(workdir, 'checkpoints', str(step))
+  shutil.rmtree(os.path.join(step_dir, 'checksums'))
+  os.remove(os.path.join(step_dir, checkpointing.FILE_SIZES))
+
+
+def restore_latest(workdir: str, abstract_state) -> tuple[int, list]:
+  checkpointer = checkpointing.Checkpointer(workdir, keep=3)
+  step, state = checkpointer.restore_latest(abstract_state)
+  checkpointer.close()
+  return step, [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def test_a_checkpoint_that_lost_its_checksums_is_verified_by_the_ledger(
+    run, capsys):
+  _, workdir, abstract_state = run
+  delete_checksums_and_sizes(workdir, 4)
+  step, _ = restore_latest(workdir, abstract_state)
+  assert step == 4
+  assert capsys.readouterr().out.splitlines() == [
+      'warning: the checkpoint of step 4 has no checksums of its own; '
+      'verified against the ledger.']
+
+
+@pytest.mark.parametrize('ledger', ['kept', 'deleted'])
+def test_deleting_the_checksums_of_a_damaged_checkpoint_does_not_restore_it(
+    run, ledger, capsys):
+  _, workdir, abstract_state = run
+  flip_a_bit_orbax_reads_silently(workdir, 4, abstract_state)
+  delete_checksums_and_sizes(workdir, 4)
+  if ledger == 'deleted':  # orbax's metadata still lists the checksums.
+    os.remove(os.path.join(workdir, 'checkpoints', checkpointing.LEDGER))
+  step, _ = restore_latest(workdir, abstract_state)
+  assert step == 2
+  [warning] = capsys.readouterr().out.splitlines()
+  assert warning.startswith('warning: the checkpoint of step 4 is damaged: '
+                            + ('the array' if ledger == 'kept'
+                               else 'its checksums are missing'))
+
+
+def test_a_checkpoint_of_an_older_attnlab_restores_unverified_with_a_notice(
+    run, capsys):
+  """Written as attnlab wrote them before checksums: the state and the data
+  iterator's position, nothing else."""
+  _, workdir, abstract_state = run
+  directory = os.path.join(workdir, 'checkpoints')
+  handlers = {'state': ocp.StandardCheckpointHandler(),
+              'data': ocp.JsonCheckpointHandler()}
+  reader = ocp.CheckpointManager(
+      directory, options=ocp.CheckpointManagerOptions(read_only=True),
+      item_handlers=handlers)
+  saved = reader.restore(4, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state),
+      data=ocp.args.JsonRestore()))
+  reader.close()
+  shutil.rmtree(directory)
+  writer = ocp.CheckpointManager(directory, item_handlers=handlers)
+  writer.save(4, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(saved['state']),
+      data=ocp.args.JsonSave(saved['data'])))
+  writer.wait_until_finished()
+  writer.close()
+  step, arrays = restore_latest(workdir, abstract_state)
+  assert step == 4
+  for got, want in zip(arrays, jax.tree.leaves(saved['state'])):
+    np.testing.assert_array_equal(got, want)
+  assert capsys.readouterr().out.splitlines() == [
+      'warning: the checkpoint of step 4 has no checksums (an older attnlab '
+      'wrote it); restored unverified.']
+
+
 def test_every_checkpoint_damaged_stops_every_run_and_moves_none(run):
   _, workdir, abstract_state = run
   for step in (2, 4):
@@ -151,4 +224,4 @@ def test_every_checkpoint_damaged_stops_every_run_and_moves_none(run):
       checkpointer.restore_latest(abstract_state)
     checkpointer.close()
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == [
-      '2', '4']
+      '2', '4', checkpointing.LEDGER]

@@ -57,6 +57,25 @@ CASES = {
                            'unknown flag --worddir; did you mean --workdir?'),
     'train_stray_argument': ('train.train', [LM, '--workdir={tmp}/w', 'x'],
                              'unexpected arguments: x'),
+    'train_config_key_as_a_flag': (
+        'train.train', [LM, '--workdir={tmp}/w', '--num_train_steps=20'],
+        'unknown flag --num_train_steps; did you mean '
+        '--config.num_train_steps?'),
+    'train_config_outside_configs': (
+        'train.train', ['--config=lm_stdlib.py', '--workdir={tmp}/w'],
+        '--config=lm_stdlib.py: no such file; did you mean '
+        'configs/lm_stdlib.py?'),
+    'train_attention_option': (
+        'train.train', [LM, '--workdir={tmp}/w', '--config.model.attention='
+                        'local', '--config.model.attention_options.windw=32'],
+        "--config.model.attention_options.windw=32: config.model."
+        "attention_options has no key 'windw'; did you mean window?"),
+    'train_attention_option_by_name': (
+        'train.train', [LM, '--workdir={tmp}/w', '--config.model.attention='
+                        'dense,local',
+                        '--config.model.attention_options.local.kernl=xla'],
+        "config.model.attention_options.local has no key 'kernl'; did you "
+        'mean kernel?'),
     'generate_no_workdir': ('train.generate', [], '--workdir is required'),
     'generate_not_a_run': ('train.generate', ['--workdir={tmp}/none'],
                            "--workdir must be a training run's workdir"),
@@ -69,6 +88,20 @@ CASES = {
         'experiments.compare_attention',
         [LISTOPS, '--variants=dense', '--options=local.window=4',
          '--workdir={tmp}/c'], "--options: 'local' is not among --variants"),
+    'compare_option': (
+        'experiments.compare_attention',
+        [LISTOPS, '--variants=dense,local', '--options=local.windw=32',
+         '--workdir={tmp}/c'], "--options: local.windw: local has no option "
+        "'windw'; did you mean window?"),
+    'compare_unrunnable': (
+        'experiments.compare_attention',
+        [LM, '--variants=dense,linformer', '--workdir={tmp}/c'],
+        "--variants: linformer cannot run this config (linformer: config."
+        "model.attention='linformer' cannot be causal"),
+    'compare_lengths': (
+        'experiments.compare_attention',
+        [LISTOPS, '--variants=dense', '--lengths=64,0', '--workdir={tmp}/c'],
+        '--lengths=64,0 must be positive integers.'),
     'compare_no_variants': ('experiments.compare_attention',
                             [LISTOPS, '--workdir={tmp}/c'],
                             '--variants is required'),

@@ -23,6 +23,21 @@ def test_default_config_builds_a_model_config():
   assert ModelConfig.from_mapping(config.model).head_dim == 64
 
 
+def test_attention_options_are_read_flat_or_under_the_attention_name():
+  config = default.get_config()
+  config.model.attention = 'local'
+  config.model.attention_options.window = 8  # Set; the others unset.
+  assert ModelConfig.from_mapping(config.model).attention_options == (
+      ('window', 8),)
+  config.model.attention_options.window = None
+  config.model.attention_options.local.window = 8
+  assert ModelConfig.from_mapping(config.model).attention_options == (
+      ('window', 8),)
+  config.model.attention = 'dense,local'
+  assert ModelConfig.from_mapping(config.model).attention_options == (
+      (), (('window', 8),))
+
+
 def test_every_model_field_has_a_comment():
   source = inspect.getsource(config_module)
   for field in dataclasses.fields(ModelConfig):
@@ -60,7 +75,14 @@ def test_every_model_field_has_a_comment():
      "config.model.attention[1]: config.model.attention='magic' must be"),
     (dict(attention='dense,local', attention_options={'window': 3}),
      "config.model.attention_options.window names no entry of "
-     "config.model.attention='dense,local'"),
+     "config.model.attention='dense,local'; with several attentions, "
+     'options are keyed by their names: config.model.attention_options.'
+     '<name>.window.'),
+    (dict(attention='local', attention_options={'window': 3,
+                                                'local': {'window': 4}}),
+     "config.model.attention_options sets ['window'] and local: "
+     "['window']; give the options of one attention in one of the two "
+     'places.'),
     (dict(dtype='float64'), "config.model.dtype='float64'"),
     (dict(dropout_rate=1.0), 'config.model.dropout_rate=1.0'),
     (dict(attention_dropout_rate=-0.1),

@@ -9,7 +9,7 @@ import pytest
 import config_overrides
 from configs import algorithmic, default, listops, lm1b, lm_stdlib
 from configs import lm_systems, rnn_attention, wmt14_ende
-from model import families
+from model import attention, attention_parameters, families
 from train import config_keys as declared_keys
 from train import config_validation, tasks, train
 from train.errors import InputError
@@ -27,15 +27,27 @@ def test_every_shipped_config_is_valid():
 
 
 def test_a_run_shorter_than_its_warmup_is_valid_and_warned_of():
-  config = lm_stdlib.get_config()  # 50 warmup steps.
+  config = lm_stdlib.get_config('baseline')  # 50 warmup steps, cosine.
   assert config_validation.warnings_of(config) == []
-  config.num_train_steps = 20  # A smoke run.
-  config.batch_size = 32
+  config.num_train_steps = 20
   config_validation.validate(config)
   assert config_validation.warnings_of(config) == [
       'config.warmup_steps=50 exceeds config.num_train_steps=20: the '
-      'learning rate never leaves its warmup, reaching 0.00132 of '
-      'config.learning_rate=0.0033.']
+      'learning rate never leaves its warmup, reaching 0.4 of '
+      'config.learning_rate=0.003.']
+
+
+def test_a_wsd_run_too_short_for_its_warmup_and_cooldown_is_warned_of():
+  config = lm_stdlib.get_config()  # 50 warmup steps, wsd over the last 0.2.
+  assert config_validation.warnings_of(config) == []
+  config.num_train_steps = 20  # The smoke run.
+  [warning] = config_validation.warnings_of(config)
+  assert warning == (
+      'config.warmup_steps=50 and the wsd cooldown of 4 steps (config.'
+      'decay_fraction=0.2 of config.num_train_steps=20) overlap: the '
+      'learning rate rises on the warmup until it meets the cooldown, '
+      'reaching at most 0.36 of config.learning_rate=0.0033, and ends at '
+      '0.1 of it.')
 
 
 def test_every_default_key_has_a_comment():
@@ -196,7 +208,8 @@ INVALID_ELSEWHERE = [
      "dataset='algorithmic'; it has ['long', 'train', 'validation']"),
     ('algorithmic', 'model.attention', 'linear',
      "config.decode_splits=('validation', 'long') decodes with a key/value "
-     "cache, which config.model.attention='linear' cannot read"),
+     "cache, and config.model.attention='linear' cannot read a key/value "
+     'cache (additive, chunked and dense can).'),
     ('listops', 'dataset_options.min_length', -1,
      'config.dataset_options.min_length=-1 must be an integer >= 0'),
     ('listops', 'dataset_options.max_length', 17,
@@ -213,8 +226,9 @@ INVALID_ELSEWHERE = [
      "config.dataset_options.source_language='en' and target_language='en' "
      'must be two languages'),
     ('local', 'sample_length', 300, "config.sample_length=300 samples "
-     "with a key/value cache, which config.model.attention='local' cannot "
-     'read'),
+     "with a key/value cache, and config.model.attention='local' cannot "
+     'read a key/value cache (additive, chunked and dense can); set it to '
+     '0.'),
     ('lm_stdlib', 'model.attention', 'dense,linear',
      "config.model.attention='linear' cannot keep packed sequences apart"),
     ('alternating', 'model.attention_options.local.window', 0,
@@ -240,6 +254,14 @@ INVALID_ELSEWHERE = [
     ('local', 'model.attention_options.window', 0,
      "config.model does not build (attention='local', attention_options="
      "{'window': 0}): window=0 must be positive"),
+    # As a config file may write it (the command line refuses the key).
+    ('local', 'model.attention_options.windw', 32,
+     'unknown key config.model.attention_options.windw for config.model.'
+     "attention='local'; it takes ['kernel', 'scale', 'window']; did you "
+     'mean window?'),
+    ('local', 'model.attention_options.linear.chunk_size', 32,
+     'config.model.attention_options.linear names no entry of '
+     "config.model.attention='local'."),
 ]
 # ml_collections refuses a value of another type for these, at the command
 # line (exit status 2, see tests/test_train.py) as in code.
@@ -286,13 +308,42 @@ def config_keys(config, prefix: str = '') -> set[str]:
 
 def test_every_key_of_every_config_has_an_invalid_case():
   """Keys all configs share are checked alike, on lm_stdlib; the dataset
-  options of each config on that config."""
+  options of each config on that config. The attention options are
+  checked by name below, their values by each attention as it builds."""
   shared = {key for key, _, _ in INVALID} | TYPE_CHECKED
   shared |= {key.rsplit('.', 1)[0] for key in shared}  # Option groups.
   for name, get_config in SHIPPED.items():
     own = {key for base, key, _, _ in INVALID_ELSEWHERE if base == name}
-    assert config_keys(get_config()) <= shared | own, name
+    keys = {key for key in config_keys(get_config())
+            if not key.startswith('model.attention_options.')}
+    assert keys <= shared | own, name
   assert len(INVALID) + len(INVALID_ELSEWHERE) >= 25
+
+
+def test_the_attention_options_are_those_of_the_registered_attentions():
+  options = default.get_config().model.attention_options
+  for name in attention.names():
+    assert set(options[name]) == attention_parameters.option_names(name)
+  every = set().union(*map(attention_parameters.option_names,
+                           attention.names()))
+  assert set(options) == every | set(attention.names())
+  assert not every & set(attention.names())  # No option named as a group.
+
+
+def test_an_attention_option_set_for_an_attention_without_it_is_refused():
+  """Every option on dense (which takes scale alone), by its flat key."""
+  types = {}
+  for name in attention.names():
+    types |= attention_parameters.option_types(name)
+  for option, kind in sorted(types.items()):
+    if option == 'scale':
+      continue
+    config = BASELINE()
+    config.model.attention_options[option] = kind(1)
+    with pytest.raises(InputError, match=(
+        f'unknown key config.model.attention_options.{option} for '
+        "config.model.attention='dense'; it takes \\['scale'\\]")):
+      config_validation.validate(config)
 
 
 def test_typed_keys_refuse_a_value_of_another_type():

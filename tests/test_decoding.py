@@ -102,6 +102,21 @@ def test_encoder_decoder_cached_logits_equal_a_full_pass(position):
                              rtol=1e-5)
 
 
+def test_generate_refuses_a_run_that_cannot_read_a_cache_before_loading_it(
+    data_dir, tmp_path):
+  """The workdir holds only the run's config: no checkpoint is read."""
+  config = tiny_config('lm_stdlib', data_dir)
+  config.model.attention = 'local'
+  config.sample_length = 0
+  (tmp_path / 'config.json').write_text(config.to_json_best_effort())
+  with pytest.raises(InputError, match=(
+      'train.generate decodes with a key/value cache, and in the run in '
+      f"{tmp_path} config.model.attention='local' cannot read a key/value "
+      'cache')):
+    generate.generate(str(tmp_path), 'def ', max_new_tokens=4,
+                      temperature=0.0)
+
+
 def test_a_variant_that_cannot_read_a_cache_is_refused():
   config = tiny('decoder_lm', 'rope', attention='local',
                 attention_options={'window': 4})
@@ -135,6 +150,21 @@ def test_top_p_keeps_exactly_the_smallest_set_that_reaches_p():
     got = np.asarray(decoding.top_p_mask(logits, p))
     for row, mask in zip(probs, got):
       np.testing.assert_array_equal(mask, nucleus(row, p))
+
+
+def test_top_p_of_one_keeps_a_large_vocabulary_whole():
+  """The float32 tail of a 50,000-token vocabulary (its least probable
+  tokens), which a cumulative sum from the top rounds away."""
+  logits = jax.random.normal(jax.random.key(4), (2, 50_000)) * 3
+  assert np.asarray(decoding.top_p_mask(logits, 1.0)).all()
+  logits64 = np.asarray(logits, np.float64)  # The reference in float64.
+  probs = np.exp(logits64 - logits64.max(axis=-1, keepdims=True))
+  probs /= probs.sum(axis=-1, keepdims=True)
+  for p in (1 - 1e-4, 1 - 1e-6):
+    got = np.asarray(decoding.top_p_mask(logits, p))
+    for row, mask in zip(probs, got):
+      np.testing.assert_array_equal(mask, nucleus(row, p))
+    assert not got.all()
 
 
 def test_top_k_keeps_the_k_largest():

@@ -77,6 +77,28 @@ def test_compare_does_not_train_a_finished_variant_again(comparison,
   assert again[0] == rows[0]
 
 
+def test_compare_skips_a_variant_that_cannot_run_only_when_asked(
+    comparison, data_dir, monkeypatch, tmp_path):
+  """local at window 0 does not build; dense is trained already."""
+  workdir, rows = comparison
+  config = tiny_config('listops', data_dir)
+  options = {'local': {'window': 0}}
+  with pytest.raises(InputError, match=(
+      r'--variants: local cannot run this config \(local: config.model does '
+      r'not build .*window=0 must be positive.*\); leave it out, or give '
+      '--skip_unrunnable to compare the others.')):
+    compare_attention.compare(config, ['dense', 'local'],
+                              str(tmp_path / 'c'), options=options)
+  assert not (tmp_path / 'c').exists()
+  monkeypatch.setattr(compare_attention, 'train_and_evaluate',
+                      lambda *args: pytest.fail('trained again'))
+  dense, local = compare_attention.compare(
+      config, ['dense', 'local'], workdir, options=options, lengths=[32, 16],
+      timing_steps=1, skip_unrunnable=True)
+  assert dense == rows[0]
+  assert local['status'].startswith('skipped: config.model does not build')
+
+
 def test_compare_refuses_a_config_no_variant_can_run(data_dir, tmp_path):
   config = tiny_config('lm_stdlib', data_dir)
   with pytest.raises(InputError, match='no variant can run this config: '

@@ -37,15 +37,18 @@ TIMING_KEYS = {'time', 'tokens_per_s', 'steps_per_s', 'mfu'}
 
 
 def overrides(data_dir: str, **extra) -> dict:
-  """A tiny lm_stdlib run with dropout: 12 steps, every step logged, a
-  checkpoint every 3 steps and an evaluation every 6."""
+  """A tiny lm_stdlib run with dropout and local attention (its options
+  set by their dotted keys, on the command lines too): 12 steps, every
+  step logged, a checkpoint every 3 steps and an evaluation every 6."""
   values = {
       'data_dir': data_dir, 'seq_len': 32, 'batch_size': 8,
       'num_train_steps': LAST_STEP, 'warmup_steps': 2, 'log_every': 1,
       'eval_every': 6, 'checkpoint_every': 3, 'num_eval_steps': 1,
       'sample_length': 0, 'model.d_model': 16, 'model.num_heads': 2,
       'model.num_layers': 1, 'model.mlp_dim': 32, 'model.max_len': 33,
-      'model.dropout_rate': 0.1}
+      'model.dropout_rate': 0.1, 'model.attention': 'local',
+      'model.attention_options.window': 8,
+      'model.attention_options.kernel': 'xla'}
   return values | extra
 
 
@@ -149,6 +152,8 @@ def test_runs_killed_at_three_points_resume_bit_for_bit(
   finished = run_interrupted(workdir, values, None)
   assert finished.returncode == 0, finished.stderr[-2000:]
   assert 'Resumed from the checkpoint at step 9.' in finished.stdout
+  assert ('Attention kernels: decoder layer 0 local: xla (as set; float32, '
+          'causal, packed rows, a position bias, window 8)' in finished.stdout)
   assert_same_run(workdir, uninterrupted)
 
 

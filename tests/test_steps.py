@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from configs import default
+from configs import default, lm_stdlib
 from model import ModelConfig, build
 from train import optim, steps, tasks
 
@@ -54,6 +54,49 @@ def test_wsd_schedule_holds_the_peak_then_decays_over_the_last_fraction():
   np.testing.assert_allclose(
       [schedule(s) for s in (5, 10, 50, 88, 99, 110)],
       [0.5, 1.0, 1.0, 1.0, 0.5, 0.0], atol=1e-6)
+
+
+def _stdlib_wsd(num_train_steps: int, **overrides):
+  """The default experiment's wsd schedule (50 warmup steps, the last 0.2
+  of the run decaying to 0.1 of the peak), over a run of that length."""
+  config = lm_stdlib.get_config()
+  config.update(num_train_steps=num_train_steps, **overrides)
+  return config, optim.learning_rate_schedule(config)
+
+
+@pytest.mark.parametrize('num_train_steps, warmup_steps',
+                         [(20, 50), (60, 50), (100, 90)])
+def test_wsd_too_short_for_its_warmup_and_cooldown_still_ends_at_the_final_rate(
+    num_train_steps, warmup_steps):
+  config, schedule = _stdlib_wsd(num_train_steps, warmup_steps=warmup_steps)
+  assert warmup_steps + optim.wsd_cooldown_steps(config) > num_train_steps
+  rates = np.asarray(schedule(jnp.arange(num_train_steps + 1)))
+  peak = config.learning_rate
+  assert rates[-1] == np.float32(peak * config.final_learning_rate_fraction)
+  top = int(rates.argmax())
+  assert (np.diff(rates[:top + 1]) >= 0).all()
+  assert (np.diff(rates[top:]) <= 0).all()  # Monotone after the warmup.
+  ramp = peak * np.arange(num_train_steps + 1) / warmup_steps
+  assert (rates <= ramp + 1e-6 * peak).all()  # Never above the warmup's.
+
+
+@pytest.mark.parametrize('num_train_steps', [70, 100, 1000])
+def test_wsd_with_room_for_warmup_and_cooldown_is_the_trapezoid_bitwise(
+    num_train_steps):
+  """Against the trapezoid as optax composes it: warmup, then the peak
+  held, then the linear cooldown."""
+  config, schedule = _stdlib_wsd(num_train_steps)
+  peak, warmup = config.learning_rate, config.warmup_steps
+  cooldown = round(config.decay_fraction * num_train_steps)
+  trapezoid = optax.join_schedules(
+      [optax.linear_schedule(0.0, peak, warmup),
+       optax.join_schedules(
+           [optax.constant_schedule(peak),
+            optax.linear_schedule(
+                peak, peak * config.final_learning_rate_fraction, cooldown)],
+           [num_train_steps - warmup - cooldown])], [warmup])
+  counts = jnp.arange(num_train_steps + 2)
+  np.testing.assert_array_equal(schedule(counts), trapezoid(counts))
 
 
 def test_exact_match_counts_examples_with_every_target_right():

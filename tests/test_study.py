@@ -249,6 +249,11 @@ def test_two_workers_run_a_study_and_a_killed_trial_resumes(
   states = [t.state.name for t in shared.trials]
   assert states.count('COMPLETE') == 6 and states.count('FAIL') == 1
   assert f'{killed.name} (resumed): started' in ''.join(outputs)
+  # A worker started on the finished study runs nothing, and says so.
+  again = _worker(config, workdir, trial_env).communicate(timeout=120)[0]
+  assert 'started' not in again
+  summary = 'Search: 6 of 6 trials (6 finished); best eval_loss '
+  assert any(line.startswith(summary) for line in again.splitlines()), again
   log = (killed / 'log.txt').read_text()
   resumed = int(log.split('Resumed from the checkpoint at step ')[1]
                 .split('.')[0])

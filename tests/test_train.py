@@ -10,7 +10,8 @@ import pytest
 import tensorflow_datasets as tfds
 
 from configs import algorithmic, listops, lm1b, lm_stdlib, wmt14_ende
-from train import config_validation, metrics, tasks, trainer
+from model import ModelConfig
+from train import config_validation, decoding, metrics, tasks, trainer
 from train.trainer import train_and_evaluate
 
 
@@ -165,7 +166,7 @@ def test_config_trains_saves_and_resumes(name, data_dir, tmp_path, capsys,
   assert 'extend' not in trainer.closing_summary(
       task=tasks.LM, steps=(0, 4), seconds=1.0, evaluations=[],
       final={'eval_loss': 1.0}, tokens_per_s=None, checkpoint=None,
-      workdir=workdir, extendable=False)
+      workdir=workdir, extendable=False, cannot_decode=None)
   assert checkpoint_steps(workdir) == [2, 4]
   with open(os.path.join(workdir, 'config.json')) as f:
     assert json.load(f)['num_train_steps'] == 4
@@ -178,6 +179,19 @@ def test_config_trains_saves_and_resumes(name, data_dir, tmp_path, capsys,
     assert TRAIN_KEYS | EVAL_KEYS[name] <= set(line)
     assert 0 < line['mfu'] < 1
   assert checkpoint_steps(workdir) == [2, 4, 6]
+
+
+def test_the_closing_summary_offers_no_decoder_that_cannot_serve_the_run():
+  refusal = decoding.cache_refusal(ModelConfig(attention='dense,local'))
+  summary = trainer.closing_summary(
+      task=tasks.LM, steps=(0, 4), seconds=1.0, evaluations=[],
+      final={'eval_loss': 1.0}, tokens_per_s=None, checkpoint=None,
+      workdir='w', extendable=False, cannot_decode=refusal)
+  assert summary.endswith(
+      'run the same command to resume; python -m train.generate does not '
+      "apply: config.model.attention='local' cannot read a key/value cache "
+      '(additive, chunked and dense can).')
+  assert decoding.cache_refusal(ModelConfig(attention='chunked')) is None
 
 
 def transformer_xl_config(data_dir):

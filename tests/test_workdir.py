@@ -113,6 +113,17 @@ def test_more_steps_only_where_the_schedule_does_not_depend_on_them(
       workdir.check_resume(old, new)
 
 
+def test_a_key_added_since_and_left_unset_is_no_change():
+  """A workdir recorded before config.model.attention_options held its
+  unset options resumes."""
+  old = {'model.d_model': 32}
+  new = old | {'model.attention_options.window': None}
+  assert workdir.check_resume(old, new) == {}
+  with pytest.raises(InputError, match=r"config.model.attention_options."
+                     r"window: '\(absent\)' -> 32"):
+    workdir.check_resume(old, new | {'model.attention_options.window': 32})
+
+
 def test_a_cut_history_line_is_named_not_a_traceback(data_dir, tmp_path):
   config = a_recorded_run(data_dir, tmp_path)
   (tmp_path / 'config_history.jsonl').write_text('{"changes": {"log_ev')

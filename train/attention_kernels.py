@@ -56,7 +56,6 @@ def choices(config: ml_collections.ConfigDict, model_config: ModelConfig,
   """The kernel of every self-attention that takes one, on `backend`
   (default: this process's), at activations of `length` positions."""
   backend = backend or jax.default_backend()
-  pattern = model_config.num_attentions > 1
   bias = 'function' if SCHEMES[model_config.position].bias else 'none'
   found = []
   stacks = FAMILIES[model_config.family].self_attention(
@@ -79,6 +78,6 @@ def choices(config: ml_collections.ConfigDict, model_config: ModelConfig,
       found.append(Choice(
           stack, tuple(range(index, model_config.num_layers,
                              model_config.num_attentions)), name,
-          'config.model.attention_options.' + (f'{name}.' if pattern else '')
-          + 'kernel', option, case, kernel, reason))
+          model_config.option_key(name, 'kernel'), option, case, kernel,
+          reason))
   return found

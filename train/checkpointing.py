@@ -24,6 +24,14 @@ moved to
 `checkpoints/corrupt/<step>` (never deleted) and the next older one is
 tried; a workdir whose every checkpoint is damaged stops the run rather
 than start it again from scratch over them.
+
+Deleting files cannot switch the verification off. Each checkpoint's
+checksums are also written, before its save starts, to the ledger
+`checkpoints/checksums.json`, which a checkpoint that lost its own is
+verified against; and orbax's metadata of the step lists the item
+`checksums` it was written with. Only a checkpoint that none of these says
+had checksums (an older attnlab wrote it) restores unverified, with a
+notice.
 """
 
 import contextlib
@@ -48,6 +56,8 @@ INCOMPLETE_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX
 CORRUPT = 'corrupt'
 # In a checkpoint's directory: {path: bytes} of its files as written.
 FILE_SIZES = 'file_sizes.json'
+# In the checkpoints directory: {step: checksums} of the checkpoints saved.
+LEDGER = 'checksums.json'
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
@@ -104,9 +114,10 @@ def _record_file_sizes(step_dir: str) -> None:
   os.replace(path + '.tmp', path)
 
 
-def _missing_or_cut(step_dir: str) -> str | None:
+def _missing_or_cut(step_dir: str, exempt: str | None = None) -> str | None:
   """Which file of a checkpoint is missing or not of its written size (None:
-  none, or no sizes were recorded: a run killed right after the commit)."""
+  none, or no sizes were recorded: a run killed right after the commit);
+  the files of its item `exempt` are not looked for."""
   path = os.path.join(step_dir, FILE_SIZES)
   if not os.path.exists(path):
     return None
@@ -116,12 +127,37 @@ def _missing_or_cut(step_dir: str) -> str | None:
   except (OSError, ValueError) as error:
     return f'{path} cannot be read ({error})'
   for name, size in written.items():
+    if exempt and name.startswith(exempt + os.sep):
+      continue
     file = os.path.join(step_dir, name)
     if not os.path.isfile(file):
       return f'{file} is missing'
     if os.path.getsize(file) != size:
       return f'{file} has {os.path.getsize(file)} bytes, {size} were written'
   return None
+
+
+def _read_ledger(directory: str) -> dict[str, dict]:
+  """The ledger of `directory` ({} if it has none or it cannot be read:
+  the checkpoints' own checksums still verify them)."""
+  try:
+    with open(os.path.join(directory, LEDGER)) as f:
+      ledger = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  return ledger if isinstance(ledger, dict) else {}
+
+
+def _write_ledger(directory: str, step: int, sums: dict) -> None:
+  """Adds `step`'s checksums to the ledger, whole or not at all; the steps
+  whose checkpoints are gone are dropped."""
+  ledger = {name: value for name, value in _read_ledger(directory).items()
+            if os.path.isdir(os.path.join(directory, name))}
+  ledger[str(step)] = sums
+  path = os.path.join(directory, LEDGER)
+  with open(path + '.tmp', 'w') as f:
+    json.dump(ledger, f)  # In tree order, as _mismatch reads them.
+  os.replace(path + '.tmp', path)
 
 
 def _mismatch(saved: dict, got: dict) -> str | None:
@@ -255,28 +291,46 @@ class Checkpointer:
     items = {'state': ocp.args.StandardRestore(abstract_state),
              'data': ocp.args.JsonRestore()}
     step_dir = os.path.join(self.directory, str(step))
-    problem = _missing_or_cut(step_dir)
+    own = os.path.isdir(os.path.join(step_dir, 'checksums'))
+    # One that lost its own checksums is verified against the ledger.
+    saved = None if own else _read_ledger(self.directory).get(str(step))
+    problem = _missing_or_cut(step_dir, exempt=None if saved is None
+                              else 'checksums')
     if problem:
       raise Damaged(problem)
-    verified = os.path.isdir(os.path.join(step_dir, 'checksums'))
-    if verified:
+    if own:
       items['checksums'] = ocp.args.JsonRestore()
     try:
       restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as error:  # orbax's errors have many types.
       lines = str(error).strip().splitlines() or [type(error).__name__]
       raise Damaged(f'orbax cannot read it: {lines[-1][:300]}') from error
-    if verified:
-      problem = _mismatch(restored['checksums'],
-                          checksums(restored['state'], restored['data']))
+    if own:
+      saved = restored['checksums']
+    if saved is None and self._written_with_checksums(step):
+      raise Damaged("its checksums are missing (orbax's metadata lists "
+                    'them) and the ledger '
+                    f'{os.path.join(self.directory, LEDGER)} has no entry '
+                    'for it')
+    if saved is not None:
+      problem = _mismatch(saved, checksums(restored['state'],
+                                           restored['data']))
       if problem:
         raise Damaged(problem)
-    elif jax.process_index() == 0:
-      print(f'warning: the checkpoint of step {step} has no checksums (an '
-            'older attnlab wrote it); restored unverified.', flush=True)
+    if jax.process_index() == 0 and not own:
+      print(f'warning: the checkpoint of step {step} has no checksums '
+            + ('(an older attnlab wrote it); restored unverified.'
+               if saved is None else
+               'of its own; verified against the ledger.'), flush=True)
     if data_iterator is not None:
       data_iterator.set_state(restored['data'])
     return restored['state']
+
+  def _written_with_checksums(self, step: int) -> bool:
+    """Whether orbax's metadata of `step` lists the item `checksums`."""
+    with quiet.library_notices():  # A missing metadata file is a notice.
+      handlers = self._manager.metadata(step).item_handlers
+    return isinstance(handlers, dict) and 'checksums' in handlers
 
   def restore_latest(self, abstract_state: TrainState,
                      data_iterator: grain.DatasetIterator | None = None
@@ -347,12 +401,15 @@ class Checkpointer:
     self._require_space(state, TrainingError)
     self._saving = step
     data_state = data_iterator.get_state()
+    sums = checksums(state, data_state)
     try:
+      if jax.process_index() == 0:
+        _write_ledger(self.directory, step, sums)
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
           data=ocp.args.JsonSave(data_state),
-          checksums=ocp.args.JsonSave(checksums(state, data_state))))
-    except OSError as error:  # Creating the directory failed at once.
+          checksums=ocp.args.JsonSave(sums)))
+    except OSError as error:  # Creating a file failed at once.
       raise self._failed(error) from error
 
   def wait(self) -> int | None:

@@ -47,7 +47,8 @@ def _flag_error(error: flags.Error) -> str:
                      r"(?:\. Did you mean: ([\w.-]+))?", text)
   if unknown:
     name, near = unknown.groups()
-    return f'unknown flag --{name}' + (f'; did you mean --{near}?'
+    near = _config_key_flag(name) or (near and f'--{near}')
+    return f'unknown flag --{name}' + (f'; did you mean {near}?'
                                        if near else '.')
   required = re.search(r'Flag --(\w+) must have a value other than None',
                        text)
@@ -63,6 +64,32 @@ def _flag_error(error: flags.Error) -> str:
     return first
   flag = first.split(': ', 1)[0]
   return f'{flag}: {re.sub(r"^[A-Za-z]*Error: ", "", lines[-1])}'
+
+
+def _config_flags() -> list[str]:
+  """The names of the config-file flags that were given."""
+  names = []
+  for name in list(flags.FLAGS):
+    flag = flags.FLAGS[name]
+    if (config_flags.config_flags.is_config_flag(flag)
+        and flag.value is not None and name == flag.name):
+      names.append(name)
+  return names
+
+
+def _config_key_flag(name: str) -> str | None:
+  """`--config.NAME` (or `--config.model.NAME`) when NAME, typed as a flag
+  of its own, is a key of a config flag's config."""
+  for flag in _config_flags():
+    for key in (name, f'model.{name}'):
+      node = flags.FLAGS[flag].value
+      try:
+        for part in key.split('.'):
+          node = node[part]
+      except (KeyError, TypeError, OSError):  # OSError: no such file.
+        continue
+      return f'--{flag}.{key}'
+  return None
 
 
 def _override_error(argv: list[str], error: Exception) -> str:
@@ -90,8 +117,10 @@ def _config_file_error(argv: list[str], name: str, error: Exception) -> str:
   path = given.split(':', 1)[0]
   if os.path.isfile(path):  # The file itself failed to load.
     return f'--{name}={given}: {str(error).strip().splitlines()[-1]}'
-  if os.path.isfile(path + '.py'):
-    return f'--{name}={given}: no such file; did you mean {path}.py?'
+  for near in (path + '.py', os.path.join('configs', path),
+               os.path.join('configs', path + '.py')):
+    if os.path.isfile(near):
+      return f'--{name}={given}: no such file; did you mean {near}?'
   folder = os.path.dirname(path) or '.'
   files = sorted(glob.glob(os.path.join(folder, '*.py')))
   if os.path.dirname(path) == '':
@@ -108,13 +137,9 @@ def parse_flags(argv: list[str]) -> list[str]:
     fail(_flag_error(error))
   except (AttributeError, KeyError) as error:
     fail(_override_error(argv, error))
-  for name in list(flags.FLAGS):
-    flag = flags.FLAGS[name]
-    is_config = config_flags.config_flags.is_config_flag(flag)
-    if not (is_config and flag.value is not None and name == flag.name):
-      continue
+  for name in _config_flags():
     try:  # ml_collections defers a file's failure to the first access.
-      flag.value.keys()
+      flags.FLAGS[name].value.keys()
     except OSError as error:
       fail(_config_file_error(argv, name, error))
   return rest

@@ -11,15 +11,16 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 from model import ModelConfig, attention, attention_parameters, families
 from model.attention import fused
 from model.positions import SCHEMES
-from train import (attention_kernels, config_keys, device_memory,
-                   layout_validation, mesh)
+from train import (attention_kernels, config_keys, decoding, device_memory,
+                   layout_validation, mesh, optim)
 from train.data import datasets
-from train.errors import InputError
+from train.errors import InputError, did_you_mean
 from train.tasks import Task
 
 
@@ -101,30 +102,29 @@ def _model_config(config: ml_collections.ConfigDict) -> ModelConfig:
 
 def _attention_problems(config: ml_collections.ConfigDict,
                         model_config: ModelConfig, task: Task) -> list[str]:
-  """Each attention of the pattern (or the one) against its options, the
-  packed rows a language model reads, and its closing sample."""
+  """Each attention of the pattern (or the one) against its options and
+  the packed rows a language model reads; the closing sample."""
   problems = []
   for layer_config in model_config.layer_configs():
-    known = attention_parameters.option_names(layer_config.attention)
+    known = sorted(attention_parameters.option_names(layer_config.attention))
     for name, _ in layer_config.attention_options:
       if name not in known:
         problems.append(
-            f'unknown key config.model.attention_options.{name} for config.'
-            f'model.attention={layer_config.attention!r}; it takes '
-            f'{sorted(known) or "none"}.')
+            'unknown key '
+            f'{model_config.option_key(layer_config.attention, name)} for '
+            f'config.model.attention={layer_config.attention!r}; it takes '
+            f'{known}{did_you_mean(name, known)}')
     variant = attention.spec(layer_config.attention)
     if task.packs and config.pack_sequences and variant.masks != 'any':
       problems.append(
           f'config.model.attention={layer_config.attention!r} cannot keep '
           'packed sequences apart (it takes key padding masks only); set '
           'config.pack_sequences=False.')
-    if (task.continues_text and config.sample_length
-        and not variant.reads_cache):
-      problems.append(
-          f'config.sample_length={config.sample_length} samples with a '
-          'key/value cache, which config.model.attention='
-          f'{layer_config.attention!r} cannot read (dense, chunked and '
-          'additive can); set it to 0.')
+  refusal = decoding.cache_refusal(model_config)
+  if task.continues_text and config.sample_length and refusal:
+    problems.append(
+        f'config.sample_length={config.sample_length} samples with a '
+        f'key/value cache, and {refusal}; set it to 0.')
   return list(dict.fromkeys(problems))  # A pattern repeats its layers.
 
 
@@ -156,26 +156,34 @@ def _check_decode_splits(config: ml_collections.ConfigDict,
     _fail(f'config.decode_splits={tuple(splits)!r}: decoding evaluates '
           f'sequence-to-sequence datasets, and config.dataset='
           f'{config.dataset!r} is {task.name}; set it to ().')
-  for layer_config in model_config.layer_configs():
-    if not attention.spec(layer_config.attention).reads_cache:
-      _fail(f'config.decode_splits={tuple(splits)!r} decodes with a '
-            'key/value cache, which config.model.attention='
-            f'{layer_config.attention!r} cannot read (dense, chunked and '
-            'additive can).')
+  refusal = decoding.cache_refusal(model_config)
+  if refusal:
+    _fail(f'config.decode_splits={tuple(splits)!r} decodes with a key/value '
+          f'cache, and {refusal}.')
 
 
 def warnings_of(config: ml_collections.ConfigDict) -> list[str]:
   """One line for each setting of a valid config that is likely not what
   was meant; the trainer prints them at start."""
   found = []
-  if config.warmup_steps > config.num_train_steps:
-    reached = (config.learning_rate * config.num_train_steps
-               / config.warmup_steps)
+  steps, warmup = config.num_train_steps, config.warmup_steps
+  peak = f'config.learning_rate={config.learning_rate:.3g}'
+  cooldown = optim.wsd_cooldown_steps(config)
+  if config.schedule == 'wsd' and warmup + cooldown > steps:
+    rates = optim.learning_rate_schedule(config)(
+        jnp.arange(steps + 1)) / config.learning_rate
     found.append(
-        f'config.warmup_steps={config.warmup_steps} exceeds config.'
-        f'num_train_steps={config.num_train_steps}: the learning rate never '
-        f'leaves its warmup, reaching {reached:.3g} of '
-        f'config.learning_rate={config.learning_rate:.3g}.')
+        f'config.warmup_steps={warmup} and the wsd cooldown of {cooldown} '
+        f'step{"s" * (cooldown > 1)} (config.decay_fraction={config.decay_fraction} of config.'
+        f'num_train_steps={steps}) overlap: the learning rate rises on the '
+        'warmup until it meets the cooldown, reaching at most '
+        f'{float(rates.max()):.3g} of {peak}, and ends at '
+        f'{float(rates[-1]):.3g} of it.')
+  elif warmup > steps:
+    found.append(
+        f'config.warmup_steps={warmup} exceeds config.num_train_steps='
+        f'{steps}: the learning rate never leaves its warmup, reaching '
+        f'{steps / warmup:.3g} of {peak}.')
   return found
 
 

@@ -16,14 +16,27 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import state
-from model.config import PAD_ID
+from model import attention, state
+from model.config import PAD_ID, ModelConfig
 
 Array = jax.Array
 # What a step carries from call to call, rows first: a model.state.Cache,
 # or an RNN decoder's state (RnnAttention.start).
 Cache = Any
 Step = Callable[[Array, Array, Cache], tuple[Array, Cache]]
+
+
+def cache_refusal(model_config: ModelConfig) -> str | None:
+  """Why this module cannot decode the model (None: it can): a
+  self-attention that cannot read a key/value cache."""
+  for layer_config in model_config.layer_configs():
+    if not attention.spec(layer_config.attention).reads_cache:
+      readers = [name for name in attention.names()
+                 if attention.spec(name).reads_cache]
+      return (f'config.model.attention={layer_config.attention!r} cannot '
+              f'read a key/value cache ({", ".join(readers[:-1])} and '
+              f'{readers[-1]} can)')
+  return None
 
 
 def _only_known(logits_BxTxV: Array, vocab_size: int | None) -> Array:
@@ -81,9 +94,13 @@ def top_p_mask(logits_BxV: Array, p: float) -> Array:
   order_BxV = jnp.argsort(-logits_BxV, axis=-1)
   probs_BxV = jnp.take_along_axis(jax.nn.softmax(logits_BxV, axis=-1),
                                   order_BxV, axis=-1)
-  # A token is needed while the more probable ones hold less than p.
-  before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
-  keep_BxV = before_BxV < p
+  # A token is needed while the more probable ones hold less than p: while
+  # it and the less probable ones hold more than 1 - p. Summed from the
+  # least probable up, as Hugging Face's TopPLogitsWarper does, the small
+  # masses count, where a sum from the top rounds to 1 before the tail
+  # (p = 1 keeps every token of nonzero probability).
+  tail_BxV = jax.lax.cumsum(probs_BxV, axis=1, reverse=True)
+  keep_BxV = tail_BxV > 1 - p
   rows_Bx1 = jnp.arange(logits_BxV.shape[0])[:, None]
   return jnp.zeros(logits_BxV.shape, bool).at[rows_Bx1, order_BxV].set(
       keep_BxV)

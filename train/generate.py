@@ -36,7 +36,7 @@ def generate(workdir: str, prompt: str, *, max_new_tokens: int,
       ('num_samples', num_samples, num_samples >= 1, 'at least 1')):
     if not ok:
       raise InputError(f'--{name}={value} must be {must}.')
-  run = trained_run.load(workdir)
+  run = trained_run.load(workdir, decoder='train.generate')
   if not run.dataset.task.continues_text:
     raise InputError(f'{workdir} holds a run of family '
                      f'{run.model_config.family!r}; '

@@ -8,6 +8,12 @@ SCHEDULES = ('cosine', 'linear', 'rsqrt', 'constant', 'wsd')
 OPTIMIZERS = ('adamw', 'sgd')
 
 
+def wsd_cooldown_steps(config: ml_collections.ConfigDict) -> int:
+  """The steps of wsd's decay: the last `decay_fraction` of the run, at
+  least one."""
+  return max(round(config.decay_fraction * config.num_train_steps), 1)
+
+
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   """Linear warmup over `warmup_steps`, then `config.schedule`:
 
@@ -17,11 +23,27 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   constant: stay at the peak;
   wsd: warmup-stable-decay (Hu et al. 2024): stay at the peak, then decay
     linearly to `final_learning_rate_fraction * learning_rate` over the
-    last `decay_fraction` of `num_train_steps`.
+    last `decay_fraction` of `num_train_steps` (wsd_cooldown_steps). The
+    rate is the lower of the warmup's ramp and that trapezoid, so a run too
+    short for both (warmup_steps + cooldown > num_train_steps, a smoke
+    run) rises on the ramp until it meets the cooldown's line and follows
+    it down, still ending at the final rate at num_train_steps (unless the
+    ramp is lower still there); it never reaches the peak, and
+    config_validation.warnings_of says so.
   """
   peak, warmup = config.learning_rate, config.warmup_steps
   decay_steps = max(config.num_train_steps - warmup, 1)
   final = peak * config.final_learning_rate_fraction
+  ramp = optax.linear_schedule(0.0, peak, warmup)
+  if config.schedule == 'wsd':
+    cooldown = wsd_cooldown_steps(config)
+    trapezoid = optax.join_schedules(
+        [optax.constant_schedule(peak),
+         optax.linear_schedule(peak, final, cooldown)],
+        [config.num_train_steps - cooldown])
+    if warmup == 0:
+      return trapezoid
+    return lambda count: jnp.minimum(ramp(count), trapezoid(count))
   if config.schedule == 'cosine':
     decay = optax.cosine_decay_schedule(
         peak, decay_steps, alpha=config.final_learning_rate_fraction)
@@ -30,18 +52,11 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   elif config.schedule == 'rsqrt':
     def decay(count):
       return peak * jnp.sqrt(max(warmup, 1) / (count + max(warmup, 1)))
-  elif config.schedule == 'wsd':
-    cooldown = max(round(config.decay_fraction * config.num_train_steps), 1)
-    stable = max(config.num_train_steps - warmup - cooldown, 0)
-    decay = optax.join_schedules(
-        [optax.constant_schedule(peak),
-         optax.linear_schedule(peak, final, cooldown)], [stable])
   else:
     decay = optax.constant_schedule(peak)
   if warmup == 0:
     return decay
-  return optax.join_schedules(
-      [optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
+  return optax.join_schedules([ramp, decay], [warmup])
 
 
 def make_optimizer(config: ml_collections.ConfigDict, decay_mask

@@ -52,8 +52,9 @@ class Task:
   has_classes = False
   # Evaluation figures of this task's own, with the better direction.
   eval_metrics: dict[str, str] = {}
-  # What to run on a trained workdir ('{}': the workdir), or None.
-  next_command: str | None = None
+  # The command that decodes a trained workdir with a key/value cache:
+  # (what it does, its module), or None.
+  decoder: tuple[str, str] | None = None
   # Its examples are documents, each starting with EOS, under 'tokens';
   # else the model reads an example's 'inputs'.
   documents = False
@@ -108,7 +109,7 @@ class LanguageModelling(Task):
   packs = True
   continues_text = True
   eval_metrics = {'eval_bits_per_byte': 'min'}
-  next_command = 'sample: python -m train.generate --workdir={}'
+  decoder = ('sample', 'train.generate')
 
   def model_args(self, batch):
     return batch['inputs'], batch['positions'], batch.get('segment_ids')
@@ -142,7 +143,7 @@ class SequenceToSequence(Task):
   decodes = True
   exact_match = True
   eval_metrics = {'eval_exact_match': 'max'}
-  next_command = 'decode: python -m train.translate --workdir={}'
+  decoder = ('decode', 'train.translate')
 
   def model_args(self, batch):
     return batch['inputs'], batch['decoder_inputs']

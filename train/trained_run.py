@@ -11,7 +11,7 @@ import jax
 import ml_collections
 
 from model import ModelConfig
-from train import checkpointing
+from train import checkpointing, decoding
 from train import workdir as workdir_lib
 from train.data import datasets
 from train.errors import InputError
@@ -44,11 +44,17 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   return config
 
 
-def load(workdir: str) -> TrainedRun:
+def load(workdir: str, decoder: str | None = None) -> TrainedRun:
   """The run in `workdir` at its newest checkpoint that verifies (see
-  checkpointing.Checkpointer.restore_latest); InputError if it has none."""
+  checkpointing.Checkpointer.restore_latest); InputError if it has none,
+  or, before any checkpoint is read, if the command `decoder` is given and
+  cannot decode the run's model (decoding.cache_refusal)."""
   config = load_config(workdir)
   program = Program.from_config(config, jax.devices()[:1])
+  refusal = decoder and decoding.cache_refusal(program.model_config)
+  if refusal:
+    raise InputError(f'{decoder} decodes with a key/value cache, and in the '
+                     f'run in {workdir} {refusal}.')
   dataset = datasets.load(config, workdir)
   checkpointer = checkpointing.Checkpointer(
       workdir, keep=config.keep_checkpoints, read_only=True)

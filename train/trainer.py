@@ -17,8 +17,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import ml_collections
 import tqdm
 
-from train import (attention_kernels, checkpointing, config_validation, flops,
-                   generate, metrics, preemption, seq2seq_eval)
+from train import (attention_kernels, checkpointing, config_validation,
+                   decoding, flops, generate, metrics, preemption,
+                   seq2seq_eval)
 from train import workdir as workdir_lib
 from train.data import datasets, pipeline
 from train.errors import InputError, Pruned, Stopped, TrainingError
@@ -43,11 +44,12 @@ def closing_summary(*, task: Task, steps: tuple[int, int], seconds: float,
                     evaluations: list[tuple[int, dict[str, float]]],
                     final: dict[str, float], tokens_per_s: float | None,
                     checkpoint: str | None, workdir: str,
-                    extendable: bool) -> str:
+                    extendable: bool, cannot_decode: str | None) -> str:
   """The lines a run ends with: steps and wall time, the final
   evaluation (the quality metric's best of the run beside it), throughput,
   the last checkpoint, and what to run next (`extendable`: a larger
-  num_train_steps may resume it)."""
+  num_train_steps may resume it; `cannot_decode`: why the task's decoder
+  does not apply, see decoding.cache_refusal)."""
   metric = metrics.quality_metric(final)
   direction = metrics.QUALITY_METRICS[metric]
   shown = [f'{metric} {final[metric]:.4g}']
@@ -65,8 +67,11 @@ def closing_summary(*, task: Task, steps: tuple[int, int], seconds: float,
   then = ['run the same command to resume' + (
       ' (or extend it with a larger config.num_train_steps)' if extendable
       else '')]
-  if task.next_command:
-    then.append(task.next_command.format(workdir))
+  if task.decoder:
+    action, module = task.decoder
+    then.append(f'{action}: python -m {module} --workdir={workdir}'
+                if cannot_decode is None else
+                f'python -m {module} does not apply: {cannot_decode}')
   lines.append((f'Last checkpoint: {checkpoint}; ' if checkpoint else '')
                + '; '.join(then) + '.')
   return '\n'.join(lines)
@@ -322,5 +327,6 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
       final=final, tokens_per_s=last_logged.get('tokens_per_s'),
       checkpoint=None if latest is None else os.path.join(
           checkpointer.directory, str(latest)), workdir=workdir,
-      extendable=config.schedule in workdir_lib.LENGTH_FREE_SCHEDULES))
+      extendable=config.schedule in workdir_lib.LENGTH_FREE_SCHEDULES,
+      cannot_decode=decoding.cache_refusal(model_config)))
   return final

@@ -31,7 +31,7 @@ def translate(workdir: str, split: str = 'validation', *, beam_size: int = 4,
   for name, value in (('beam_size', beam_size), ('batch_size', batch_size)):
     if value < 1:
       raise InputError(f'--{name}={value} must be at least 1.')
-  run = trained_run.load(workdir)
+  run = trained_run.load(workdir, decoder='train.translate')
   if not run.dataset.task.decodes:
     raise InputError(f'{workdir} holds a run of family '
                      f'{run.model_config.family!r}; '

@@ -108,10 +108,12 @@ def recorded_config(workdir: str) -> dict[str, Any]:
 
 def differences(old: dict[str, Any], new: dict[str, Any]
                 ) -> dict[str, tuple[Any, Any]]:
-  """{key: (old value, new value)} of the keys whose values differ."""
+  """{key: (old value, new value)} of the keys whose values differ. A key
+  absent from one is None there: a key added since, left unset (such as
+  an attention option), is no change."""
   return {key: (old.get(key, _ABSENT), new.get(key, _ABSENT))
           for key in sorted(old.keys() | new.keys())
-          if old.get(key, _ABSENT) != new.get(key, _ABSENT)}
+          if old.get(key) != new.get(key)}
 
 
 def check_resume(old: dict[str, Any], new: dict[str, Any],
