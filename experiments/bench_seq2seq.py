@@ -100,7 +100,8 @@ def run(base: ml_collections.ConfigDict, out: str, *, lengths: list[int],
 
 def main(argv: list[str]) -> None:
   cli.run_main(argv, lambda: run(
-      FLAGS.config, FLAGS.out, lengths=common.parse_integers('--lengths', FLAGS.lengths),
+      FLAGS.config, FLAGS.out,
+      lengths=common.parse_integers('--lengths', FLAGS.lengths),
       batch=FLAGS.batch, steps=FLAGS.steps, warmup=FLAGS.warmup,
       command='python -m experiments.bench_seq2seq '
       + ' '.join(sys.argv[1:])))

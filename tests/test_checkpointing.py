@@ -165,20 +165,36 @@ def test_a_checkpoint_that_lost_its_checksums_is_verified_by_the_ledger(
       'verified against the ledger.']
 
 
-@pytest.mark.parametrize('ledger', ['kept', 'deleted'])
+@pytest.mark.parametrize('deleted', ['', 'ledger', 'ledger and metadata'])
 def test_deleting_the_checksums_of_a_damaged_checkpoint_does_not_restore_it(
-    run, ledger, capsys):
+    run, deleted, capsys):
   _, workdir, abstract_state = run
   flip_a_bit_orbax_reads_silently(workdir, 4, abstract_state)
   delete_checksums_and_sizes(workdir, 4)
-  if ledger == 'deleted':  # orbax's metadata still lists the checksums.
+  if deleted:
     os.remove(os.path.join(workdir, 'checkpoints', checkpointing.LEDGER))
+  if 'metadata' in deleted:  # orbax's record of the items written.
+    os.remove(os.path.join(workdir, 'checkpoints', '4',
+                           '_CHECKPOINT_METADATA'))
   step, _ = restore_latest(workdir, abstract_state)
   assert step == 2
   [warning] = capsys.readouterr().out.splitlines()
   assert warning.startswith('warning: the checkpoint of step 4 is damaged: '
-                            + ('the array' if ledger == 'kept'
-                               else 'its checksums are missing'))
+                            + ('its checksums are missing' if deleted
+                               else 'the array'))
+
+
+def test_a_garbled_ledger_entry_verifies_nothing(run, capsys):
+  _, workdir, abstract_state = run
+  delete_checksums_and_sizes(workdir, 4)
+  ledger = os.path.join(workdir, 'checkpoints', checkpointing.LEDGER)
+  with open(ledger, 'w') as f:
+    f.write('{"4": [1, 2]}')
+  step, _ = restore_latest(workdir, abstract_state)
+  assert step == 2
+  [warning] = capsys.readouterr().out.splitlines()
+  assert warning.startswith('warning: the checkpoint of step 4 is damaged: '
+                            'its checksums are missing')
 
 
 def test_a_checkpoint_of_an_older_attnlab_restores_unverified_with_a_notice(

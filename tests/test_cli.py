@@ -62,9 +62,10 @@ CASES = {
         'unknown flag --num_train_steps; did you mean '
         '--config.num_train_steps?'),
     'train_config_outside_configs': (
-        'train.train', ['--config=lm_stdlib.py', '--workdir={tmp}/w'],
-        '--config=lm_stdlib.py: no such file; did you mean '
-        'configs/lm_stdlib.py?'),
+        'train.train',
+        ['--config=lm_stdlib.py:baseline', '--workdir={tmp}/w'],
+        '--config=lm_stdlib.py:baseline: no such file; did you mean '
+        'configs/lm_stdlib.py:baseline?'),
     'train_attention_option': (
         'train.train', [LM, '--workdir={tmp}/w', '--config.model.attention='
                         'local', '--config.model.attention_options.windw=32'],

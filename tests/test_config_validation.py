@@ -48,6 +48,11 @@ def test_a_wsd_run_too_short_for_its_warmup_and_cooldown_is_warned_of():
       'learning rate rises on the warmup until it meets the cooldown, '
       'reaching at most 0.36 of config.learning_rate=0.0033, and ends at '
       '0.1 of it.')
+  config.num_train_steps = 4  # The ramp is below the final rate at the end.
+  assert config_validation.warnings_of(config) == [
+      'config.warmup_steps=50 exceeds config.num_train_steps=4: the '
+      'learning rate never leaves its warmup, reaching 0.08 of '
+      'config.learning_rate=0.0033.']
 
 
 def test_every_default_key_has_a_comment():
@@ -322,8 +327,12 @@ def test_every_key_of_every_config_has_an_invalid_case():
 
 def test_the_attention_options_are_those_of_the_registered_attentions():
   options = default.get_config().model.attention_options
+  types = {}
   for name in attention.names():
     assert set(options[name]) == attention_parameters.option_names(name)
+    for option, kind in attention_parameters.option_types(name).items():
+      assert kind in (int, float, str, bool), (name, option, kind)
+      assert types.setdefault(option, kind) == kind, (name, option)
   every = set().union(*map(attention_parameters.option_names,
                            attention.names()))
   assert set(options) == every | set(attention.names())

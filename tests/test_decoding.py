@@ -117,6 +117,15 @@ def test_generate_refuses_a_run_that_cannot_read_a_cache_before_loading_it(
                       temperature=0.0)
 
 
+def test_generate_refuses_a_run_of_another_task(data_dir, tmp_path):
+  config = tiny_config('listops', data_dir)
+  (tmp_path / 'config.json').write_text(config.to_json_best_effort())
+  with pytest.raises(InputError, match=(
+      f'train.generate does not decode {tmp_path}: it holds a run of family '
+      "'encoder_classifier' on 'listops' \\(classification\\).")):
+    generate.generate(str(tmp_path), '', max_new_tokens=4, temperature=0.0)
+
+
 def test_a_variant_that_cannot_read_a_cache_is_refused():
   config = tiny('decoder_lm', 'rope', attention='local',
                 attention_options={'window': 4})
@@ -152,9 +161,10 @@ def test_top_p_keeps_exactly_the_smallest_set_that_reaches_p():
       np.testing.assert_array_equal(mask, nucleus(row, p))
 
 
-def test_top_p_of_one_keeps_a_large_vocabulary_whole():
-  """The float32 tail of a 50,000-token vocabulary (its least probable
-  tokens), which a cumulative sum from the top rounds away."""
+def test_top_p_near_0_and_1_on_a_large_vocabulary():
+  """p = 1 keeps the float32 tail of a 50,000-token vocabulary (its least
+  probable tokens), which a cumulative sum from the top rounds away; a
+  tiny p keeps the most probable token."""
   logits = jax.random.normal(jax.random.key(4), (2, 50_000)) * 3
   assert np.asarray(decoding.top_p_mask(logits, 1.0)).all()
   logits64 = np.asarray(logits, np.float64)  # The reference in float64.
@@ -165,6 +175,10 @@ def test_top_p_of_one_keeps_a_large_vocabulary_whole():
     for row, mask in zip(probs, got):
       np.testing.assert_array_equal(mask, nucleus(row, p))
     assert not got.all()
+  # Below float32's resolution of 1 - p: the most probable token alone.
+  top = np.asarray(decoding.top_p_mask(logits, 1e-9))
+  np.testing.assert_array_equal(top, np.asarray(
+      jax.nn.one_hot(jnp.argmax(logits, axis=-1), 50_000, dtype=bool)))
 
 
 def test_top_k_keeps_the_k_largest():

@@ -80,21 +80,27 @@ def test_wsd_too_short_for_its_warmup_and_cooldown_still_ends_at_the_final_rate(
   assert (rates <= ramp + 1e-6 * peak).all()  # Never above the warmup's.
 
 
-@pytest.mark.parametrize('num_train_steps', [70, 100, 1000])
+@pytest.mark.parametrize('learning_rate', [3.3e-3, 0.03, 0.7])
+@pytest.mark.parametrize('num_train_steps, warmup_steps, decay_fraction',
+                         [(70, 50, 0.2), (1000, 50, 0.2), (20, 1, 0.1)])
 def test_wsd_with_room_for_warmup_and_cooldown_is_the_trapezoid_bitwise(
-    num_train_steps):
+    learning_rate, num_train_steps, warmup_steps, decay_fraction):
   """Against the trapezoid as optax composes it: warmup, then the peak
-  held, then the linear cooldown."""
-  config, schedule = _stdlib_wsd(num_train_steps)
-  peak, warmup = config.learning_rate, config.warmup_steps
-  cooldown = round(config.decay_fraction * num_train_steps)
+  held, then the linear cooldown (whose first value may round above the
+  peak)."""
+  config, schedule = _stdlib_wsd(
+      num_train_steps, learning_rate=learning_rate,
+      warmup_steps=warmup_steps, decay_fraction=decay_fraction)
+  cooldown = round(decay_fraction * num_train_steps)
   trapezoid = optax.join_schedules(
-      [optax.linear_schedule(0.0, peak, warmup),
+      [optax.linear_schedule(0.0, learning_rate, warmup_steps),
        optax.join_schedules(
-           [optax.constant_schedule(peak),
+           [optax.constant_schedule(learning_rate),
             optax.linear_schedule(
-                peak, peak * config.final_learning_rate_fraction, cooldown)],
-           [num_train_steps - warmup - cooldown])], [warmup])
+                learning_rate,
+                learning_rate * config.final_learning_rate_fraction,
+                cooldown)],
+           [num_train_steps - warmup_steps - cooldown])], [warmup_steps])
   counts = jnp.arange(num_train_steps + 2)
   np.testing.assert_array_equal(schedule(counts), trapezoid(counts))
 

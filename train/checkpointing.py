@@ -28,10 +28,10 @@ than start it again from scratch over them.
 Deleting files cannot switch the verification off. Each checkpoint's
 checksums are also written, before its save starts, to the ledger
 `checkpoints/checksums.json`, which a checkpoint that lost its own is
-verified against; and orbax's metadata of the step lists the item
-`checksums` it was written with. Only a checkpoint that none of these says
-had checksums (an older attnlab wrote it) restores unverified, with a
-notice.
+verified against. Only a checkpoint whose orbax metadata, as its commit
+wrote it, lists its items without checksums (an older attnlab wrote it)
+restores unverified, with a notice; one without checksums and without that
+record is damaged.
 """
 
 import contextlib
@@ -138,14 +138,19 @@ def _missing_or_cut(step_dir: str, exempt: str | None = None) -> str | None:
 
 
 def _read_ledger(directory: str) -> dict[str, dict]:
-  """The ledger of `directory` ({} if it has none or it cannot be read:
-  the checkpoints' own checksums still verify them)."""
+  """The ledger of `directory`: its entries shaped as checksums() gives
+  them, none if it is missing or cannot be read (the checkpoints' own
+  checksums still verify them)."""
   try:
     with open(os.path.join(directory, LEDGER)) as f:
       ledger = json.load(f)
   except (OSError, ValueError):
     return {}
-  return ledger if isinstance(ledger, dict) else {}
+  if not isinstance(ledger, dict):
+    return {}
+  return {step: sums for step, sums in ledger.items()
+          if isinstance(sums, dict) and isinstance(sums.get('arrays'), dict)
+          and isinstance(sums.get('data'), str)}
 
 
 def _write_ledger(directory: str, step: int, sums: dict) -> None:
@@ -307,11 +312,11 @@ class Checkpointer:
       raise Damaged(f'orbax cannot read it: {lines[-1][:300]}') from error
     if own:
       saved = restored['checksums']
-    if saved is None and self._written_with_checksums(step):
-      raise Damaged("its checksums are missing (orbax's metadata lists "
-                    'them) and the ledger '
-                    f'{os.path.join(self.directory, LEDGER)} has no entry '
-                    'for it')
+    if saved is None and not self._written_without_checksums(step):
+      raise Damaged(
+          'its checksums are missing, the ledger '
+          f'{os.path.join(self.directory, LEDGER)} has no entry for it, '
+          "and orbax's metadata does not show it was written without them")
     if saved is not None:
       problem = _mismatch(saved, checksums(restored['state'],
                                            restored['data']))
@@ -326,11 +331,14 @@ class Checkpointer:
       data_iterator.set_state(restored['data'])
     return restored['state']
 
-  def _written_with_checksums(self, step: int) -> bool:
-    """Whether orbax's metadata of `step` lists the item `checksums`."""
+  def _written_without_checksums(self, step: int) -> bool:
+    """Whether orbax's metadata of `step`, as its commit wrote it, lists
+    its items without `checksums`: a checkpoint of an older attnlab. One
+    missing or unreadable (no commit time) shows nothing."""
     with quiet.library_notices():  # A missing metadata file is a notice.
-      handlers = self._manager.metadata(step).item_handlers
-    return isinstance(handlers, dict) and 'checksums' in handlers
+      metadata = self._manager.metadata(step)
+    return (metadata.commit_timestamp_nsecs is not None
+            and 'checksums' not in (metadata.item_handlers or {}))
 
   def restore_latest(self, abstract_state: TrainState,
                      data_iterator: grain.DatasetIterator | None = None
@@ -402,14 +410,19 @@ class Checkpointer:
     self._saving = step
     data_state = data_iterator.get_state()
     sums = checksums(state, data_state)
-    try:
-      if jax.process_index() == 0:
+    if jax.process_index() == 0:
+      try:
         _write_ledger(self.directory, step, sums)
+      except OSError as error:
+        print(f'warning: could not add step {step} to the ledger '
+              f'{os.path.join(self.directory, LEDGER)} ({error.strerror}); '
+              'its own checksums still verify it.', flush=True)
+    try:
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
           data=ocp.args.JsonSave(data_state),
           checksums=ocp.args.JsonSave(sums)))
-    except OSError as error:  # Creating a file failed at once.
+    except OSError as error:  # Creating the directory failed at once.
       raise self._failed(error) from error
 
   def wait(self) -> int | None:

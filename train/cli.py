@@ -79,7 +79,7 @@ def _config_flags() -> list[str]:
 
 def _config_key_flag(name: str) -> str | None:
   """`--config.NAME` (or `--config.model.NAME`) when NAME, typed as a flag
-  of its own, is a key of a config flag's config."""
+  of its own, is a key of a config flag's config that holds a value."""
   for flag in _config_flags():
     for key in (name, f'model.{name}'):
       node = flags.FLAGS[flag].value
@@ -88,7 +88,8 @@ def _config_key_flag(name: str) -> str | None:
           node = node[part]
       except (KeyError, TypeError, OSError):  # OSError: no such file.
         continue
-      return f'--{flag}.{key}'
+      if not hasattr(node, 'keys'):  # Not a group of keys.
+        return f'--{flag}.{key}'
   return None
 
 
@@ -120,7 +121,9 @@ def _config_file_error(argv: list[str], name: str, error: Exception) -> str:
   for near in (path + '.py', os.path.join('configs', path),
                os.path.join('configs', path + '.py')):
     if os.path.isfile(near):
-      return f'--{name}={given}: no such file; did you mean {near}?'
+      argument = given[len(path):]  # ':...', if any.
+      return (f'--{name}={given}: no such file; did you mean '
+              f'{near}{argument}?')
   folder = os.path.dirname(path) or '.'
   files = sorted(glob.glob(os.path.join(folder, '*.py')))
   if os.path.dirname(path) == '':

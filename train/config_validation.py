@@ -169,16 +169,19 @@ def warnings_of(config: ml_collections.ConfigDict) -> list[str]:
   steps, warmup = config.num_train_steps, config.warmup_steps
   peak = f'config.learning_rate={config.learning_rate:.3g}'
   cooldown = optim.wsd_cooldown_steps(config)
-  if config.schedule == 'wsd' and warmup + cooldown > steps:
+  # Under wsd, the warmup's ramp meets the cooldown's line unless it is
+  # below the final rate at num_train_steps.
+  meets = steps > warmup * config.final_learning_rate_fraction
+  if config.schedule == 'wsd' and warmup + cooldown > steps and meets:
     rates = optim.learning_rate_schedule(config)(
         jnp.arange(steps + 1)) / config.learning_rate
     found.append(
         f'config.warmup_steps={warmup} and the wsd cooldown of {cooldown} '
-        f'step{"s" * (cooldown > 1)} (config.decay_fraction={config.decay_fraction} of config.'
-        f'num_train_steps={steps}) overlap: the learning rate rises on the '
-        'warmup until it meets the cooldown, reaching at most '
-        f'{float(rates.max()):.3g} of {peak}, and ends at '
-        f'{float(rates[-1]):.3g} of it.')
+        f'step{"s" * (cooldown > 1)} (config.decay_fraction='
+        f'{config.decay_fraction} of config.num_train_steps={steps}) '
+        'overlap: the learning rate rises on the warmup until it meets the '
+        f'cooldown, reaching at most {float(rates.max()):.3g} of {peak}, '
+        f'and ends at {float(rates[-1]):.3g} of it.')
   elif warmup > steps:
     found.append(
         f'config.warmup_steps={warmup} exceeds config.num_train_steps='

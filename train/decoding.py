@@ -31,11 +31,11 @@ def cache_refusal(model_config: ModelConfig) -> str | None:
   self-attention that cannot read a key/value cache."""
   for layer_config in model_config.layer_configs():
     if not attention.spec(layer_config.attention).reads_cache:
-      readers = [name for name in attention.names()
-                 if attention.spec(name).reads_cache]
+      *others, last = [name for name in attention.names()
+                       if attention.spec(name).reads_cache]
+      readers = f'{", ".join(others)} and {last}' if others else last
       return (f'config.model.attention={layer_config.attention!r} cannot '
-              f'read a key/value cache ({", ".join(readers[:-1])} and '
-              f'{readers[-1]} can)')
+              f'read a key/value cache ({readers} can)')
   return None
 
 
@@ -94,13 +94,16 @@ def top_p_mask(logits_BxV: Array, p: float) -> Array:
   order_BxV = jnp.argsort(-logits_BxV, axis=-1)
   probs_BxV = jnp.take_along_axis(jax.nn.softmax(logits_BxV, axis=-1),
                                   order_BxV, axis=-1)
-  # A token is needed while the more probable ones hold less than p: while
-  # it and the less probable ones hold more than 1 - p. Summed from the
-  # least probable up, as Hugging Face's TopPLogitsWarper does, the small
-  # masses count, where a sum from the top rounds to 1 before the tail
-  # (p = 1 keeps every token of nonzero probability).
+  # A token is needed while the more probable ones hold less than p, or
+  # equally while it and the less probable ones hold more than 1 - p. Each
+  # is read from the sum that is exact where it counts: from the top for a
+  # small p (a sum from the bottom rounds 1 - p to 1 and keeps nothing);
+  # from the bottom for a large one, as Hugging Face's TopPLogitsWarper
+  # does (a sum from the top rounds to 1 before the tail, and p = 1 would
+  # drop it).
+  before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
   tail_BxV = jax.lax.cumsum(probs_BxV, axis=1, reverse=True)
-  keep_BxV = tail_BxV > 1 - p
+  keep_BxV = jnp.where(p < 0.5, before_BxV < p, tail_BxV > 1 - p)
   rows_Bx1 = jnp.arange(logits_BxV.shape[0])[:, None]
   return jnp.zeros(logits_BxV.shape, bool).at[rows_Bx1, order_BxV].set(
       keep_BxV)

@@ -37,11 +37,6 @@ def generate(workdir: str, prompt: str, *, max_new_tokens: int,
     if not ok:
       raise InputError(f'--{name}={value} must be {must}.')
   run = trained_run.load(workdir, decoder='train.generate')
-  if not run.dataset.task.continues_text:
-    raise InputError(f'{workdir} holds a run of family '
-                     f'{run.model_config.family!r}; '
-                     'train.generate continues language models '
-                     '(train.translate decodes encoder-decoders).')
   # A learned table has no position from max_len on.
   return continue_text(
       run.model, run.params, run.dataset, prompt, num_tokens=max_new_tokens,

@@ -23,12 +23,12 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   constant: stay at the peak;
   wsd: warmup-stable-decay (Hu et al. 2024): stay at the peak, then decay
     linearly to `final_learning_rate_fraction * learning_rate` over the
-    last `decay_fraction` of `num_train_steps` (wsd_cooldown_steps). The
-    rate is the lower of the warmup's ramp and that trapezoid, so a run too
-    short for both (warmup_steps + cooldown > num_train_steps, a smoke
-    run) rises on the ramp until it meets the cooldown's line and follows
-    it down, still ending at the final rate at num_train_steps (unless the
-    ramp is lower still there); it never reaches the peak, and
+    last `decay_fraction` of `num_train_steps` (wsd_cooldown_steps). A run
+    too short for both (warmup_steps + cooldown > num_train_steps, a smoke
+    run) takes the lower of the warmup's ramp and the cooldown's line: it
+    rises on the ramp until it meets the line and follows it down, still
+    ending at the final rate at num_train_steps (unless the ramp is lower
+    still there); it never reaches the peak, and
     config_validation.warnings_of says so.
   """
   peak, warmup = config.learning_rate, config.warmup_steps
@@ -37,14 +37,17 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   ramp = optax.linear_schedule(0.0, peak, warmup)
   if config.schedule == 'wsd':
     cooldown = wsd_cooldown_steps(config)
-    trapezoid = optax.join_schedules(
-        [optax.constant_schedule(peak),
-         optax.linear_schedule(peak, final, cooldown)],
-        [config.num_train_steps - cooldown])
-    if warmup == 0:
-      return trapezoid
-    return lambda count: jnp.minimum(ramp(count), trapezoid(count))
-  if config.schedule == 'cosine':
+
+    def peak_then_cooldown(steps_at_peak: int) -> optax.Schedule:
+      return optax.join_schedules(
+          [optax.constant_schedule(peak),
+           optax.linear_schedule(peak, final, cooldown)], [steps_at_peak])
+    stable = config.num_train_steps - warmup - cooldown
+    if stable < 0:  # The line over the whole run, from step 0.
+      line = peak_then_cooldown(config.num_train_steps - cooldown)
+      return lambda count: jnp.minimum(ramp(count), line(count))
+    decay = peak_then_cooldown(stable)
+  elif config.schedule == 'cosine':
     decay = optax.cosine_decay_schedule(
         peak, decay_steps, alpha=config.final_learning_rate_fraction)
   elif config.schedule == 'linear':

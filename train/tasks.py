@@ -54,7 +54,7 @@ class Task:
   eval_metrics: dict[str, str] = {}
   # The command that decodes a trained workdir with a key/value cache:
   # (what it does, its module), or None.
-  decoder: tuple[str, str] | None = None
+  decode_command: tuple[str, str] | None = None
   # Its examples are documents, each starting with EOS, under 'tokens';
   # else the model reads an example's 'inputs'.
   documents = False
@@ -109,7 +109,7 @@ class LanguageModelling(Task):
   packs = True
   continues_text = True
   eval_metrics = {'eval_bits_per_byte': 'min'}
-  decoder = ('sample', 'train.generate')
+  decode_command = ('sample', 'train.generate')
 
   def model_args(self, batch):
     return batch['inputs'], batch['positions'], batch.get('segment_ids')
@@ -143,7 +143,7 @@ class SequenceToSequence(Task):
   decodes = True
   exact_match = True
   eval_metrics = {'eval_exact_match': 'max'}
-  decoder = ('decode', 'train.translate')
+  decode_command = ('decode', 'train.translate')
 
   def model_args(self, batch):
     return batch['inputs'], batch['decoder_inputs']

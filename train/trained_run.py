@@ -46,10 +46,18 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
 
 def load(workdir: str, decoder: str | None = None) -> TrainedRun:
   """The run in `workdir` at its newest checkpoint that verifies (see
-  checkpointing.Checkpointer.restore_latest); InputError if it has none,
-  or, before any checkpoint is read, if the command `decoder` is given and
-  cannot decode the run's model (decoding.cache_refusal)."""
+  checkpointing.Checkpointer.restore_latest); InputError if it has none.
+  `decoder`, the module of the command that decodes the run: InputError
+  first, before any checkpoint is read, unless it is its task's
+  (Task.decode_command) and the model reads a key/value cache."""
   config = load_config(workdir)
+  task = datasets.task_of(config.dataset)
+  command = task.decode_command and task.decode_command[1]
+  if decoder and decoder != command:
+    raise InputError(
+        f'{decoder} does not decode {workdir}: it holds a run of family '
+        f'{config.model.family!r} on {config.dataset!r} ({task.name})'
+        + (f', which {command} decodes.' if command else '.'))
   program = Program.from_config(config, jax.devices()[:1])
   refusal = decoder and decoding.cache_refusal(program.model_config)
   if refusal:

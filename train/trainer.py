@@ -48,8 +48,8 @@ def closing_summary(*, task: Task, steps: tuple[int, int], seconds: float,
   """The lines a run ends with: steps and wall time, the final
   evaluation (the quality metric's best of the run beside it), throughput,
   the last checkpoint, and what to run next (`extendable`: a larger
-  num_train_steps may resume it; `cannot_decode`: why the task's decoder
-  does not apply, see decoding.cache_refusal)."""
+  num_train_steps may resume it; `cannot_decode`: why the task's decode
+  command does not apply, see decoding.cache_refusal)."""
   metric = metrics.quality_metric(final)
   direction = metrics.QUALITY_METRICS[metric]
   shown = [f'{metric} {final[metric]:.4g}']
@@ -67,8 +67,8 @@ def closing_summary(*, task: Task, steps: tuple[int, int], seconds: float,
   then = ['run the same command to resume' + (
       ' (or extend it with a larger config.num_train_steps)' if extendable
       else '')]
-  if task.decoder:
-    action, module = task.decoder
+  if task.decode_command:
+    action, module = task.decode_command
     then.append(f'{action}: python -m {module} --workdir={workdir}'
                 if cannot_decode is None else
                 f'python -m {module} does not apply: {cannot_decode}')

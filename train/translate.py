@@ -32,10 +32,6 @@ def translate(workdir: str, split: str = 'validation', *, beam_size: int = 4,
     if value < 1:
       raise InputError(f'--{name}={value} must be at least 1.')
   run = trained_run.load(workdir, decoder='train.translate')
-  if not run.dataset.task.decodes:
-    raise InputError(f'{workdir} holds a run of family '
-                     f'{run.model_config.family!r}; '
-                     'train.translate decodes encoder-decoders.')
   if split not in run.dataset.splits:
     raise InputError(f'--split={split!r} is not a split of '
                      f'{run.config.dataset!r}; it has '
