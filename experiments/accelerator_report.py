@@ -1,6 +1,7 @@
 r"""One markdown report of what the accelerator at hand does with attnlab:
-the `make train` job's speed, a profile of its step, training throughput
-against stock Flax, and attention against sequence length.
+the `make train` job's speed, profiles of its step and of GPT-2 small's,
+training throughput against stock Flax, and attention against sequence
+length.
 
   python -m experiments.accelerator_report --out=DIR [--budget_s=450] \
       [--data_dir=~/tensorflow_datasets]
@@ -38,7 +39,7 @@ from typing import NamedTuple
 from absl import flags
 
 from configs import lm_stdlib
-from experiments import common
+from experiments import bench_train, common
 from train import cli
 from train.errors import InputError
 
@@ -58,21 +59,30 @@ PROBE = [sys.executable, '-c',
          '"device_kind": jax.devices()[0].device_kind}))']
 
 
-# Each part's own flags: GPT-2 small and long attention (on plain, packed
-# and padded rows) on a GPU or TPU; on a CPU, short runs that fit
+# Each part's own flags: profiles of make train's step and of GPT-2
+# small's, GPT-2 small's throughput and long attention (on plain, packed,
+# padded and ALiBi rows) on a GPU or TPU; on a CPU, short runs that fit
 # --budget_s=400 on 2 cores.
 ACCELERATOR_FLAGS = {
     'main_job': [],
     'profile': ['--steps=20'],
+    'profile_gpt2': ['--steps=10'] + [
+        f'--config.{key}={value}' for key, value in
+        bench_train.size_overrides('gpt2', attention='auto',
+                                   dtype='bfloat16', remat='none').items()],
     'bench_train': ['--sizes=gpt2', '--dtype=bfloat16', '--steps=10'],
-    'bench_attention': ['--lengths=1024,4096,16384,32768,65536',
-                        '--dtype=bfloat16', '--rows=plain,packed,padded']}
+    'bench_attention': ['--lengths=4096,16384,65536', '--dtype=bfloat16',
+                        '--rows=plain,packed,padded,alibi']}
 CPU_FLAGS = {
     'main_job': [f'--config.{key}={value}' for key, value in (
         ('num_train_steps', 30), ('log_every', 10), ('eval_every', 30),
         ('checkpoint_every', 30), ('warmup_steps', 10),
         ('num_eval_steps', 10), ('sample_length', 0))],
     'profile': ['--steps=5'],
+    'profile_gpt2': ['--steps=2'] + [
+        f'--config.{key}={value}' for key, value in
+        bench_train.size_overrides('tiny', attention='auto',
+                                   dtype='float32', remat='none').items()],
     'bench_train': ['--sizes=tiny,small', '--dtype=float32', '--steps=5'],
     'bench_attention': ['--lengths=512,1024,2048', '--dtype=float32']}
 # Starts the stderr a part's log ends with.
@@ -141,7 +151,7 @@ def throughput_markdown(workdir: str) -> str | None:
 
 
 def default_parts(out: str, backend: str, data_dir: str) -> list[Part]:
-  """The four parts, with the flags of `backend`."""
+  """The five parts, with the flags of `backend`."""
   sized = ACCELERATOR_FLAGS if backend in ('gpu', 'tpu') else CPU_FLAGS
   where = {name: os.path.join(out, name) for name in sized}
   config = ['--config=configs/lm_stdlib.py', f'--config.data_dir={data_dir}']
@@ -150,11 +160,11 @@ def default_parts(out: str, backend: str, data_dir: str) -> list[Part]:
       Part('main_job', [*module, 'train.train', *config,
                         f'--workdir={where["main_job"]}', *sized['main_job']],
            0.25, functools.partial(throughput_markdown, where['main_job'])),
-      Part('profile', [*module, 'experiments.profile', *config,
-                       f'--workdir={where["profile"]}', '--warmup=3',
-                       *sized['profile']], 0.15,
-           functools.partial(read_file, os.path.join(where['profile'],
-                                                     'profile.md'))),
+      *(Part(name, [*module, 'experiments.profile', *config,
+                    f'--workdir={where[name]}', '--warmup=3', *sized[name]],
+             0.1, functools.partial(read_file, os.path.join(where[name],
+                                                            'profile.md')))
+        for name in ('profile', 'profile_gpt2')),
       # Its --config is lm_stdlib's, built in: only the override is given.
       Part('bench_train', [*module, 'experiments.bench_train', config[1],
                            f'--out={where["bench_train"]}', '--warmup=2',

@@ -9,14 +9,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import ModelConfig, attention, attention_parameters
+from model import ModelConfig, attention, attention_parameters, positions
 from model.attention import fused
 from train.errors import InputError
 
 # Variants that compute softmax(q k^T) v exactly (the FLOP count applies).
 EXACT = ('xla', 'dense', 'chunked', 'ring')
-# The masks a run can measure: none, packed documents, right padding.
-ROWS = ('plain', 'packed', 'padded')
+# The rows a run can measure: no mask, packed documents, right padding,
+# and plain rows under ALiBi's position bias (Press et al. 2022).
+ROWS = ('plain', 'packed', 'padded', 'alibi')
+# Runs of one id in each packed row of `segment_ids` (7 // 2 + 1).
+PACKED_SEGMENTS = 4
 
 
 def parse_variant(name: str) -> tuple[str, str | None]:
@@ -63,25 +66,40 @@ def rows_mask(rows: str, batch: int, length: int):
   (plain), a SegmentMask (packed) or a key padding mask bool [B, 1, 1, S]
   (padded: the first 3T/4 + 1 keys real, the rest right padding)."""
   if rows == 'packed':
-    return attention.SegmentMask(segment_ids(batch, length))
+    return attention.SegmentMask(segment_ids(batch, length),
+                                 max_segments=PACKED_SEGMENTS)
   if rows == 'padded':
     valid_S = jnp.arange(length) < length * 3 // 4 + 1
     return jnp.broadcast_to(valid_S, (batch, 1, 1, length))
   return None
 
 
-def xla_attention(q, k, v, mask, *, causal: bool) -> jax.Array:
+def rows_bias(rows: str, batch: int, length: int, heads: int):
+  """The position bias of `rows`: ALiBi's (a PositionBias) for 'alibi'
+  rows, else None."""
+  if rows != 'alibi':
+    return None
+  positions_BxT = jnp.broadcast_to(jnp.arange(length), (batch, length))
+  return positions.alibi_bias(positions_BxT, positions_BxT, heads)
+
+
+def xla_attention(q, k, v, mask, bias, *, causal: bool) -> jax.Array:
   """`jax.nn.dot_product_attention` [B, T, N, H] under a mask of
   `rows_mask`, given as it takes it: packed rows as the [B, 1, T, S] mask
-  their ids compare to, right padding as each row's number of keys."""
+  their ids compare to, right padding as each row's number of keys; a
+  position bias as the [B, N, T, S] array it stands for."""
+  if bias is not None:
+    indices = jnp.arange(q.shape[1])
+    bias = bias.at(indices[:, None], indices[None]).astype(q.dtype)
   if isinstance(mask, attention.SegmentMask):
     ids_BxT = mask.q_segment_ids_BxT
     return jax.nn.dot_product_attention(
-        q, k, v, mask=ids_BxT[:, None, :, None] == ids_BxT[:, None, None, :],
+        q, k, v, bias, mask=ids_BxT[:, None, :, None] == ids_BxT[:, None,
+                                                                 None, :],
         is_causal=causal)
   lengths_B = (None if mask is None
                else jnp.sum(mask[:, 0, 0], axis=1, dtype=jnp.int32))
-  return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+  return jax.nn.dot_product_attention(q, k, v, bias, is_causal=causal,
                                       key_value_seq_lengths=lengths_B)
 
 
@@ -93,26 +111,29 @@ class Attend(nn.Module):
   is_causal: bool
 
   @nn.compact
-  def __call__(self, q, k, v, mask):
+  def __call__(self, q, k, v, mask, bias=None):
     kwargs = attention_parameters.variant_kwargs(self, self.config)
     return attention.get(self.config.attention)(
-        q, k, v, mask=mask, is_causal=self.is_causal, **kwargs)
+        q, k, v, bias, mask, is_causal=self.is_causal, **kwargs)
 
 
 def variant_fn(name: str, rows: str, length: int, options: dict, *,
-               causal: bool, heads: int, head_dim: int, q, mask):
-  """(fn(params, q, k, v, mask), params), or a string saying why not.
+               causal: bool, heads: int, head_dim: int, q, mask, bias):
+  """(fn(params, q, k, v, mask, bias), params), or a string saying why
+  not.
 
   Raises:
     fused.KernelError: the kernel named in brackets refuses the case.
   """
   if name == 'xla':
-    return (lambda params, q, k, v, mask: xla_attention(
-        q, k, v, mask, causal=causal)), {}
+    return (lambda params, q, k, v, mask, bias: xla_attention(
+        q, k, v, mask, bias, causal=causal)), {}
   base, kernel = parse_variant(name)
   variant = attention.spec(base)
   if rows == 'packed' and variant.masks != 'any':
     return f'{name} takes key padding masks only, not packed rows'
+  if rows == 'alibi' and not variant.bias:
+    return f'{name} takes no position bias'
   if causal and not variant.causal:
     return f'{name} is not causal'
   if base == 'ring':
@@ -123,4 +144,5 @@ def variant_fn(name: str, rows: str, length: int, options: dict, *,
                        attention_options=tuple(options.items()))
   module = Attend(config, causal)
   # Jitted, so that the forward pass it traces is never run.
-  return module.apply, jax.jit(module.init)(jax.random.key(0), q, q, q, mask)
+  return module.apply, jax.jit(module.init)(jax.random.key(0), q, q, q, mask,
+                                            bias)

@@ -1,11 +1,11 @@
 r"""Attention speed and memory against sequence length: every registered
 variant and XLA's `jax.nn.dot_product_attention` ('xla'), on whatever
-backend runs this, over plain, packed or padded rows.
+backend runs this, over plain, packed, padded or ALiBi-biased rows.
 
   python -m experiments.bench_attention \
       --out=experiments/results/bench_attention \
       [--lengths=1024,2048,4096,8192,16384,32768,65536] [--variants=xla,...] \
-      [--rows=plain,packed,padded] \
+      [--rows=plain,packed,padded,alibi] \
       [--causal=True --batch=1 --heads=8 --head_dim=64 --dtype=float32] \
       [--options=local.window=256,...] [--reps=3] [--max_seconds=60]
 
@@ -22,7 +22,9 @@ about 2T/7 positions each (their ends inside any power-of-two block), as a
 SegmentMask, and for xla the [B, 1, T, S] mask their ids compare to;
 'padded' rows, whose first 3T/4 + 1 keys are real and the rest right
 padding (its start inside any block), as a key padding mask [B, 1, 1, S],
-and for xla each row's number of keys.
+and for xla each row's number of keys; 'alibi' rows, no mask and ALiBi's
+bias -slope_n |i - j|, as a position bias computed by blocks, and for xla
+the [B, N, T, S] array it stands for.
 
 For each rows kind, variant and length: the compiled temporary memory of
 the forward pass and of forward+backward (`memory_analysis()` of the
@@ -34,7 +36,8 @@ what it needed, or that follows one that did not fit or took longer than
 --max_seconds, is skipped with the reason, and the sweep goes on; so is a
 variant that cannot run the case (a non-causal one when --causal, `ring`,
 which needs a mesh with a sequence axis, one taking key padding masks only
-on packed rows, a kernel that refuses the case: `fused.KernelError`). Exact
+on packed rows, one taking no bias on alibi rows, a kernel that refuses
+the case: `fused.KernelError`). Exact
 variants also get their speed in model FLOP/s (matmuls only, causal half
 counted, the same on packed and padded rows as on plain ones; the backward
 pass 2.5 times the forward) and its fraction of the device's peak
@@ -122,20 +125,21 @@ def measure(name: str, kind: str, length: int, *, options: dict,
   q, k, v = (jax.random.normal(key, shape, dtype)
              for key in jax.random.split(jax.random.key(1), 3))
   mask = attention_cases.rows_mask(kind, batch, length)
+  bias = attention_cases.rows_bias(kind, batch, length, heads)
   try:
     made = attention_cases.variant_fn(
         name, kind, length, options, causal=causal, heads=heads,
-        head_dim=head_dim, q=q, mask=mask)
+        head_dim=head_dim, q=q, mask=mask, bias=bias)
   except fused.KernelError as error:
     return row | {'skipped': f'{name}: {error}'}
   if isinstance(made, str):
     return row | {'skipped': made}
   fn, params = made
-  loss = lambda params, q, k, v, mask: jnp.sum(fn(params, q, k, v, mask)
-                                               .astype(jnp.float32))
+  loss = lambda params, q, k, v, mask, bias: jnp.sum(
+      fn(params, q, k, v, mask, bias).astype(jnp.float32))
   programs = {'fwd': jax.jit(fn),
               'fwd_bwd': jax.jit(jax.grad(loss, argnums=(1, 2, 3)))}
-  args = (params, q, k, v, mask)
+  args = (params, q, k, v, mask, bias)
   exact = attention_cases.parse_variant(name)[0] in attention_cases.EXACT
   compiled = {}
   for key, program in programs.items():
@@ -249,8 +253,9 @@ def _write_summary(rows: list[dict], directory: str, peak: float | None, *,
       'temporaries of forward+backward; ratios are to xla '
       '(`jax.nn.dot_product_attention`) on the same rows at the same '
       'length in this run (speedup > 1: faster). Rows: plain (no mask), '
-      'packed (documents of about 2T/7 positions, as segment ids) or '
-      'padded (the first 3T/4 + 1 keys real, the rest right padding).\n\n')
+      'packed (documents of about 2T/7 positions, as segment ids), '
+      'padded (the first 3T/4 + 1 keys real, the rest right padding) or '
+      "alibi (no mask, ALiBi's position bias).\n\n")
   table_md = common.write_table(table, columns,
                                 os.path.join(directory, 'results'), preamble)
   kinds = set(row['rows'] for row in rows)
@@ -294,7 +299,7 @@ def _define_flags() -> None:
                     'TPU.')
   flags.DEFINE_list('rows', ['plain'], 'Kinds of rows to measure each on: '
                     'plain (no mask), packed (segment ids), padded (right '
-                    'padding).')
+                    "padding), alibi (ALiBi's position bias).")
   flags.DEFINE_list('lengths', ['1024', '2048', '4096', '8192', '16384',
                                 '32768', '65536'], 'Sequence lengths.')
   flags.DEFINE_list('options', [], 'Variant options as variant.option=value '

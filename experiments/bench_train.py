@@ -95,17 +95,30 @@ class StockLM(nn.Module):
     return embed.attend(x).astype(jnp.float32)
 
 
+def size_overrides(size: str, *, attention: str, dtype: str,
+                   remat: str) -> dict[str, object]:
+  """{config key: value} that make lm_stdlib's config the GPT-2-style
+  model of `size` (as StockLM builds it) on unpacked rows."""
+  d_model, layers, heads, mlp, seq_len, batch, vocab = SIZES[size]
+  model = dict(d_model=d_model, num_layers=layers, num_heads=heads,
+               mlp_dim=mlp, vocab_size=vocab, max_len=seq_len,
+               position='learned', norm='layernorm', norm_position='pre',
+               mlp_activation='gelu', tie_embeddings=True, dropout_rate=0.0,
+               attention=attention, dtype=dtype, remat=remat)
+  return dict(seq_len=seq_len, batch_size=batch, pack_sequences=False) | {
+      f'model.{key}': value for key, value in model.items()}
+
+
 def our_config(base: ml_collections.ConfigDict, size: str, *, attention: str,
                dtype: str, remat: str) -> ml_collections.ConfigDict:
-  d_model, layers, heads, mlp, seq_len, batch, vocab = SIZES[size]
   config = ml_collections.ConfigDict(base.to_dict())
-  config.update(seq_len=seq_len, batch_size=batch, pack_sequences=False)
-  config.model.update(d_model=d_model, num_layers=layers, num_heads=heads,
-                      mlp_dim=mlp, vocab_size=vocab, max_len=seq_len,
-                      position='learned', norm='layernorm',
-                      norm_position='pre', mlp_activation='gelu',
-                      tie_embeddings=True, dropout_rate=0.0,
-                      attention=attention, dtype=dtype, remat=remat)
+  for key, value in size_overrides(size, attention=attention, dtype=dtype,
+                                   remat=remat).items():
+    *groups, name = key.split('.')
+    target = config
+    for group in groups:
+      target = target[group]
+    target[name] = value
   return config
 
 

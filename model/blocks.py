@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from model import logical_axes
 from model.config import ModelConfig
 from model.layers import MultiHeadAttention, Mlp, make_norm
 from model.moe import MoeMlp
@@ -161,9 +162,8 @@ class TransformerStack(nn.Module):
       # Under a mesh with logical axis rules, each block's input is laid out
       # as the rules say (e.g. split by example and along the length);
       # elsewhere this does nothing.
-      x_BxTxD = nn.with_logical_constraint(
-          x_BxTxD, ('activation_batch', 'activation_length',
-                    'activation_embed'))
+      x_BxTxD = nn.with_logical_constraint(x_BxTxD,
+                                           logical_axes.ACTIVATIONS)
       block_inputs.append(x_BxTxD)
       x_BxTxD, layer_cache = block(
           x_BxTxD, inputs,

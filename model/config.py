@@ -192,6 +192,10 @@ class ModelConfig:
   # Mixture-of-experts feed-forward layers (see MoeConfig); from_mapping
   # accepts a dict.
   moe: MoeConfig = MoeConfig()
+  # Language models on packed rows: the most windows of text a row holds.
+  # The packer closes a row there, and attention may rely on it: cuDNN's
+  # packed layout (model/attention/cudnn_packed.py) is sized by it.
+  max_segments_per_row: int = 32
   # decoder_lm only: Transformer-XL's segment-level recurrence (Dai et al.
   # 2019). Each layer also attends to the hidden states it saw in the last
   # `memory_length` positions of earlier segments (no gradient through
@@ -217,7 +221,7 @@ class ModelConfig:
 
     for name in ('vocab_size', 'd_model', 'num_heads', 'num_layers', 'mlp_dim',
                  'max_len', 'num_classes', 'relative_max_distance',
-                 'relative_buckets'):
+                 'relative_buckets', 'max_segments_per_row'):
       check_positive(name)
     check_choice('family', FAMILIES)
     family = FAMILIES[self.family]

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model import logical_axes
 from model import positions as positions_lib
 from model.config import PAD_ID, ModelConfig
 from model.readout import Readout
@@ -57,8 +58,7 @@ class Embedder(nn.Module):
         self.token_embedding.embedding, (None, None))
     x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0).astype(
         self.config.compute_dtype)
-    return nn.with_logical_constraint(
-        x_BxTxD, ('activation_batch', 'activation_length', 'activation_embed'))
+    return nn.with_logical_constraint(x_BxTxD, logical_axes.ACTIVATIONS)
 
   def add_positions(self, x_BxTxD: Array, positions_BxT: Array, *,
                     deterministic: bool) -> Array:

@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import attention, attention_parameters, positions
+from model import attention, attention_parameters, logical_axes, positions
 from model.config import ModelConfig
 from model.state import KeysValues
 from model.weight_decay import undecayed
@@ -94,11 +94,14 @@ class MultiHeadAttention(nn.Module):
     else:
       heads = (config.num_heads, config.head_dim)
       kv_heads = (config.num_kv_heads, config.head_dim)
-      self.query = _dense(heads, ('embed', 'heads', 'kv'), config, 'query')
-      self.key = _dense(kv_heads, ('embed', 'kv_heads', 'kv'), config, 'key')
-      self.value = _dense(kv_heads, ('embed', 'kv_heads', 'kv'), config,
+      heads_axis, kv_heads_axis = logical_axes.HEADS, logical_axes.KV_HEADS
+      self.query = _dense(heads, ('embed', heads_axis, 'kv'), config,
+                          'query')
+      self.key = _dense(kv_heads, ('embed', kv_heads_axis, 'kv'), config,
+                        'key')
+      self.value = _dense(kv_heads, ('embed', kv_heads_axis, 'kv'), config,
                           'value')
-      self.out = _dense(config.d_model, ('heads', 'kv', 'embed'), config,
+      self.out = _dense(config.d_model, (heads_axis, 'kv', 'embed'), config,
                         'out', num_in=2)
     if self.cross:
       self.variant, self.options = attention.spec('dense'), {}

@@ -1,9 +1,13 @@
 """The kernel each self-attention of a config runs, worked out from the
 config: by family, packing, dtype and backend."""
 
+import pytest
+
 from configs import listops, lm_stdlib, wmt14_ende
 from model import ModelConfig
-from train import attention_kernels
+from model.attention import fused
+from train import attention_kernels, config_validation
+from train.errors import InputError
 
 
 def summary(config, backend):
@@ -42,3 +46,32 @@ def test_each_family_asks_its_own_cases():
   # Dense takes no kernel option.
   classifier.model.attention = 'dense'
   assert summary(classifier, 'tpu') == []
+
+
+def test_packed_rows_take_cudnn_on_hopper_and_newer(monkeypatch):
+  """On a GPU the trainer's packed LM rows go to cuDNN's packed layout where
+  the device is sm90 or newer (faked here), to Pallas before that."""
+  lm = lm_stdlib.get_config('baseline')
+  lm.model.update(attention='chunked', dtype='bfloat16')
+  for capability, kernel in (('9.0', 'cudnn'), ('8.0', 'pallas_gpu')):
+    monkeypatch.setattr(fused, 'device_description',
+                        lambda capability=capability: ('gpu', capability))
+    (choice,) = attention_kernels.choices(
+        lm, ModelConfig.from_mapping(lm.model), lm.seq_len)
+    assert (choice.case.mask, choice.kernel) == ('segments', kernel)
+    assert choice.case.max_segments == lm.model.max_segments_per_row + 1
+
+
+def test_a_length_split_over_the_mesh_refuses_a_named_fused_kernel():
+  lm = lm_stdlib.get_config('baseline')
+  lm.model.update(attention='chunked',
+                  attention_options={'kernel': 'pallas_tpu'})
+  lm.parallelism.update(data=4, sequence=2)
+  with pytest.raises(InputError, match=(
+      r"config.model.attention_options.kernel='pallas_tpu' cannot split "
+      r'the length over 2 devices \(sequence parallelism')):
+    config_validation.check(lm)
+  lm.model.attention_options = {}
+  (choice,) = attention_kernels.choices(
+      lm, ModelConfig.from_mapping(lm.model), lm.seq_len, 'tpu')
+  assert choice.kernel == 'xla'

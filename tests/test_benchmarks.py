@@ -23,7 +23,7 @@ def test_bench_attention_measures_skips_and_writes_its_results(tmp_path):
                                'chunked[cudnn]', 'linformer', 'ring'],
       lengths=[16], options={'chunked': {'chunk_size': 8}}, causal=True,
       batch=1, heads=2, head_dim=8, dtype='float32', reps=1,
-      max_seconds=60.0, rows=['plain', 'packed'])
+      max_seconds=60.0, rows=['packed', 'alibi'])
   [directory] = [entry.path for entry in os.scandir(tmp_path)]
   with open(os.path.join(directory, 'results.jsonl')) as f:
     lines = [json.loads(line) for line in f]
@@ -31,22 +31,24 @@ def test_bench_attention_measures_skips_and_writes_its_results(tmp_path):
   measured = {(row['rows'], row['variant']): row for row in rows
               if 'fwd_bwd_s' in row}
   assert set(measured) == {
-      (kind, name) for kind in ('plain', 'packed')
-      for name in ('xla', 'chunked', 'chunked[pallas_gpu]')}
+      (kind, name) for kind in ('packed', 'alibi')
+      for name in ('xla', 'chunked')} | {('packed', 'chunked[pallas_gpu]')}
   for row in measured.values():
     assert row['fwd_s'] > 0 and row['fwd_bwd_temp_mb'] >= 0
     assert row['fwd_bwd_gflop_per_s'] > 0 and 'fraction_of_peak' in row
   skipped = {(row['rows'], row['variant']): row['skipped'] for row in rows
              if 'skipped' in row}
   assert set(skipped) == {
-      (kind, name) for kind in ('plain', 'packed')
-      for name in ('chunked[cudnn]', 'linformer', 'ring')}
-  assert skipped['plain', 'linformer'] == 'linformer is not causal'
+      (kind, name) for kind in ('packed', 'alibi')
+      for name in ('chunked[cudnn]', 'linformer', 'ring')} | {
+          ('alibi', 'chunked[pallas_gpu]')}
+  assert skipped['alibi', 'linformer'] == 'linformer takes no position bias'
+  assert 'takes no bias' in skipped['alibi', 'chunked[pallas_gpu]']
   assert skipped['packed', 'linformer'] == (
       'linformer takes key padding masks only, not packed rows')
   assert skipped['packed', 'ring'] == ('ring needs a mesh with a sequence '
                                        'axis (tests/test_parallel.py)')
-  assert "kernel='cudnn' needs a GPU" in skipped['plain', 'chunked[cudnn]']
+  assert "kernel='cudnn' needs a GPU" in skipped['alibi', 'chunked[cudnn]']
   with open(os.path.join(directory, 'results.md')) as f:
     table = f.read()
   # Each ratio is to xla on the same kind of rows.
@@ -55,7 +57,7 @@ def test_bench_attention_measures_skips_and_writes_its_results(tmp_path):
   with open(os.path.join(directory, 'results.csv')) as f:
     by_key = {(line['rows'], line['variant']): line
               for line in csv.DictReader(f)}
-  for kind in ('plain', 'packed'):
+  for kind in ('packed', 'alibi'):
     assert float(by_key[kind, 'chunked']['speedup_vs_xla']) == pytest.approx(
         measured[kind, 'xla']['fwd_bwd_s']
         / measured[kind, 'chunked']['fwd_bwd_s'], rel=1e-3)

@@ -165,6 +165,8 @@ INVALID = [
      'than config.model.max_len=100'),
     ('model.relative_max_distance', 0, 'config.model.relative_max_distance=0'),
     ('model.relative_buckets', 0, 'config.model.relative_buckets=0'),
+    ('model.max_segments_per_row', 0,
+     'config.model.max_segments_per_row=0 must be a positive integer'),
     ('model.rope_max_wavelength', 1.0, 'config.model.rope_max_wavelength=1.0 '
      'must be a number > 1'),
     ('model.dropout_rate', 1.0, 'config.model.dropout_rate=1.0'),

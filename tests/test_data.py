@@ -202,16 +202,21 @@ def _lm_dataset(documents):
   return datasets.Dataset(tasks.LM, {'train': split, 'validation': split}, 100)
 
 
-def test_lm_batches_hold_each_document_once_with_shifted_targets():
-  documents = [np.arange(2, 2 + n) for n in (3, 20, 7, 1, 9)]
+@pytest.mark.parametrize('max_segments', [None, 2])
+def test_lm_batches_hold_each_document_once_with_shifted_targets(
+    max_segments):
+  """Packed rows (of at most `max_segments` windows, where bounded)."""
+  documents = [np.arange(2, 2 + n) for n in (3, 20, 7, 1, 9, 2, 1, 1)]
   dataset = _lm_dataset(documents)
   batches = list(pipeline.eval_batches(dataset, 'validation', seq_len=8,
-                                       batch_size=2, num_batches=-1))
-  all_targets = []
+                                       batch_size=2, num_batches=-1,
+                                       max_segments=max_segments))
+  all_targets, most_segments = [], 0
   for batch in batches:
     assert batch['inputs'].shape == (2, 8)
     for row in range(2):
       segments = batch['segment_ids'][row]
+      most_segments = max(most_segments, len(set(segments[segments > 0])))
       for segment in set(segments[segments > 0]):
         where = segments == segment
         inputs = batch['inputs'][row][where]
@@ -224,6 +229,7 @@ def test_lm_batches_hold_each_document_once_with_shifted_targets():
                                     (segments > 0).astype(np.float32))
   # Every token of every document is a target exactly once.
   assert sorted(all_targets) == sorted(np.concatenate(documents).tolist())
+  assert most_segments == (max_segments or 4)
 
 
 def test_eval_batches_pad_to_the_requested_count():

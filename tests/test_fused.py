@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import attention
-from model.attention import fused, fused_kernels
+from model import attention, logical_axes
+from model.attention import cudnn_packed, fused, fused_kernels
 from model.attention.fused import Case
 
 B, N, H = 2, 4, 16
@@ -100,19 +100,27 @@ def test_splash_local_window_equals_dense(is_causal):
     np.testing.assert_array_equal(ours[0][1, 30 + window:], 0.0)
 
 
-def test_splash_runs_on_each_devices_share_of_the_batch():
-  """Under a mesh whose 'data' axis splits the batch, splash runs in a
-  shard_map (XLA cannot split a Pallas call) and still equals dense."""
-  mesh = jax.make_mesh((8,), ('data',),
-                       axis_types=(jax.sharding.AxisType.Auto,))
-  q, k, v = (jnp.tile(x, (4, 1, 1, 1)) for x in make_qkv(10, 40, 2))
-  ids = jnp.asarray(np.repeat([[1, 2]], 20, axis=1).repeat(4 * B, 0))
-  kwargs = dict(is_causal=True, mask=attention.SegmentMask(ids))
-  chunked = attention.get('chunked')
-  with jax.set_mesh(mesh), nn.logical_axis_rules((('batch', 'data'),)):
-    assert 'shard_map' in str(jax.make_jaxpr(
-        lambda *x: chunked(*x, kernel='pallas_tpu', **kwargs))(q, k, v))
-    ours = value_and_grads(chunked, q, k, v, kernel='pallas_tpu', **kwargs)
+def test_fused_kernels_split_batch_and_heads_as_the_rules_say():
+  """Under a data x tensor mesh and rules mapping the model's batch and
+  heads there, a fused kernel (cuDNN's call, by XLA's implementation) runs
+  in a shard_map over both, its padding mask and bias split alike, and
+  equals dense."""
+  mesh = jax.make_mesh((4, 2), ('data', 'tensor'),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  rules = ((logical_axes.BATCH, 'data'), (logical_axes.HEADS, 'tensor'),
+           (logical_axes.KV_HEADS, 'tensor'))
+  q, k, v = (jnp.tile(x, (2, 1, 1, 1)) for x in make_qkv(10, 24, 2))
+  padding = jnp.asarray(np.arange(24) < np.array([24, 17, 0, 9])[:, None])
+  bias = jax.random.normal(jax.random.key(3), (1, N, 24, 24))
+  kwargs = dict(mask=padding[:, None, None], bias=bias, is_causal=True)
+  cudnn = lambda q, k, v, bias, mask, is_causal: fused_kernels.over_shards(
+      lambda *args: fused_kernels.cudnn_attention(
+          *args, scale=H ** -0.5, is_causal=is_causal, window=None,
+          implementation='xla'), q, k, v, bias, mask)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    jaxpr = str(jax.make_jaxpr(lambda *x: cudnn(*x, **kwargs))(q, k, v))
+    ours = value_and_grads(cudnn, q, k, v, **kwargs)
+  assert "in_specs=(P('data', None, 'tensor'), " in jaxpr
   assert_all_close(ours, value_and_grads(dense, q, k, v, **kwargs))
 
 
@@ -158,6 +166,88 @@ def test_rows_with_keys_match_brute_force():
           allowed.any(-1))
 
 
+# --- packed rows in cuDNN's layout ---
+
+
+def brute_force_layout(ids, max_segments):
+  """(seqlen, offsets, fits) of one row of ids, by a loop over tokens."""
+  runs = []  # [start, length, id]
+  for t, token_id in enumerate(ids):
+    if runs and runs[-1][2] == token_id:
+      runs[-1][1] += 1
+    else:
+      runs.append([t, 1, token_id])
+  fits = (len(runs) <= max_segments
+          and len({r[2] for r in runs}) == len(runs))
+  kept = runs[:max_segments]
+  seqlen = [r[1] for r in kept] + [-1] * (max_segments - len(kept))
+  offsets = [r[0] for r in kept] + [-1] * (max_segments + 1 - len(kept))
+  return seqlen, offsets, fits
+
+
+SEGMENT_ROWS = np.array([
+    [5] * 12,                                   # One segment.
+    [1, 1, 2, 2, 2, 3, 4, 4, 5, 6, 6, 6],       # The most segments: 6.
+    [1, 1, 1, 2, 2, 2, 2, 2, 0, 0, 0, 0],       # Trailing padding.
+    [1, 1, 2, 2, 1, 1, 3, 3, 3, 3, 3, 3],       # An id comes back.
+    [1, 2, 3, 4, 5, 6, 7, 7, 7, 7, 7, 7],       # Seven: over the bound.
+])
+
+
+def test_segment_layout_matches_brute_force():
+  seqlen, offsets, fits = cudnn_packed.segment_layout(
+      jnp.asarray(SEGMENT_ROWS), 6)
+  for row, ids in enumerate(SEGMENT_ROWS):
+    want = brute_force_layout(ids.tolist(), 6)
+    np.testing.assert_array_equal(seqlen[row], want[0])
+    if want[2]:  # A row that does not fit is NaN: its offsets are moot.
+      np.testing.assert_array_equal(offsets[row], want[1])
+    assert bool(fits[row]) == want[2], row
+
+
+def cudnn_reference(query, key, value, seqlen, offsets, *, scale, is_causal):
+  """Attention from the packed layout as cuDNN's documentation defines it:
+  a token of segment m (offsets[m] <= t < offsets[m] + seqlen[m]) attends
+  to the tokens of its own segment (under causality, up to itself)."""
+  positions = np.arange(query.shape[1])
+  starts, lengths = offsets[:, None, :-1], seqlen[:, None, :]
+  member_BxTxM = ((positions[None, :, None] >= starts)
+                  & (positions[None, :, None] < starts + lengths)
+                  & (lengths > 0))
+  same = jnp.einsum('btm,bsm->bts', member_BxTxM.astype(jnp.float32),
+                    member_BxTxM.astype(jnp.float32)) > 0
+  return dense(query, key, value, mask=same[:, None], scale=scale,
+               is_causal=is_causal)
+
+
+@pytest.mark.parametrize('is_causal', [True, False])
+@pytest.mark.parametrize('num_kv_heads', [4, 2, 1], ids=['mha', 'gqa', 'mqa'])
+def test_cudnn_packed_layout_equals_dense_with_segment_ids(num_kv_heads,
+                                                           is_causal):
+  """The layout through the reference equals dense with the SegmentMask
+  (outputs and gradients); rows the layout cannot say come out NaN."""
+  q, k, v = make_qkv(12, 12, num_kv_heads)
+  ids = jnp.asarray(SEGMENT_ROWS[1:3])
+  packed = lambda q, k, v: cudnn_packed.attention(
+      q, k, v, ids, scale=H ** -0.5, is_causal=is_causal, max_segments=6,
+      call=cudnn_reference)
+  assert_all_close(
+      value_and_grads(packed, q, k, v),
+      value_and_grads(dense, q, k, v, mask=attention.SegmentMask(ids),
+                      is_causal=is_causal))
+  # And the reference itself takes grouped key/value heads as they are.
+  seqlen, offsets, _ = cudnn_packed.segment_layout(ids, 6)
+  np.testing.assert_allclose(
+      cudnn_reference(q, k, v, seqlen, offsets, scale=H ** -0.5,
+                      is_causal=is_causal),
+      dense(q, k, v, mask=attention.SegmentMask(ids), is_causal=is_causal),
+      atol=2e-5)
+  bad = cudnn_packed.attention(
+      q, k, v, jnp.asarray(SEGMENT_ROWS[3:]), scale=H ** -0.5,
+      is_causal=is_causal, max_segments=6, call=cudnn_reference)
+  assert np.isnan(bad).all()
+
+
 def case(backend, dtype='bfloat16', head_dim=64, q_len=256, kv_len=256,
          is_causal=True, **kwargs):
   return Case(backend, dtype, head_dim, q_len, kv_len, is_causal, **kwargs)
@@ -192,6 +282,19 @@ AUTO = [
     (case('gpu', dtype='float32', mask='key_padding'), 'xla'),
     (case('gpu', dtype='bfloat16 queries, float32 keys'), 'xla'),
     (case('tpu', dtype='float16'), 'xla'),
+    # Packed rows: cuDNN's packed layout on Hopper and newer, bounded rows.
+    (case('gpu', mask='segments', compute_capability='9.0',
+          max_segments=33), 'cudnn'),
+    (case('gpu', mask='segments', compute_capability='10.0',
+          max_segments=33), 'cudnn'),
+    (case('gpu', mask='segments', compute_capability='8.0',
+          max_segments=33), 'pallas_gpu'),
+    (case('gpu', mask='segments', compute_capability='9.0'), 'pallas_gpu'),
+    (case('gpu', dtype='float32', mask='segments', compute_capability='9.0',
+          max_segments=33), 'pallas_gpu'),
+    # A length split over the mesh: no fused kernel (ring computes it).
+    (case('tpu', length_shards=2), 'xla'),
+    (case('gpu', length_shards=4), 'xla'),
 ]
 
 
@@ -210,6 +313,11 @@ def test_a_named_kernel_that_cannot_compute_the_case_raises():
     fused.choose('cudnn', case('cpu'))
   with pytest.raises(fused.KernelError, match='takes no bias'):
     fused.choose('pallas_tpu', case('tpu', bias='array'))
+  with pytest.raises(fused.KernelError, match='Hopper or newer'):
+    fused.choose('cudnn', case('gpu', mask='segments',
+                               compute_capability='8.6', max_segments=9))
+  with pytest.raises(fused.KernelError, match='sequence parallelism'):
+    fused.choose('pallas_tpu', case('tpu', length_shards=2))
   with pytest.raises(ValueError, match='must be one of'):
     fused.choose('flash', case('cpu'))
   q, k, v = make_qkv(9, 8, 2)

@@ -135,6 +135,42 @@ def test_experts_spread_over_devices_by_a_logical_axis_rule():
   assert {s.data.shape for s in experts.addressable_shards} == {(1, 32, 64)}
 
 
+def compiled_step(kernel: str, **parallelism):
+  """(the params after one step of chunked attention on `kernel`, its
+  metric sums, its compiled HLO) under the trainer's own rules."""
+  config = small_config(**parallelism)
+  config.model.update(attention='chunked',
+                      attention_options={'kernel': kernel})
+  program = program_for(config, jax.devices())
+  batch = program.batch(next(lm_batches(1)))
+  with program.scope():
+    step = program.train_step.lower(program.abstract_state, batch,
+                                    program.key(1)).compile()
+    state, sums = step(program.init(), batch, program.key(1))
+  return state.params, sums, step.as_text()
+
+
+FUSED_MESHES = {'data8': dict(data=8), 'data4_tensor2': dict(data=4, tensor=2),
+                'data2_tensor4': dict(data=2, tensor=4)}
+
+
+@pytest.mark.parametrize('mesh_name', FUSED_MESHES)
+def test_fused_kernels_split_like_the_model_under_the_trainers_rules(
+    mesh_name):
+  """Each Pallas kernel (interpreted) in a train step on packed rows: the
+  same loss and updated parameters (SGD: the gradients) as the xla kernel,
+  and no more all-gathers: each device computes its own examples' heads."""
+  params, sums, hlo = compiled_step('xla', **FUSED_MESHES[mesh_name])
+  for kernel in ('pallas_tpu', 'pallas_gpu'):
+    got_params, got_sums, got_hlo = compiled_step(
+        kernel, **FUSED_MESHES[mesh_name])
+    np.testing.assert_allclose(got_sums['loss_sum'], sums['loss_sum'],
+                               rtol=1e-5)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5),
+                 got_params, params)
+    assert got_hlo.count('all-gather(') <= hlo.count('all-gather('), kernel
+
+
 # --- ring attention ---
 
 

@@ -10,14 +10,17 @@ array) always takes 'auto': no fused kernel reads a cache.
 
 import dataclasses
 import inspect
+import math
 
+import flax.linen as nn
 import jax
 import ml_collections
 
-from model import ModelConfig, attention, attention_parameters
+from model import ModelConfig, attention, attention_parameters, logical_axes
 from model.attention import fused
 from model.positions import SCHEMES
 from model.families import FAMILIES
+from train import layout_validation, mesh, sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +54,28 @@ def _window(layer_config: ModelConfig) -> int | None:
   return dict(layer_config.attention_options).get('window', default.default)
 
 
+def _length_shards(config: ml_collections.ConfigDict, devices) -> int:
+  """The devices `config`'s rules split the activations' length over."""
+  sizes = mesh.axis_sizes(config.parallelism,
+                          len(jax.devices() if devices is None else devices))
+  target = nn.logical_to_mesh_axes((logical_axes.LENGTH,),
+                                   layout_validation.checked_rules(config))[0]
+  return math.prod(sizes[axis] for axis in sharding.mesh_axes(target))
+
+
 def choices(config: ml_collections.ConfigDict, model_config: ModelConfig,
-            length: int, backend: str | None = None) -> list[Choice]:
+            length: int, backend: str | None = None,
+            devices=None) -> list[Choice]:
   """The kernel of every self-attention that takes one, on `backend`
-  (default: this process's), at activations of `length` positions."""
-  backend = backend or jax.default_backend()
+  (default: this process's), at activations of `length` positions, on a
+  mesh of `devices` (default: every device of every host)."""
+  here, capability = fused.device_description()
+  backend = backend or here
+  if backend != here:
+    capability = None
+  length_shards = _length_shards(config, devices)
   bias = 'function' if SCHEMES[model_config.position].bias else 'none'
+  max_segments = model_config.max_segments_per_row + 1  # With padding.
   found = []
   stacks = FAMILIES[model_config.family].self_attention(
       model_config, length, config.pack_sequences)
@@ -68,7 +87,8 @@ def choices(config: ml_collections.ConfigDict, model_config: ModelConfig,
       option = dict(layer_config.attention_options).get('kernel', 'auto')
       case = fused.Case(backend, model_config.compute_dtype.name,
                         model_config.head_dim, q_len, kv_len, is_causal,
-                        mask, bias, _window(layer_config))
+                        mask, bias, _window(layer_config), length_shards,
+                        capability, max_segments)
       reason = None
       if option in fused.KERNELS and option != 'auto':
         reason = fused.refusal(option, case)

@@ -78,7 +78,7 @@ def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
   if problems:
     raise InputError('\n'.join(problems))
   positions = model_positions(config, model_config)
-  collect(_check_kernels, config, model_config, positions)
+  collect(_check_kernels, config, model_config, positions, devices)
   limit = SCHEMES[model_config.position].max_positions(model_config)
   if limit is not None and positions > limit:
     problems.append(
@@ -129,10 +129,12 @@ def _attention_problems(config: ml_collections.ConfigDict,
 
 
 def _check_kernels(config: ml_collections.ConfigDict,
-                   model_config: ModelConfig, positions: int) -> None:
+                   model_config: ModelConfig, positions: int,
+                   devices) -> None:
   """A kernel named in the attention options exists and computes what the
-  model's self-attention asks of it on this backend."""
-  for choice in attention_kernels.choices(config, model_config, positions):
+  model's self-attention asks of it on this backend and mesh."""
+  for choice in attention_kernels.choices(config, model_config, positions,
+                                          devices=devices):
     if choice.option not in fused.KERNELS:
       _fail(f'{choice.key}={choice.option!r} must be one of '
             f'{list(fused.KERNELS)}.')

@@ -42,7 +42,7 @@ def check_layout(config: ml_collections.ConfigDict, model_config: ModelConfig,
   parameters' shapes and logical names."""
   sizes = dict(mesh.make_mesh(config.parallelism, devices).shape)
   _check_splits(config, sizes, positions)
-  rules = _logical_rules(config)
+  rules = checked_rules(config)
   try:
     boxed_params = jax.eval_shape(functools.partial(
         steps.init_params, build(model_config), task, seq_len=config.seq_len,
@@ -59,7 +59,7 @@ def check_layout(config: ml_collections.ConfigDict, model_config: ModelConfig,
   return boxed_params
 
 
-def _logical_rules(config: ml_collections.ConfigDict) -> tuple:
+def checked_rules(config: ml_collections.ConfigDict) -> tuple:
   """`config.logical_axis_rules`, each a logical name and mesh axes, as
   sharding.logical_rules reads them."""
   rules = config.logical_axis_rules

@@ -2,8 +2,9 @@
 
 Parameters carry logical axis names (embed, heads, kv_heads, kv, mlp, vocab,
 length, expert; see model/layers.py, model/moe.py) and the Transformer
-blocks constrain their
-inputs to (activation_batch, activation_length, activation_embed).
+blocks constrain their inputs to (activation_batch, activation_length,
+activation_embed) (model/logical_axes.py); the fused attention kernels
+split their work by the same rules.
 `config.logical_axis_rules` maps each name to mesh axes (train/mesh.py); a
 name without a rule is not split. DEFAULT_RULES give
   data parallelism      the batch over data and fsdp;
@@ -26,6 +27,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 
+from model import logical_axes
 from model.state import Memory
 from train import mesh as mesh_lib
 from train.steps import TrainState
@@ -33,11 +35,11 @@ from train.steps import TrainState
 BATCH_AXES = mesh_lib.BATCH_AXES
 
 DEFAULT_RULES = (
-    ('activation_batch', BATCH_AXES),
-    ('activation_length', 'sequence'),
+    (logical_axes.BATCH, BATCH_AXES),
+    (logical_axes.LENGTH, 'sequence'),
     ('embed', 'fsdp'),
-    ('heads', 'tensor'),
-    ('kv_heads', 'tensor'),
+    (logical_axes.HEADS, 'tensor'),
+    (logical_axes.KV_HEADS, 'tensor'),
     ('mlp', 'tensor'),
     ('vocab', 'tensor'),
 )

@@ -86,10 +86,11 @@ class Task:
     return dataset.splits[split]
 
   def batches(self, dataset, examples: grain.MapDataset, *, seq_len: int,
-              batch_size: int, seed: int, train: bool,
-              layout: str) -> grain.IterDataset:
-    """`examples` as batches; partial final batches when not `train`."""
-    del seed, layout
+              batch_size: int, seed: int, train: bool, layout: str,
+              max_segments: int | None) -> grain.IterDataset:
+    """`examples` as batches; partial final batches when not `train`;
+    packed rows (LM) of at most `max_segments` windows."""
+    del seed, layout, max_segments
     return layouts.example_batches(
         examples, self._row, seq_len=seq_len, batch_size=batch_size,
         train=train, read_options=dataset.read_options)
@@ -131,10 +132,10 @@ class LanguageModelling(Task):
                                in_memory=dataset.shuffle_windows)
 
   def batches(self, dataset, examples, *, seq_len, batch_size, seed, train,
-              layout):
+              layout, max_segments):
     return layouts.lm_batches(examples, seq_len=seq_len,
                               batch_size=batch_size, seed=seed, train=train,
-                              layout=layout,
+                              layout=layout, max_segments=max_segments,
                               read_options=dataset.read_options)
 
 

@@ -160,10 +160,11 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
 
   def evaluate(params) -> dict[str, float]:
     totals, memory = None, program.fresh_memory()
-    for batch in tqdm.tqdm(pipeline.eval_batches(
+    batches = pipeline.eval_batches(
         dataset, config.eval_split, seq_len=config.seq_len,
         batch_size=config.batch_size, num_batches=config.num_eval_steps,
-        layout=layout), desc=f'evaluating on {config.eval_split}',
+        layout=layout, max_segments=model_config.max_segments_per_row)
+    for batch in tqdm.tqdm(batches, desc=f'evaluating on {config.eval_split}',
                            unit='batch', leave=False,
                            disable=jax.process_index() != 0):
       sums, memory = program.eval_step(params, program.batch(batch), memory)
@@ -181,7 +182,8 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
   checkpointer.check_space_to_train(program.abstract_state)
   train_iterator = pipeline.train_iterator(
       dataset, seq_len=config.seq_len, batch_size=config.batch_size,
-      seed=config.seed, layout=layout, place=program.batch)
+      seed=config.seed, layout=layout,
+      max_segments=model_config.max_segments_per_row, place=program.batch)
   restored = checkpointer.restore_latest(program.abstract_state,
                                         train_iterator)
   if restored is None:

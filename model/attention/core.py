@@ -58,10 +58,14 @@ class SegmentMask:
   only, so packed rows never make it build the whole mask. Without key ids
   the keys are the queries' own positions (self-attention over packed rows),
   and every query sees at least itself: what the fused kernels need.
+  `max_segments`, where the data bounds it, is the most runs of one id
+  (padding included) a row holds: cuDNN's packed layout is sized by it.
   """
 
   q_segment_ids_BxT: Array
   kv_segment_ids_BxS: Array | None = None
+  max_segments: int | None = dataclasses.field(default=None,
+                                               metadata={'static': True})
 
   @property
   def kv_ids(self) -> Array:

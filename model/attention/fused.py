@@ -5,7 +5,8 @@
   xla         the blocked JAX code of chunked.py (local: its band of blocks
               in sparse.py); every case, on every backend.
   cudnn       cuDNN's fused attention, `jax.nn.dot_product_attention(
-              implementation='cudnn')`; GPU.
+              implementation='cudnn')`; GPU. Packed rows go in as its
+              packed layout (cudnn_packed.py), on Hopper and newer.
   pallas_tpu  Pallas splash attention (`jax.experimental.pallas.ops.tpu.
               splash_attention`); TPU, and the CPU in interpret mode.
   pallas_gpu  Pallas flash attention (`jax.experimental.pallas.ops.gpu.
@@ -19,18 +20,21 @@ nothing falls back silently. A `Case` holds only what shapes and types say,
 so the choice is made while tracing, and a config's choices can be worked
 out before anything is compiled (train/attention_kernels.py).
 
-Under a mesh with more than one device the Pallas kernels run in a
-`shard_map` over the mesh axes of the logical axis 'batch'; their inputs are
-gathered along every other axis (heads under tensor parallelism, the length
-under sequence parallelism), which is exact but repeats their work there.
+Under a mesh every fused kernel runs in a `shard_map` that splits the batch
+and the heads as the model's own arrays are split, read from the same
+logical axis rules (fused_kernels.over_shards): nothing is gathered and no
+work repeated. A length split over the mesh (sequence parallelism) is
+refused by every fused kernel: the `ring` variant computes that layout.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
-from model.attention import core, fused_kernels
+from model import logical_axes
+from model.attention import core, cudnn_packed, fused_kernels
 
 Array = jax.Array
 
@@ -53,6 +57,10 @@ class Case:
   bias: 'none', 'array', or 'function' (a PositionBias).
   window: local attention's window (query i sees keys j with |i - j| <
     window; causal: 0 <= i - j < window); None for none.
+  length_shards: the devices the mesh splits the length over.
+  compute_capability: a CUDA GPU's, e.g. '9.0'; None elsewhere.
+  max_segments: under packed rows, the most runs of one id a row holds
+    (SegmentMask.max_segments), where the data bounds it.
   """
 
   backend: str
@@ -64,6 +72,9 @@ class Case:
   mask: str = 'none'
   bias: str = 'none'
   window: int | None = None
+  length_shards: int = 1
+  compute_capability: str | None = None
+  max_segments: int | None = None
 
   def describe(self) -> str:
     """e.g. 'bfloat16, causal, packed rows'."""
@@ -74,6 +85,8 @@ class Case:
               'none': []}[self.bias]
     if self.window:
       parts.append(f'window {self.window}')
+    if self.length_shards > 1:
+      parts.append(f'length split over {self.length_shards} devices')
     return ', '.join(parts)
 
 
@@ -86,6 +99,15 @@ def _mask_kind(mask) -> str:
   return 'key_padding' if mask.shape[1:3] == (1, 1) else 'other'
 
 
+def device_description() -> tuple[str, str | None]:
+  """(the default backend, its first device's CUDA compute capability or
+  None): what a Case reads of the hardware."""
+  backend = jax.default_backend()
+  capability = (getattr(jax.devices()[0], 'compute_capability', None)
+                if backend == 'gpu' else None)
+  return backend, capability
+
+
 def case_of(query: Array, key: Array, bias, mask, *, is_causal: bool,
             window: int | None = None) -> Case:
   """The Case of a call on the default backend."""
@@ -96,8 +118,13 @@ def case_of(query: Array, key: Array, bias, mask, *, is_causal: bool,
   dtype = jnp.dtype(query.dtype).name
   if key.dtype != query.dtype:  # The fused kernels take one dtype.
     dtype += f' queries, {jnp.dtype(key.dtype).name} keys'
-  return Case(jax.default_backend(), dtype, query.shape[-1], query.shape[1],
-              key.shape[1], is_causal, _mask_kind(mask), bias_kind, window)
+  length_axes = fused_kernels.split_axes(logical_axes.LENGTH)
+  backend, capability = device_description()
+  return Case(backend, dtype, query.shape[-1], query.shape[1], key.shape[1],
+              is_causal, _mask_kind(mask), bias_kind, window,
+              math.prod(jax.sharding.get_abstract_mesh().shape[axis]
+                        for axis in length_axes), capability,
+              getattr(mask, 'max_segments', None))
 
 
 def _cudnn_refusal(case: Case) -> str | None:
@@ -112,7 +139,7 @@ def _cudnn_refusal(case: Case) -> str | None:
     return ('aligns the causal diagonal top-left, and dense bottom-right, '
             'when queries and keys differ in number')
   if case.mask == 'segments':
-    return 'takes no segment ids (packed rows)'
+    return _cudnn_packed_refusal(case)
   if case.mask == 'other':
     return 'takes no mask but right padding (a row it masks whole differs)'
   if case.bias == 'function':
@@ -122,6 +149,22 @@ def _cudnn_refusal(case: Case) -> str | None:
   if case.window and case.mask == 'key_padding':
     return 'may leave a padded query no key in its window'
   return None
+
+
+def _cudnn_packed_refusal(case: Case) -> str | None:
+  """Packed rows, through cuDNN's packed layout (cudnn_packed.py)."""
+  capability = tuple(int(part) for part in
+                     (case.compute_capability or '0').split('.'))
+  if capability < (9, 0):
+    return ('takes packed rows on Hopper or newer GPUs only (compute '
+            f'capability 9.0 or more; this one: '
+            f'{case.compute_capability or "unknown"})')
+  if case.max_segments is None:
+    return ('takes packed rows only where the data bounds the segments of '
+            'a row (config.model.max_segments_per_row)')
+  if case.bias != 'none' or case.window:
+    return 'takes packed rows without a bias or a window'
+  return cudnn_packed.refusal()
 
 
 def _pallas_tpu_refusal(case: Case) -> str | None:
@@ -164,6 +207,9 @@ _REFUSALS = {'xla': lambda case: None, 'cudnn': _cudnn_refusal,
 
 def refusal(kernel: str, case: Case) -> str | None:
   """Why `kernel` does not compute `case` as dense does; None if it does."""
+  if kernel != 'xla' and case.length_shards > 1:
+    return (f'cannot split the length over {case.length_shards} devices '
+            "(sequence parallelism; the 'ring' attention computes that)")
   return _REFUSALS[kernel](case)
 
 
@@ -190,12 +236,10 @@ def choose(kernel: str, case: Case) -> str:
 def run(kernel: str, query: Array, key: Array, value: Array, bias, mask, *,
         scale: float, is_causal: bool, window: int | None = None) -> Array:
   """Attention [B, T, N, H] by fused `kernel` (as `choose` returned it)."""
-  if kernel == 'cudnn':
-    return fused_kernels.cudnn_attention(query, key, value, bias, mask,
-                                         scale=scale, is_causal=is_causal,
-                                         window=window)
-  fn = {'pallas_tpu': fused_kernels.splash,
+  fn = {'cudnn': fused_kernels.cudnn_attention,
+        'pallas_tpu': fused_kernels.splash,
         'pallas_gpu': fused_kernels.pallas_gpu}[kernel]
-  return fused_kernels.over_batch_shards(
-      lambda q, k, v, m: fn(q, k, v, m, scale=scale, is_causal=is_causal,
-                            window=window), query, key, value, mask)
+  return fused_kernels.over_shards(
+      lambda q, k, v, b, m: fn(q, k, v, b, m, scale=scale,
+                               is_causal=is_causal, window=window),
+      query, key, value, bias, mask)

@@ -1,7 +1,8 @@
 """The fused kernels that model/attention/fused.py chooses among, each
 called as `dense` would be: cuDNN's, Pallas splash attention (TPU) and
-Pallas flash attention (GPU), the last two in a `shard_map` over the batch
-under a mesh. Rows that see no key give zeros, as `dense` does.
+Pallas flash attention (GPU). Under a mesh each runs in a `shard_map` that
+splits the batch and the heads as the model's arrays are split
+(`over_shards`). Rows that see no key give zeros, as `dense` does.
 """
 
 import math
@@ -11,9 +12,11 @@ import jax
 from jax.experimental.pallas.ops.gpu import attention as pallas_gpu_ops
 from jax.experimental.pallas.ops.tpu import splash_attention as splash_ops
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from model.attention import core
+from model import logical_axes
+from model.attention import core, cudnn_packed
 
 Array = jax.Array
 # A padding id no packed row uses.
@@ -58,7 +61,11 @@ def cudnn_attention(query: Array, key: Array, value: Array, bias, mask, *,
   the mask only where rows are padded on the right (as every pipeline of
   train/data pads them): a row padded anywhere else comes out NaN, loudly,
   rather than differing from dense. A row with no key at all comes out 0,
-  as from dense."""
+  as from dense. Packed rows go in as cuDNN's packed layout."""
+  if isinstance(mask, core.SegmentMask):
+    return cudnn_packed.attention(
+        query, key, value, mask.q_segment_ids_BxT, scale=scale,
+        is_causal=is_causal, max_segments=mask.max_segments)
   kwargs = {}
   if window:
     kwargs['local_window_size'] = (window - 1, 0)
@@ -114,9 +121,10 @@ def _splash_block(length: int) -> int:
   return next(block for block in (512, 256, 128) if length % block == 0)
 
 
-def splash(query, key, value, mask, *, scale, is_causal, window):
+def splash(query, key, value, bias, mask, *, scale, is_causal, window):
   """Splash attention, vmapped over the batch; queries and keys padded to
   multiples of 128 (the TPU's lanes)."""
+  del bias  # Refused.
   batch, q_len, num_heads, _ = query.shape
   kv_len = key.shape[1]
   padded_q, padded_kv = _padded_length(q_len, 128), _padded_length(kv_len, 128)
@@ -165,9 +173,9 @@ def _pallas_gpu_length(length: int) -> int:
   return _padded_length(length, 128)
 
 
-def pallas_gpu(query, key, value, mask, *, scale, is_causal, window):
+def pallas_gpu(query, key, value, bias, mask, *, scale, is_causal, window):
   """The Pallas (Triton) flash attention; self-attention only."""
-  del window  # Refused.
+  del bias, window  # Refused.
   batch, length, num_heads, _ = query.shape
   padded = _pallas_gpu_length(length)
   block = min(128, padded)
@@ -187,31 +195,57 @@ def pallas_gpu(query, key, value, mask, *, scale, is_causal, window):
   return out[:, :length]
 
 
-def _batch_axes() -> tuple[str, ...]:
+def split_axes(logical: str) -> tuple[str, ...]:
   """The axes of the mesh in context, of size > 1 and not already manual,
-  that the logical axis 'batch' maps to (under `nn.logical_axis_rules`)."""
+  that the logical axis `logical` maps to under the rules in context
+  (`nn.logical_axis_rules`, the rules the model's own arrays follow)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return ()
-  spec = nn.logical_to_mesh_axes(('batch',))[0]
-  names = (spec,) if isinstance(spec, str) else tuple(spec or ())
+  target = nn.logical_to_mesh_axes((logical,))[0]
+  names = (target,) if isinstance(target, str) else tuple(target or ())
   return tuple(name for name in names if mesh.shape.get(name, 1) > 1
                and name not in mesh.manual_axes)
 
 
-def over_batch_shards(fn, query, key, value, mask):
-  """fn(query, key, value, mask), each device taking its examples of the
-  batch where a mesh splits it (a Pallas call cannot be split by XLA)."""
-  axes = _batch_axes()
-  if not axes or query.shape[0] % math.prod(
-      jax.sharding.get_abstract_mesh().shape[name] for name in axes):
-    return fn(query, key, value, mask)
-  rows = jax.sharding.PartitionSpec(axes)
-  mask_spec = None
-  if isinstance(mask, core.SegmentMask):
-    mask_spec = jax.tree.map(lambda _: rows, mask)
-  elif mask is not None:
-    mask_spec = rows if mask.shape[0] != 1 else jax.sharding.PartitionSpec()
-  return jax.shard_map(fn, in_specs=(rows, rows, rows, mask_spec),
-                       out_specs=rows, axis_names=set(axes), check_vma=False)(
-                           query, key, value, mask)
+def _shards(axes: tuple[str, ...]) -> int:
+  mesh = jax.sharding.get_abstract_mesh()
+  return math.prod(mesh.shape[name] for name in axes)
+
+
+def over_shards(fn, query: Array, key: Array, value: Array, bias, mask):
+  """fn(query, key, value, bias, mask) with each device taking its examples
+  and its heads, where the mesh in context splits them as the model's
+  activations (logical_axes.BATCH) and projections (HEADS, KV_HEADS) are:
+  a kernel XLA cannot split runs in a `shard_map`, and nothing is gathered.
+  The heads are split only where query and key/value heads go to the same
+  mesh axes and both divide evenly (a query head must find its key/value
+  head on its own device); else each device takes every head of its
+  examples."""
+  batch_axes = split_axes(logical_axes.BATCH)
+  if query.shape[0] % _shards(batch_axes):
+    batch_axes = ()
+  head_axes = split_axes(logical_axes.HEADS)
+  if (split_axes(logical_axes.KV_HEADS) != head_axes
+      or set(head_axes) & set(batch_axes)
+      or query.shape[2] % _shards(head_axes)
+      or key.shape[2] % _shards(head_axes)):
+    head_axes = ()
+  if not batch_axes and not head_axes:
+    return fn(query, key, value, bias, mask)
+  rows = P(batch_axes or None)
+  heads = P(batch_axes or None, None, head_axes or None)
+
+  def spec(array):
+    """A mask or bias [B?, N?, T, S], each axis split if not broadcast."""
+    return P((batch_axes or None) if array.shape[0] > 1 else None,
+             (head_axes or None) if array.shape[1] > 1 else None)
+
+  mask_spec = (jax.tree.map(lambda _: rows, mask)
+               if isinstance(mask, core.SegmentMask)
+               else None if mask is None else spec(mask))
+  bias_spec = None if bias is None else spec(bias)
+  return jax.shard_map(
+      fn, in_specs=(heads, heads, heads, bias_spec, mask_spec),
+      out_specs=heads, axis_names=set(batch_axes + head_axes),
+      check_vma=False)(query, key, value, bias, mask)

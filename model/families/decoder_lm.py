@@ -58,7 +58,10 @@ class DecoderLM(nn.Module):
       self_mask = None
       if segment_ids_BxT is not None:
         # Compared block by block where attention is: never [B, 1, T, T].
-        self_mask = attention.SegmentMask(segment_ids_BxT)
+        # Its runs: the packed windows, then the padding after them.
+        self_mask = attention.SegmentMask(
+            segment_ids_BxT,
+            max_segments=self.config.max_segments_per_row + 1)
       x_BxTxD, _ = decoder(x_BxTxD, BlockInputs(
           positions_BxT, self_mask, deterministic=deterministic))
       return output(embedder, x_BxTxD, readout), None

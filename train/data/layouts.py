@@ -207,9 +207,10 @@ def lm_examples(documents: grain.MapDataset, seq_len: int, *, layout: str,
 
 def lm_batches(examples: grain.MapDataset, *, seq_len: int, batch_size: int,
                seed: int, train: bool, layout: str,
-               read_options: grain.ReadOptions) -> grain.IterDataset:
+               read_options: grain.ReadOptions,
+               max_segments: int | None = None) -> grain.IterDataset:
   """Batches of LM examples in `layout`; partial final batches when not
-  `train`."""
+  `train`; a packed row closes at `max_segments` windows (None: never)."""
   if layout == 'streams':
     return _Streams(examples, seq_len, batch_size, read_options)
   windows = grain.experimental.FlatMapIterDataset(
@@ -219,7 +220,8 @@ def lm_batches(examples: grain.MapDataset, *, seq_len: int, batch_size: int,
         batch_size, drop_remainder=train)
   packed = grain.experimental.FirstFitPackIterDataset(
       windows, length_struct={'inputs': seq_len, 'targets': seq_len},
-      num_packing_bins=batch_size, seed=seed, shuffle_bins=train)
+      num_packing_bins=batch_size, seed=seed, shuffle_bins=train,
+      max_sequences_per_bin=max_segments)
   return packed.batch(batch_size, drop_remainder=train).map(_packed_lm_batch)
 
 

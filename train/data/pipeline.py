@@ -30,11 +30,13 @@ PREFETCH_BATCHES = 2
 
 def train_iterator(dataset: Dataset, *, seq_len: int, batch_size: int,
                    seed: int, layout: str = 'packed',
+                   max_segments: int | None = None,
                    place: Callable[[dict], dict] | None = None
                    ) -> grain.DatasetIterator:
   """Endless shuffled training batches; checkpointable with grain.
 
-  `layout` (LM only) is one of layouts.LAYOUTS. `place`
+  `layout` (LM only) is one of layouts.LAYOUTS; a packed row holds at most
+  `max_segments` windows (None: any number). `place`
   (a batch of numpy arrays -> the same on the devices) runs in the
   prefetching thread, so that batches wait on the devices before the step
   that needs them.
@@ -43,7 +45,7 @@ def train_iterator(dataset: Dataset, *, seq_len: int, batch_size: int,
   examples = task.examples(dataset, 'train', seq_len=seq_len, layout=layout)
   batches = task.batches(dataset, examples.seed(seed).shuffle().repeat(),
                          seq_len=seq_len, batch_size=batch_size, seed=seed,
-                         train=True, layout=layout)
+                         train=True, layout=layout, max_segments=max_segments)
   if place is not None:
     batches = batches.map(place)
   return iter(grain.experimental.ThreadPrefetchIterDataset(
@@ -70,9 +72,11 @@ def _pad_batch(batch: dict[str, np.ndarray], batch_size: int
 
 
 def eval_batches(dataset: Dataset, split: str, *, seq_len: int,
-                 batch_size: int, num_batches: int, layout: str = 'packed'
+                 batch_size: int, num_batches: int, layout: str = 'packed',
+                 max_segments: int | None = None
                  ) -> Iterator[dict[str, np.ndarray]]:
-  """Batches of `split` in order, all of `batch_size` examples.
+  """Batches of `split` in order, all of `batch_size` examples (packed
+  rows of at most `max_segments` windows, as `train_iterator`'s).
 
   The whole split when `num_batches` is -1; otherwise exactly `num_batches`
   batches, the last ones empty (zero weight) if the split runs out first.
@@ -81,7 +85,7 @@ def eval_batches(dataset: Dataset, split: str, *, seq_len: int,
   batches = task.batches(
       dataset, task.examples(dataset, split, seq_len=seq_len, layout=layout),
       seq_len=seq_len, batch_size=batch_size, seed=0, train=False,
-      layout=layout)
+      layout=layout, max_segments=max_segments)
   count = 0
   empty = None
   for batch in batches:

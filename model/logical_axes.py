@@ -1,0 +1,17 @@
+"""Logical axis names that more than one layer of the code must agree on.
+
+The model lays out its activations and attention heads by these names;
+train/sharding.py's rules map them to mesh axes; the fused attention
+kernels (model/attention/fused_kernels.py) read the same rules to split
+their `shard_map` as the model's own arrays are split. A renamed axis
+changes all three at once.
+"""
+
+# Activations [B, T, D] between blocks: by example, position and feature.
+BATCH = 'activation_batch'
+LENGTH = 'activation_length'
+EMBED = 'activation_embed'
+ACTIVATIONS = (BATCH, LENGTH, EMBED)
+# The query heads and the key/value heads of attention's projections.
+HEADS = 'heads'
+KV_HEADS = 'kv_heads'
