@@ -121,7 +121,8 @@ def alibi_bias(q_positions_BxT: Array, kv_positions_BxS: Array,
   """-slope_n * |i - j| for head n: a penalty growing with distance."""
   return attention.PositionBias(
       {'q_positions': q_positions_BxT, 'kv_positions': kv_positions_BxS,
-       'slopes': jnp.asarray(alibi_slopes(num_heads))}, _alibi_at)
+       'slopes': jnp.asarray(alibi_slopes(num_heads))}, _alibi_at,
+      kind='alibi')
 
 
 def t5_buckets(relative_BxTxS: Array, *, bidirectional: bool,
@@ -304,6 +305,8 @@ class PositionScheme:
   # the layer holding its parameters (None: it has none).
   bias: Callable[..., attention.PositionBias] | None = None
   bias_layer: Callable[[Any, bool], nn.Module] | None = None
+  # The `kind` of its PositionBias: 'alibi' where a fused kernel computes it.
+  bias_kind: str = 'function'
   # Rotates self-attention's queries and keys by position (config -> the
   # largest wavelength).
   rotation: Callable[[Any], float] | None = None
@@ -390,7 +393,7 @@ SCHEMES: dict[str, PositionScheme] = {scheme.name: scheme for scheme in (
     PositionScheme('t5_bias', bias_layer=_t5_layer, bias=_t5_bias),
     PositionScheme('rope',
                    rotation=lambda config: config.rope_max_wavelength),
-    PositionScheme('alibi', bias=_alibi_bias),
+    PositionScheme('alibi', bias=_alibi_bias, bias_kind='alibi'),
     # Content logits take DeBERTa's scale too.
     PositionScheme('deberta', bias_layer=_deberta_layer, bias=_deberta_bias,
                    logit_scale=lambda config: deberta_scale(config.head_dim)),

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import attention, logical_axes
-from model.attention import cudnn_packed, fused, fused_kernels
+from model import attention, logical_axes, positions
+from model.attention import alibi_flash, cudnn_packed, fused, fused_kernels
 from model.attention.fused import Case
 
 B, N, H = 2, 4, 16
@@ -166,6 +166,66 @@ def test_rows_with_keys_match_brute_force():
           allowed.any(-1))
 
 
+# --- ALiBi's bias inside the kernel ---
+
+ALIBI_IDS = np.repeat(np.array([[1, 2, 0], [3, 3, 4]]), [15, 20, 5], axis=1)
+ALIBI_POSITIONS = np.concatenate(
+    [np.arange(15), np.arange(20), np.arange(5)])[None].repeat(B, 0)
+
+# name: (key/value heads, causal, mask, positions, dtype, tolerance).
+ALIBI_CASES = {
+    # Packed rows (positions from each document's start), GQA.
+    'causal_packed_gqa': (2, True, attention.SegmentMask(
+        jnp.asarray(ALIBI_IDS)), ALIBI_POSITIONS, jnp.float32, 2e-5),
+    # Right padding, row 1 all padding (it comes out 0), MQA.
+    'bidirectional_padded_mqa': (1, False, jnp.asarray(
+        np.arange(40) < np.array([29, 0])[:, None])[:, None, None],
+                                 np.arange(40)[None], jnp.float32, 2e-5),
+    # Half precision: a few bfloat16 ulps, as dense's own rounding.
+    'causal_bfloat16': (4, True, None, np.arange(40)[None], jnp.bfloat16,
+                        6e-2),
+}
+
+
+@pytest.mark.parametrize('name', ALIBI_CASES)
+def test_alibi_kernel_equals_dense_with_alibis_bias(name):
+  """T = 40, no multiple of the kernel's block: outputs and q/k/v
+  gradients equal dense's under the same PositionBias."""
+  num_kv_heads, is_causal, mask, positions_, dtype, atol = ALIBI_CASES[name]
+  q, k, v = (x.astype(dtype) for x in make_qkv(len(name), 40, num_kv_heads))
+  positions_BxT = jnp.broadcast_to(jnp.asarray(positions_), (B, 40))
+  bias = positions.alibi_bias(positions_BxT, positions_BxT, N)
+  kwargs = dict(bias=bias, mask=mask, is_causal=is_causal)
+  chunked = attention.get('chunked')
+  ours = value_and_grads(chunked, q, k, v, kernel='pallas_gpu', **kwargs)
+  reference = value_and_grads(dense, q, k, v, **kwargs)
+  assert_all_close([x.astype(jnp.float32) for x in ours],
+                   [x.astype(jnp.float32) for x in reference], atol=atol)
+  if mask is not None and not is_causal:
+    np.testing.assert_array_equal(ours[0][1], 0.0)
+
+
+def test_alibi_kernel_lowers_to_triton_for_a_gpu(monkeypatch):
+  """Exported for CUDA from this CPU (not interpreted, as on a GPU): the
+  forward, dq and dk/dv kernels lower to three Triton calls."""
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  shape = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype)
+
+  def loss(q, k, v, positions_BxT):
+    out = alibi_flash.attention(
+        q, k, v, positions_BxT, positions_BxT, jnp.ones(4), scale=0.125,
+        is_causal=True, q_ids_BxT=positions_BxT, kv_ids_BxT=positions_BxT)
+    return jnp.sum(out.astype(jnp.float32))
+
+  exported = jax.export.export(
+      jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=['cuda'],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+          '__gpu$xla.gpu.triton')])(
+              shape(1, 256, 4, 64), shape(1, 256, 2, 64),
+              shape(1, 256, 2, 64), shape(1, 256, dtype=jnp.int32))
+  assert exported.mlir_module().count('@__gpu$xla.gpu.triton(') == 3
+
+
 # --- packed rows in cuDNN's layout ---
 
 
@@ -292,6 +352,16 @@ AUTO = [
     (case('gpu', mask='segments', compute_capability='9.0'), 'pallas_gpu'),
     (case('gpu', dtype='float32', mask='segments', compute_capability='9.0',
           max_segments=33), 'pallas_gpu'),
+    # ALiBi: the project's own Pallas kernel on a GPU; none on a TPU.
+    (case('gpu', bias='alibi'), 'pallas_gpu'),
+    (case('gpu', bias='alibi', mask='segments', compute_capability='9.0',
+          max_segments=33), 'pallas_gpu'),
+    (case('gpu', bias='alibi', mask='key_padding', is_causal=False),
+     'pallas_gpu'),
+    (case('gpu', bias='alibi', head_dim=96), 'xla'),
+    (case('gpu', bias='alibi', window=64), 'xla'),
+    (case('gpu', bias='alibi', q_len=1), 'xla'),
+    (case('tpu', bias='alibi'), 'xla'),
     # A length split over the mesh: no fused kernel (ring computes it).
     (case('tpu', length_shards=2), 'xla'),
     (case('gpu', length_shards=4), 'xla'),

@@ -135,12 +135,12 @@ def test_experts_spread_over_devices_by_a_logical_axis_rule():
   assert {s.data.shape for s in experts.addressable_shards} == {(1, 32, 64)}
 
 
-def compiled_step(kernel: str, **parallelism):
+def compiled_step(kernel: str, model: dict, **parallelism):
   """(the params after one step of chunked attention on `kernel`, its
   metric sums, its compiled HLO) under the trainer's own rules."""
   config = small_config(**parallelism)
   config.model.update(attention='chunked',
-                      attention_options={'kernel': kernel})
+                      attention_options={'kernel': kernel}, **model)
   program = program_for(config, jax.devices())
   batch = program.batch(next(lm_batches(1)))
   with program.scope():
@@ -150,20 +150,30 @@ def compiled_step(kernel: str, **parallelism):
   return state.params, sums, step.as_text()
 
 
-FUSED_MESHES = {'data8': dict(data=8), 'data4_tensor2': dict(data=4, tensor=2),
-                'data2_tensor4': dict(data=2, tensor=4)}
+# name: (mesh, config.model's changes, the fused kernels compared with
+# xla).
+FUSED_LAYOUTS = {
+    'data8': (dict(data=8), {}, ('pallas_tpu', 'pallas_gpu')),
+    'data4_tensor2': (dict(data=4, tensor=2), {},
+                      ('pallas_tpu', 'pallas_gpu')),
+    'data2_tensor4': (dict(data=2, tensor=4), {},
+                      ('pallas_tpu', 'pallas_gpu')),
+    # ALiBi's slopes split by head, its positions by example; heads of 16.
+    'data4_tensor2_alibi': (dict(data=4, tensor=2),
+                            dict(position='alibi', num_heads=2),
+                            ('pallas_gpu',)),
+}
 
 
-@pytest.mark.parametrize('mesh_name', FUSED_MESHES)
-def test_fused_kernels_split_like_the_model_under_the_trainers_rules(
-    mesh_name):
+@pytest.mark.parametrize('name', FUSED_LAYOUTS)
+def test_fused_kernels_split_like_the_model_under_the_trainers_rules(name):
   """Each Pallas kernel (interpreted) in a train step on packed rows: the
   same loss and updated parameters (SGD: the gradients) as the xla kernel,
   and no more all-gathers: each device computes its own examples' heads."""
-  params, sums, hlo = compiled_step('xla', **FUSED_MESHES[mesh_name])
-  for kernel in ('pallas_tpu', 'pallas_gpu'):
-    got_params, got_sums, got_hlo = compiled_step(
-        kernel, **FUSED_MESHES[mesh_name])
+  layout, model, kernels = FUSED_LAYOUTS[name]
+  params, sums, hlo = compiled_step('xla', model, **layout)
+  for kernel in kernels:
+    got_params, got_sums, got_hlo = compiled_step(kernel, model, **layout)
     np.testing.assert_allclose(got_sums['loss_sum'], sums['loss_sum'],
                                rtol=1e-5)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5),

@@ -74,7 +74,8 @@ def choices(config: ml_collections.ConfigDict, model_config: ModelConfig,
   if backend != here:
     capability = None
   length_shards = _length_shards(config, devices)
-  bias = 'function' if SCHEMES[model_config.position].bias else 'none'
+  scheme = SCHEMES[model_config.position]
+  bias = scheme.bias_kind if scheme.bias else 'none'
   max_segments = model_config.max_segments_per_row + 1  # With padding.
   found = []
   stacks = FAMILIES[model_config.family].self_attention(

@@ -14,6 +14,7 @@ pass, which visits the same blocks. Any T and S work: the last block and
 chunk are padded with masked queries and keys.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -146,7 +147,7 @@ def _attend_bwd(plan, residuals, d_out):
       d_out_block = plan.query_block(d_out_5, q_index)
       if position_bias:
         bias_block, pull_back = jax.vjp(
-            lambda data: plan.bias_block(core.PositionBias(data, bias.fn),
+            lambda data: plan.bias_block(dataclasses.replace(bias, data=data),
                                          q_index, kv_index), bias.data)
       else:
         bias_block = plan.bias_block(bias, q_index, kv_index)
@@ -189,7 +190,8 @@ def _attend_bwd(plan, residuals, d_out):
     return x.reshape(x.shape[0], -1, *x.shape[3:])
 
   if position_bias:
-    d_bias = core.PositionBias(_zero_integers(bias.data, d_bias), bias.fn)
+    d_bias = dataclasses.replace(
+        bias, data=_zero_integers(bias.data, d_bias))
   elif d_bias is not None:
     d_bias = d_bias.astype(bias.dtype)
   return (_to_output(plan, d_query, query.dtype),

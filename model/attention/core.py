@@ -38,11 +38,16 @@ class PositionBias:
   visits blocks of pairs asks for those blocks only, so relative position
   biases never make it build the whole [B, N, T, S]. `data` holds the arrays
   the function reads (positions, learned tables) and is differentiated.
+  `kind` 'alibi' marks ALiBi's bias, -slopes[n] |kv_positions -
+  q_positions| from `data`'s arrays of those names, which a fused kernel
+  computes itself (alibi_flash.py); any other is 'function'.
   """
 
   data: Any
   fn: Callable[[Any, Array, Array], Array] = dataclasses.field(
       metadata={'static': True})
+  kind: str = dataclasses.field(default='function',
+                                metadata={'static': True})
 
   def at(self, q_index, k_index) -> Array:
     return self.fn(self.data, q_index, k_index)

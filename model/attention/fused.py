@@ -10,7 +10,8 @@
   pallas_tpu  Pallas splash attention (`jax.experimental.pallas.ops.tpu.
               splash_attention`); TPU, and the CPU in interpret mode.
   pallas_gpu  Pallas flash attention (`jax.experimental.pallas.ops.gpu.
-              attention.mha`); GPU, and the CPU in interpret mode.
+              attention.mha`), and under ALiBi's bias the project's own
+              (alibi_flash.py); GPU, and the CPU in interpret mode.
 
 A kernel takes a case only where it computes it as `dense` does;
 `refusal(kernel, case)` says why it does not. `kernel='auto'` takes the
@@ -54,7 +55,8 @@ class Case:
   mask: 'none'; 'segments' (a SegmentMask of self-attention: one id array
     for queries and keys); 'key_padding' (a bool array [B, 1, 1, S]);
     'other' (any other mask).
-  bias: 'none', 'array', or 'function' (a PositionBias).
+  bias: 'none', 'array', 'alibi' (ALiBi's PositionBias) or 'function'
+    (any other PositionBias).
   window: local attention's window (query i sees keys j with |i - j| <
     window; causal: 0 <= i - j < window); None for none.
   length_shards: the devices the mesh splits the length over.
@@ -82,7 +84,7 @@ class Case:
     parts += {'segments': ['packed rows'], 'key_padding': ['padded rows'],
               'other': ['a mask array'], 'none': []}[self.mask]
     parts += {'array': ['a bias array'], 'function': ['a position bias'],
-              'none': []}[self.bias]
+              'alibi': ["ALiBi's bias"], 'none': []}[self.bias]
     if self.window:
       parts.append(f'window {self.window}')
     if self.length_shards > 1:
@@ -114,7 +116,8 @@ def case_of(query: Array, key: Array, bias, mask, *, is_causal: bool,
   if bias is None:
     bias_kind = 'none'
   else:
-    bias_kind = 'function' if isinstance(bias, core.PositionBias) else 'array'
+    bias_kind = (bias.kind if isinstance(bias, core.PositionBias)
+                 else 'array')
   dtype = jnp.dtype(query.dtype).name
   if key.dtype != query.dtype:  # The fused kernels take one dtype.
     dtype += f' queries, {jnp.dtype(key.dtype).name} keys'
@@ -142,7 +145,7 @@ def _cudnn_refusal(case: Case) -> str | None:
     return _cudnn_packed_refusal(case)
   if case.mask == 'other':
     return 'takes no mask but right padding (a row it masks whole differs)'
-  if case.bias == 'function':
+  if case.bias in ('function', 'alibi'):
     return 'takes a bias array, not a position bias computed by blocks'
   if case.window and not case.is_causal:
     return 'takes a window only under a causal mask'
@@ -189,14 +192,28 @@ def _pallas_gpu_refusal(case: Case) -> str | None:
   if case.q_len != case.kv_len:
     return ('computes self-attention only (one array of segment ids serves '
             'queries and keys)')
+  if case.bias == 'alibi':
+    return _alibi_flash_refusal(case)
   if case.mask in ('key_padding', 'other'):
     return 'takes segment ids, not a mask array'
   if case.bias != 'none':
-    return 'takes no bias'
+    return "takes no bias but ALiBi's"
   if case.window:
     return 'takes no window'
   if case.head_dim > 128:
     return f'takes head dims up to 128, not {case.head_dim}'
+  return None
+
+
+def _alibi_flash_refusal(case: Case) -> str | None:
+  """ALiBi's bias, by the project's own kernel (alibi_flash.py)."""
+  if case.mask == 'other':
+    return 'takes packed rows or a key padding mask, not a mask array'
+  if case.window:
+    return 'takes no window'
+  if case.head_dim not in (16, 32, 64, 128):
+    return (f'takes head dims of 16, 32, 64 or 128 under ALiBi, not '
+            f'{case.head_dim}')
   return None
 
 

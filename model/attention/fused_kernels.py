@@ -5,6 +5,7 @@ splits the batch and the heads as the model's arrays are split
 (`over_shards`). Rows that see no key give zeros, as `dense` does.
 """
 
+import dataclasses
 import math
 
 from flax import linen as nn
@@ -16,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from model import logical_axes
-from model.attention import core, cudnn_packed
+from model.attention import alibi_flash, core, cudnn_packed
 
 Array = jax.Array
 # A padding id no packed row uses.
@@ -173,9 +174,29 @@ def _pallas_gpu_length(length: int) -> int:
   return _padded_length(length, 128)
 
 
+def _alibi(query, key, value, bias, mask, *, scale, is_causal):
+  """ALiBi's bias by alibi_flash.py's kernel; the mask as segment ids."""
+  ids = {}
+  if isinstance(mask, core.SegmentMask):
+    ids = dict(q_ids_BxT=mask.q_segment_ids_BxT,
+               kv_ids_BxT=mask.q_segment_ids_BxT)
+  elif mask is not None:  # Keys of id 1 are seen by no query (of id 0).
+    valid = _key_valid(mask, query.shape[0])
+    ids = dict(q_ids_BxT=jnp.zeros(valid.shape, jnp.int32),
+               kv_ids_BxT=jnp.where(valid, 0, 1))
+  return alibi_flash.attention(
+      query, key, value, bias.data['q_positions'],
+      bias.data['kv_positions'], bias.data['slopes'], scale=scale,
+      is_causal=is_causal, **ids)
+
+
 def pallas_gpu(query, key, value, bias, mask, *, scale, is_causal, window):
-  """The Pallas (Triton) flash attention; self-attention only."""
-  del bias, window  # Refused.
+  """The Pallas (Triton) flash attention; self-attention only. Under
+  ALiBi's bias, the project's own kernel (alibi_flash.py)."""
+  del window  # Refused.
+  if bias is not None:
+    return _alibi(query, key, value, bias, mask, scale=scale,
+                  is_causal=is_causal)
   batch, length, num_heads, _ = query.shape
   padded = _pallas_gpu_length(length)
   block = min(128, padded)
@@ -241,10 +262,21 @@ def over_shards(fn, query: Array, key: Array, value: Array, bias, mask):
     return P((batch_axes or None) if array.shape[0] > 1 else None,
              (head_axes or None) if array.shape[1] > 1 else None)
 
+  def bias_spec_of(bias):
+    """ALiBi's: positions [B?, T] by example, slopes [N] by head."""
+    if not isinstance(bias, core.PositionBias):
+      return spec(bias)
+    by_example = lambda x: P((batch_axes or None) if x.shape[0] > 1
+                             else None)
+    return dataclasses.replace(bias, data={
+        'q_positions': by_example(bias.data['q_positions']),
+        'kv_positions': by_example(bias.data['kv_positions']),
+        'slopes': P(head_axes or None)})
+
   mask_spec = (jax.tree.map(lambda _: rows, mask)
                if isinstance(mask, core.SegmentMask)
                else None if mask is None else spec(mask))
-  bias_spec = None if bias is None else spec(bias)
+  bias_spec = None if bias is None else bias_spec_of(bias)
   return jax.shard_map(
       fn, in_specs=(heads, heads, heads, bias_spec, mask_spec),
       out_specs=heads, axis_names=set(batch_axes + head_axes),
