@@ -62,15 +62,16 @@ def test_packed_rows_take_cudnn_on_hopper_and_newer(monkeypatch):
     assert choice.case.max_segments == lm.model.max_segments_per_row + 1
 
 
-def test_alibi_layers_run_the_alibi_kernel_on_a_gpu():
-  """make train's model (ALiBi) on chunked attention."""
+def test_alibi_layers_run_the_alibi_kernels_on_a_gpu_or_tpu():
+  """make train's model: ALiBi, attention 'auto' (chunked)."""
   config = lm_stdlib.get_config()
-  config.model.attention = 'auto'
-  found = attention_kernels.choices(
-      config, ModelConfig.from_mapping(config.model), config.seq_len, 'gpu')
-  assert found and {(c.case.bias, c.kernel) for c in found} == {
-      ('alibi', 'pallas_gpu')}
-  assert found[0].describe().endswith("ALiBi's bias)")
+  model_config = ModelConfig.from_mapping(config.model)
+  for backend in ('gpu', 'tpu'):
+    found = attention_kernels.choices(config, model_config, config.seq_len,
+                                      backend)
+    assert found and {(c.case.bias, c.kernel) for c in found} == {
+        ('alibi', f'pallas_{backend}')}
+    assert found[0].describe().endswith("ALiBi's bias)")
 
 
 def test_a_length_split_over_the_mesh_refuses_a_named_fused_kernel():

@@ -232,6 +232,15 @@ def test_lm_batches_hold_each_document_once_with_shifted_targets(
   assert most_segments == (max_segments or 4)
 
 
+def test_a_packed_row_over_the_bound_is_refused_naming_the_key():
+  rows = np.array([[1, 1, 2, 3, 0], [4, 4, 4, 5, 5]])
+  layouts.check_segments(rows, 3)
+  with pytest.raises(InputError, match=(
+      r'a packed row holds 3 windows, more than '
+      r'config.model.max_segments_per_row=2')):
+    layouts.check_segments(rows, 2)
+
+
 def test_eval_batches_pad_to_the_requested_count():
   documents = [np.arange(2, 2 + n) for n in (3, 5)]
   batches = list(pipeline.eval_batches(_lm_dataset(documents), 'validation',

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from model import attention, logical_axes, positions
-from model.attention import alibi_flash, cudnn_packed, fused, fused_kernels
+from model.attention import (alibi_flash, alibi_flash_tpu, cudnn_packed,
+                             fused, fused_kernels)
 from model.attention.fused import Case
 
 B, N, H = 2, 4, 16
@@ -188,8 +189,9 @@ ALIBI_CASES = {
 
 
 @pytest.mark.parametrize('name', ALIBI_CASES)
-def test_alibi_kernel_equals_dense_with_alibis_bias(name):
-  """T = 40, no multiple of the kernel's block: outputs and q/k/v
+@pytest.mark.parametrize('kernel', ['pallas_gpu', 'pallas_tpu'])
+def test_alibi_kernels_equal_dense_with_alibis_bias(kernel, name):
+  """T = 40, no multiple of the kernels' blocks: outputs and q/k/v
   gradients equal dense's under the same PositionBias."""
   num_kv_heads, is_causal, mask, positions_, dtype, atol = ALIBI_CASES[name]
   q, k, v = (x.astype(dtype) for x in make_qkv(len(name), 40, num_kv_heads))
@@ -197,7 +199,7 @@ def test_alibi_kernel_equals_dense_with_alibis_bias(name):
   bias = positions.alibi_bias(positions_BxT, positions_BxT, N)
   kwargs = dict(bias=bias, mask=mask, is_causal=is_causal)
   chunked = attention.get('chunked')
-  ours = value_and_grads(chunked, q, k, v, kernel='pallas_gpu', **kwargs)
+  ours = value_and_grads(chunked, q, k, v, kernel=kernel, **kwargs)
   reference = value_and_grads(dense, q, k, v, **kwargs)
   assert_all_close([x.astype(jnp.float32) for x in ours],
                    [x.astype(jnp.float32) for x in reference], atol=atol)
@@ -205,25 +207,28 @@ def test_alibi_kernel_equals_dense_with_alibis_bias(name):
     np.testing.assert_array_equal(ours[0][1], 0.0)
 
 
-def test_alibi_kernel_lowers_to_triton_for_a_gpu(monkeypatch):
-  """Exported for CUDA from this CPU (not interpreted, as on a GPU): the
-  forward, dq and dk/dv kernels lower to three Triton calls."""
-  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+@pytest.mark.parametrize('backend,module,platform,call', [
+    ('gpu', alibi_flash, 'cuda', '__gpu$xla.gpu.triton'),
+    ('tpu', alibi_flash_tpu, 'tpu', 'tpu_custom_call')])
+def test_alibi_kernels_lower_for_their_accelerator(monkeypatch, backend,
+                                                   module, platform, call):
+  """Exported for a GPU (Triton) or a TPU (Mosaic) from this CPU, not
+  interpreted: the forward, dq and dk/dv kernels lower to three calls."""
+  monkeypatch.setattr(jax, 'default_backend', lambda: backend)
   shape = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype)
 
   def loss(q, k, v, positions_BxT):
-    out = alibi_flash.attention(
+    out = module.attention(
         q, k, v, positions_BxT, positions_BxT, jnp.ones(4), scale=0.125,
         is_causal=True, q_ids_BxT=positions_BxT, kv_ids_BxT=positions_BxT)
     return jnp.sum(out.astype(jnp.float32))
 
   exported = jax.export.export(
-      jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=['cuda'],
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
-          '__gpu$xla.gpu.triton')])(
-              shape(1, 256, 4, 64), shape(1, 256, 2, 64),
-              shape(1, 256, 2, 64), shape(1, 256, dtype=jnp.int32))
-  assert exported.mlir_module().count('@__gpu$xla.gpu.triton(') == 3
+      jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=[platform],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(call)])(
+          shape(1, 256, 4, 64), shape(1, 256, 2, 64), shape(1, 256, 2, 64),
+          shape(1, 256, dtype=jnp.int32))
+  assert exported.mlir_module().count(f'@{call}(') == 3
 
 
 # --- packed rows in cuDNN's layout ---
@@ -361,7 +366,9 @@ AUTO = [
     (case('gpu', bias='alibi', head_dim=96), 'xla'),
     (case('gpu', bias='alibi', window=64), 'xla'),
     (case('gpu', bias='alibi', q_len=1), 'xla'),
-    (case('tpu', bias='alibi'), 'xla'),
+    (case('tpu', bias='alibi'), 'pallas_tpu'),
+    (case('tpu', bias='alibi', head_dim=96, mask='segments'), 'pallas_tpu'),
+    (case('tpu', bias='alibi', window=64), 'xla'),
     # A length split over the mesh: no fused kernel (ring computes it).
     (case('tpu', length_shards=2), 'xla'),
     (case('gpu', length_shards=4), 'xla'),

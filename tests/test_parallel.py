@@ -161,7 +161,7 @@ FUSED_LAYOUTS = {
     # ALiBi's slopes split by head, its positions by example; heads of 16.
     'data4_tensor2_alibi': (dict(data=4, tensor=2),
                             dict(position='alibi', num_heads=2),
-                            ('pallas_gpu',)),
+                            ('pallas_tpu', 'pallas_gpu')),
 }
 
 

@@ -153,7 +153,7 @@ def test_runs_killed_at_three_points_resume_bit_for_bit(
   assert finished.returncode == 0, finished.stderr[-2000:]
   assert 'Resumed from the checkpoint at step 9.' in finished.stdout
   assert ('Attention kernels: decoder layer 0 local: xla (as set; float32, '
-          'causal, packed rows, a position bias, window 8)' in finished.stdout)
+          "causal, packed rows, ALiBi's bias, window 8)" in finished.stdout)
   assert_same_run(workdir, uninterrupted)
 
 

@@ -1,10 +1,10 @@
 """Flash attention with ALiBi's bias computed inside the kernel (Press et
 al. 2022): logits q.k * scale - slope_n |p_j - p_i| from each token's
 position p, so no [T, S] bias is ever built. A Pallas kernel: Triton on a
-GPU, interpreted on the CPU. Forward and backward (FlashAttention-2's
-recomputation from the saved log-sum-exp, Dao 2023), causal or not,
-grouped-query heads, and any mask that segment ids can say: packed rows,
-right padding (keys of another id), or none.
+GPU, interpreted on the CPU (alibi_flash_tpu.py is a TPU's). Forward and
+backward (FlashAttention-2's recomputation from the saved log-sum-exp, Dao
+2023), causal or not, grouped-query heads, and any mask that segment ids
+can say: packed rows, key padding (keys of another id), or none.
 
 Layout [B, T, N, H] as `dense`; queries and keys share one length T (self-
 attention), padded to a multiple of the block. Each query block is a
@@ -25,7 +25,7 @@ import numpy as np
 Array = jax.Array
 # A logit no softmax weight survives, finite so that a row of them stays
 # finite; such weights are also zeroed where they are masked.
-_MASKED = -0.7 * float(np.finfo(np.float32).max)
+MASKED = -0.7 * float(np.finfo(np.float32).max)
 # Ids of padded queries and keys: no real token and no each other.
 _PAD_QUERY, _PAD_KEY = np.iinfo(np.int32).min, np.iinfo(np.int32).min + 1
 
@@ -35,15 +35,26 @@ def block_size(length: int) -> int:
   return min(64, max(16, 1 << (length - 1).bit_length()))
 
 
+def biased_logits(s, q_pos, k_pos, q_ids, k_ids, q_index, k_index, *,
+                  slope, is_causal):
+  """(logits `s` [bq, bk] float32 less ALiBi's slope * |p_j - p_i|,
+  masked where ids differ or, causal, j > i; the bool mask). Positions,
+  ids and indices of queries [bq, 1] and of keys [1, bk]."""
+  distance = jnp.abs((k_pos - q_pos).astype(jnp.float32))
+  mask = q_ids == k_ids
+  if is_causal:
+    mask &= q_index >= k_index
+  return jnp.where(mask, s - slope * distance, MASKED), mask
+
+
 def _logits(q, k, q_pos, k_pos, q_ids, k_ids, q_index, k_index, *, slope,
             scale, is_causal):
-  """(float32 logits [bq, bk] with ALiBi's bias, bool mask [bq, bk])."""
+  """`biased_logits` of a query block and a key block (rows of [bq] and
+  [bk] positions, ids and indices)."""
   s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
-  distance = jnp.abs(k_pos[None, :] - q_pos[:, None]).astype(jnp.float32)
-  mask = q_ids[:, None] == k_ids[None, :]
-  if is_causal:
-    mask &= q_index[:, None] >= k_index[None, :]
-  return jnp.where(mask, s - slope * distance, _MASKED), mask
+  return biased_logits(s, q_pos[:, None], k_pos[None, :], q_ids[:, None],
+                       k_ids[None, :], q_index[:, None], k_index[None, :],
+                       slope=slope, is_causal=is_causal)
 
 
 def _key_blocks(query_block, num_blocks: int, is_causal: bool):
@@ -75,7 +86,7 @@ def _forward_kernel(slope_ref, q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref,
     return acc, m_next, l * correction + jnp.sum(p, axis=1)
 
   init = (jnp.zeros(q.shape, jnp.float32),
-          jnp.full((block,), _MASKED, jnp.float32),
+          jnp.full((block,), MASKED, jnp.float32),
           jnp.zeros((block,), jnp.float32))
   acc, m, l = lax.fori_loop(
       0, _key_blocks(i, k_ref.shape[0] // block, is_causal), visit, init)
@@ -250,6 +261,26 @@ def _pad(x: Array, length: int, value=0) -> Array:
                  + [(0, 0)] * (x.ndim - 2), constant_values=value)
 
 
+def padded(query: Array, key: Array, value: Array, q_positions_BxT: Array,
+           kv_positions_BxT: Array, q_ids_BxT: Array | None,
+           kv_ids_BxT: Array | None, block: int) -> tuple[Array, ...]:
+  """The inputs padded along T to a multiple of `block`: (q, k, v, query
+  positions, key positions, query ids, key ids), positions and ids [B, T]
+  int32; ids default to one for all, and padded queries and keys take
+  ids no token has."""
+  batch, length = query.shape[:2]
+  padded_length = -(-length // block) * block
+  if q_ids_BxT is None:
+    q_ids_BxT = kv_ids_BxT = jnp.zeros((batch, length), jnp.int32)
+  positions = [_pad(jnp.broadcast_to(p, (batch, length)).astype(jnp.int32),
+                    padded_length) for p in (q_positions_BxT,
+                                             kv_positions_BxT)]
+  return (_pad(query, padded_length), _pad(key, padded_length),
+          _pad(value, padded_length), *positions,
+          _pad(q_ids_BxT.astype(jnp.int32), padded_length, _PAD_QUERY),
+          _pad(kv_ids_BxT.astype(jnp.int32), padded_length, _PAD_KEY))
+
+
 def attention(query: Array, key: Array, value: Array, q_positions_BxT: Array,
               kv_positions_BxT: Array, slopes_N: Array, *, scale: float,
               is_causal: bool, q_ids_BxT: Array | None = None,
@@ -258,15 +289,9 @@ def attention(query: Array, key: Array, value: Array, q_positions_BxT: Array,
   query i and key j have equal ids (default: all do) and, when causal,
   j <= i. Positions and ids [B, T] int; slopes [N] float32 (constants: no
   gradient flows to them or to the positions)."""
-  batch, length, _, _ = query.shape
-  padded = -(-length // block_size(length)) * block_size(length)
-  if q_ids_BxT is None:
-    q_ids_BxT = kv_ids_BxT = jnp.zeros((batch, length), jnp.int32)
-  q_ids = _pad(q_ids_BxT.astype(jnp.int32), padded, _PAD_QUERY)
-  kv_ids = _pad(kv_ids_BxT.astype(jnp.int32), padded, _PAD_KEY)
-  positions = [_pad(jnp.broadcast_to(p, (batch, length)).astype(jnp.int32),
-                    padded) for p in (q_positions_BxT, kv_positions_BxT)]
-  out = _attention(slopes_N.astype(jnp.float32), _pad(query, padded),
-                   _pad(key, padded), _pad(value, padded), *positions,
+  q, k, v, q_pos, kv_pos, q_ids, kv_ids = padded(
+      query, key, value, q_positions_BxT, kv_positions_BxT, q_ids_BxT,
+      kv_ids_BxT, block_size(query.shape[1]))
+  out = _attention(slopes_N.astype(jnp.float32), q, k, v, q_pos, kv_pos,
                    (q_ids, kv_ids), scale, is_causal)
-  return out[:, :length]
+  return out[:, :query.shape[1]]

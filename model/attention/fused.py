@@ -8,7 +8,8 @@
               implementation='cudnn')`; GPU. Packed rows go in as its
               packed layout (cudnn_packed.py), on Hopper and newer.
   pallas_tpu  Pallas splash attention (`jax.experimental.pallas.ops.tpu.
-              splash_attention`); TPU, and the CPU in interpret mode.
+              splash_attention`), and under ALiBi's bias the project's own
+              (alibi_flash_tpu.py); TPU, and the CPU in interpret mode.
   pallas_gpu  Pallas flash attention (`jax.experimental.pallas.ops.gpu.
               attention.mha`), and under ALiBi's bias the project's own
               (alibi_flash.py); GPU, and the CPU in interpret mode.
@@ -177,10 +178,12 @@ def _pallas_tpu_refusal(case: Case) -> str | None:
     return f'takes float32 or bfloat16 inputs, not {case.dtype}'
   if case.is_causal and case.q_len != case.kv_len:
     return 'is causal only with as many queries as keys'
+  if case.bias == 'alibi':
+    return _alibi_flash_refusal(case)
   if case.mask == 'other':
     return 'takes segment ids or a key padding mask, not a mask array'
   if case.bias != 'none':
-    return 'takes no bias'
+    return "takes no bias but ALiBi's"
   return None
 
 
@@ -193,7 +196,7 @@ def _pallas_gpu_refusal(case: Case) -> str | None:
     return ('computes self-attention only (one array of segment ids serves '
             'queries and keys)')
   if case.bias == 'alibi':
-    return _alibi_flash_refusal(case)
+    return _alibi_flash_refusal(case, head_dims=(16, 32, 64, 128))
   if case.mask in ('key_padding', 'other'):
     return 'takes segment ids, not a mask array'
   if case.bias != 'none':
@@ -205,15 +208,18 @@ def _pallas_gpu_refusal(case: Case) -> str | None:
   return None
 
 
-def _alibi_flash_refusal(case: Case) -> str | None:
-  """ALiBi's bias, by the project's own kernel (alibi_flash.py)."""
+def _alibi_flash_refusal(case: Case, head_dims=None) -> str | None:
+  """ALiBi's bias, by the project's own kernels (alibi_flash.py, and
+  alibi_flash_tpu.py), which take `head_dims` (None: any)."""
+  if case.q_len != case.kv_len:
+    return 'computes self-attention only under ALiBi'
   if case.mask == 'other':
     return 'takes packed rows or a key padding mask, not a mask array'
   if case.window:
-    return 'takes no window'
-  if case.head_dim not in (16, 32, 64, 128):
-    return (f'takes head dims of 16, 32, 64 or 128 under ALiBi, not '
-            f'{case.head_dim}')
+    return 'takes no window under ALiBi'
+  if head_dims and case.head_dim not in head_dims:
+    return (f'takes head dims of {", ".join(map(str, head_dims))} under '
+            f'ALiBi, not {case.head_dim}')
   return None
 
 

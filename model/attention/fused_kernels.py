@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from model import logical_axes
-from model.attention import alibi_flash, core, cudnn_packed
+from model.attention import alibi_flash, alibi_flash_tpu, core, cudnn_packed
 
 Array = jax.Array
 # A padding id no packed row uses.
@@ -124,8 +124,11 @@ def _splash_block(length: int) -> int:
 
 def splash(query, key, value, bias, mask, *, scale, is_causal, window):
   """Splash attention, vmapped over the batch; queries and keys padded to
-  multiples of 128 (the TPU's lanes)."""
-  del bias  # Refused.
+  multiples of 128 (the TPU's lanes). Under ALiBi's bias, the project's
+  own kernel (alibi_flash_tpu.py)."""
+  if bias is not None:
+    return _alibi(alibi_flash_tpu.attention, query, key, value, bias, mask,
+                  scale=scale, is_causal=is_causal)
   batch, q_len, num_heads, _ = query.shape
   kv_len = key.shape[1]
   padded_q, padded_kv = _padded_length(q_len, 128), _padded_length(kv_len, 128)
@@ -174,8 +177,9 @@ def _pallas_gpu_length(length: int) -> int:
   return _padded_length(length, 128)
 
 
-def _alibi(query, key, value, bias, mask, *, scale, is_causal):
-  """ALiBi's bias by alibi_flash.py's kernel; the mask as segment ids."""
+def _alibi(attend, query, key, value, bias, mask, *, scale, is_causal):
+  """ALiBi's bias by `attend` (alibi_flash's or alibi_flash_tpu's
+  `attention`); the mask as segment ids."""
   ids = {}
   if isinstance(mask, core.SegmentMask):
     ids = dict(q_ids_BxT=mask.q_segment_ids_BxT,
@@ -184,7 +188,7 @@ def _alibi(query, key, value, bias, mask, *, scale, is_causal):
     valid = _key_valid(mask, query.shape[0])
     ids = dict(q_ids_BxT=jnp.zeros(valid.shape, jnp.int32),
                kv_ids_BxT=jnp.where(valid, 0, 1))
-  return alibi_flash.attention(
+  return attend(
       query, key, value, bias.data['q_positions'],
       bias.data['kv_positions'], bias.data['slopes'], scale=scale,
       is_causal=is_causal, **ids)
@@ -195,8 +199,8 @@ def pallas_gpu(query, key, value, bias, mask, *, scale, is_causal, window):
   ALiBi's bias, the project's own kernel (alibi_flash.py)."""
   del window  # Refused.
   if bias is not None:
-    return _alibi(query, key, value, bias, mask, scale=scale,
-                  is_causal=is_causal)
+    return _alibi(alibi_flash.attention, query, key, value, bias, mask,
+                  scale=scale, is_causal=is_causal)
   batch, length, num_heads, _ = query.shape
   padded = _pallas_gpu_length(length)
   block = min(128, padded)

@@ -19,9 +19,12 @@ their meaning.
 """
 
 import collections
+import functools
 
 import grain
 import numpy as np
+
+from train.errors import InputError
 
 LAYOUTS = ('packed', 'padded', 'streams')
 
@@ -153,8 +156,26 @@ class _Streams(grain.IterDataset):
     return _StreamsIterator([iter(row) for row in self._rows], self._seq_len)
 
 
-def _packed_lm_batch(batch) -> dict[str, np.ndarray]:
+def check_segments(segment_ids_BxT: np.ndarray,
+                   max_segments: int | None) -> None:
+  """InputError naming the key if a packed row holds more windows (runs of
+  one nonzero id) than `max_segments`, which attention may rely on."""
+  if max_segments is None:
+    return
+  starts = np.concatenate(
+      [np.ones_like(segment_ids_BxT[:, :1], bool),
+       segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1)
+  most = int(np.max(np.sum(starts & (segment_ids_BxT > 0), axis=1)))
+  if most > max_segments:
+    raise InputError(
+        f'a packed row holds {most} windows, more than '
+        f'config.model.max_segments_per_row={max_segments}.')
+
+
+def _packed_lm_batch(batch, max_segments: int | None
+                     ) -> dict[str, np.ndarray]:
   segment_ids = batch['inputs_segment_ids']
+  check_segments(segment_ids, max_segments)
   return {'inputs': batch['inputs'], 'targets': batch['targets'],
           'positions': batch['inputs_positions'], 'segment_ids': segment_ids,
           'weights': (segment_ids > 0).astype(np.float32)}
@@ -222,7 +243,8 @@ def lm_batches(examples: grain.MapDataset, *, seq_len: int, batch_size: int,
       windows, length_struct={'inputs': seq_len, 'targets': seq_len},
       num_packing_bins=batch_size, seed=seed, shuffle_bins=train,
       max_sequences_per_bin=max_segments)
-  return packed.batch(batch_size, drop_remainder=train).map(_packed_lm_batch)
+  return packed.batch(batch_size, drop_remainder=train).map(
+      functools.partial(_packed_lm_batch, max_segments=max_segments))
 
 
 def example_batches(examples: grain.MapDataset, row, *, seq_len: int,
