@@ -193,8 +193,10 @@ class ModelConfig:
   # accepts a dict.
   moe: MoeConfig = MoeConfig()
   # Language models on packed rows: the most windows of text a row holds.
-  # The packer closes a row there, and attention may rely on it: cuDNN's
-  # packed layout (model/attention/cudnn_packed.py) is sized by it.
+  # The packer closes a row there (on every backend), and attention may
+  # rely on it: cuDNN's packed layout (model/attention/cudnn_packed.py) is
+  # sized by it, keeping softmax statistics for batch x (this + 1) full-
+  # length sequences. Raise it for many short documents at a long seq_len.
   max_segments_per_row: int = 32
   # decoder_lm only: Transformer-XL's segment-level recurrence (Dai et al.
   # 2019). Each layer also attends to the hidden states it saw in the last

@@ -313,6 +313,18 @@ def test_cudnn_packed_layout_equals_dense_with_segment_ids(num_kv_heads,
   assert np.isnan(bad).all()
 
 
+def test_packed_rows_need_a_known_jax_and_cudnn_96(monkeypatch):
+  hopper = dict(mask='segments', compute_capability='9.0', max_segments=9)
+  monkeypatch.setattr(cudnn_packed, '_cudnn_version', lambda: 90100)
+  with pytest.raises(fused.KernelError, match='cuDNN 9.6 or newer, not 90100'):
+    fused.choose('cudnn', case('gpu', **hopper))
+  assert fused.choose('auto', case('gpu', **hopper)) == 'pallas_gpu'
+  monkeypatch.setattr(cudnn_packed, '_cudnn_version', lambda: 90600)
+  monkeypatch.setattr(cudnn_packed, '_jax_version', lambda: (0, 12, 0))
+  with pytest.raises(fused.KernelError, match='jax 0.5.1 to 0.11.2'):
+    fused.choose('cudnn', case('gpu', **hopper))
+
+
 def case(backend, dtype='bfloat16', head_dim=64, q_len=256, kv_len=256,
          is_causal=True, **kwargs):
   return Case(backend, dtype, head_dim, q_len, kv_len, is_causal, **kwargs)
@@ -367,7 +379,8 @@ AUTO = [
     (case('gpu', bias='alibi', window=64), 'xla'),
     (case('gpu', bias='alibi', q_len=1), 'xla'),
     (case('tpu', bias='alibi'), 'pallas_tpu'),
-    (case('tpu', bias='alibi', head_dim=96, mask='segments'), 'pallas_tpu'),
+    (case('tpu', bias='alibi', mask='segments'), 'pallas_tpu'),
+    (case('tpu', bias='alibi', head_dim=96), 'xla'),
     (case('tpu', bias='alibi', window=64), 'xla'),
     # A length split over the mesh: no fused kernel (ring computes it).
     (case('tpu', length_shards=2), 'xla'),

@@ -255,8 +255,8 @@ def _attention_backward(scale, is_causal, residuals, d_out):
 _attention.defvjp(_attention_forward, _attention_backward)
 
 
-def _pad(x: Array, length: int, value=0) -> Array:
-  """[B, T, ...] padded along T to `length`."""
+def pad_length(x: Array, length: int, value=0) -> Array:
+  """[B, T, ...] padded along T to `length` with `value`."""
   return jnp.pad(x, [(0, 0), (0, length - x.shape[1])]
                  + [(0, 0)] * (x.ndim - 2), constant_values=value)
 
@@ -272,13 +272,15 @@ def padded(query: Array, key: Array, value: Array, q_positions_BxT: Array,
   padded_length = -(-length // block) * block
   if q_ids_BxT is None:
     q_ids_BxT = kv_ids_BxT = jnp.zeros((batch, length), jnp.int32)
-  positions = [_pad(jnp.broadcast_to(p, (batch, length)).astype(jnp.int32),
-                    padded_length) for p in (q_positions_BxT,
-                                             kv_positions_BxT)]
-  return (_pad(query, padded_length), _pad(key, padded_length),
-          _pad(value, padded_length), *positions,
-          _pad(q_ids_BxT.astype(jnp.int32), padded_length, _PAD_QUERY),
-          _pad(kv_ids_BxT.astype(jnp.int32), padded_length, _PAD_KEY))
+  positions = [
+      pad_length(jnp.broadcast_to(p, (batch, length)).astype(jnp.int32),
+                 padded_length) for p in (q_positions_BxT, kv_positions_BxT)]
+  return (pad_length(query, padded_length), pad_length(key, padded_length),
+          pad_length(value, padded_length), *positions,
+          pad_length(q_ids_BxT.astype(jnp.int32), padded_length,
+                     _PAD_QUERY),
+          pad_length(kv_ids_BxT.astype(jnp.int32), padded_length,
+                     _PAD_KEY))
 
 
 def attention(query: Array, key: Array, value: Array, q_positions_BxT: Array,

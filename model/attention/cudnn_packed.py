@@ -32,13 +32,27 @@ def _jax_version() -> tuple[int, ...]:
   return tuple(int(part) for part in jax.__version_info__[:3])
 
 
+# The oldest cuDNN jax tests the packed layout on.
+MIN_CUDNN = 90600
+
+
+def _cudnn_version() -> int | None:
+  """The loaded cuDNN's version (e.g. 91000), None where there is none."""
+  from jax._src.lib import cuda_versions  # Private, as the call is.
+  return None if cuda_versions is None else cuda_versions.cudnn_get_version()
+
+
 def refusal() -> str | None:
-  """Why this jax cannot run the packed layout here; None if it can."""
+  """Why this jax and cuDNN cannot run the packed layout; None if they can
+  (or, with no cuDNN loaded, if this jax can)."""
   low, high = KNOWN_JAX
   if not low <= _jax_version() <= high:
     return (f'takes packed rows with jax {".".join(map(str, low))} to '
             f'{".".join(map(str, high))} (a private jax API), not '
             f'{jax.__version__}')
+  cudnn = _cudnn_version()
+  if cudnn is not None and cudnn < MIN_CUDNN:
+    return f'takes packed rows with cuDNN 9.6 or newer, not {cudnn}'
   return None
 
 

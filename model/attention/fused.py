@@ -24,8 +24,10 @@ out before anything is compiled (train/attention_kernels.py).
 
 Under a mesh every fused kernel runs in a `shard_map` that splits the batch
 and the heads as the model's own arrays are split, read from the same
-logical axis rules (fused_kernels.over_shards): nothing is gathered and no
-work repeated. A length split over the mesh (sequence parallelism) is
+logical axis rules (fused_kernels.over_shards): under the trainer's rules
+nothing is gathered and no work repeated (rules that send query and
+key/value heads to different mesh axes leave the heads whole on each
+device). A length split over the mesh (sequence parallelism) is
 refused by every fused kernel: the `ring` variant computes that layout.
 """
 
@@ -157,8 +159,11 @@ def _cudnn_refusal(case: Case) -> str | None:
 
 def _cudnn_packed_refusal(case: Case) -> str | None:
   """Packed rows, through cuDNN's packed layout (cudnn_packed.py)."""
-  capability = tuple(int(part) for part in
-                     (case.compute_capability or '0').split('.'))
+  try:
+    capability = tuple(int(part) for part in
+                       (case.compute_capability or '0').split('.'))
+  except ValueError:  # Not a CUDA device's.
+    capability = ()
   if capability < (9, 0):
     return ('takes packed rows on Hopper or newer GPUs only (compute '
             f'capability 9.0 or more; this one: '
@@ -196,7 +201,7 @@ def _pallas_gpu_refusal(case: Case) -> str | None:
     return ('computes self-attention only (one array of segment ids serves '
             'queries and keys)')
   if case.bias == 'alibi':
-    return _alibi_flash_refusal(case, head_dims=(16, 32, 64, 128))
+    return _alibi_flash_refusal(case)
   if case.mask in ('key_padding', 'other'):
     return 'takes segment ids, not a mask array'
   if case.bias != 'none':
@@ -208,18 +213,18 @@ def _pallas_gpu_refusal(case: Case) -> str | None:
   return None
 
 
-def _alibi_flash_refusal(case: Case, head_dims=None) -> str | None:
+def _alibi_flash_refusal(case: Case) -> str | None:
   """ALiBi's bias, by the project's own kernels (alibi_flash.py, and
-  alibi_flash_tpu.py), which take `head_dims` (None: any)."""
+  alibi_flash_tpu.py)."""
   if case.q_len != case.kv_len:
     return 'computes self-attention only under ALiBi'
   if case.mask == 'other':
     return 'takes packed rows or a key padding mask, not a mask array'
   if case.window:
     return 'takes no window under ALiBi'
-  if head_dims and case.head_dim not in head_dims:
-    return (f'takes head dims of {", ".join(map(str, head_dims))} under '
-            f'ALiBi, not {case.head_dim}')
+  if case.head_dim not in (16, 32, 64, 128):
+    return (f'takes head dims of 16, 32, 64 or 128 under ALiBi, not '
+            f'{case.head_dim}')
   return None
 
 

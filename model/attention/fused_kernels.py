@@ -110,12 +110,6 @@ def _segment_ids(mask, batch: int, q_len: int, kv_len: int,
   return jnp.zeros((batch, padded_q), jnp.int32), kv_ids.astype(jnp.int32)
 
 
-def _pad_length(x: Array, length: int) -> Array:
-  """[B, T, ...] padded with zeros to `length` along T."""
-  return jnp.pad(x, [(0, 0), (0, length - x.shape[1])]
-                 + [(0, 0)] * (x.ndim - 2))
-
-
 def _splash_block(length: int) -> int:
   """Splash's block along a length padded to a multiple of 128: the
   largest of 512, 256, 128 dividing it."""
@@ -151,8 +145,8 @@ def splash(query, key, value, bias, mask, *, scale, is_causal, window):
       interpret=jax.default_backend() == 'cpu')
   # Splash takes no scale: the queries are scaled in float32 first.
   q = (query.astype(jnp.float32) * scale).astype(query.dtype)
-  heads_first = lambda x, length: jnp.transpose(_pad_length(x, length),
-                                                (0, 2, 1, 3))
+  heads_first = lambda x, length: jnp.transpose(
+      alibi_flash.pad_length(x, length), (0, 2, 1, 3))
   q = heads_first(q, padded_q)
   k, v = heads_first(key, padded_kv), heads_first(value, padded_kv)
   ids = _segment_ids(mask, batch, q_len, kv_len, padded_q, padded_kv)
@@ -209,14 +203,15 @@ def pallas_gpu(query, key, value, bias, mask, *, scale, is_causal, window):
       block_kv_dkv=min(32, block), block_q_dq=min(32, block),
       block_kv_dq=min(32, block))
   group = num_heads // key.shape[2]
-  key, value = (jnp.repeat(_pad_length(x, padded), group, axis=2)
+  key, value = (jnp.repeat(alibi_flash.pad_length(x, padded), group, axis=2)
                 for x in (key, value))
   ids = _segment_ids(mask, batch, length, length, padded, padded)
   if ids is not None:  # One array for queries and keys: the keys'.
     ids = ids[1]
-  out = pallas_gpu_ops.mha(_pad_length(query, padded), key, value, ids,
-                       sm_scale=scale, causal=is_causal, block_sizes=blocks,
-                       interpret=jax.default_backend() == 'cpu')
+  out = pallas_gpu_ops.mha(alibi_flash.pad_length(query, padded), key, value,
+                           ids, sm_scale=scale, causal=is_causal,
+                           block_sizes=blocks,
+                           interpret=jax.default_backend() == 'cpu')
   return out[:, :length]
 
 
