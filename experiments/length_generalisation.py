@@ -20,7 +20,7 @@ import time
 from absl import flags
 import matplotlib
 
-from experiments import common, sweep
+from experiments import common, sweep, trials
 from train import cli, scores, seq2seq_eval
 from train.errors import InputError
 
@@ -79,7 +79,7 @@ def by_length(examples: list[dict], buckets=BUCKETS) -> list[dict]:
 def cell_rows(workdir: str, cell: dict) -> list[dict]:
   """The scores of one finished cell: per split, one row over all its
   inputs (lengths 'all'), then one per bucket."""
-  name = sweep.trial_name(cell)
+  name = trials.trial_name(cell)
   rows = []
   for split in SPLITS:
     path = os.path.join(workdir, name, 'decoded', f'{split}.jsonl')
@@ -135,13 +135,13 @@ def report(workdir: str, out: str, command: str) -> str:
   """Writes to `out` the scores of the finished cells: results.md and
   results.csv (one row per cell), buckets.md and buckets.csv (every split
   and bucket) and the plot; returns the results table."""
-  cells = sweep.load_sweep(CONFIG)
+  cells = trials.load_sweep(CONFIG)
   rows, missing, seconds = [], [], 0.0
   for cell in cells:
     record = common.load_json(os.path.join(
-        workdir, sweep.trial_name(cell), 'trial.json'))
+        workdir, trials.trial_name(cell), 'trial.json'))
     if record is None or record['status'] != 'finished':
-      missing.append(sweep.trial_name(cell))
+      missing.append(trials.trial_name(cell))
       continue
     rows += cell_rows(workdir, cell)
     seconds += record.get('seconds', 0.0)

@@ -43,8 +43,7 @@ import optuna
 import sqlalchemy
 
 from configs import search
-from experiments import study_report
-from experiments import sweep as sweep_lib
+from experiments import study_report, trials
 from train import cli, metrics
 from train.data import datasets
 from train.errors import InputError, TrainingError
@@ -187,8 +186,8 @@ def identity(config_arg: str, space: search.Space, common_overrides: dict,
              metric: str, mode: str) -> dict:
   """What makes two workers' sweeps the same sweep."""
   path, sep, argument = config_arg.partition(':')
-  if os.path.abspath(path).startswith(sweep_lib.REPO + os.sep):
-    path = os.path.relpath(os.path.abspath(path), sweep_lib.REPO)
+  if os.path.abspath(path).startswith(trials.REPO + os.sep):
+    path = os.path.relpath(os.path.abspath(path), trials.REPO)
   return {'config': path + sep + argument, 'space': space.describe(),
           'trials': space.trials, 'overrides': common_overrides,
           'metric': metric, 'mode': mode}
@@ -314,7 +313,7 @@ class Worker:
       self.say(f'{directory}{resumed}: started, '
                + ', '.join(f'{k}={v}' for k, v in values.items()))
       try:
-        record = sweep_lib.run_trial(
+        record = trials.run_trial(
             self.config_arg, os.path.join(self.workdir, directory),
             self.space.overrides(values), self.common_overrides,
             self.parallel,
@@ -413,11 +412,11 @@ def report(config_arg: str, workdir: str, space: search.Space, url: str,
 def check(config_arg: str, space: search.Space, common_overrides: dict,
           metric: str | None, mode: str | None) -> tuple[str, str]:
   """Validates the config at every bound of the space (as
-  sweep.check_trials does a grid's trials) and the metric; returns the
+  trials.check_trials does a grid's trials) and the metric; returns the
   metric and its mode: the flags', else the space's, else the task's
   quality metric. InputError naming each problem."""
   metric, mode = metric or space.metric, mode or space.mode
-  chosen, chosen_mode = sweep_lib.check_trials(
+  chosen, chosen_mode = trials.check_trials(
       config_arg, space.corners(), common_overrides, metric, mode)
   if chosen is None:
     config = cli.load_config(config_arg, common_overrides)

@@ -30,155 +30,26 @@ is one worker (N threads) of the study; start it as many times, on as many
 machines, as there should be workers, with the same --study and --workdir.
 """
 
-from collections.abc import Sequence
 import concurrent.futures
-import importlib.util
 import math
 import os
-import re
-import signal
-import subprocess
-import sys
 import threading
-import time
 
 from absl import flags
 import matplotlib
 import matplotlib.ticker
 
 from configs import search
-from experiments import common
-from train import cli, config_validation, metrics
-from train.data import datasets
-from train.errors import InputError, TrainingError, did_you_mean
+from experiments import common, study
+from experiments.trials import check_trials, load_sweep, run_trial, trial_name
+from train import cli, metrics
+from train.errors import InputError, TrainingError
 
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)
 
 
 FLAGS = flags.FLAGS
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Exit status of a search's trial (experiments/trial.py) that its pruner
-# stopped.
-PRUNED = 3
-# Exit statuses of a trial stopped by a signal before it could save (the
-# signal came during its start, or twice): it resumes from its last
-# checkpoint, as one stopped after saving (exit status 0) does.
-INTERRUPTED = (130, -signal.SIGINT, -signal.SIGTERM)
-
-
-def load_sweep(config_arg: str) -> list[dict] | search.Space:
-  """The config file's get_sweep(): a grid's trials, or a search space;
-  InputError for a file without one, or one that cannot be built."""
-  cli.load_config(config_arg, {})  # The file exists and gives a config.
-  path = config_arg.split(':', 1)[0]
-  spec = importlib.util.spec_from_file_location('sweep_config', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, 'get_sweep'):
-    raise InputError(f'--config={config_arg}: {path} defines no get_sweep() '
-                     '(a list of override dicts, configs/grid.py, or a '
-                     'search space, configs/search.py).')
-  try:
-    return module.get_sweep()
-  except ValueError as error:  # A distribution or space out of its range.
-    raise InputError(f'--config={config_arg}: get_sweep(): {error}') from None
-
-
-def check_trials(config_arg: str, trials: list[dict], common_overrides: dict,
-                 metric: str | None, mode: str | None
-                 ) -> tuple[str | None, str | None]:
-  """Reads and validates every trial's config, as its train.train would,
-  and the metric; InputError naming every problem. Returns the metric and
-  its mode (None, None: the task's quality metric, chosen afterwards)."""
-  problems, config = {}, None  # Each problem, with the trials it is in.
-  for trial in trials:
-    try:
-      config = cli.load_config(config_arg, common_overrides | trial)
-      config_validation.validate(config)
-    except InputError as error:
-      for line in str(error).splitlines():
-        problems.setdefault(line, []).append(trial_name(trial))
-  if problems:
-    raise InputError('\n'.join(
-        problem if len(names) == len(trials) else
-        f'trial {" and ".join(names)}: {problem}'
-        for problem, names in problems.items()))
-  if metric is None:
-    return None, None
-  known = metrics.final_summary(datasets.task_of(config.dataset),
-                                config.decode_splits)
-  if metric not in known:
-    raise InputError(f'--metric={metric}: no trial logs it'
-                     f'{did_you_mean(metric, known)}')
-  if (mode or known[metric]) is None:
-    raise InputError(f'--mode: say whether --metric={metric} is better low '
-                     '(min) or high (max).')
-  return metric, mode or known[metric]
-
-
-def trial_name(overrides: dict) -> str:
-  """'learning_rate=0.001,warmup_steps=100', safe as a directory name."""
-  text = ','.join(f'{key}={value}' for key, value in overrides.items())
-  return re.sub(r'[^A-Za-z0-9_.,=+-]', '_', text) or 'default'
-
-
-def run_trial(config_arg: str, workdir: str, overrides: dict,
-              common_overrides: dict, parallel: int = 1, *,
-              module: str = 'train.train', extra: Sequence[str] = ()
-              ) -> dict:
-  """Runs one trial to its end (or reads its record); returns the record,
-  whose status is finished, stopped (by a signal, after saving), pruned
-  (`module` exited with PRUNED) or failed. `extra`: more arguments
-  of `module`, not part of what the record compares."""
-  command = [sys.executable, '-m', module, f'--config={config_arg}',
-             f'--workdir={workdir}']
-  command += [f'--config.{key}={value}'
-              for key, value in (common_overrides | overrides).items()]
-  record_path = os.path.join(workdir, 'trial.json')
-  record = common.load_json(record_path)
-  if record is not None:
-    if record['command'] != command[1:]:
-      raise InputError(f'{workdir} holds a trial run as '
-                       f'{" ".join(record["command"])}; sweep in a new '
-                       '--workdir to change the overrides.')
-    if record['status'] in ('finished', 'pruned'):
-      return record
-  os.makedirs(workdir, exist_ok=True)
-  env = dict(os.environ)
-  if parallel > 1:  # Trials on one accelerator share its memory.
-    env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', f'{0.9 / parallel:.2f}')
-  started = time.perf_counter()
-  with open(os.path.join(workdir, 'log.txt'), 'a') as log:
-    process = subprocess.run(command + list(extra), cwd=REPO, env=env,
-                             stdout=log, stderr=subprocess.STDOUT)
-  # Wall time of every run of the trial, an interrupted one's included.
-  seconds = time.perf_counter() - started + (record or {}).get('seconds', 0)
-  record = {'overrides': overrides, 'command': command[1:],
-            'seconds': seconds}
-  evaluations = [line for line in common.read_metrics(workdir)
-                 if 'eval_loss' in line]
-  # A run stopped by SIGTERM or SIGINT also exits with 0, before its end.
-  config = common.load_json(os.path.join(workdir, 'config.json')) or {}
-  if (process.returncode == 0 and evaluations
-      and evaluations[-1]['step'] == config.get('num_train_steps')):
-    record |= {'status': 'finished', 'metrics': evaluations[-1]}
-  elif process.returncode == PRUNED:
-    record |= {'status': 'pruned', 'metrics': evaluations[-1]}
-  elif process.returncode in (0, *INTERRUPTED):
-    record |= {'status': 'stopped',
-               'error': 'stopped before its last step; run the sweep again '
-               'to resume it'}
-  else:
-    with open(os.path.join(workdir, 'log.txt')) as log:
-      lines = [line.strip() for line in log if line.strip()]
-    record |= {'status': 'failed',
-               'error': lines[-1].removeprefix('error: ') if lines else
-               f'exit status {process.returncode}'}
-  common.save_json(record_path, record)
-  return record
-
-
 def leaderboard(records: list[dict], metric: str, mode: str) -> list[dict]:
   """Rows sorted by `metric` (best first), then the trials without a
   finite value of it (failed, or diverged), with the reason."""
@@ -329,8 +200,6 @@ def main(argv: list[str]) -> None:
             metric=FLAGS.metric, mode=FLAGS.mode,
             common_overrides=common_overrides)
       return
-    # Imported here: it builds on this module.
-    from experiments import study  # pylint: disable=import-outside-toplevel
     metric, mode = study.check(FLAGS.config, definition, common_overrides,
                                FLAGS.metric, FLAGS.mode)
     study.run(FLAGS.config, workdir, definition,

@@ -23,7 +23,7 @@ from ml_collections import config_flags
 import optuna
 
 from experiments import study as study_lib
-from experiments import sweep as sweep_lib
+from experiments import trials
 from train import cli
 from train.errors import InputError, Pruned
 from train.trainer import train_and_evaluate
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> None:
   def work():
     _die_with_parent()
     config = _CONFIG.value
-    space = sweep_lib.load_sweep(
+    space = trials.load_sweep(
         config_flags.get_config_filename(flags.FLAGS['config']))
     study = optuna.load_study(
         study_name=_STUDY_NAME.value, storage=study_lib.storage(_STUDY.value),
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> None:
       train_and_evaluate(config, _WORKDIR.value,
                          on_evaluation=reporter(trial, _METRIC.value))
     except Pruned:
-      sys.exit(sweep_lib.PRUNED)
+      sys.exit(trials.PRUNED)
   cli.run_main(argv, work)
 
 

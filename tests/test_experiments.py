@@ -14,7 +14,7 @@ import pytest
 
 from configs import grid
 from experiments import attention_maps, common, compare_attention
-from experiments import launch, length_generalisation, study, sweep
+from experiments import launch, length_generalisation, study, sweep, trials
 from model import build
 from model.config import ModelConfig
 from test_train import tiny_config
@@ -194,7 +194,7 @@ def test_sweep_records_a_failure_and_skips_finished_trials(comparison,
   with open(os.path.join(workdir, 'sweep.png'), 'rb') as f:
     assert f.read(4) == PNG
 
-  finished = os.path.join(workdir, sweep.trial_name(
+  finished = os.path.join(workdir, trials.trial_name(
       {'learning_rate': 1e-3, 'data_dir': data_dir}), 'trial.json')
   before = os.path.getmtime(finished)
   again = sweep.sweep(str(config_path), workdir, parallel=2)
@@ -215,7 +215,7 @@ def test_a_sweep_with_no_finished_trial_fails_and_keeps_the_reports(
   workdir = tmp_path / 'sweep'
   workdir.mkdir()
   (workdir / 'leaderboard.md').write_text('an earlier sweep')
-  monkeypatch.setattr(sweep.subprocess, 'run', failed_run)
+  monkeypatch.setattr(trials.subprocess, 'run', failed_run)
   with pytest.raises(TrainingError, match='no trial finished; the first, '
                      r'.*, failed: boom \(its log: '):
     sweep.sweep(str(config_path), str(workdir))
@@ -229,7 +229,7 @@ def test_a_sweep_refuses_a_metric_before_any_trial(data_dir, tmp_path,
 
   def refuse(*args, **kwargs):
     raise AssertionError('a trial ran')
-  monkeypatch.setattr(sweep.subprocess, 'run', refuse)
+  monkeypatch.setattr(trials.subprocess, 'run', refuse)
   with pytest.raises(InputError, match='--metric=eval_acc: no trial logs '
                      'it; did you mean eval_accuracy'):
     sweep.sweep(str(config_path), str(tmp_path / 'sweep'), metric='eval_acc')
@@ -251,8 +251,8 @@ def test_a_trial_stopped_by_a_signal_is_not_finished(tmp_path, monkeypatch):
       f.write('{"step": 5, "eval_loss": 1.0}\n')
     return subprocess.CompletedProcess(command, returncode=0)
 
-  monkeypatch.setattr(sweep.subprocess, 'run', stopped_at_step_5)
-  record = sweep.run_trial('configs/listops.py', workdir, {}, {})
+  monkeypatch.setattr(trials.subprocess, 'run', stopped_at_step_5)
+  record = trials.run_trial('configs/listops.py', workdir, {}, {})
   assert record['status'] == 'stopped'
   assert 'run the sweep again' in record['error']
 
@@ -290,7 +290,7 @@ def test_grid_helpers():
 
 def test_listops_config_defines_a_search_valid_at_every_bound():
   config = str(REPO / 'configs' / 'listops.py')
-  space = sweep.load_sweep(config + ':full')
+  space = trials.load_sweep(config + ':full')
   assert set(space.space) == {'learning_rate', 'warmup_steps',
                               'model.dropout_rate'}
   assert study.check(config, space, {}, None, None) == ('eval_accuracy',
@@ -355,7 +355,7 @@ def test_length_buckets_equal_a_brute_force_recount():
 def test_the_study_sweeps_every_position_scheme_on_three_tasks():
   """Every cell is the same config but for its task and position scheme,
   and each decodes both splits greedily."""
-  cells = sweep.load_sweep(STUDY)
+  cells = trials.load_sweep(STUDY)
   assert [(cell['dataset_options.task'], cell['model.position'])
           for cell in cells] == list(itertools.product(
               ('copy', 'reverse', 'addition'),
@@ -381,10 +381,10 @@ def test_the_study_sweeps_every_position_scheme_on_three_tasks():
 def test_the_study_reports_its_finished_cells(tmp_path):
   """Two cells finished, the others not yet: their table rows, every
   bucket in buckets.csv, the plot, and the cells still to run."""
-  cells = sweep.load_sweep(STUDY)[:2]
+  cells = trials.load_sweep(STUDY)[:2]
   decoded = {}
   for number, cell in enumerate(cells):
-    directory = tmp_path / sweep.trial_name(cell)
+    directory = tmp_path / trials.trial_name(cell)
     (directory / 'decoded').mkdir(parents=True)
     common.save_json(str(directory / 'trial.json'),
                      {'status': 'finished', 'seconds': 90.0})

@@ -13,7 +13,7 @@ import optuna
 import pytest
 
 from configs import search
-from experiments import launch, study, sweep
+from experiments import launch, study, trials
 from test_experiments import TINY_LISTOPS
 from train.errors import InputError
 
@@ -112,7 +112,7 @@ def test_a_search_space_is_checked_before_anything_runs(tmp_path, data_dir):
       'int_range(0, 10**6)', 'int_range(0, 10**6, log=True)'))
   with pytest.raises(InputError, match='broken.py: get_sweep\\(\\): a log '
                      'scale needs low > 0'):
-    sweep.load_sweep(str(broken))
+    trials.load_sweep(str(broken))
 
 
 def completed(values: dict[int, float]) -> optuna.trial.FrozenTrial:
@@ -259,11 +259,11 @@ def test_two_workers_run_a_study_and_a_killed_trial_resumes(
                 .split('.')[0])
   assert 25 <= resumed < 100
   for trial, attempt in attempts.items():
-    record = sweep.common.load_json(str(workdir / trial / 'trial.json'))
+    record = trials.common.load_json(str(workdir / trial / 'trial.json'))
     assert record['status'] == 'finished'
     assert record['metrics']['step'] == 100
     # The preset drawn set its keys.
-    config = sweep.common.load_json(str(workdir / trial / 'config.json'))
+    config = trials.common.load_json(str(workdir / trial / 'config.json'))
     assert config['log_every'] == {'often': 25, 'seldom': 50}[
         attempt.params['logging']]
 
@@ -286,7 +286,7 @@ def test_a_trial_worse_than_the_median_is_pruned_and_keeps_its_checkpoint(
   for value in (0.1, 0.2, 0.3):  # Far better than any tiny trial.
     shared.add_trial(completed({50: value, 100: value}))
   trial = shared.ask()
-  record = sweep.run_trial(
+  record = trials.run_trial(
       str(config), str(tmp_path / 'trial'), {'seed': 7}, {},
       module='experiments.trial',
       extra=[f'--study={url}', '--study_name=pruned',
