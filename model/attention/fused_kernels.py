@@ -173,19 +173,14 @@ def _pallas_gpu_length(length: int) -> int:
 
 def _alibi(attend, query, key, value, bias, mask, *, scale, is_causal):
   """ALiBi's bias by `attend` (alibi_flash's or alibi_flash_tpu's
-  `attention`); the mask as segment ids."""
-  ids = {}
-  if isinstance(mask, core.SegmentMask):
-    ids = dict(q_ids_BxT=mask.q_segment_ids_BxT,
-               kv_ids_BxT=mask.q_segment_ids_BxT)
-  elif mask is not None:  # Keys of id 1 are seen by no query (of id 0).
-    valid = _key_valid(mask, query.shape[0])
-    ids = dict(q_ids_BxT=jnp.zeros(valid.shape, jnp.int32),
-               kv_ids_BxT=jnp.where(valid, 0, 1))
+  `attention`); the mask as segment ids, as splash takes it."""
+  batch, length = query.shape[:2]
+  ids = _segment_ids(mask, batch, length, length, length, length)
   return attend(
       query, key, value, bias.data['q_positions'],
       bias.data['kv_positions'], bias.data['slopes'], scale=scale,
-      is_causal=is_causal, **ids)
+      is_causal=is_causal,
+      **({} if ids is None else dict(q_ids_BxT=ids[0], kv_ids_BxT=ids[1])))
 
 
 def pallas_gpu(query, key, value, bias, mask, *, scale, is_causal, window):
