@@ -205,9 +205,8 @@ class ModelConfig:
   memory_length: int = 0
 
   def __post_init__(self):
-    # The registry of families (model/families/) imports this module.
-    from model.families import FAMILIES
-
+    # What needs the family (its name, what it can train) is checked by the
+    # family registry: model.families.check.
     def fail(message):
       raise ValueError(message)
 
@@ -225,8 +224,6 @@ class ModelConfig:
                  'max_len', 'num_classes', 'relative_max_distance',
                  'relative_buckets', 'max_segments_per_row'):
       check_positive(name)
-    check_choice('family', FAMILIES)
-    family = FAMILIES[self.family]
     check_choice('mlp_activation', ACTIVATIONS)
     check_choice('norm', NORMS)
     check_choice('norm_position', NORM_POSITIONS)
@@ -246,12 +243,6 @@ class ModelConfig:
       if not isinstance(getattr(self, name), bool):
         fail(f'config.model.{name}={getattr(self, name)!r} must be True or '
              'False.')
-    if scheme.randomized and not family.random_positions:
-      drawing = ' or '.join(f'{name!r}' for name, f in FAMILIES.items()
-                            if f.random_positions)
-      fail(f'config.model.position={self.position!r} draws random positions '
-           f'in training, which config.model.family={drawing} does, not '
-           f'{self.family!r}.')
     if not self.attention_projections and scheme.bias:
       unbiased = [name for name, s in SCHEMES.items() if not s.bias]
       fail(f'config.model.position={self.position!r} biases each head, and '
@@ -266,10 +257,6 @@ class ModelConfig:
              f'{", ".join(sorted(known))}.')
       object.__setattr__(self, 'moe', MoeConfig(**self.moe))
     self.moe.check(fail)
-    if self.moe.num_experts and not family.feed_forward:
-      fail('config.model.moe.num_experts is for the Transformer families; '
-           f'config.model.family={self.family!r} has no feed-forward '
-           'blocks.')
     if self.moe.num_experts and self.moe.every_n_layers > self.num_layers:
       fail(f'config.model.moe.every_n_layers={self.moe.every_n_layers} '
            f'exceeds config.model.num_layers={self.num_layers}: no block '
@@ -277,11 +264,6 @@ class ModelConfig:
     if not isinstance(self.memory_length, int) or self.memory_length < 0:
       fail(f'config.model.memory_length={self.memory_length!r} must be an '
            'integer >= 0.')
-    if self.memory_length and not family.memory:
-      keeping = ' or '.join(f'config.model.family={name!r}'
-                            for name, f in FAMILIES.items() if f.memory)
-      fail(f'config.model.memory_length is for {keeping}, not '
-           f'{self.family!r}.')
     if (not isinstance(self.rope_max_wavelength, (int, float))
         or self.rope_max_wavelength <= 1):
       fail(f'config.model.rope_max_wavelength={self.rope_max_wavelength!r} '
@@ -311,7 +293,7 @@ class ModelConfig:
     if isinstance(self.attention, (tuple, list)):
       self._check_pattern(fail)
     else:
-      self._check_attention(fail, family)
+      self._check_attention(fail)
 
   def _options_by_entry(self, fail) -> tuple:
     """attention_options given as a mapping, as this config holds them:
@@ -363,9 +345,9 @@ class ModelConfig:
         fail(f'config.model.attention[{index}]: {error}')
     object.__setattr__(self, 'attention', tuple(resolved))
 
-  def _check_attention(self, fail, family) -> None:
-    """What the one attention function must honour in this model of
-    `family` (model.families.Family)."""
+  def _check_attention(self, fail) -> None:
+    """The one attention: a registered name (`auto` resolved) and its
+    dropout. What it must honour in the model: model.families.check."""
     if self.attention not in ['auto'] + attention.names():
       fail(f'config.model.attention={self.attention!r} must be one of '
            f"{['auto'] + attention.names()}.")
@@ -376,28 +358,6 @@ class ModelConfig:
     if self.attention_dropout_rate > 0 and not variant.dropout:
       fail(f'config.model.attention={self.attention!r} has no attention '
            'dropout; set config.model.attention_dropout_rate=0.')
-    if family.decoder and not variant.causal:
-      fail(f'config.model.attention={self.attention!r} cannot be causal, '
-           f'which the decoder of config.model.family={self.family!r} needs.')
-    scheme = SCHEMES[self.position]
-    if self.memory_length:
-      if not scheme.relative:
-        relative = [name for name, s in SCHEMES.items() if s.relative]
-        fail(f'config.model.memory_length={self.memory_length} needs a '
-             'relative position scheme (config.model.position in '
-             f'{relative}), not {self.position!r}.')
-      if not variant.longer_keys:
-        fail(f'config.model.attention={self.attention!r} cannot attend to '
-             'more keys than queries, which config.model.memory_length '
-             'needs.')
-    if scheme.rotation and not variant.dot_product:
-      fail(f'config.model.position={self.position!r} makes scores relative '
-           'only when they are dot products q . k, which those of config.'
-           f'model.attention={self.attention!r} are not.')
-    if scheme.bias and not variant.bias:
-      fail(f'config.model.position={self.position!r} adds a bias to the '
-           f'logits, which config.model.attention={self.attention!r} cannot '
-           'take.')
 
   @property
   def num_attentions(self) -> int:

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from configs import default
-from model import ModelConfig
+from model import ModelConfig, families
 from model import config as config_module
 
 
@@ -92,7 +92,7 @@ def test_every_model_field_has_a_comment():
 ])
 def test_invalid_values_name_the_key(overrides, message):
   with pytest.raises(ValueError, match=re.escape(message)):
-    ModelConfig(**overrides)
+    families.check(ModelConfig(**overrides))
 
 
 def test_unknown_key_is_named():

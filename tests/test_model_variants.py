@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from model import ModelConfig, attention, build
+from model import ModelConfig, attention, build, families
 from model.state import Memory
 from model.config import POSITIONS
 from train import steps, tasks
@@ -40,7 +40,9 @@ def config_for(family='decoder_lm', attention_name='dense', **overrides):
                 attention=attention_name,
                 attention_options=OPTIONS[attention_name], num_classes=3)
   values.update(overrides)
-  return ModelConfig(**values)
+  config = ModelConfig(**values)
+  families.check(config)
+  return config
 
 
 def test_every_registered_variant_has_test_options():
@@ -215,4 +217,4 @@ def test_memory_needs_what_it_reads(overrides, message):
                 num_layers=1, mlp_dim=32, max_len=T)
   values.update(overrides)
   with pytest.raises(ValueError, match=message):
-    ModelConfig(**values)
+    families.check(ModelConfig(**values))

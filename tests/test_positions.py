@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from model import DecoderLM, EncoderDecoder, ModelConfig
-from model import positions
+from model import families, positions
 from model.families import encoder_decoder as encoder_decoder_lib
 from model.layers import MultiHeadAttention
 
@@ -236,4 +236,4 @@ def test_only_a_family_that_draws_positions_takes_a_randomized_scheme():
                      "'random_sinusoidal' draws random positions in training, "
                      "which config.model.family='encoder_decoder' does, not "
                      "'decoder_lm'"):
-    ModelConfig(position='random_sinusoidal')
+    families.check(ModelConfig(position='random_sinusoidal'))

@@ -95,7 +95,9 @@ def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
 
 def _model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   try:
-    return ModelConfig.from_mapping(config.model)
+    model_config = ModelConfig.from_mapping(config.model)
+    families.check(model_config)
+    return model_config
   except ValueError as error:
     raise InputError(str(error)) from None
 

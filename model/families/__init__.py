@@ -19,6 +19,7 @@ every beam of a source reads unchanged.
 
 import flax.linen as nn
 
+from model import attention
 from model.config import ModelConfig
 from model.families.family import Family
 from model.families import (decoder_lm, encoder_classifier, encoder_decoder,
@@ -27,14 +28,77 @@ from model.families.decoder_lm import DecoderLM
 from model.families.encoder_classifier import EncoderClassifier
 from model.families.encoder_decoder import EncoderDecoder
 from model.families.rnn_attention import RnnAttention
+from model.positions import SCHEMES
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (
     decoder_lm.FAMILY, encoder_decoder.FAMILY, encoder_classifier.FAMILY,
     rnn_attention.FAMILY)}
 
 
+def check(config: ModelConfig) -> None:
+  """Raises ValueError, naming the key, where `config` combines its family,
+  position scheme and attention in a way one of them cannot honour
+  (ModelConfig checks each of its values alone)."""
+  if config.family not in FAMILIES:
+    raise ValueError(f'config.model.family={config.family!r} must be one of '
+                     f'{list(FAMILIES)}.')
+  family = FAMILIES[config.family]
+
+  def others(trait) -> str:
+    return ' or '.join(f'config.model.family={name!r}'
+                       for name, f in FAMILIES.items() if trait(f))
+
+  if SCHEMES[config.position].randomized and not family.random_positions:
+    raise ValueError(
+        f'config.model.position={config.position!r} draws random positions '
+        f'in training, which {others(lambda f: f.random_positions)} does, '
+        f'not {config.family!r}.')
+  if config.moe.num_experts and not family.feed_forward:
+    raise ValueError(
+        'config.model.moe.num_experts is for the Transformer families; '
+        f'config.model.family={config.family!r} has no feed-forward blocks.')
+  if config.memory_length and not family.memory:
+    raise ValueError(
+        f'config.model.memory_length is for {others(lambda f: f.memory)}, '
+        f'not {config.family!r}.')
+  for index, layer in enumerate(config.layer_configs()):
+    entry = (f'config.model.attention[{index}]: '
+             if config.num_attentions > 1 else '')
+    problem = _attention_problem(layer, family)
+    if problem:
+      raise ValueError(entry + problem)
+
+
+def _attention_problem(config: ModelConfig, family: Family) -> str | None:
+  """What the one attention of `config` cannot honour in this model of
+  `family`, or None."""
+  variant = attention.spec(config.attention)
+  scheme = SCHEMES[config.position]
+  named = f'config.model.attention={config.attention!r}'
+  if family.decoder and not variant.causal:
+    return (f'{named} cannot be causal, which the decoder of '
+            f'config.model.family={config.family!r} needs.')
+  if config.memory_length and not scheme.relative:
+    relative = [name for name, s in SCHEMES.items() if s.relative]
+    return (f'config.model.memory_length={config.memory_length} needs a '
+            'relative position scheme (config.model.position in '
+            f'{relative}), not {config.position!r}.')
+  if config.memory_length and not variant.longer_keys:
+    return (f'{named} cannot attend to more keys than queries, which '
+            'config.model.memory_length needs.')
+  if scheme.rotation and not variant.dot_product:
+    return (f'config.model.position={config.position!r} makes scores '
+            'relative only when they are dot products q . k, which those of '
+            f'{named} are not.')
+  if scheme.bias and not variant.bias:
+    return (f'config.model.position={config.position!r} adds a bias to the '
+            f'logits, which {named} cannot take.')
+  return None
+
+
 def build(config: ModelConfig) -> nn.Module:
-  """The model of family `config.family`."""
+  """The model of family `config.family`, checked against it."""
+  check(config)
   return FAMILIES[config.family].module(config)
 
 
@@ -43,5 +107,5 @@ def trainers(task: str) -> list[str]:
   return [name for name, family in FAMILIES.items() if task in family.tasks]
 
 
-__all__ = ['FAMILIES', 'Family', 'build', 'trainers', 'DecoderLM',
+__all__ = ['FAMILIES', 'Family', 'build', 'check', 'trainers', 'DecoderLM',
            'EncoderDecoder', 'EncoderClassifier', 'RnnAttention']
