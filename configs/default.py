@@ -3,7 +3,7 @@
 Each experiment's `get_config()` starts from `get_config()` here and
 overrides only what it changes. The meaning of every key is documented
 where it is declared: `config.model`'s beside its field in
-`model/config.py`, the others in `train/config_keys.py`.
+`model/config.py`, the others in `train/config/keys.py`.
 """
 
 import dataclasses
@@ -13,7 +13,7 @@ from ml_collections import config_dict
 
 from model import attention, attention_parameters
 from model.config import ModelConfig
-from train import config_keys
+from train.config import keys as config_keys
 
 
 def choice(arg: str, key: str, choices: tuple[str, ...], path: str) -> str:
@@ -31,7 +31,7 @@ def attention_options() -> ml_collections.ConfigDict:
   the same under each attention's name, for a config that cycles several
   (config.model.attention_options.local.window). An unset option (None)
   takes the attention's default; a set one must be an option of the
-  attention it reaches (train/config_validation.py)."""
+  attention it reaches (train/config/validation.py)."""
   taken = {name: attention_parameters.option_types(name)
            for name in attention.names()}
   every = {}
@@ -63,7 +63,7 @@ def model_defaults() -> ml_collections.ConfigDict:
 
 
 def get_config() -> ml_collections.ConfigDict:
-  """Every training key at its default (train/config_keys.py says what
+  """Every training key at its default (train/config/keys.py says what
   each means), and `config.model` (model/config.py)."""
   config = ml_collections.ConfigDict(
       {name: key.value() for name, key in config_keys.KEYS.items()})

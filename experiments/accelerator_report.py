@@ -41,7 +41,7 @@ from absl import flags
 from configs import lm_stdlib
 from experiments import bench_train, common
 from train import cli
-from train.errors import InputError
+from train.base.errors import InputError
 
 FLAGS = flags.FLAGS
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

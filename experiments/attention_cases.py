@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from model import ModelConfig, attention, attention_parameters, positions
 from model.attention import fused
-from train.errors import InputError
+from train.base.errors import InputError
 
 # Variants that compute softmax(q k^T) v exactly (the FLOP count applies).
 EXACT = ('xla', 'dense', 'chunked', 'ring')

@@ -24,9 +24,10 @@ import matplotlib
 import numpy as np
 
 from model.families import FAMILIES
-from train import cli, trained_run
+from train import cli
+from train.base.errors import InputError
 from train.data import datasets, tokenizers
-from train.errors import InputError
+from train.run import trained_run
 
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)

@@ -41,7 +41,7 @@ the case: `fused.KernelError`). Exact
 variants also get their speed in model FLOP/s (matmuls only, causal half
 counted, the same on packed and padded rows as on plain ones; the backward
 pass 2.5 times the forward) and its fraction of the device's peak
-(train/flops.py; on CPU a matmul measured in the same run).
+(train/program/flops.py; on CPU a matmul measured in the same run).
 
 Writes OUT/<backend>/results.jsonl (a line per rows kind, variant and
 length), results.md and .csv (forward+backward time, its ratio to xla on
@@ -63,8 +63,9 @@ import jax.numpy as jnp
 
 from experiments import attention_cases, common
 from model.attention import fused
-from train import cli, device_memory, flops
-from train.errors import InputError
+from train import cli
+from train.base.errors import InputError
+from train.program import device_memory, flops
 
 FLAGS = flags.FLAGS
 
@@ -245,7 +246,7 @@ def _write_summary(rows: list[dict], directory: str, peak: float | None, *,
       f', {shape}\n\n'
       + (f'Command: `{command}`\n\n' if command else '')
       + f'Machine: {common.machine_description()}; peak '
-      f'{peak / 1e9 if peak else float("nan"):.0f} GFLOP/s (train/flops.py: '
+      f'{peak / 1e9 if peak else float("nan"):.0f} GFLOP/s (train/program/flops.py: '
       'the published bfloat16 peak of a GPU or TPU chip, a jitted 2048x2048 '
       'float32 matmul on CPU).\n\n'
       'Times are the best of the repetitions, forward+backward is the '

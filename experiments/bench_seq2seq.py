@@ -33,8 +33,8 @@ from configs import algorithmic
 from experiments import common
 from model import families
 from train import cli
-from train.errors import InputError
-from train.program import Program
+from train.base.errors import InputError
+from train.run.program import Program
 
 FLAGS = flags.FLAGS
 COMPARED = ('rnn_attention', 'encoder_decoder')

@@ -12,7 +12,7 @@ causal), data parallel over every device. Ours is `train.train`'s own step
 (configs/lm_stdlib.py with the size's keys and any --config overrides;
 metrics included); the baseline is `nn.MultiHeadDotProductAttention` with
 `nn.make_causal_mask`, written out below. For each: step time, tokens/s,
-model FLOPs per token (train/flops.py), MFU against the device's peak (a
+model FLOPs per token (train/program/flops.py), MFU against the device's peak (a
 jitted matmul on CPU, the published bfloat16 peak of a GPU or TPU chip),
 the compiled step's temporaries, and our tokens/s over the baseline's. Ours
 is also timed inside `train_and_evaluate`'s loop on the config's dataset
@@ -37,9 +37,11 @@ import optax
 
 from configs import lm_stdlib
 from experiments import common
-from train import cli, flops, trainer
-from train.errors import InputError
-from train.program import Program
+from train import cli
+from train.base.errors import InputError
+from train.program import flops
+from train.run import trainer
+from train.run.program import Program
 
 FLAGS = flags.FLAGS
 
@@ -256,10 +258,10 @@ def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
       '# Training throughput: attnlab DecoderLM against stock Flax\n\n'
       + (f'Command: `{command}`\n\n' if command else '')
       + f'Machine: {common.machine_description()}; peak '
-      f'{peak / 1e9 if peak else float("nan"):.0f} GFLOP/s (train/flops.py)'
+      f'{peak / 1e9 if peak else float("nan"):.0f} GFLOP/s (train/program/flops.py)'
       f'.\n\nSizes: {shapes}. {dtype} computation, float32 parameters, '
       f'remat {remat}; {steps} timed steps after {warmup}. MFU counts the '
-      'model FLOPs of train/flops.py (6 N + 6 L T d + 6 d V per token). '
+      'model FLOPs of train/program/flops.py (6 N + 6 L T d + 6 d V per token). '
       'temp_mib: the compiled step\'s temporaries (XLA memory analysis). '
       'loop_efficiency: the bare step time over the time of a step in '
       '`train_and_evaluate`\'s loop on the config\'s dataset.\n\n')

@@ -18,8 +18,8 @@ import matplotlib.ticker
 import numpy as np
 
 from model import attention, attention_parameters
-from train import metrics
-from train.errors import InputError, did_you_mean
+from train.base.errors import InputError, did_you_mean
+from train.run import metrics
 
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)

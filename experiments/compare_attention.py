@@ -43,11 +43,13 @@ from ml_collections import config_flags
 
 from experiments import common
 from model import attention
-from train import cli, config_validation, metrics
+from train import cli
+from train.base.errors import InputError
+from train.config import validation as config_validation
 from train.data import datasets
-from train.errors import InputError
-from train.program import Program
-from train.trainer import train_and_evaluate
+from train.run import metrics
+from train.run.program import Program
+from train.run.trainer import train_and_evaluate
 
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)

@@ -58,7 +58,7 @@ import subprocess
 from absl import flags
 
 from train import cli
-from train.errors import InputError
+from train.base.errors import InputError
 
 
 FLAGS = flags.FLAGS

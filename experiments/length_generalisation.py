@@ -21,8 +21,9 @@ from absl import flags
 import matplotlib
 
 from experiments import common, sweep, trials
-from train import cli, scores, seq2seq_eval
-from train.errors import InputError
+from train import cli
+from train.base.errors import InputError
+from train.decode import scores, seq2seq_eval
 
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)

@@ -8,7 +8,7 @@ Trains the config `warmup + steps + 1` steps through `train_and_evaluate`
 in DIR/run (removed first: it is this command's scratch run), inside
 `jax.profiler.trace(DIR/trace)` (also removed first), with no periodic
 evaluation, checkpoint or sample, and the learning-rate warmup cut to fit
-the run. train/trainer.py marks each step with
+the run. train/run/trainer.py marks each step with
 `jax.profiler.StepTraceAnnotation('train', step_num=...)`; the measured
 window runs from the start of step warmup + 1 to the start of step
 warmup + steps + 1. So the first `warmup` steps (compiling) are left out, and
@@ -54,12 +54,12 @@ from ml_collections import config_flags
 
 from experiments import common
 from train import cli
-from train.errors import InputError
-from train.trainer import train_and_evaluate
+from train.base.errors import InputError
+from train.run.trainer import train_and_evaluate
 
 FLAGS = flags.FLAGS
 
-# The name train/trainer.py gives its StepTraceAnnotation.
+# The name train/run/trainer.py gives its StepTraceAnnotation.
 STEP_NAME = 'train'
 KERNEL_ROWS = 15
 HOST_ROWS = 10
@@ -197,7 +197,7 @@ def step_window(steps: dict[int, tuple[float, float]], *, warmup: int,
   if missing:
     raise RuntimeError(
         f'The trace has no {STEP_NAME!r} step annotation of step(s) '
-        f'{missing} (it has {sorted(steps)}); train/trainer.py marks each '
+        f'{missing} (it has {sorted(steps)}); train/run/trainer.py marks each '
         f'step with jax.profiler.StepTraceAnnotation({STEP_NAME!r}, '
         'step_num=<step>).')
   return steps[first][0], steps[after][0]

@@ -44,9 +44,10 @@ import sqlalchemy
 
 from configs import search
 from experiments import study_report, trials
-from train import cli, metrics
+from train import cli
+from train.base.errors import InputError, TrainingError
 from train.data import datasets
-from train.errors import InputError, TrainingError
+from train.run import metrics
 
 # User attributes of a trial: the directory it resumes (a trial put back in
 # the queue), and a trial taken beyond the budget (told failed, not run).

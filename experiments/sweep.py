@@ -42,8 +42,9 @@ import matplotlib.ticker
 from configs import search
 from experiments import common, study
 from experiments.trials import check_trials, load_sweep, run_trial, trial_name
-from train import cli, metrics
-from train.errors import InputError, TrainingError
+from train import cli
+from train.base.errors import InputError, TrainingError
+from train.run import metrics
 
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)

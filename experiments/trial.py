@@ -25,8 +25,8 @@ import optuna
 from experiments import study as study_lib
 from experiments import trials
 from train import cli
-from train.errors import InputError, Pruned
-from train.trainer import train_and_evaluate
+from train.base.errors import InputError, Pruned
+from train.run.trainer import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Experiment config file, optionally with :argument.',

@@ -16,9 +16,11 @@ import time
 
 from configs import search
 from experiments import common
-from train import cli, config_validation, metrics
+from train import cli
+from train.base.errors import InputError, did_you_mean
+from train.config import validation as config_validation
 from train.data import datasets
-from train.errors import InputError, did_you_mean
+from train.run import metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Exit status of a search's trial (experiments/trial.py) that its pruner

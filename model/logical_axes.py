@@ -1,7 +1,7 @@
 """Logical axis names that more than one layer of the code must agree on.
 
 The model lays out its activations and attention heads by these names;
-train/sharding.py's rules map them to mesh axes; the fused attention
+train/program/sharding.py's rules map them to mesh axes; the fused attention
 kernels (model/attention/fused_kernels.py) read the same rules to split
 their `shard_map` as the model's own arrays are split. A renamed axis
 changes all three at once.

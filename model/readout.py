@@ -2,7 +2,7 @@
 
 A `Readout` is what a language model's logits are computed from, kept
 apart so that a loss can compute them a block of tokens at a time (see
-train/cross_entropy.py) instead of materialising float32 [B, T, V].
+train/program/cross_entropy.py) instead of materialising float32 [B, T, V].
 `project` is the projection's matmul: operands in the compute dtype,
 accumulation and result in float32, and so are its gradients' matmuls.
 """

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from train import steps
+from train.program import steps
 
 
 def adam_steps(model, task, params, batch, count: int,

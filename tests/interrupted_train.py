@@ -25,7 +25,8 @@ import time
 from absl import app
 from orbax.checkpoint._src.path import atomicity
 
-from train import checkpointing, cli, preemption, train
+from train import cli, train
+from train.run import checkpointing, preemption
 
 # Seconds each step takes after a SIGTERM cue.
 SLOWED_STEP_S = 0.2

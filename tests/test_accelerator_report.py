@@ -13,7 +13,7 @@ import pytest
 
 from experiments import accelerator_report
 from experiments.accelerator_report import Part
-from train.errors import InputError
+from train.base.errors import InputError
 
 # The parts get 4 s in all, so the sleeper is stopped within about 2 s.
 BUDGET_S = accelerator_report.RESERVE_S + 4

@@ -6,8 +6,9 @@ import pytest
 from configs import listops, lm_stdlib, wmt14_ende
 from model import ModelConfig
 from model.attention import fused
-from train import attention_kernels, config_validation
-from train.errors import InputError
+from train.base.errors import InputError
+from train.config import attention_kernels
+from train.config import validation as config_validation
 
 
 def summary(config, backend):

@@ -11,7 +11,7 @@ import pytest
 from configs import algorithmic, lm_stdlib
 from experiments import attention_cases, bench_attention, bench_seq2seq
 from experiments import bench_train
-from train.errors import InputError
+from train.base.errors import InputError
 
 PNG = b'\x89PNG'
 

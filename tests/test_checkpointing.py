@@ -11,10 +11,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from test_train import tiny_config
-from train import checkpointing
-from train.program import Program
-from train.errors import TrainingError
-from train.trainer import train_and_evaluate
+from train.base.errors import TrainingError
+from train.run import checkpointing
+from train.run.program import Program
+from train.run.trainer import train_and_evaluate
 
 
 @pytest.fixture(scope='module')

@@ -10,9 +10,11 @@ import config_overrides
 from configs import algorithmic, default, listops, lm1b, lm_stdlib
 from configs import lm_systems, rnn_attention, wmt14_ende
 from model import attention, attention_parameters, families
-from train import config_keys as declared_keys
-from train import config_validation, tasks, train
-from train.errors import InputError
+from train import train
+from train.base.errors import InputError
+from train.config import keys as declared_keys
+from train.config import validation as config_validation
+from train.data import tasks
 
 
 def test_every_shipped_config_is_valid():
@@ -56,7 +58,7 @@ def test_a_wsd_run_too_short_for_its_warmup_and_cooldown_is_warned_of():
 
 
 def test_every_default_key_has_a_comment():
-  """The training keys are declared in train/config_keys.py, a comment
+  """The training keys are declared in train/config/keys.py, a comment
   above each; config.model's fields are checked in test_config.py."""
   source = open(declared_keys.__file__).read()
   assert set(default.get_config().keys()) == (set(declared_keys.KEYS)

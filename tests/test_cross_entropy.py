@@ -12,7 +12,8 @@ import pytest
 
 from model import ModelConfig, build
 from model.readout import Readout
-from train import cross_entropy, steps, tasks
+from train.data import tasks
+from train.program import cross_entropy, steps
 
 # A vocabulary of no round size, so that no block of anything divides it.
 VOCAB = 37

@@ -12,11 +12,9 @@ import numpy as np
 import pytest
 
 from configs import default
-from train import tasks
+from train.base.errors import InputError
 from train.data import algorithmic, builder_config, datasets, layouts, listops
-from train.data import pipeline, stdlib
-from train.data import tokenizers
-from train.errors import InputError
+from train.data import pipeline, stdlib, tasks, tokenizers
 
 
 # --- Tokenizers ---

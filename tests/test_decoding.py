@@ -13,9 +13,10 @@ import pytest
 from model import ModelConfig, build
 from model.state import Cache
 from test_train import tiny_config
-from train import decoding, generate
-from train.errors import InputError
-from train.trainer import train_and_evaluate
+from train import generate
+from train.base.errors import InputError
+from train.decode import decoding
+from train.run.trainer import train_and_evaluate
 
 B, T, V = 2, 10, 16
 # Real prompt tokens per example; the prompts are right-padded to the

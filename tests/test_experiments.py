@@ -18,8 +18,12 @@ from experiments import launch, length_generalisation, study, sweep, trials
 from model import build
 from model.config import ModelConfig
 from test_train import tiny_config
-from train import cli, metrics, seq2seq_eval, steps, tasks, trained_run
-from train.errors import InputError, TrainingError
+from train import cli
+from train.base.errors import InputError, TrainingError
+from train.data import tasks
+from train.decode import seq2seq_eval
+from train.program import steps
+from train.run import metrics, trained_run
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PNG = b'\x89PNG'

@@ -7,7 +7,8 @@ import optax
 import pytest
 
 from model import ModelConfig, build
-from train import flops, steps, tasks
+from train.data import tasks
+from train.program import flops, steps
 
 
 @pytest.mark.parametrize('family, task', [('decoder_lm', tasks.LM),

@@ -9,7 +9,7 @@ import struct
 from tensorboardX.proto import event_pb2, plugin_hparams_pb2
 
 from experiments import common
-from train import metrics
+from train.run import metrics
 
 
 def test_non_finite_values_are_written_as_strict_json_and_read_back():

@@ -11,7 +11,8 @@ import pytest
 from model import ModelConfig, attention, build, families
 from model.state import Memory
 from model.config import POSITIONS
-from train import steps, tasks
+from train.data import tasks
+from train.program import steps
 from causality import assert_causal
 
 B, T, V = 2, 8, 32

@@ -11,7 +11,8 @@ import numpy as np
 from model import ModelConfig, build
 from model import moe
 from model.layers import Mlp
-from train import steps, tasks
+from train.data import tasks
+from train.program import steps
 from adam_steps import adam_steps
 
 B, T, D, M = 2, 8, 16, 32

@@ -19,10 +19,12 @@ import pytest
 import config_overrides
 from configs import default, lm_stdlib
 from model import attention, positions
-from train import checkpointing, config_validation, mesh, sharding
-from train.program import Program
-from train.errors import InputError
-from train.trainer import train_and_evaluate
+from train.base.errors import InputError
+from train.config import validation as config_validation
+from train.program import mesh, sharding
+from train.run import checkpointing
+from train.run.program import Program
+from train.run.trainer import train_and_evaluate
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import profile
-from train.errors import InputError
+from train.base.errors import InputError
 
 from test_train import tiny_config
 

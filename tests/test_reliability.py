@@ -25,10 +25,12 @@ import pytest
 import config_overrides
 from configs import algorithmic, lm_stdlib
 from test_train import tiny_config
-from train import checkpointing, config_validation, train
+from train import train
+from train.base.errors import InputError
+from train.config import validation as config_validation
 from train.data import datasets, pipeline
-from train.errors import InputError
-from train.trainer import train_and_evaluate
+from train.run import checkpointing
+from train.run.trainer import train_and_evaluate
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LAST_STEP = 12

@@ -10,8 +10,10 @@ import pytest
 from configs import rnn_attention
 from model import ModelConfig, build
 from model.families.rnn_attention import AttentionScore
-from train import decoding, mesh, steps, tasks
-from train.program import compile_program
+from train.data import tasks
+from train.decode import decoding
+from train.program import mesh, steps
+from train.run.program import compile_program
 from adam_steps import adam_steps
 
 V, D = 13, 32

@@ -10,7 +10,8 @@ import pytest
 
 from configs import default, lm_stdlib
 from model import ModelConfig, build
-from train import optim, steps, tasks
+from train.data import tasks
+from train.program import optim, steps
 
 
 def _config(**overrides):

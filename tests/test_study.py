@@ -15,7 +15,7 @@ import pytest
 from configs import search
 from experiments import launch, study, trials
 from test_experiments import TINY_LISTOPS
-from train.errors import InputError
+from train.base.errors import InputError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PNG = b'\x89PNG'

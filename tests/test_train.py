@@ -11,8 +11,11 @@ import tensorflow_datasets as tfds
 
 from configs import algorithmic, listops, lm1b, lm_stdlib, wmt14_ende
 from model import ModelConfig
-from train import config_validation, decoding, metrics, tasks, trainer
-from train.trainer import train_and_evaluate
+from train.config import validation as config_validation
+from train.data import tasks
+from train.decode import decoding
+from train.run import metrics, trainer
+from train.run.trainer import train_and_evaluate
 
 
 TRAIN_KEYS = {'step', 'loss', 'accuracy', 'learning_rate', 'grad_norm',

@@ -11,9 +11,10 @@ from configs import algorithmic
 from experiments import length_generalisation
 from test_experiments import recount
 from test_train import LocalWmt14, read_metrics, shrink, tiny_config
-from train import scores, seq2seq_eval, translate
-from train.errors import InputError
-from train.trainer import train_and_evaluate
+from train import translate
+from train.base.errors import InputError
+from train.decode import scores, seq2seq_eval
+from train.run.trainer import train_and_evaluate
 
 
 def test_bleu_of_files_equals_the_sacrebleu_command_line(tmp_path):

@@ -12,8 +12,9 @@ from model import ModelConfig, build, weight_decay
 from model.attention_parameters import PARAMETERS
 from model.config import POSITIONS
 from model.positions import SCHEMES
-from train import mesh, optim, steps, tasks
-from train.program import compile_program
+from train.data import tasks
+from train.program import mesh, optim, steps
+from train.run.program import compile_program
 
 TASKS = {'decoder_lm': tasks.LM, 'encoder_decoder': tasks.SEQ2SEQ,
          'rnn_attention': tasks.SEQ2SEQ,

@@ -8,9 +8,10 @@ import os
 import pytest
 
 from test_train import tiny_config
-from train import cli, workdir
-from train.errors import InputError
-from train.trainer import train_and_evaluate
+from train import cli
+from train.base.errors import InputError
+from train.run import workdir
+from train.run.trainer import train_and_evaluate
 
 
 def exit_status(config, path) -> int:

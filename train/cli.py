@@ -30,7 +30,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from train.errors import InputError, Stopped, TrainingError, did_you_mean
+from train.base.errors import InputError, Stopped, TrainingError, did_you_mean
 
 
 def fail(message: str, status: int = 2) -> NoReturn:

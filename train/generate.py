@@ -9,17 +9,14 @@ generates up to --max_new_tokens tokens with a key/value cache, stopping a
 sample at the end of a document. Prints each sample, prompt included.
 """
 
-import functools
-
 from absl import flags
-import flax.linen as nn
 import jax
-import numpy as np
 
 from model.positions import SCHEMES
-from train import cli, decoding, trained_run
-from train.data import datasets, tokenizers
-from train.errors import InputError
+from train import cli
+from train.base.errors import InputError
+from train.decode import text
+from train.run import trained_run
 
 FLAGS = flags.FLAGS
 
@@ -27,7 +24,7 @@ FLAGS = flags.FLAGS
 def generate(workdir: str, prompt: str, *, max_new_tokens: int,
              temperature: float, top_k: int = 0, top_p: float = 1.0,
              num_samples: int = 1, seed: int = 0) -> list[str]:
-  """`num_samples` texts continuing `prompt` (see decoding.choose)."""
+  """`num_samples` texts continuing `prompt` (see train/decode/decoding.py: choose)."""
   for name, value, ok, must in (
       ('max_new_tokens', max_new_tokens, max_new_tokens >= 1, 'at least 1'),
       ('temperature', temperature, temperature >= 0, '>= 0 (0 is greedy)'),
@@ -38,37 +35,13 @@ def generate(workdir: str, prompt: str, *, max_new_tokens: int,
       raise InputError(f'--{name}={value} must be {must}.')
   run = trained_run.load(workdir, decoder='train.generate')
   # A learned table has no position from max_len on.
-  return continue_text(
+  return text.continue_text(
       run.model, run.params, run.dataset, prompt, num_tokens=max_new_tokens,
       rng=jax.random.key(seed), num_samples=num_samples,
       max_positions=SCHEMES[run.model_config.position].max_positions(
           run.model_config),
       temperature=temperature, top_k=top_k, top_p=top_p)
 
-
-def continue_text(model: nn.Module, params, dataset: datasets.Dataset,
-                  prompt: str, *, num_tokens: int, rng: jax.Array,
-                  num_samples: int = 1, max_positions: int | None = None,
-                  **choice) -> list[str]:
-  """`num_samples` texts: `prompt` (after the end-of-sequence id that
-  starts a document) and up to `num_tokens` tokens after it, fewer where
-  the positions would reach `max_positions`, ending at the end of a
-  document; `choice`: temperature, top_k, top_p (decoding.choose)."""
-  tokenizer = dataset.tokenizer
-  prompt_ids = np.concatenate([[tokenizers.EOS_ID],
-                               tokenizer.encode(prompt)]).astype(np.int32)
-  if max_positions is not None:
-    num_tokens = min(num_tokens, max_positions - len(prompt_ids))
-    if num_tokens < 1:
-      raise InputError(f'the prompt is {len(prompt_ids)} tokens; the model '
-                       f'reads positions below {max_positions}.')
-  sample = jax.jit(functools.partial(
-      decoding.sample_lm, model, num_tokens=num_tokens,
-      eos_id=tokenizers.EOS_ID, vocab_size=dataset.vocab_size, **choice))
-  tokens = sample(params, np.tile(prompt_ids, (num_samples, 1)),
-                  np.full(num_samples, len(prompt_ids)), rng=rng)
-  return [tokenizer.decode(np.concatenate([prompt_ids, row]))
-          for row in np.asarray(tokens)]
 
 def main(argv: list[str]) -> None:
   texts = cli.run_main(argv, lambda: generate(

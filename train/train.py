@@ -17,8 +17,9 @@ stopped the run (README 'Reliability').
 from absl import flags
 from ml_collections import config_flags
 
-from train import cli, mesh
-from train.trainer import train_and_evaluate
+from train import cli
+from train.program import mesh
+from train.run.trainer import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Experiment config file, optionally with :argument.',

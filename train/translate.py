@@ -16,8 +16,10 @@ import os
 
 from absl import flags
 
-from train import cli, seq2seq_eval, trained_run
-from train.errors import InputError
+from train import cli
+from train.base.errors import InputError
+from train.decode import seq2seq_eval
+from train.run import trained_run
 
 FLAGS = flags.FLAGS
 

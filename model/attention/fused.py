@@ -20,7 +20,7 @@ first kernel of AUTO_ORDER[backend] that computes the case, else xla. A
 kernel named explicitly that cannot compute the case raises KernelError:
 nothing falls back silently. A `Case` holds only what shapes and types say,
 so the choice is made while tracing, and a config's choices can be worked
-out before anything is compiled (train/attention_kernels.py).
+out before anything is compiled (train/config/attention_kernels.py).
 
 Under a mesh every fused kernel runs in a `shard_map` that splits the batch
 and the heads as the model's own arrays are split, read from the same

@@ -103,7 +103,7 @@ def build(config: ModelConfig) -> nn.Module:
 
 
 def trainers(task: str) -> list[str]:
-  """The families that train on `task` (a train/tasks.py name)."""
+  """The families that train on `task` (a train/data/tasks.py name)."""
   return [name for name, family in FAMILIES.items() if task in family.tasks]
 
 

@@ -20,13 +20,13 @@ class Family:
   name: str
   # Built with the ModelConfig: module(config).
   module: type[nn.Module]
-  # The tasks (train/tasks.py) it trains on, by name.
+  # The tasks (train/data/tasks.py) it trains on, by name.
   tasks: tuple[str, ...]
   # Attention layers a token's step attends over the whole length through,
-  # forward (model FLOPs, train/flops.py).
+  # forward (model FLOPs, train/program/flops.py).
   attention_layers: Callable[[ModelConfig], int]
   # Its stacks of self-attention for activations of `length` positions,
-  # rows packed or not (train/attention_kernels.py); none of its own: [].
+  # rows packed or not (train/config/attention_kernels.py); none of its own: [].
   self_attention: Callable[[ModelConfig, int, bool], list[Stack]] = (
       lambda config, length, packed: [])
   # The module's method that reads a row of inputs alone: what the maps of

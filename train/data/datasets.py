@@ -1,7 +1,7 @@
 """Datasets by name: where the examples come from and what they mean.
 
 `load(config, workdir)` returns a `Dataset` whose splits hold examples in one
-of three canonical forms, one per task (train/tasks.py), which
+of three canonical forms, one per task (train/data/tasks.py), which
 `train.data.pipeline` turns into batches:
   lm:              {'tokens': int32 [n]}, a document starting with EOS_ID
   seq2seq:         {'inputs': int32 [s], 'targets': int32 [t]}, each ending
@@ -28,17 +28,17 @@ import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 
-from train import mesh, quiet, tasks
-from train.data import algorithmic, builder_config, integrity, listops
-from train.data import stdlib, tokenizers
-from train.errors import InputError, did_you_mean
+from train.base import hosts, quiet
+from train.base.errors import InputError, did_you_mean
+from train.data import algorithmic, builder_config, integrity, listops, stdlib
+from train.data import tasks, tokenizers
 
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
   """A dataset's splits (canonical examples) and what reading them needs."""
 
-  # What the examples pose (train/tasks.py), which says their form.
+  # What the examples pose (train/data/tasks.py), which says their form.
   task: tasks.Task
   # Split name to a MapDataset of canonical examples.
   splits: dict[str, grain.MapDataset]
@@ -113,7 +113,7 @@ def _build(make_builder: Callable[[], tfds.core.DatasetBuilder],
     except InputError as error:
       problem = str(error)
   # The others look once the first has built it; all stop if it could not.
-  if not mesh.minimum_over_hosts(problem is None):
+  if not hosts.minimum_over_hosts(problem is None):
     raise InputError(problem or 'the dataset could not be built (see the '
                      "first host's output).")
   with integrity.readable_metadata(data_dir), quiet.library_notices():

@@ -19,7 +19,7 @@ from array_record.python import array_record_module
 from google.protobuf import json_format
 import grain
 
-from train.errors import InputError
+from train.base.errors import InputError
 
 
 def _problem(path: str, expected: int) -> str | None:

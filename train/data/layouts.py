@@ -1,6 +1,6 @@
 """How canonical examples (see `train.data.datasets`) become rows of a
 batch. The trainer picks a language model's layout from the config; a
-dataset's task (train/tasks.py) batches its examples with these.
+dataset's task (train/data/tasks.py) batches its examples with these.
 
 Language-model documents are laid out in one of three ways (LAYOUTS):
   packed:  cut into windows of at most L + 1 tokens (inputs tokens[:-1],
@@ -24,7 +24,7 @@ import functools
 import grain
 import numpy as np
 
-from train.errors import InputError
+from train.base.errors import InputError
 
 LAYOUTS = ('packed', 'padded', 'streams')
 

@@ -2,7 +2,7 @@
 checkpointable, and evaluation batches in order.
 
 Every batch is a dict of numpy arrays with a leading (global) batch dim, in
-the layout of the dataset's task (train/tasks.py; rows: train/data/
+the layout of the dataset's task (train/data/tasks.py; rows: train/data/
 layouts.py):
   lm:             inputs, targets, positions, weights               [b, L]
                   and segment_ids when rows are packed

@@ -17,9 +17,9 @@ import tqdm
 
 from model import ModelConfig
 from model.positions import SCHEMES
-from train import decoding, scores
+from train.base.errors import InputError
 from train.data import datasets, tokenizers
-from train.errors import InputError
+from train.decode import decoding, scores
 
 
 def until_eos(ids) -> list[int]:

@@ -10,7 +10,7 @@ The mesh has four named axes, always in this order (MESH_AXES):
   sequence  sequence parallelism: activations split along the length; the
             `ring` attention variant passes keys and values round this axis.
 An axis of size 1 costs nothing. Which parameter and activation dims go to
-which axis is `config.logical_axis_rules` (see train/sharding.py).
+which axis is `config.logical_axis_rules` (see train/program/sharding.py).
 """
 
 from collections.abc import Sequence
@@ -18,12 +18,12 @@ import math
 import os
 
 import jax
-from jax.experimental import mesh_utils, multihost_utils
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 import ml_collections
 import numpy as np
 
-from train.errors import InputError
+from train.base.errors import InputError
 
 MESH_AXES = ('data', 'fsdp', 'tensor', 'sequence')
 # The axes that split the batch.
@@ -116,14 +116,3 @@ def start_distributed(config: ml_collections.ConfigDict, *,
   jax.distributed.initialize(coordinator_address=coordinator_address,
                              num_processes=num_processes,
                              process_id=process_id)
-
-
-def minimum_over_hosts(value: float) -> float:
-  """The smallest `value` of all hosts (this host's on one host): how the
-  hosts of a run agree on a check that each makes on its own, so that
-  none stops while the others wait for it. Exchanged in float32 (JAX's
-  widest type by default), exact for integers up to 2**24 and to about
-  1e-7 relative beyond: enough to compare free disk space with a size."""
-  if jax.process_count() == 1:
-    return value
-  return float(np.min(multihost_utils.process_allgather(np.float32(value))))

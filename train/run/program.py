@@ -26,10 +26,11 @@ import ml_collections
 
 from model import ModelConfig, build, weight_decay
 from model.state import Memory
-from train import config_validation, optim, sharding, steps
-from train import mesh as mesh_lib
-from train.steps import TrainState
-from train.tasks import Task
+from train.config import validation as config_validation
+from train.data.tasks import Task
+from train.program import optim, sharding, steps
+from train.program import mesh as mesh_lib
+from train.program.steps import TrainState
 
 
 def jit_train_step(step_fn: Callable, strategy: str, mesh: Mesh,

@@ -28,8 +28,8 @@ from typing import Any
 import jax
 import ml_collections
 
-from train import mesh
-from train.errors import InputError
+from train.base import hosts
+from train.base.errors import InputError
 
 # Keys (or dotted prefixes) a resume may change: logging, evaluation,
 # checkpoints, the closing sample, what stops a run, where the data lives,
@@ -221,7 +221,7 @@ def claim(config: ml_collections.ConfigDict, workdir: str
                f'{error.strerror or error}.')
   except Exception as error:  # Said on every host, not raised on one.
     problem = f'--workdir={workdir}: {error!r}'
-  if not mesh.minimum_over_hosts(problem is None):
+  if not hosts.minimum_over_hosts(problem is None):
     if lock is not None:
       lock.release()
     raise InputError(problem or f'--workdir={workdir} was refused by '

@@ -1,6 +1,6 @@
 """The train and eval steps: pure functions of (state, batch, rng).
 
-Batches are those of `train.data.pipeline`; the task (train/tasks.py) says
+Batches are those of `train.data.pipeline`; the task (train/data/tasks.py) says
 how a batch feeds the model. Metrics are sums over the
 batch (divided by their weight only when summarised), so that micro-batches,
 devices and eval batches add up exactly.
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import optax
 
 from model.readout import Readout
-from train import cross_entropy
-from train.tasks import Task
+from train.data.tasks import Task
+from train.program import cross_entropy
 
 Array = jax.Array
 

@@ -1,5 +1,5 @@
 """Checks of a config's layout on the device mesh, for
-train/config_validation.py: the strategy, the logical axis rules, and the
+train/config/validation.py: the strategy, the logical axis rules, and the
 batch, the length and every parameter splitting evenly over the mesh.
 """
 
@@ -11,9 +11,9 @@ import jax
 import ml_collections
 
 from model import ModelConfig, build
-from train import mesh, sharding, steps
-from train.errors import InputError
-from train.tasks import Task
+from train.base.errors import InputError
+from train.data.tasks import Task
+from train.program import mesh, sharding, steps
 
 
 # The config key behind each logical axis, to name it in an error.

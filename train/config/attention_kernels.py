@@ -20,7 +20,8 @@ from model import ModelConfig, attention, attention_parameters, logical_axes
 from model.attention import fused
 from model.positions import SCHEMES
 from model.families import FAMILIES
-from train import layout_validation, mesh, sharding
+from train.config import layout as layout_validation
+from train.program import mesh, sharding
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """train_and_evaluate: the training loop, composed from the config.
 
 The state and batches are laid out on the mesh of `config.parallelism`
-(train/mesh.py) as `config.logical_axis_rules` say (train/sharding.py), by
-the run's program (train/program.py); the same loop runs on one CPU, a GPU
+(train/program/mesh.py) as `config.logical_axis_rules` say (train/program/sharding.py), by
+the run's program (train/run/program.py); the same loop runs on one CPU, a GPU
 node or a multi-host TPU pod.
 """
 
@@ -17,14 +17,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import ml_collections
 import tqdm
 
-from train import (attention_kernels, checkpointing, config_validation,
-                   decoding, flops, generate, metrics, preemption,
-                   seq2seq_eval)
-from train import workdir as workdir_lib
+from train.base.errors import InputError, Pruned, Stopped, TrainingError
+from train.config import attention_kernels
+from train.config import validation as config_validation
 from train.data import datasets, pipeline
-from train.errors import InputError, Pruned, Stopped, TrainingError
-from train.program import Program
-from train.tasks import Task
+from train.data.tasks import Task
+from train.decode import decoding, seq2seq_eval, text
+from train.program import flops
+from train.run import checkpointing, metrics, preemption
+from train.run import workdir as workdir_lib
+from train.run.program import Program
 
 
 def _say(message: str) -> None:
@@ -123,8 +125,8 @@ def train_and_evaluate(
   `on_evaluation(step, summary)` is called after each evaluation before
   the last step (on every host: its answer must agree); True stops the
   run there after saving a checkpoint, raising Pruned (a sweep's pruner).
-  The workdir is this run's while it runs (see train/workdir.py).
-  Raises train.errors.InputError, naming the key, for a bad config, a
+  The workdir is this run's while it runs (see train/run/workdir.py).
+  Raises train.base.errors.InputError, naming the key, for a bad config, a
   workdir in use or one that holds another config;
   TrainingError when non-finite values or a failed save stop the run;
   Stopped when SIGTERM, SIGINT or a preemption notice did, after saving.
@@ -315,13 +317,13 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
   elif program.task.continues_text and config.sample_length:
     # Whole on every device: every host runs the sampling and can read it.
     # Positions stay below seq_len, the longest the model was trained on.
-    [text] = generate.continue_text(
+    [sample] = text.continue_text(
         program.model, program.replicate(state.params), dataset,
         config.sample_prompt, num_tokens=config.sample_length,
         rng=program.key(2), max_positions=config.seq_len,
         temperature=config.sample_temperature)
     _say(f'--- sample (temperature {config.sample_temperature}) ---\n'
-         f'{text}\n---')
+         f'{sample}\n---')
   latest = checkpointer.latest_step()
   _say(closing_summary(
       task=program.task, steps=(first_step, last_step),

@@ -1,10 +1,10 @@
 """The training config's keys, all but `config.model` (model/config.py
 declares that): what each means, its default, and the values it takes.
 configs/default.py builds every config from KEYS and
-train/config_validation.py checks each key by its rule, so no key is
+train/config/validation.py checks each key by its rule, so no key is
 written twice. A key without a rule is checked where it is read: the
 dataset and its options by train/data/datasets.py, the decode splits by
-config_validation, the mesh's keys by train/layout_validation.py.
+config_validation, the mesh's keys by train/config/layout.py.
 """
 
 from collections.abc import Callable
@@ -14,8 +14,8 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-from train import metrics, optim, sharding
-from train.errors import did_you_mean
+from train.base.errors import did_you_mean
+from train.program import optim, sharding
 
 # (key, value) -> what is wrong with the value, or None.
 Rule = Callable[[str, Any], str | None]
@@ -120,7 +120,7 @@ KEYS: dict[str, Key] = {
     'learning_rate': Key(1e-3, number(0.0, INF, include_low=False)),
     # Steps of linear warmup from 0.
     'warmup_steps': Key(100, integer(0)),
-    # After warmup: cosine, linear, rsqrt, constant or wsd (train/optim.py).
+    # After warmup: cosine, linear, rsqrt, constant or wsd (train/program/optim.py).
     'schedule': Key('cosine', one_of(optim.SCHEDULES)),
     # End of cosine/linear/wsd decay, as a fraction of learning_rate.
     'final_learning_rate_fraction': Key(0.1, number(0.0, 1.0,
@@ -164,7 +164,7 @@ KEYS: dict[str, Key] = {
     # A step whose loss or gradient is not finite: stop (name the step and
     # exit, the last checkpoint intact) or skip (drop that update, count it
     # in the metrics as skipped_steps).
-    'nan_policy': Key('stop', one_of(metrics.NAN_POLICIES)),
+    'nan_policy': Key('stop', one_of(('stop', 'skip'))),
     # skip: stop anyway after more than this many skipped steps in a row.
     'max_skipped_steps': Key(10, integer(0)),
     # Debugging: give the batch of this step a NaN weight, to see what
@@ -194,7 +194,7 @@ KEYS: dict[str, Key] = {
     # log-probability alone.
     'beam_alpha': Key(0.6, number(0.0, INF)),
 
-    # --- Devices (README 'Scaling out'; train/mesh.py, train/sharding.py)
+    # --- Devices (README 'Scaling out'; train/program/mesh.py, train/program/sharding.py)
     # Mesh axis sizes, whose product is the number of devices of all hosts;
     # one of them may be -1 for the devices the others leave. data and fsdp
     # split the batch (fsdp the parameters too), tensor splits heads, MLP

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from model import ModelConfig
 from model.families import FAMILIES
-from train.tasks import Task
+from train.data.tasks import Task
 
 # Dense bfloat16 peak of one chip, FLOP/s, by a part of jax's device_kind.
 PEAK_BF16_FLOPS = (

@@ -11,11 +11,12 @@ import jax
 import ml_collections
 
 from model import ModelConfig
-from train import checkpointing, decoding
-from train import workdir as workdir_lib
+from train.base.errors import InputError
 from train.data import datasets
-from train.errors import InputError
-from train.program import Program
+from train.decode import decoding
+from train.run import checkpointing
+from train.run import workdir as workdir_lib
+from train.run.program import Program
 
 
 @dataclasses.dataclass(frozen=True)

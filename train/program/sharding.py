@@ -5,7 +5,7 @@ length, expert; see model/layers.py, model/moe.py) and the Transformer
 blocks constrain their inputs to (activation_batch, activation_length,
 activation_embed) (model/logical_axes.py); the fused attention kernels
 split their work by the same rules.
-`config.logical_axis_rules` maps each name to mesh axes (train/mesh.py); a
+`config.logical_axis_rules` maps each name to mesh axes (train/program/mesh.py); a
 name without a rule is not split. DEFAULT_RULES give
   data parallelism      the batch over data and fsdp;
   FSDP                  every weight's embed dim over fsdp (each weight
@@ -19,7 +19,7 @@ parallelism), placed before ('embed', 'fsdp') so that it takes the axis.
 A rule maps a name to one mesh axis or a tuple of them; for each array,
 rules are tried in order and a mesh axis is used at most once.
 
-The programs that use them are built in train/program.py.
+The programs that use them are built in train/run/program.py.
 """
 
 import flax.linen as nn
@@ -29,8 +29,8 @@ import ml_collections
 
 from model import logical_axes
 from model.state import Memory
-from train import mesh as mesh_lib
-from train.steps import TrainState
+from train.program import mesh as mesh_lib
+from train.program.steps import TrainState
 
 BATCH_AXES = mesh_lib.BATCH_AXES
 
@@ -53,7 +53,7 @@ def mesh_axes(target) -> tuple[str, ...]:
 
 
 def logical_rules(config: ml_collections.ConfigDict) -> tuple:
-  """`config.logical_axis_rules` (checked by train/layout_validation.py) as
+  """`config.logical_axis_rules` (checked by train/config/layout.py) as
   a tuple of (name, mesh axes) pairs; JSON's lists are tuples again."""
   return tuple((name, tuple(target) if isinstance(target, list) else target)
                for name, target in config.logical_axis_rules)

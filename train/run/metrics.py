@@ -21,11 +21,9 @@ import jax
 import tensorboardX
 import tqdm
 
-from train.errors import TrainingError
+from train.base.errors import TrainingError
 
 LN2 = math.log(2.0)
-# config.nan_policy: what a step with a non-finite loss or gradient does.
-NAN_POLICIES = ('stop', 'skip')
 
 
 def is_due(step: int, every: int, last_step: int) -> bool:
@@ -47,7 +45,7 @@ def quality_metric(summary: dict[str, float]) -> str:
 
 
 def final_summary(task, decode_splits=()) -> dict[str, str | None]:
-  """The figures a run of a `task` (train/tasks.py) may log at its last
+  """The figures a run of a `task` (train/data/tasks.py) may log at its last
   step, each with the direction that is better ('min' or 'max'; None for
   neither): the training summary, then the evaluation's."""
   names = {'loss': 'min', 'accuracy': 'max', 'learning_rate': None,
@@ -83,7 +81,7 @@ class NonFiniteGuard:
   """Applies config.nan_policy to the metrics of each completed step.
 
   stop: raise NonFiniteStop naming the step and the first non-finite
-  metric. skip: the step dropped its update (train.steps.train_step) and
+  metric. skip: the step dropped its update (train.program.steps.train_step) and
   reported `skipped`; raise once more than `max_skipped_steps` in a row
   were skipped.
   """

@@ -46,9 +46,9 @@ from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from train import mesh, quiet
-from train.errors import InputError, TrainingError
-from train.steps import TrainState
+from train.base import hosts, quiet
+from train.base.errors import InputError, TrainingError
+from train.program.steps import TrainState
 
 # Marks orbax's directory of a checkpoint still being written.
 INCOMPLETE_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX
@@ -234,7 +234,7 @@ class Checkpointer:
     """(bytes of a checkpoint of `state`, bytes free on the disk of the
     fullest host); raises `error` unless the checkpoint fits."""
     size = state_bytes(state)
-    free = mesh.minimum_over_hosts(shutil.disk_usage(self.directory).free)
+    free = hosts.minimum_over_hosts(shutil.disk_usage(self.directory).free)
     if free < size:
       raise error(
           f'not enough disk space for a checkpoint in {self.directory}: one '
@@ -358,7 +358,7 @@ class Checkpointer:
       except Damaged as damage:
         problem = str(damage)
       # Every host restores the same step or none does.
-      if not mesh.minimum_over_hosts(problem is None):
+      if not hosts.minimum_over_hosts(problem is None):
         damaged.append((step, problem or 'damaged as another host read it'))
         continue
       for damaged_step, damaged_problem in damaged:

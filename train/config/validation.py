@@ -1,7 +1,7 @@
 """Checks a training config before anything is built or compiled: each key
-by its rule (train/config_keys.py), `config.model` by ModelConfig, then what
+by its rule (train/config/keys.py), `config.model` by ModelConfig, then what
 the keys ask of each other, of the dataset's task, of the model's attention
-and (train/layout_validation.py) of the mesh.
+and (train/config/layout.py) of the mesh.
 
 Each rule names the key it checks, so a mistake is reported as, e.g.,
 `config.model.num_heads=6 does not split over config.parallelism.tensor=4`.
@@ -17,11 +17,15 @@ import ml_collections
 from model import ModelConfig, attention, attention_parameters, families
 from model.attention import fused
 from model.positions import SCHEMES
-from train import (attention_kernels, config_keys, decoding, device_memory,
-                   layout_validation, mesh, optim)
+from train.base import hosts
+from train.base.errors import InputError, did_you_mean
+from train.config import attention_kernels
+from train.config import keys as config_keys
+from train.config import layout as layout_validation
 from train.data import datasets
-from train.errors import InputError, did_you_mean
-from train.tasks import Task
+from train.data.tasks import Task
+from train.decode import decoding
+from train.program import device_memory, mesh, optim
 
 
 def _fail(message: str):
@@ -248,7 +252,7 @@ def check_step_fits(compiled: jax.stages.Compiled,
   fits in what the device holds; InputError with the figures and the keys
   that set them otherwise."""
   memory = compiled.memory_analysis()
-  held = mesh.minimum_over_hosts(device_bytes())  # Every host alike.
+  held = hosts.minimum_over_hosts(device_bytes())  # Every host alike.
   if memory is None:
     return
   needed = device_memory.needed_bytes(memory)
