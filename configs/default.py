@@ -11,7 +11,8 @@ import dataclasses
 import ml_collections
 from ml_collections import config_dict
 
-from model import attention, attention_parameters
+from model import attention
+from model.attention import options as variant_options
 from model.config import ModelConfig
 from train.config import keys as config_keys
 
@@ -32,7 +33,7 @@ def attention_options() -> ml_collections.ConfigDict:
   (config.model.attention_options.local.window). An unset option (None)
   takes the attention's default; a set one must be an option of the
   attention it reaches (train/config/validation.py)."""
-  taken = {name: attention_parameters.option_types(name)
+  taken = {name: variant_options.option_types(name)
            for name in attention.names()}
   every = {}
   for types in taken.values():

@@ -9,7 +9,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import ModelConfig, attention, attention_parameters, positions
+from model import ModelConfig, attention, positions
+from model.attention import options as variant_options
 from model.attention import fused
 from train.base.errors import InputError
 
@@ -35,9 +36,9 @@ def parse_variant(name: str) -> tuple[str, str | None]:
                      f'xla, {", ".join(attention.names())}.')
   if kernel is None:
     return base, None
-  if not attention_parameters.takes_kernel(base):
+  if not variant_options.takes_kernel(base):
     takers = [n for n in attention.names()
-              if attention_parameters.takes_kernel(n)]
+              if variant_options.takes_kernel(n)]
     raise InputError(f'--variants: {name!r}: {base} takes no kernel; '
                      f'{", ".join(takers)} do.')
   if kernel not in fused.KERNELS:
@@ -112,7 +113,7 @@ class Attend(nn.Module):
 
   @nn.compact
   def __call__(self, q, k, v, mask, bias=None):
-    kwargs = attention_parameters.variant_kwargs(self, self.config)
+    kwargs = variant_options.variant_kwargs(self, self.config)
     return attention.get(self.config.attention)(
         q, k, v, bias, mask, is_causal=self.is_causal, **kwargs)
 

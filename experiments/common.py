@@ -17,7 +17,8 @@ import matplotlib
 import matplotlib.ticker
 import numpy as np
 
-from model import attention, attention_parameters
+from model import attention
+from model.attention import options as variant_options
 from train.base.errors import InputError, did_you_mean
 from train.run import metrics
 
@@ -59,7 +60,7 @@ def check_options(options: dict[str, dict]) -> None:
   and takes its options; InputError naming the first that is not."""
   for name, given in options.items():
     check_variant('--options', name)
-    known = sorted(attention_parameters.option_names(name))
+    known = sorted(variant_options.option_names(name))
     for option in given:
       if option not in known:
         raise InputError(

@@ -117,7 +117,7 @@ def run_variant(config, workdir: str, lengths: list[int],
     summary = train_and_evaluate(config, workdir)
     logged = [line for line in common.read_metrics(workdir)
               if 'steps_per_s' in line]
-    metric = metrics.quality_metric(summary)
+    metric, _ = datasets.task_of(config.dataset).quality_metric(summary)
     row = {'status': 'trained', 'metric': metric,
            metric: float(summary[metric]),
            'eval_loss': float(summary['eval_loss']),

@@ -421,9 +421,9 @@ def check(config_arg: str, space: search.Space, common_overrides: dict,
       config_arg, space.corners(), common_overrides, metric, mode)
   if chosen is None:
     config = cli.load_config(config_arg, common_overrides)
-    chosen = metrics.quality_metric(metrics.final_summary(
-        datasets.task_of(config.dataset), config.decode_splits))
-    chosen_mode = metrics.QUALITY_METRICS[chosen]
+    task = datasets.task_of(config.dataset)
+    chosen, chosen_mode = task.quality_metric(
+        metrics.final_summary(task, config.decode_splits))
   if not chosen.startswith(('eval_', 'decode_')):
     raise InputError(f'--metric={chosen}: a search ranks and prunes by a '
                      'metric of the evaluation (eval_..., decode_...).')

@@ -44,7 +44,7 @@ from experiments import common, study
 from experiments.trials import check_trials, load_sweep, run_trial, trial_name
 from train import cli
 from train.base.errors import InputError, TrainingError
-from train.run import metrics
+from train.data import datasets
 
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)
@@ -121,6 +121,7 @@ def sweep(config_arg: str, workdir: str, *, parallel: int = 1,
                      'overrides twice.')
   metric, mode = check_trials(config_arg, trials, common_overrides, metric,
                               mode)
+  task = datasets.task_of(cli.load_config(config_arg, common_overrides).dataset)
   os.makedirs(workdir, exist_ok=True)
   # Trials run from the repository root, as `python -m train.train`.
   path, sep, argument = config_arg.partition(':')
@@ -137,8 +138,8 @@ def sweep(config_arg: str, workdir: str, *, parallel: int = 1,
         print(f'trial {number}/{len(trials)} {name}: {record["status"]}: '
               f'{record["error"]}', flush=True)
         return record
-      shown = metric or metrics.quality_metric(record['metrics'])
-      direction = mode if metric else metrics.QUALITY_METRICS[shown]
+      shown, direction = ((metric, mode) if metric
+                          else task.quality_metric(record['metrics']))
       sign = 1 if direction == 'min' else -1
       value = record['metrics'].get(shown, math.nan)
       if math.isfinite(value) and (not best
@@ -166,8 +167,7 @@ def sweep(config_arg: str, workdir: str, *, parallel: int = 1,
         f'{os.path.join(workdir, trial_name(failed["overrides"]), "log.txt")}'
         ').')
   if metric is None:
-    metric = metrics.quality_metric(finished[0])
-    mode = metrics.QUALITY_METRICS[metric]
+    metric, mode = task.quality_metric(finished[0])
   rows = leaderboard(records, metric, mode)
   keys = list(dict.fromkeys(key for trial in trials for key in trial))
   columns = ['rank', 'trial', 'status', metric, *keys, 'error']

@@ -13,13 +13,13 @@ from typing import Any
 import jax.numpy as jnp
 
 from model import attention
+from model.activations import ACTIVATIONS
 from model.positions import SCHEMES
 
 # The token id of padding, in every family.
 PAD_ID = 0
 RNN_CELLS = ('lstm', 'gru')
 RNN_SCORES = ('additive', 'general')
-ACTIVATIONS = ('relu', 'gelu', 'swiglu')
 NORMS = ('layernorm', 'rmsnorm')
 NORM_POSITIONS = ('pre', 'post')
 # Position schemes (model/positions.py says what each does).

@@ -10,7 +10,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import attention, attention_parameters, logical_axes, positions
+from model import activations, attention, logical_axes, positions
+from model.attention import options as variant_options
 from model.config import ModelConfig
 from model.state import KeysValues
 from model.weight_decay import undecayed
@@ -68,7 +69,7 @@ class MultiHeadAttention(nn.Module):
   """Q/K/V/O projections around an attention function.
 
   Self-attention uses `config.attention` with `config.attention_options`
-  (creating the parameters a variant owns, see model/attention_parameters)
+  (creating the parameters a variant owns: Variant.parameters)
   and applies relative position information; cross-attention is dense.
   With `config.attention_projections` False, self-attention has no
   parameters: the inputs are queries, keys and values of one head, the
@@ -86,7 +87,7 @@ class MultiHeadAttention(nn.Module):
   def setup(self):
     config = self.config
     if self._parameter_free:
-      if config.attention in attention_parameters.PARAMETERS:
+      if attention.spec(config.attention).parameters:
         raise ValueError(
             f'config.model.attention={config.attention!r} has parameters '
             'of its own; config.model.attention_projections=False wants '
@@ -107,7 +108,7 @@ class MultiHeadAttention(nn.Module):
       self.variant, self.options = attention.spec('dense'), {}
       return
     self.variant = attention.spec(config.attention)
-    self.options = attention_parameters.variant_kwargs(self, config)
+    self.options = variant_options.variant_kwargs(self, config)
     self.scheme = positions.SCHEMES[config.position]
     self.position_layer = (self.scheme.bias_layer(config, self.causal)
                            if self.scheme.bias_layer else None)
@@ -249,14 +250,10 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD: Array) -> Array:
     config = self.config
-    hidden = _dense(config.mlp_dim, ('embed', 'mlp'), config, 'wi')(x_BxTxD)
-    if config.mlp_activation == 'swiglu':
-      gate = _dense(config.mlp_dim, ('embed', 'mlp'), config, 'wi_gate')(
-          x_BxTxD)
-      hidden_BxTxM = nn.silu(gate) * hidden
-    else:
-      activation = {'relu': nn.relu, 'gelu': nn.gelu}[config.mlp_activation]
-      hidden_BxTxM = activation(hidden)
+    hidden_BxTxM = activations.hidden(
+        config.mlp_activation,
+        lambda name: _dense(config.mlp_dim, ('embed', 'mlp'), config, name)(
+            x_BxTxD))
     return _dense(x_BxTxD.shape[-1], ('mlp', 'embed'), config, 'wo')(
         hidden_BxTxM)
 

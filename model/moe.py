@@ -32,13 +32,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from model import activations
 from model.config import ModelConfig
 from model.weight_decay import undecayed
 
 Array = jax.Array
-
-_ACTIVATIONS = {'relu': nn.relu, 'gelu': nn.gelu}
-
 
 def group_size(config: ModelConfig, length: int) -> int:
   """Tokens routed together for an input of `length` tokens an example."""
@@ -142,10 +140,7 @@ class MoeMlp(nn.Module):
                          kernel.astype(dtype))
               + bias.astype(dtype)[:, None, None])
 
-    if config.mlp_activation == 'swiglu':
-      hidden = nn.silu(up('wi_gate')) * up('wi')
-    else:
-      hidden = _ACTIVATIONS[config.mlp_activation](up('wi'))
+    hidden = activations.hidden(config.mlp_activation, up)
     wo = param('wo', (num_experts, config.mlp_dim, width),
                ('expert', 'mlp', 'embed'), expert_init)
     wo_bias = param('wo_bias', (num_experts, width), ('expert', 'embed'),

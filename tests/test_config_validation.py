@@ -9,7 +9,8 @@ import pytest
 import config_overrides
 from configs import algorithmic, default, listops, lm1b, lm_stdlib
 from configs import lm_systems, rnn_attention, wmt14_ende
-from model import attention, attention_parameters, families
+from model import attention, families
+from model.attention import options as variant_options
 from train import train
 from train.base.errors import InputError
 from train.config import keys as declared_keys
@@ -333,11 +334,11 @@ def test_the_attention_options_are_those_of_the_registered_attentions():
   options = default.get_config().model.attention_options
   types = {}
   for name in attention.names():
-    assert set(options[name]) == attention_parameters.option_names(name)
-    for option, kind in attention_parameters.option_types(name).items():
+    assert set(options[name]) == variant_options.option_names(name)
+    for option, kind in variant_options.option_types(name).items():
       assert kind in (int, float, str, bool), (name, option, kind)
       assert types.setdefault(option, kind) == kind, (name, option)
-  every = set().union(*map(attention_parameters.option_names,
+  every = set().union(*map(variant_options.option_names,
                            attention.names()))
   assert set(options) == every | set(attention.names())
   assert not every & set(attention.names())  # No option named as a group.
@@ -347,7 +348,7 @@ def test_an_attention_option_set_for_an_attention_without_it_is_refused():
   """Every option on dense (which takes scale alone), by its flat key."""
   types = {}
   for name in attention.names():
-    types |= attention_parameters.option_types(name)
+    types |= variant_options.option_types(name)
   for option, kind in sorted(types.items()):
     if option == 'scale':
       continue

@@ -15,7 +15,7 @@ B, N, H = 2, 2, 8
 
 def parameters(name: str, heads: int, length: int, dtype) -> dict:
   """The arrays a parameter-owning variant takes as options (what
-  model/attention_parameters.py would pass), and small block sizes."""
+  Variant.parameters would pass), and small block sizes."""
   rng = jax.random.split(jax.random.key(7), 3)
   if name == 'linformer':
     projection = jax.random.normal(rng[0], (16, length), dtype) / length**0.5

@@ -12,7 +12,7 @@ import tensorflow_datasets as tfds
 from configs import algorithmic, listops, lm1b, lm_stdlib, wmt14_ende
 from model import ModelConfig
 from train.config import validation as config_validation
-from train.data import tasks
+from train.data import datasets, tasks
 from train.decode import decoding
 from train.run import metrics, trainer
 from train.run.trainer import train_and_evaluate
@@ -160,7 +160,7 @@ def test_config_trains_saves_and_resumes(name, data_dir, tmp_path, capsys,
             'float32, causal, packed rows)') in out
     assert read_metrics(workdir)[0]['steps_per_s'] > 0.02
   # The closing summary: steps, the final metric, the checkpoint.
-  metric = metrics.quality_metric(final)
+  metric, _ = datasets.task_of(config.dataset).quality_metric(final)
   assert 'Done: steps 0-4 in ' in out
   assert f'{metric} {final[metric]:.4g}' in out
   assert f'Last checkpoint: {workdir}/checkpoints/4; ' in out

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from configs import default
-from model import ModelConfig, build, weight_decay
-from model.attention_parameters import PARAMETERS
+from model import ModelConfig, attention, build, weight_decay
 from model.config import POSITIONS
 from model.positions import SCHEMES
 from train.data import tasks
@@ -41,7 +40,8 @@ CONFIGS = {
                              rnn_score='general'),
 } | {f'attention_{name}': small(family='encoder_classifier', num_classes=3,
                                 pooling='mean',
-                                attention=name) for name in PARAMETERS} | {
+                                attention=name) for name in attention.names()
+                                if attention.spec(name).parameters} | {
     f'position_{name}': small(position=name, family=(
         'encoder_decoder' if SCHEMES[name].randomized else 'decoder_lm'))
     for name in POSITIONS}

@@ -48,8 +48,8 @@ def main(argv: list[str]) -> None:
       FLAGS.workdir, FLAGS.prompt, max_new_tokens=FLAGS.max_new_tokens,
       temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
       num_samples=FLAGS.num_samples, seed=FLAGS.seed))
-  for number, text in enumerate(texts):
-    print(f'--- sample {number} ---\n{text}')
+  for number, sample in enumerate(texts):
+    print(f'--- sample {number} ---\n{sample}')
 
 
 if __name__ == '__main__':

@@ -12,6 +12,7 @@ an input it cannot honour.
 
 from collections.abc import Callable
 import dataclasses
+from typing import Any
 
 import jax
 
@@ -47,6 +48,13 @@ class Variant:
   # Scores are functions of q . k (exactly, or estimated as by performer),
   # so rotating queries and keys by position (rope) makes them relative.
   dot_product: bool = True
+  # The parameters it owns, or None: parameters(module, config, **options)
+  # creates them in the attention layer `module` for a layer of `config`
+  # (a ModelConfig), its keyword-only arguments being the options that
+  # shape them, and returns fn's keyword arguments (the parameters and the
+  # other options). A variant with parameters needs nothing else from the
+  # model (options.py).
+  parameters: Callable[..., dict[str, Any]] | None = None
 
   @property
   def reads_cache(self) -> bool:
@@ -70,7 +78,8 @@ _REGISTRY: dict[str, Variant] = {
                        bias=True, dropout=False, self_only=True),
     'linformer': Variant(linformer.linformer_attention, causal=False,
                          masks='key_padding', bias=False, dropout=False,
-                         dot_product=False),
+                         dot_product=False,
+                         parameters=linformer.parameters),
     'performer': Variant(kernel.performer_attention, causal=True,
                          masks='key_padding', bias=False, dropout=False),
     'linear': Variant(kernel.linear_attention, causal=True,
@@ -81,10 +90,10 @@ _REGISTRY: dict[str, Variant] = {
     'memory_compressed': Variant(
         compressed.memory_compressed_attention, causal=True,
         masks='key_padding', bias=False, dropout=False, self_only=True,
-        dot_product=False),
+        dot_product=False, parameters=compressed.parameters),
     'additive': Variant(additive.additive_attention, causal=True, masks='any',
                         bias=True, dropout=False, longer_keys=True,
-                        dot_product=False),
+                        dot_product=False, parameters=additive.parameters),
 }
 
 

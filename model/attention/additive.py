@@ -3,12 +3,15 @@
   score(q_i, k_j) = v . tanh(W_q q_i + W_k k_j)
 
 the attention of RNN translation, on the core's signature. W_q, W_k [N, H, A]
-and v [N, A] are parameters that `MultiHeadAttention` owns (see
-model/attention_parameters.py) and passes in. It forms a [B, T, S, N, A]
+and v [N, A] are parameters (`parameters`, which `MultiHeadAttention` calls
+in its scope) that the model passes in. It forms a [B, T, S, N, A]
 tensor: O(T * S * A) memory, the price of a score that is not a dot
 product.
 """
 
+from typing import Any
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -43,3 +46,25 @@ def additive_attention(query: Array, key: Array, value: Array,
                               preferred_element_type=jnp.float32)
   weights = core.weights_from_logits(logits_BxNxTxS, bias, mask, is_causal)
   return core.weighted_values(weights, value, query.dtype)
+
+
+def parameters(module: nn.Module, config, *, hidden: int | None = None,
+               **options) -> dict[str, Any]:
+  """W_q, W_k [N, H, A] and v [N, A], A = `hidden` (default H), created in
+  `module` for a layer of `config` (a ModelConfig); with the other
+  `options`, the keyword arguments of additive_attention."""
+  hidden = config.head_dim if hidden is None else hidden
+  heads, head_dim = config.num_heads, config.head_dim
+  matrix = nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                        ('heads', 'kv', None))
+  vector = nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                        ('heads', None))
+  return options | {
+      'query_weight': module.param('additive_query', matrix,
+                                   (heads, head_dim, hidden),
+                                   config.weight_dtype),
+      'key_weight': module.param('additive_key', matrix,
+                                 (heads, head_dim, hidden),
+                                 config.weight_dtype),
+      'score_weight': module.param('additive_score', vector, (heads, hidden),
+                                   config.weight_dtype)}

@@ -22,7 +22,9 @@ A key padding mask [B?, 1, 1, S] drops the padded keys from every window
 """
 
 import math
+from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,3 +116,27 @@ def memory_compressed_attention(
       query, compress(key, key_kernel, stride),
       compress(value, value_kernel, stride), mask=compressed_mask,
       scale=scale)
+
+
+def parameters(module: nn.Module, config, *, width: int = 3,
+               **options) -> dict[str, Any]:
+  """The keys' and values' convolutions [width, K, H, K, H], Xavier over
+  (width * K * H inputs, K * H outputs), created in `module` for a layer of
+  `config` (a ModelConfig); with the other `options`, the keyword
+  arguments of memory_compressed_attention."""
+  if width < 1:
+    raise ValueError(f'width={width} must be positive.')
+  shape = (width, config.num_kv_heads, config.head_dim,
+           config.num_kv_heads, config.head_dim)
+
+  def init(rng, shape, dtype):
+    flat = (math.prod(shape[:3]), math.prod(shape[3:]))
+    return nn.initializers.xavier_uniform()(rng, flat, dtype).reshape(shape)
+
+  init = nn.with_logical_partitioning(
+      init, (None, None, None, 'kv_heads', 'kv'))
+  return options | {
+      'key_kernel': module.param('compress_key', init, shape,
+                                 config.weight_dtype),
+      'value_kernel': module.param('compress_value', init, shape,
+                                   config.weight_dtype)}

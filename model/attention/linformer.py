@@ -1,12 +1,15 @@
 """`linformer`: keys and values projected along the length to a fixed rank
 (Wang et al. 2020), so attention costs O(T * rank).
 
-The projections are parameters; `MultiHeadAttention` owns them (see
-model/attention_parameters.py) and passes them in. Padded keys are zeroed
+The projections are parameters (`parameters`, which `MultiHeadAttention`
+calls in its scope) that the model passes in. Padded keys are zeroed
 before projecting, so padding never leaks into the projected keys. The
 projection mixes all positions, so causal attention is impossible.
 """
 
+from typing import Any
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -52,3 +55,19 @@ def linformer_attention(query: Array, key: Array, value: Array,
   projected_value = jnp.einsum('rs,bskh->brkh', f, value)
   return core.scaled_dot_product_attention(query, projected_key,
                                            projected_value, scale=scale)
+
+
+def parameters(module: nn.Module, config, *, rank: int = 64,
+               **options) -> dict[str, Any]:
+  """E and F [rank, max_len], Gaussian with variance 1 / rank, created in
+  `module` for a layer of `config` (a ModelConfig); with the other
+  `options`, the keyword arguments of linformer_attention."""
+  init = nn.with_logical_partitioning(
+      nn.initializers.normal(stddev=rank ** -0.5), (None, 'length'))
+  return options | {
+      'key_projection': module.param('linformer_key', init,
+                                     (rank, config.max_len),
+                                     config.weight_dtype),
+      'value_projection': module.param('linformer_value', init,
+                                       (rank, config.max_len),
+                                       config.weight_dtype)}

@@ -16,7 +16,8 @@ import flax.linen as nn
 import jax
 import ml_collections
 
-from model import ModelConfig, attention, attention_parameters, logical_axes
+from model import ModelConfig, attention, logical_axes
+from model.attention import options as variant_options
 from model.attention import fused
 from model.positions import SCHEMES
 from model.families import FAMILIES
@@ -84,7 +85,7 @@ def choices(config: ml_collections.ConfigDict, model_config: ModelConfig,
   for stack, is_causal, mask, q_len, kv_len in stacks:
     for index, layer_config in enumerate(model_config.layer_configs()):
       name = layer_config.attention
-      if not attention_parameters.takes_kernel(name):
+      if not variant_options.takes_kernel(name):
         continue
       option = dict(layer_config.attention_options).get('kernel', 'auto')
       case = fused.Case(backend, model_config.compute_dtype.name,

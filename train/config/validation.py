@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from model import ModelConfig, attention, attention_parameters, families
+from model import ModelConfig, attention, families
+from model.attention import options as variant_options
 from model.attention import fused
 from model.positions import SCHEMES
 from train.base import hosts
@@ -25,7 +26,7 @@ from train.config import layout as layout_validation
 from train.data import datasets
 from train.data.tasks import Task
 from train.decode import decoding
-from train.program import device_memory, mesh, optim
+from train.program import device_memory, optim
 
 
 def _fail(message: str):
@@ -112,7 +113,7 @@ def _attention_problems(config: ml_collections.ConfigDict,
   the packed rows a language model reads; the closing sample."""
   problems = []
   for layer_config in model_config.layer_configs():
-    known = sorted(attention_parameters.option_names(layer_config.attention))
+    known = sorted(variant_options.option_names(layer_config.attention))
     for name, _ in layer_config.attention_options:
       if name not in known:
         problems.append(

@@ -50,14 +50,22 @@ class Task:
   exact_match = False
   # config.model.num_classes must equal the dataset's.
   has_classes = False
-  # Evaluation figures of this task's own, with the better direction.
-  eval_metrics: dict[str, str] = {}
+  # The evaluation figures the task is judged by, best first, each with
+  # its better direction: a run's quality metric is the first it logs.
+  quality: tuple[tuple[str, str], ...] = (('eval_accuracy', 'max'),
+                                          ('eval_loss', 'min'))
   # The command that decodes a trained workdir with a key/value cache:
   # (what it does, its module), or None.
   decode_command: tuple[str, str] | None = None
   # Its examples are documents, each starting with EOS, under 'tokens';
   # else the model reads an example's 'inputs'.
   documents = False
+
+  def quality_metric(self, summary: dict[str, float]) -> tuple[str, str]:
+    """The quality metric of an evaluation's `summary` and its better
+    direction ('min' or 'max')."""
+    return next(((name, direction) for name, direction in self.quality
+                 if name in summary), ('eval_loss', 'min'))
 
   @property
   def inputs_key(self) -> str:
@@ -109,7 +117,8 @@ class LanguageModelling(Task):
   documents = True
   packs = True
   continues_text = True
-  eval_metrics = {'eval_bits_per_byte': 'min'}
+  # Bits per byte where the tokenizer is byte-level.
+  quality = (('eval_bits_per_byte', 'min'),) + Task.quality
   decode_command = ('sample', 'train.generate')
 
   def model_args(self, batch):
@@ -143,7 +152,7 @@ class SequenceToSequence(Task):
   name = 'seq2seq'
   decodes = True
   exact_match = True
-  eval_metrics = {'eval_exact_match': 'max'}
+  quality = (('eval_exact_match', 'max'),) + Task.quality
   decode_command = ('decode', 'train.translate')
 
   def model_args(self, batch):

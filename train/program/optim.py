@@ -1,10 +1,12 @@
 """The optimizer and learning-rate schedule named by the config."""
 
+from collections.abc import Callable
+import dataclasses
+
 import jax.numpy as jnp
 import ml_collections
 import optax
 
-SCHEDULES = ('cosine', 'linear', 'rsqrt', 'constant', 'wsd')
 OPTIMIZERS = ('adamw', 'sgd')
 
 
@@ -14,52 +16,106 @@ def wsd_cooldown_steps(config: ml_collections.ConfigDict) -> int:
   return max(round(config.decay_fraction * config.num_train_steps), 1)
 
 
-def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
-  """Linear warmup over `warmup_steps`, then `config.schedule`:
+def _ramp(config: ml_collections.ConfigDict) -> optax.Schedule:
+  """The warmup: linear from 0 to the peak over `warmup_steps`."""
+  return optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
 
-  cosine / linear: decay to `final_learning_rate_fraction * learning_rate`
-    at `num_train_steps`;
-  rsqrt: peak * sqrt(warmup_steps / step) (Vaswani et al. 2017);
-  constant: stay at the peak;
-  wsd: warmup-stable-decay (Hu et al. 2024): stay at the peak, then decay
-    linearly to `final_learning_rate_fraction * learning_rate` over the
-    last `decay_fraction` of `num_train_steps` (wsd_cooldown_steps). A run
-    too short for both (warmup_steps + cooldown > num_train_steps, a smoke
-    run) takes the lower of the warmup's ramp and the cooldown's line: it
-    rises on the ramp until it meets the line and follows it down, still
-    ending at the final rate at num_train_steps (unless the ramp is lower
-    still there); it never reaches the peak, and
-    config_validation.warnings_of says so.
-  """
-  peak, warmup = config.learning_rate, config.warmup_steps
-  decay_steps = max(config.num_train_steps - warmup, 1)
-  final = peak * config.final_learning_rate_fraction
-  ramp = optax.linear_schedule(0.0, peak, warmup)
-  if config.schedule == 'wsd':
-    cooldown = wsd_cooldown_steps(config)
 
-    def peak_then_cooldown(steps_at_peak: int) -> optax.Schedule:
-      return optax.join_schedules(
-          [optax.constant_schedule(peak),
-           optax.linear_schedule(peak, final, cooldown)], [steps_at_peak])
-    stable = config.num_train_steps - warmup - cooldown
-    if stable < 0:  # The line over the whole run, from step 0.
-      line = peak_then_cooldown(config.num_train_steps - cooldown)
-      return lambda count: jnp.minimum(ramp(count), line(count))
-    decay = peak_then_cooldown(stable)
-  elif config.schedule == 'cosine':
-    decay = optax.cosine_decay_schedule(
-        peak, decay_steps, alpha=config.final_learning_rate_fraction)
-  elif config.schedule == 'linear':
-    decay = optax.linear_schedule(peak, final, decay_steps)
-  elif config.schedule == 'rsqrt':
-    def decay(count):
-      return peak * jnp.sqrt(max(warmup, 1) / (count + max(warmup, 1)))
-  else:
-    decay = optax.constant_schedule(peak)
-  if warmup == 0:
+def _after_warmup(config: ml_collections.ConfigDict,
+                  decay: optax.Schedule) -> optax.Schedule:
+  """The warmup's ramp, then `decay` counted from its end."""
+  if config.warmup_steps == 0:
     return decay
-  return optax.join_schedules([ramp, decay], [warmup])
+  return optax.join_schedules([_ramp(config), decay], [config.warmup_steps])
+
+
+def _final(config: ml_collections.ConfigDict) -> float:
+  return config.learning_rate * config.final_learning_rate_fraction
+
+
+def _decay_steps(config: ml_collections.ConfigDict) -> int:
+  return max(config.num_train_steps - config.warmup_steps, 1)
+
+
+def _cosine(config: ml_collections.ConfigDict) -> optax.Schedule:
+  return _after_warmup(config, optax.cosine_decay_schedule(
+      config.learning_rate, _decay_steps(config),
+      alpha=config.final_learning_rate_fraction))
+
+
+def _linear(config: ml_collections.ConfigDict) -> optax.Schedule:
+  return _after_warmup(config, optax.linear_schedule(
+      config.learning_rate, _final(config), _decay_steps(config)))
+
+
+def _rsqrt(config: ml_collections.ConfigDict) -> optax.Schedule:
+  peak, warmup = config.learning_rate, max(config.warmup_steps, 1)
+  return _after_warmup(
+      config, lambda count: peak * jnp.sqrt(warmup / (count + warmup)))
+
+
+def _constant(config: ml_collections.ConfigDict) -> optax.Schedule:
+  return _after_warmup(config, optax.constant_schedule(config.learning_rate))
+
+
+def _wsd(config: ml_collections.ConfigDict) -> optax.Schedule:
+  peak, cooldown = config.learning_rate, wsd_cooldown_steps(config)
+
+  def peak_then_cooldown(steps_at_peak: int) -> optax.Schedule:
+    return optax.join_schedules(
+        [optax.constant_schedule(peak),
+         optax.linear_schedule(peak, _final(config), cooldown)],
+        [steps_at_peak])
+  stable = config.num_train_steps - config.warmup_steps - cooldown
+  if stable < 0:  # The line over the whole run, from step 0.
+    line = peak_then_cooldown(config.num_train_steps - cooldown)
+    ramp = _ramp(config)
+    return lambda count: jnp.minimum(ramp(count), line(count))
+  return _after_warmup(config, peak_then_cooldown(stable))
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """A learning-rate schedule (config.schedule): linear warmup over
+  `warmup_steps` to the peak `learning_rate`, then its own course."""
+
+  # config -> the rate at each step.
+  build: Callable[[ml_collections.ConfigDict], optax.Schedule]
+  # Its rates do not depend on num_train_steps, so a run on it may be
+  # extended or shortened when it resumes.
+  length_free: bool = False
+
+
+SCHEDULES = {
+    # Decay to `final_learning_rate_fraction * learning_rate` at
+    # num_train_steps, along half a cosine or a line.
+    'cosine': Schedule(_cosine),
+    'linear': Schedule(_linear),
+    # peak * sqrt(warmup_steps / step) (Vaswani et al. 2017).
+    'rsqrt': Schedule(_rsqrt, length_free=True),
+    # Stay at the peak.
+    'constant': Schedule(_constant, length_free=True),
+    # Warmup-stable-decay (Hu et al. 2024): stay at the peak, then decay
+    # linearly to `final_learning_rate_fraction * learning_rate` over the
+    # last `decay_fraction` of `num_train_steps` (wsd_cooldown_steps). A
+    # run too short for both (warmup_steps + cooldown > num_train_steps, a
+    # smoke run) takes the lower of the warmup's ramp and the cooldown's
+    # line: it rises on the ramp until it meets the line and follows it
+    # down, still ending at the final rate at num_train_steps (unless the
+    # ramp is lower still there); it never reaches the peak, and
+    # config_validation.warnings_of says so.
+    'wsd': Schedule(_wsd),
+}
+
+
+def length_free_schedules() -> list[str]:
+  """The schedules a run may change num_train_steps under."""
+  return [name for name, schedule in SCHEDULES.items() if schedule.length_free]
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+  """The rate at each step of `config.schedule` (SCHEDULES)."""
+  return SCHEDULES[config.schedule].build(config)
 
 
 def make_optimizer(config: ml_collections.ConfigDict, decay_mask

@@ -32,18 +32,6 @@ def is_due(step: int, every: int, last_step: int) -> bool:
   return step == last_step or (every > 0 and step % every == 0)
 
 
-# The quality metric each kind of task is judged by, in order of preference
-# (eval_loss where none of the others is logged), with its direction.
-QUALITY_METRICS = {'eval_bits_per_byte': 'min', 'eval_exact_match': 'max',
-                   'eval_accuracy': 'max', 'eval_loss': 'min'}
-
-
-def quality_metric(summary: dict[str, float]) -> str:
-  """The name of the first of QUALITY_METRICS that `summary` has."""
-  return next((name for name in QUALITY_METRICS if name in summary),
-              'eval_loss')
-
-
 def final_summary(task, decode_splits=()) -> dict[str, str | None]:
   """The figures a run of a `task` (train/data/tasks.py) may log at its last
   step, each with the direction that is better ('min' or 'max'; None for
@@ -52,7 +40,7 @@ def final_summary(task, decode_splits=()) -> dict[str, str | None]:
            'grad_norm': None, 'tokens_per_s': 'max', 'steps_per_s': 'max',
            'mfu': 'max', 'skipped_steps': 'min', 'moe_aux_loss': 'min',
            'moe_dropped_fraction': 'min', 'eval_loss': 'min',
-           'eval_accuracy': 'max'} | task.eval_metrics
+           'eval_accuracy': 'max'} | dict(task.quality)
   for split in decode_splits:
     for score in ('exact_match', 'token_accuracy', 'bleu'):
       names[f'decode_{split}_{score}'] = 'max'

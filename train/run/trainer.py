@@ -23,7 +23,7 @@ from train.config import validation as config_validation
 from train.data import datasets, pipeline
 from train.data.tasks import Task
 from train.decode import decoding, seq2seq_eval, text
-from train.program import flops
+from train.program import flops, optim
 from train.run import checkpointing, metrics, preemption
 from train.run import workdir as workdir_lib
 from train.run.program import Program
@@ -52,8 +52,7 @@ def closing_summary(*, task: Task, steps: tuple[int, int], seconds: float,
   the last checkpoint, and what to run next (`extendable`: a larger
   num_train_steps may resume it; `cannot_decode`: why the task's decode
   command does not apply, see decoding.cache_refusal)."""
-  metric = metrics.quality_metric(final)
-  direction = metrics.QUALITY_METRICS[metric]
+  metric, direction = task.quality_metric(final)
   shown = [f'{metric} {final[metric]:.4g}']
   values = [(summary[metric], step) for step, summary in evaluations
             if metric in summary]
@@ -331,6 +330,6 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
       final=final, tokens_per_s=last_logged.get('tokens_per_s'),
       checkpoint=None if latest is None else os.path.join(
           checkpointer.directory, str(latest)), workdir=workdir,
-      extendable=config.schedule in workdir_lib.LENGTH_FREE_SCHEDULES,
+      extendable=optim.SCHEDULES[config.schedule].length_free,
       cannot_decode=decoding.cache_refusal(model_config)))
   return final

@@ -30,6 +30,7 @@ import ml_collections
 
 from train.base import hosts
 from train.base.errors import InputError
+from train.program import optim
 
 # Keys (or dotted prefixes) a resume may change: logging, evaluation,
 # checkpoints, the closing sample, what stops a run, where the data lives,
@@ -44,7 +45,6 @@ RESUMABLE = (
     'distributed', 'grad_accum_steps', 'model.remat')
 # Schedules whose learning rate at a step does not depend on
 # num_train_steps: a run on them may be extended or shortened.
-LENGTH_FREE_SCHEDULES = ('rsqrt', 'constant')
 _ABSENT = '(absent)'
 
 
@@ -127,13 +127,14 @@ def check_resume(old: dict[str, Any], new: dict[str, Any],
   lines = [f'config.{key}: {old_value!r} -> {new_value!r}'
            for key, (old_value, new_value) in refused.items()]
   if ('num_train_steps' in changes
-      and new.get('schedule') not in LENGTH_FREE_SCHEDULES):
+      and new.get('schedule') not in optim.length_free_schedules()):
     old_steps, new_steps = changes['num_train_steps']
     lines.append(
         f'config.num_train_steps: {old_steps!r} -> {new_steps!r} would '
         f'change the {new.get("schedule")} schedule this run has followed '
-        '(its decay ends at num_train_steps); only rsqrt and constant '
-        'schedules can be extended or shortened')
+        '(its decay ends at num_train_steps); only '
+        f'{" and ".join(optim.length_free_schedules())} schedules can be '
+        'extended or shortened')
   if lines:
     raise InputError(
         f'{workdir} holds a run of another config (its config.json); a '

@@ -1,0 +1,65 @@
+"""A variant's options (config.model.attention_options): which keys it
+takes and of what type, read from the signatures of its function and of
+the parameters it owns (Variant.parameters), and its keyword arguments in
+a model, those parameters created.
+"""
+
+from collections.abc import Callable
+import inspect
+import typing
+from typing import Any
+
+import flax.linen as nn
+
+from model import attention
+
+# Keyword arguments MultiHeadAttention sets itself, never options.
+_SET_BY_THE_MODEL = frozenset({'is_causal', 'dropout_rate', 'dropout_rng'})
+
+
+def _keyword_options(fn: Callable[..., Any]) -> dict[str, type]:
+  """{name: type} of `fn`'s keyword-only arguments that have defaults, the
+  type as annotated (`int | None` read as int)."""
+  hints = typing.get_type_hints(fn)
+  options = {}
+  for p in inspect.signature(fn).parameters.values():
+    if p.kind == p.KEYWORD_ONLY and p.default is not p.empty:
+      kinds = [kind for kind in typing.get_args(hints[p.name])
+               if kind is not type(None)]
+      options[p.name] = kinds[0] if kinds else hints[p.name]
+  return options
+
+
+def option_types(name: str) -> dict[str, type]:
+  """{key: type} of the keys of config.model.attention_options that
+  attention `name` takes: its function's keyword options and those its
+  parameters read."""
+  taken = {option: kind
+           for option, kind in _keyword_options(attention.get(name)).items()
+           if option not in _SET_BY_THE_MODEL}
+  parameters = attention.spec(name).parameters
+  if parameters:
+    taken |= _keyword_options(parameters)
+  return taken
+
+
+def option_names(name: str) -> set[str]:
+  """The keys of config.model.attention_options that attention `name`
+  takes."""
+  return set(option_types(name))
+
+
+def takes_kernel(name: str) -> bool:
+  """Whether attention `name` takes a fused kernel (the option `kernel`)."""
+  return name in attention.names() and 'kernel' in option_names(name)
+
+
+def variant_kwargs(module: nn.Module, config) -> dict[str, Any]:
+  """The keyword arguments of `config.attention` (config: a layer's
+  ModelConfig) for the attention layer `module`: its options, with any
+  parameters it owns created in `module` and passed in."""
+  options = dict(config.attention_options)
+  parameters = attention.spec(config.attention).parameters
+  if parameters:
+    return parameters(module, config, **options)
+  return options
