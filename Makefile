@@ -1,11 +1,12 @@
-# Two commands: `make train` and `make test`. Both create .venv on first use.
+# Two commands: `make train` and `make test` (with `make test-fast`, its quick
+# tier). Each creates .venv on first use.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # Reinstalled whenever pyproject.toml changes.
 STAMP := $(VENV)/.installed
 
-.PHONY: train test clean
+.PHONY: train test test-fast clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +27,10 @@ train: $(STAMP)
 # Compilation dominates the suite: one worker per core (up to 4) halves it.
 test: $(STAMP)
 	$(BIN)/python -m pytest -n auto --maxprocesses=4
+
+# The quick tier for the edit-test loop: the tests marked `core`.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m core -p no:xdist
 
 clean:
 	rm -rf $(VENV)

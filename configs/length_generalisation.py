@@ -24,29 +24,7 @@ input was decoded:
 - the final evaluation decodes greedily the first 192 inputs of each split
   (the long ones up to 1.5 times 401 tokens, plus 10).
 
-Result on 2 CPU cores, 800 steps a cell (experiments/results/
-length_generalisation/; per-token accuracy on inputs of 301-400 symbols,
-against 0.10 for guessing a symbol; Dehghani et al. 2019 report at 400:
-Transformer copy 0.53, reverse 0.13, addition 0.07):
-- copy: random_sinusoidal 0.94 (0.92 over all of 41-400, and 0.94 at the
-  training lengths: its errors do not grow with length), every other
-  scheme 0.10 to 0.11. sinusoidal copies the first ~40 symbols and stops
-  (0.57 at 41-100, outputs half as long as the references); rope writes
-  on past the end (outputs 1.9 times as long).
-- reverse: no scheme passes 0.13 (alibi 0.12, rope 0.11). rope and
-  sinusoidal reverse 95% and 84% of validation inputs exactly but fall to
-  guessing past 100 symbols; random_sinusoidal does not learn reverse at
-  all (0.06 on validation; 0.74 teacher-forced in training, where it reads
-  drawn positions, against 0.15 at 0..T-1).
-- addition: no scheme learns it even on the training lengths in 800
-  steps (best sinusoidal: 66% of digits, 2% of sums exact on validation);
-  at 301-400, 0.00 (rope) to 0.10 (alibi).
-- The relative schemes (relative, t5_bias, alibi) do not fit copy or
-  reverse even at the training lengths in 800 steps (5% to 43% exact):
-  they act in self-attention only, and cross-attention reads no positions,
-  so the decoder has to find its place in the source from content alone.
-  Learned positions, a table starting from small random vectors, do not
-  fit them either (10% and 9%).
+Results: docs/configs.md, `length_generalisation.py`.
 """
 
 from configs import algorithmic

@@ -6,13 +6,7 @@ r"""EncoderClassifier on ListOps; `:full` is the Long Range Arena setting.
   python -m experiments.sweep --config=configs/listops.py \
       --workdir=workdirs/listops_sweep --parallel=2
 
-Result on 2 CPU cores (default, expressions of 17-127 tokens): 39.5%
-validation accuracy after 2000 steps, 5m22s. Its search (get_sweep(), two
-workers, 72 min; experiments/results/listops_search/) reached 40.0% at
-learning rate 1.2e-3, no warmup, dropout 0.2.
-`:full` (expressions of 500-2000 tokens, embedding 512, 8 heads, 4 layers,
-MLP 1024, batch 32, 5K steps, as in the LRA) is for accelerators; it was
-not run on this machine, so no result is claimed for it here.
+Results: docs/configs.md, `listops.py`.
 """
 
 from configs import default

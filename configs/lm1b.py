@@ -2,7 +2,7 @@
 
   python -m train.train --config=configs/lm1b.py --workdir=workdirs/lm1b
 
-Needs `lm1b` prepared in config.data_dir (array_record; see the README). A
+Needs `lm1b` prepared in config.data_dir (array_record; see docs/training.md). A
 SentencePiece vocabulary of config.model.vocab_size pieces is trained from
 the training split on first use unless config.vocab_path names one.
 Result: not measured on this machine, which cannot download the dataset;

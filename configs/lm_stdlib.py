@@ -15,19 +15,7 @@ experiments/results/lm_speedrun/) among those that train in 10 minutes on
 2 CPU cores, evaluations and closing sample included: the baseline with
 the overrides of SPEEDRUN.
 
-Result on 2 CPU cores: validation 1.439 bits per byte (eval_loss 0.997
-nats) after 1000 steps of 16 rows, 358 s from a built dataset, 5m55s of it
-the training loop with its two evaluations. Its attention is 'auto'
-(chunked; on a GPU or TPU the fused kernels, ALiBi's included); with the
-search's 'dense' it reached 1.437 in 7m13s of loop (435 s) on the same
-day, and the search's own run (learning rate 3.309e-3, rounded here)
-1.434. The sample it prints has Python's indentation,
-comments and docstrings, not yet its sense.
-
-`baseline`, the default before that search (sinusoidal positions, 550
-steps): validation 2.24 bits per byte (2.236 when last measured) in 349 s
-from a built dataset; the sample it prints is Python-shaped but not yet
-Python.
+Results: docs/configs.md, `lm_stdlib.py`.
 """
 
 from configs import default

@@ -21,15 +21,7 @@ Systems:
                      (Shazeer et al. 2017); logs moe_aux_loss and
                      moe_dropped_fraction.
 
-Result on 2 CPU cores, validation bits per byte after 550 steps (the
-baseline itself: 2.24): alternating 2.21; memory_compressed 2.03 (the
-baseline with one window a row, as it reads: 2.23); parameter_free 3.50
-(attention with nothing to learn); deberta 1.61; moe 2.15, its
-load-balancing loss 1.01 and 3.2% of token choices dropped over the last
-50 steps. moe routed in groups of 64 tokens
-(--config.model.moe.group_size=64, four a row): 2.16 with 5.6% dropped, at
-1.14 times the tokens per second of one group a row (8345 against 7296 at
-step 500, the two run one after the other).
+Results: docs/configs.md, `lm_systems.py`.
 """
 
 from configs import default, lm_stdlib

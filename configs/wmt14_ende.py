@@ -4,11 +4,11 @@
   python -m train.train --config=configs/wmt14_ende.py --workdir=workdirs/wmt14
 
 Needs the dataset prepared in config.data_dir (array_record; preparing it
-needs TensorFlow once, see the README). A joint SentencePiece vocabulary is
-trained from the training split on first use unless config.vocab_path names
-one. Result: not measured on this machine, which cannot download the
-dataset; the pipeline is tested offline on a small local dataset with the
-same features.
+needs TensorFlow once, see docs/training.md). A joint SentencePiece
+vocabulary is trained from the training split on first use unless
+config.vocab_path names one. Result: not measured on this machine, which
+cannot download the dataset; the pipeline is tested offline on a small
+local dataset with the same features.
 """
 
 from configs import default

@@ -11,7 +11,7 @@ Exit status: 0 when trained, and also when SIGTERM, SIGINT or a preemption
 notice stopped the run after saving a checkpoint (the same command
 resumes); 2 with one message naming what to fix for a bad config, workdir
 or dataset; 1 with one message when non-finite values or a failed save
-stopped the run (README 'Reliability').
+stopped the run (docs/reliability.md).
 """
 
 from absl import flags

@@ -194,7 +194,7 @@ KEYS: dict[str, Key] = {
     # log-probability alone.
     'beam_alpha': Key(0.6, number(0.0, INF)),
 
-    # --- Devices (README 'Scaling out'; train/program/mesh.py, train/program/sharding.py)
+    # --- Devices (docs/scaling.md; train/program/mesh.py and sharding.py)
     # Mesh axis sizes, whose product is the number of devices of all hosts;
     # one of them may be -1 for the devices the others leave. data and fsdp
     # split the batch (fsdp the parameters too), tensor splits heads, MLP

@@ -94,7 +94,7 @@ def readable_metadata(data_dir: str):
     raise InputError(
         f'{where} is damaged ({str(error).strip()[:200]}). Delete the '
         "directory holding it and run again: an embedded dataset is rebuilt "
-        'on first use, a tfds one prepared again as the README says.'
+        'on first use, a tfds one prepared again as docs/training.md says.'
         ) from None
 
 

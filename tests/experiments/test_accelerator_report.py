@@ -1,0 +1,131 @@
+"""experiments/accelerator_report.py: one report whatever its parts do,
+from stand-in parts that take a fraction of a second each."""
+
+import functools
+import importlib.metadata
+import json
+import os
+import shlex
+import sys
+import time
+
+import pytest
+
+from experiments import accelerator_report
+from experiments.accelerator_report import Part
+from train.base.errors import InputError
+
+# The parts get 4 s in all, so the sleeper is stopped within about 2 s.
+BUDGET_S = accelerator_report.RESERVE_S + 4
+PROBE = [sys.executable, '-c', 'print(\'{"machine": "Test CPU, 2 cores", '
+         '"backend": "cpu", "device_kind": "cpu"}\')']
+TABLE = '# Writer results\n\n| length | ms |\n|---|---|\n| 1024 | 2.5 |\n'
+
+
+def python(code: str) -> list[str]:
+  return [sys.executable, '-c', code]
+
+
+def stand_in_parts(out: str) -> list[Part]:
+  """One that writes a table, one that prints a row and then hangs, one
+  that fails."""
+  table = os.path.join(out, 'writer', 'results.md')
+  return [
+      Part('writer', python(
+          f'import os; os.makedirs({os.path.dirname(table)!r}); '
+          f'open({table!r}, "w").write({TABLE!r})'), 0.5,
+           functools.partial(accelerator_report.read_file, table)),
+      Part('sleeper', python(
+          'import time; print(\'{"length": 512, "ms": 7.5}\'); '
+          'time.sleep(60)'), 0.25,
+           functools.partial(accelerator_report.benchmark_markdown,
+                             os.path.join(out, 'sleeper'))),
+      Part('failer', python(
+          'import sys; print("RESOURCE_EXHAUSTED: out of memory", '
+          'file=sys.stderr); sys.exit(3)'), 0.25, lambda: None)]
+
+
+@pytest.fixture(scope='module')
+def report(tmp_path_factory):
+  """(the report's text, the seconds it took, its OUT) of the stand-ins."""
+  out = str(tmp_path_factory.mktemp('report'))
+  start = time.monotonic()
+  path = accelerator_report.run(out, budget_s=BUDGET_S, data_dir='/data',
+                                parts=stand_in_parts(out), probe_argv=PROBE)
+  with open(path) as f:
+    return f.read(), time.monotonic() - start, out
+
+
+def section(text: str, name: str) -> str:
+  """The report's section of part `name`."""
+  return text.split(f'## {name}\n', 1)[1].split('\n## ', 1)[0]
+
+
+def test_report_names_the_machine_and_versions(report):
+  text, _, _ = report
+  assert 'Machine: Test CPU, 2 cores' in text
+  assert 'Backend: cpu; device kind: cpu' in text
+  assert f'- jax {importlib.metadata.version("jax")}' in text
+  assert f'- python {sys.version.split()[0]}' in text
+
+
+def test_a_part_that_ends_is_done_with_its_table(report):
+  text, _, out = report
+  writer = section(text, 'writer')
+  assert f'Command: `{shlex.join(stand_in_parts(out)[0].argv)}`' in writer
+  assert 'Status: done in' in writer
+  assert '| 1024 | 2.5 |' in writer
+  # Its headings sit below the report's part headings.
+  assert '### Writer results' in writer
+
+
+def test_a_part_past_its_time_is_stopped(report):
+  text, seconds, _ = report
+  assert 'Status: timed out after' in section(text, 'sleeper')
+  assert seconds < BUDGET_S - accelerator_report.RESERVE_S + 1
+
+
+def test_a_benchmark_cut_short_shows_the_rows_it_printed(report):
+  text, _, _ = report
+  sleeper = section(text, 'sleeper')
+  assert 'Cut short' in sleeper
+  assert '| length | ms |\n|---|---|\n| 512 | 7.5 |' in sleeper
+
+
+def test_a_failed_part_shows_its_status_and_stderr(report):
+  text, _, out = report
+  failer = section(text, 'failer')
+  assert 'Status: failed with exit status 3' in failer
+  assert '```text\nRESOURCE_EXHAUSTED: out of memory\n```' in failer
+  assert 'It wrote no table.' in failer
+  with open(os.path.join(out, 'failer.log')) as f:
+    assert 'RESOURCE_EXHAUSTED' in f.read()
+
+
+def test_a_budget_without_time_for_parts_is_refused(tmp_path):
+  with pytest.raises(InputError, match='--budget_s=0 '):
+    accelerator_report.run(str(tmp_path), budget_s=0, data_dir='/data',
+                           parts=[], probe_argv=PROBE)
+
+
+@pytest.mark.core
+def test_throughput_leaves_out_the_first_interval(tmp_path):
+  lines = [{'step': 50, 'steps_per_s': 1.0, 'tokens_per_s': 100.0},
+           {'step': 100, 'steps_per_s': 30.0, 'tokens_per_s': 3000.0},
+           {'step': 100, 'eval_loss': 1.5, 'eval_bits_per_byte': 2.164},
+           {'step': 150, 'steps_per_s': 34.0, 'tokens_per_s': 3400.0}]
+  with open(tmp_path / 'metrics.jsonl', 'w') as f:
+    f.writelines(json.dumps(line) + '\n' for line in lines)
+  text = accelerator_report.throughput_markdown(str(tmp_path))
+  assert '| 50 |' not in text
+  assert '| 100 | 30 | 3000 |' in text and '| 150 | 34 | 3400 |' in text
+  assert '32 steps/s on average' in text
+  assert 'eval_loss 1.5, eval_bits_per_byte 2.164' in text
+
+
+@pytest.mark.parametrize('backend', ['cpu', 'gpu'])
+def test_the_parts_that_read_data_get_the_data_dir(backend):
+  parts = accelerator_report.default_parts('/out', backend, '/data')
+  reading = {part.name for part in parts
+             if '--config.data_dir=/data' in part.argv}
+  assert reading == {'main_job', 'profile', 'profile_gpt2', 'bench_train'}

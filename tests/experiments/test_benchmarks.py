@@ -1,0 +1,187 @@
+"""The benchmark scripts run at tiny sizes, so that they cannot rot; what
+they measure (speed) is never asserted here."""
+
+import csv
+import json
+import os
+
+import jax
+import pytest
+
+from configs import algorithmic, lm_stdlib
+from experiments import attention_cases, bench_attention, bench_seq2seq
+from experiments import bench_train
+from train.base.errors import InputError
+
+PNG = b'\x89PNG'
+
+
+def test_bench_attention_measures_skips_and_writes_its_results(tmp_path):
+  # Pallas's GPU kernels (ALiBi's needs heads of 16) run interpreted on CPU;
+  # cuDNN's refuses.
+  rows = bench_attention.run(
+      str(tmp_path), variants=['xla', 'chunked', 'chunked[pallas_gpu]',
+                               'chunked[cudnn]', 'linformer', 'ring'],
+      lengths=[16], options={'chunked': {'chunk_size': 8}}, causal=True,
+      batch=1, heads=2, head_dim=16, dtype='float32', reps=1,
+      max_seconds=60.0, rows=['packed', 'alibi'])
+  [directory] = [entry.path for entry in os.scandir(tmp_path)]
+  with open(os.path.join(directory, 'results.jsonl')) as f:
+    lines = [json.loads(line) for line in f]
+  assert lines == rows and len(rows) == 12
+  measured = {(row['rows'], row['variant']): row for row in rows
+              if 'fwd_bwd_s' in row}
+  assert set(measured) == {
+      (kind, name) for kind in ('packed', 'alibi')
+      for name in ('xla', 'chunked', 'chunked[pallas_gpu]')}
+  for row in measured.values():
+    assert row['fwd_s'] > 0 and row['fwd_bwd_temp_mb'] >= 0
+    assert row['fwd_bwd_gflop_per_s'] > 0 and 'fraction_of_peak' in row
+  skipped = {(row['rows'], row['variant']): row['skipped'] for row in rows
+             if 'skipped' in row}
+  assert set(skipped) == {
+      (kind, name) for kind in ('packed', 'alibi')
+      for name in ('chunked[cudnn]', 'linformer', 'ring')}
+  assert skipped['alibi', 'linformer'] == 'linformer takes no position bias'
+  assert skipped['packed', 'linformer'] == (
+      'linformer takes key padding masks only, not packed rows')
+  assert skipped['packed', 'ring'] == ('ring needs a mesh with a sequence '
+                                       'axis (tests/train/program/test_parallel.py)')
+  assert "kernel='cudnn' needs a GPU" in skipped['alibi', 'chunked[cudnn]']
+  with open(os.path.join(directory, 'results.md')) as f:
+    table = f.read()
+  # Each ratio is to xla on the same kind of rows.
+  assert 'speedup_vs_xla' in table and '| packed | xla | 16 |' in table
+  assert '| packed | chunked[pallas_gpu] | 16 |' in table
+  assert '| alibi | chunked[pallas_gpu] | 16 |' in table
+  with open(os.path.join(directory, 'results.csv')) as f:
+    by_key = {(line['rows'], line['variant']): line
+              for line in csv.DictReader(f)}
+  for kind in ('packed', 'alibi'):
+    assert float(by_key[kind, 'chunked']['speedup_vs_xla']) == pytest.approx(
+        measured[kind, 'xla']['fwd_bwd_s']
+        / measured[kind, 'chunked']['fwd_bwd_s'], rel=1e-3)
+  with open(os.path.join(directory, 'scaling.png'), 'rb') as f:
+    assert f.read(4) == PNG
+
+
+def test_bench_attention_skips_what_would_not_fit_or_take_too_long(tmp_path):
+  common = dict(variants=['xla'], options={}, causal=False, batch=1, heads=2,
+                head_dim=8, dtype='float32', reps=1)
+  small, large = bench_attention.run(str(tmp_path), lengths=[16, 32],
+                                     max_seconds=60.0, memory_limit_mb=1e-3,
+                                     **common)
+  assert 'more than the 0.0 GiB the device holds' in small['skipped']
+  assert large['skipped'] == 'xla did not fit at length 16'
+  first, second = bench_attention.run(str(tmp_path), lengths=[16, 32],
+                                      max_seconds=0.0, **common)
+  assert 'fwd_bwd_s' in first
+  assert 'over --max_seconds=0' in second['skipped']
+
+
+def test_bench_attention_records_a_compile_time_out_of_memory_and_goes_on(
+    tmp_path, monkeypatch):
+  """As XLA's autotuner on a GPU at 65536 tokens: the compile of the
+  longer length runs out of memory; the next variant is still measured."""
+  compile_ = bench_attention._compile
+
+  def out_of_memory_from_32(program, args):
+    if args[1].shape[1] >= 32:
+      raise jax.errors.JaxRuntimeError(
+          'RESOURCE_EXHAUSTED: Out of memory while trying to allocate '
+          '137460809728 bytes (128.02GiB).')
+    return compile_(program, args)
+
+  monkeypatch.setattr(bench_attention, '_compile', out_of_memory_from_32)
+  rows = bench_attention.run(
+      str(tmp_path), variants=['xla', 'dense'], lengths=[16, 32, 64],
+      options={}, causal=False, batch=1, heads=2, head_dim=8,
+      dtype='float32', reps=1, max_seconds=60.0)
+  by_key = {(row['variant'], row['length']): row for row in rows}
+  assert 'fwd_bwd_s' in by_key['xla', 16] and 'fwd_bwd_s' in by_key[
+      'dense', 16]
+  assert by_key['xla', 32]['skipped'] == (
+      'fwd ran out of device memory compiling (needed 128.0 GiB)')
+  assert by_key['xla', 64]['skipped'] == 'xla did not fit at length 32'
+  assert 'did_not_fit' not in by_key['xla', 32]
+
+
+@pytest.mark.core
+def test_attention_flops_count_the_two_matmuls():
+  # q k^T and the weighted sum: 2 T^2 H multiply-adds per head.
+  assert bench_attention.attention_flops(
+      8, batch=1, heads=1, head_dim=4, causal=False, backward=False) == (
+          2 * 2 * 8 * 8 * 4)
+  assert bench_attention.attention_flops(
+      8, batch=2, heads=3, head_dim=4, causal=True, backward=True) == (
+          3.5 * 0.5 * 2 * 3 * 2 * 2 * 8 * 8 * 4)
+
+
+def test_bench_attention_names_a_bad_argument(tmp_path):
+  with pytest.raises(InputError, match="unknown attention 'flash'"):
+    bench_attention.run(str(tmp_path), variants=['flash'], lengths=[16],
+                        options={}, causal=True, batch=1, heads=2,
+                        head_dim=8, dtype='float32', reps=1, max_seconds=1)
+  with pytest.raises(InputError, match='--reps=0 must be at least 1'):
+    bench_attention.run(str(tmp_path), variants=['xla'], lengths=[16],
+                        options={}, causal=True, batch=1, heads=2,
+                        head_dim=8, dtype='float32', reps=0, max_seconds=1)
+  with pytest.raises(InputError, match="unknown kind 'ragged'"):
+    bench_attention.run(str(tmp_path), variants=['xla'], lengths=[16],
+                        options={}, causal=True, batch=1, heads=2,
+                        head_dim=8, dtype='float32', reps=1, max_seconds=1,
+                        rows=['ragged'])
+  with pytest.raises(InputError, match='dense takes no kernel'):
+    attention_cases.parse_variant('dense[cudnn]')
+  with pytest.raises(InputError, match='the kernel must be one of'):
+    attention_cases.parse_variant('chunked[flash]')
+
+
+@pytest.mark.slow
+def test_bench_train_times_ours_and_the_stock_baseline(tmp_path, data_dir):
+  config = lm_stdlib.get_config()
+  config.data_dir = data_dir
+  ours, stock = bench_train.run(
+      config, str(tmp_path), sizes=['tiny'], steps=1, warmup=1,
+      attention='auto', dtype='float32', remat='none')
+  assert (ours['model'], stock['model']) == ('attnlab', 'stock_flax')
+  assert ours['attention'] == 'chunked'  # auto, on CPU.
+  # The same architecture: the same parameters and model FLOPs.
+  assert ours['params'] == stock['params']
+  assert ours['model_gflop_per_token'] == stock['model_gflop_per_token']
+  for row in (ours, stock):
+    assert row['tokens_per_s'] > 0 and 0 < row['mfu'] < 1
+  assert ours['speedup_vs_stock'] == pytest.approx(
+      ours['tokens_per_s'] / stock['tokens_per_s'])
+  assert ours['temp_mib'] > 0 and stock['temp_mib'] > 0
+  # Timed in train_and_evaluate's loop too, on the config's dataset.
+  assert ours['loop_efficiency'] == pytest.approx(
+      ours['step_s'] / ours['loop_step_s'])
+  assert ours['loop_step_s'] > 0
+  [directory] = [entry.path for entry in os.scandir(tmp_path)]
+  with open(os.path.join(directory, 'results.md')) as f:
+    assert '| tiny | attnlab | chunked |' in f.read()
+  with pytest.raises(InputError, match="unknown size 'huge'"):
+    bench_train.run(lm_stdlib.get_config(), str(tmp_path), sizes=['huge'],
+                    steps=1, warmup=1, attention='auto', dtype='float32',
+                    remat='none')
+
+
+@pytest.mark.slow
+def test_bench_seq2seq_times_the_rnn_and_the_transformer(tmp_path):
+  config = algorithmic.get_config('task=reverse')
+  config.model.update(d_model=16, num_heads=2, mlp_dim=32, num_layers=1)
+  rows = bench_seq2seq.run(config, str(tmp_path), lengths=[8], batch=8,
+                           steps=1, warmup=1)
+  assert [(row['family'], row['length']) for row in rows] == [
+      ('rnn_attention', 8), ('encoder_decoder', 8)]
+  assert [row['sequential_steps'] for row in rows] == [16, 2]
+  rnn, transformer = rows
+  assert rnn['step_time_vs_transformer'] == pytest.approx(
+      rnn['step_s'] / transformer['step_s'])
+  [directory] = [entry.path for entry in os.scandir(tmp_path)]
+  with open(os.path.join(directory, 'scaling.png'), 'rb') as f:
+    assert f.read(4) == PNG
+  with pytest.raises(InputError, match='--lengths=\\[0\\] must be positive'):
+    bench_seq2seq.run(config, str(tmp_path), lengths=[0], batch=8, steps=1,
+                      warmup=1)

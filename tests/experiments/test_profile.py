@@ -1,0 +1,174 @@
+"""experiments/profile.py: a short run read back from its trace, and the
+interval arithmetic its tables rest on."""
+
+import itertools
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import profile
+from train.base.errors import InputError
+
+from tests.helpers.tiny_runs import tiny_config
+
+
+def covered_ns(intervals):
+  """Brute force: the integer nanoseconds that some interval covers."""
+  covered = set()
+  for start, end in intervals:
+    covered |= set(range(start, end))
+  return covered
+
+
+def test_merged_length_counts_overlapping_time_once():
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    starts = rng.integers(0, 100, size=rng.integers(0, 8))
+    intervals = [(int(s), int(s + d)) for s, d in
+                 zip(starts, rng.integers(0, 30, size=len(starts)))]
+    assert profile.merged_length(intervals) == len(covered_ns(intervals))
+
+
+def test_self_times_leave_out_what_runs_inside():
+  # A while loop (0-10) around two ops, one with an op inside; then a
+  # separate op. Ties: an op starting where its parent starts is inside.
+  intervals = [(12, 15), (0, 10), (0, 4), (1, 2), (6, 9)]
+  assert profile.self_times(intervals) == [3, 10 - 4 - 3, 4 - 1, 1, 3]
+  # Whatever the nesting, the self times add up to the covered time.
+  for order in itertools.permutations(intervals):
+    assert sum(profile.self_times(order)) == len(covered_ns(order))
+
+
+def test_busy_fraction_is_per_device_and_averaged():
+  def op(device, track, start, end):
+    return profile.Op(device, track, 'fusion.1', 'jit_step', start, end)
+  ops = [op('a', 's0', 0, 6), op('a', 's1', 4, 8),  # Overlap: 0-8 busy.
+         op('b', 's2', 15, 30),  # Half inside the window.
+         op('a', 's0', 25, 40)]  # Outside.
+  window = (0, 20)
+  assert profile.busy_fraction(ops, window, ['a', 'b']) == (
+      pytest.approx((8 / 20 + 5 / 20) / 2))
+  # A device that ran nothing in the window counts as idle.
+  assert profile.busy_fraction(ops, window, ['a', 'b', 'c']) == (
+      pytest.approx((8 / 20 + 5 / 20) / 3))
+
+
+def test_kernels_group_instances_and_count_self_time_per_device():
+  ops = [profile.Op('d0', 't', 'while.2', 'jit_step', 0, 10),
+         profile.Op('d0', 't', 'fusion.1', 'jit_step', 1, 4),
+         profile.Op('d0', 't', 'fusion.7', 'jit_step', 5, 8),
+         profile.Op('d1', 'u', 'loop_add_fusion_3', 'jit_step', 0, 2)]
+  rows = profile.kernel_rows(ops, (0, 10), num_steps=2, num_devices=2)
+  by_kernel = {row['kernel']: row for row in rows}
+  assert [row['kernel'] for row in rows] == ['fusion', 'while',
+                                            'loop_add_fusion']
+  assert by_kernel['fusion']['count_per_step'] == 2 / 4
+  assert by_kernel['fusion']['ms_per_step'] == pytest.approx(6e-6 / 4)
+  assert by_kernel['while']['share'] == pytest.approx(4 / 12)
+  assert sum(row['share'] for row in rows) == pytest.approx(1.0)
+
+
+def test_host_rows_count_an_annotation_inside_its_namesake_once():
+  spans = [profile.Span('PjitFunction(step)', 0, 10),
+           profile.Span('PjitFunction(step)', 2, 8),
+           profile.Span('ParseArguments', 3, 4),
+           profile.Span('next_batch', 12, 30)]  # Cut at the window's end.
+  rows = profile.host_rows(spans, (0, 20), num_steps=2)
+  # The inner PjitFunction adds no inclusive time; self times: the outer
+  # 10 - 6, the inner 6 - 1, ParseArguments 1. Two steps.
+  assert [row['name'] for row in rows] == [
+      'PjitFunction(step)', 'next_batch', 'ParseArguments']
+  expected = [(2 / 2, 10 / 2, (10 - 6 + 6 - 1) / 2), (1 / 2, 8 / 2, 8 / 2),
+              (1 / 2, 1 / 2, 1 / 2)]
+  for row, (count, inclusive_ns, self_ns) in zip(rows, expected):
+    assert row['count_per_step'] == count
+    assert row['ms_per_step'] == pytest.approx(inclusive_ns / 1e6)
+    assert row['self_ms_per_step'] == pytest.approx(self_ns / 1e6)
+
+
+def xspace(planes: dict) -> str:
+  """A text-format XSpace of {plane: {line: [(event, start_ns, end_ns,
+  {stat: int or str})]}}."""
+  text = []
+  for plane_id, (plane, lines) in enumerate(planes.items()):
+    names, stats, body = {}, {}, []
+    for line_id, (line, events) in enumerate(lines.items()):
+      body.append(f'lines {{ id: {line_id} name: "{line}" timestamp_ns: 0')
+      for name, start, end, values in events:
+        event_id = names.setdefault(name, len(names) + 1)
+        body.append(f'events {{ metadata_id: {event_id} offset_ps: '
+                    f'{start * 1000} duration_ps: {(end - start) * 1000}')
+        for key, value in values.items():
+          field = ('str_value: "%s"' if isinstance(value, str)
+                   else 'int64_value: %d') % value
+          body.append(f'stats {{ metadata_id: '
+                      f'{stats.setdefault(key, len(stats) + 1)} {field} }}')
+        body.append('}')
+      body.append('}')
+    body += [f'event_metadata {{ key: {i} value {{ id: {i} name: "{name}" }} }}'
+             for name, i in names.items()]
+    body += [f'stat_metadata {{ key: {i} value {{ id: {i} name: "{name}" }} }}'
+             for name, i in stats.items()]
+    text.append(f'planes {{ id: {plane_id} name: "{plane}" '
+                + '\n'.join(body) + '}')
+  return '\n'.join(text)
+
+
+def test_a_gpu_trace_is_read_from_its_device_plane():
+  module = {'hlo_module': 'jit_train_step'}
+  data = jax.profiler.ProfileData.from_text_proto(xspace({
+      '/host:CPU': {'python': [
+          ('train', 0, 100, {'step_num': 1}),
+          ('train', 100, 200, {'step_num': 2}),
+          ('train', 200, 250, {'step_num': 3}),
+          ('next_batch', 150, 170, {}),
+          # A host-side op record: the device plane has the op.
+          ('fusion.3', 120, 130, {'hlo_op': 'fusion.3'})]},
+      '/device:GPU:0': {
+          'Stream #1(Kernel)': [('sm90_xmma_gemm', 110, 150, module),
+                                ('loop_add_fusion_2', 160, 170, module)],
+          'Stream #2(MemcpyH2D)': [('MemcpyH2D', 140, 175, {})],
+          'CUPTI overhead': [('overhead', 100, 200, {})]}}))
+  result = profile.summarize(profile.read_trace(data), warmup=1,
+                             num_steps=1)
+  assert result['step_ms'] == pytest.approx(100e-6)
+  assert result['num_devices'] == 1
+  assert result['device_busy_fraction'] == pytest.approx((175 - 110) / 100)
+  assert [(row['kernel'], row['program'], row['ms_per_step'])
+          for row in result['kernels']] == [
+              ('sm90_xmma_gemm', 'jit_train_step', pytest.approx(40e-6)),
+              ('MemcpyH2D', '', pytest.approx(35e-6)),
+              ('loop_add_fusion', 'jit_train_step', pytest.approx(10e-6))]
+  assert [row['name'] for row in result['host']] == ['next_batch']
+
+
+def test_profile_of_a_tiny_run(data_dir, tmp_path):
+  workdir = str(tmp_path)
+  # 1 + 2 + 1 steps: the 4 of tiny_config, so that its programs, compiled
+  # by the other tests' runs, come from the compilation cache.
+  result = profile.run(tiny_config('lm_stdlib', data_dir), workdir, steps=2,
+                       warmup=1, config_path='tests/train/run/test_trainer.py tiny')
+  assert os.path.exists(result['trace'])
+  assert result['trace'].startswith(os.path.join(workdir, 'trace'))
+  assert result['step_ms'] > 0
+  assert 0 < result['device_busy_fraction'] <= 1
+  assert result['num_devices'] == 8  # tests/conftest.py's CPU devices.
+  programs = {row['program'] for row in result['kernels']}
+  assert 'jit_train_step' in programs
+  assert all(row['ms_per_step'] > 0 for row in result['kernels'])
+  names = {row['name'] for row in result['host']}
+  assert 'next_batch' in names and profile.STEP_NAME not in names
+  with open(os.path.join(workdir, 'profile.md')) as f:
+    report = f.read()
+  assert '2 steps measured after 1' in report
+  assert '| kernel | program |' in report and '| name |' in report
+
+
+@pytest.mark.core
+def test_steps_and_warmup_below_one_name_the_flag(tmp_path):
+  with pytest.raises(InputError, match='--steps=0'):
+    profile.run(None, str(tmp_path), steps=0, warmup=1)
+  with pytest.raises(InputError, match='--warmup=0'):
+    profile.run(None, str(tmp_path), steps=1, warmup=0)

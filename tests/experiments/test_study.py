@@ -1,0 +1,325 @@
+"""Search sweeps: the space, the pruner, workers sharing a study (killed
+and replaced), a pruned trial, the report and the cluster launch."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+
+from configs import search
+from experiments import launch, study, trials
+from tests.helpers import REPO
+from tests.helpers.tiny_runs import TINY_LISTOPS
+from train.base.errors import InputError
+
+PNG = b'\x89PNG'
+
+SEARCH_CONFIG = TINY_LISTOPS + '''
+
+def get_sweep():
+  # Seeds and logging: every trial trains the same program (see trial_env).
+  return search.Space({{'seed': search.int_range(0, 10**6),
+                        'logging': search.presets(
+                            {{'often': {{'log_every': 25}},
+                             'seldom': {{'log_every': 50}}}})}},
+                      trials={trials}, sampler='random', pruner={pruner!r},
+                      metric='eval_loss', mode='min')
+'''
+
+
+def search_config(tmp_path, data_dir, *, steps=100, eval_every=50,
+                  checkpoint_every=25, trials=6, pruner='none'
+                  ) -> pathlib.Path:
+  path = tmp_path / 'search_config.py'
+  path.write_text(SEARCH_CONFIG.format(
+      data_dir=data_dir, steps=steps, log_every=50, eval_every=eval_every,
+      checkpoint_every=checkpoint_every, trials=trials, pruner=pruner))
+  return path
+
+
+def test_a_search_space_is_checked_before_anything_runs(tmp_path, data_dir):
+  for bad in (lambda: search.log_uniform(0.0, 1.0),
+              lambda: search.uniform(2.0, 1.0),
+              lambda: search.int_range(1.5, 3),
+              lambda: search.choice(['rope']),
+              lambda: search.Space({'x': search.uniform(0, 1)}, trials=0),
+              lambda: search.Space({'x': [1, 2]}, trials=2),
+              lambda: search.Space({'x': search.uniform(0, 1)}, trials=2,
+                                   pruner='hyperband')):
+    with pytest.raises(ValueError):
+      bad()
+  space = search.Space({'learning_rate': search.log_uniform(1e-4, 1e-2),
+                        'warmup_steps': search.int_range(0, 390, step=50),
+                        'model.position': search.choice(['rope', 'alibi',
+                                                         'learned'])},
+                       trials=4)
+  first = {'learning_rate': 1e-4, 'warmup_steps': 0,
+           'model.position': 'rope'}
+  # Every bound of every key; the int range's top is its last step.
+  assert space.corners() == [first, first | {'learning_rate': 1e-2},
+                             first | {'warmup_steps': 350},
+                             first | {'model.position': 'alibi'},
+                             first | {'model.position': 'learned'}]
+  assert space.describe()['warmup_steps'] == (
+      'integer uniform in [0, 390] step 50')
+  # A preset stands for the keys it sets, in trials and corners alike.
+  shapes = search.presets({'narrow': {'model.d_model': 16, 'seed': 1},
+                           'wide': {'model.d_model': 32}})
+  space = search.Space({'shape': shapes, 'learning_rate': search.uniform(
+      1e-4, 1e-3)}, trials=2)
+  assert space.overrides({'shape': 'wide', 'learning_rate': 1e-4}) == {
+      'model.d_model': 32, 'learning_rate': 1e-4}
+  assert space.corners()[:2] == [
+      {'model.d_model': 16, 'seed': 1, 'learning_rate': 1e-4},
+      {'model.d_model': 32, 'learning_rate': 1e-4}]
+  assert space.describe()['shape'] == (
+      'presets narrow: model.d_model=16, seed=1; wide: model.d_model=32')
+  with pytest.raises(ValueError, match='also draws'):
+    search.Space({'shape': shapes, 'seed': search.int_range(0, 9)}, trials=2)
+
+  config = str(search_config(tmp_path, data_dir))
+  for space, metric, message in (
+      (search.Space({'model.dmodel': search.int_range(16, 32)}, trials=2),
+       None, "config.model has no key 'dmodel'; did you mean d_model?"),
+      (search.Space({'model.num_heads': search.choice([2, 3])}, trials=2),
+       None, 'model.num_heads'),
+      (search.Space({'heads': search.presets({'two': {'model.num_heads': 2},
+                                              'three': {'model.num_heads': 3}
+                                              })}, trials=2),
+       None, 'model.num_heads'),
+      (search.Space({'learning_rate': search.uniform(1e-4, 1e-3)}, trials=2),
+       'eval_acc', '--metric=eval_acc: no trial logs it; did you mean '
+       'eval_accuracy?'),
+      (search.Space({'learning_rate': search.uniform(1e-4, 1e-3)}, trials=2),
+       'loss', '--metric=loss: a search ranks and prunes by a metric of '
+       'the evaluation')):
+    with pytest.raises(InputError, match=message):
+      study.check(config, space, {}, metric, None)
+  # Without a metric: the space's, else the task's quality metric.
+  space = search.Space({'learning_rate': search.uniform(1e-4, 1e-3)},
+                       trials=2)
+  assert study.check(config, space, {}, None, None) == ('eval_accuracy',
+                                                        'max')
+
+  broken = tmp_path / 'broken.py'
+  broken.write_text(pathlib.Path(config).read_text().replace(
+      'int_range(0, 10**6)', 'int_range(0, 10**6, log=True)'))
+  with pytest.raises(InputError, match='broken.py: get_sweep\\(\\): a log '
+                     'scale needs low > 0'):
+    trials.load_sweep(str(broken))
+
+
+def completed(values: dict[int, float]) -> optuna.trial.FrozenTrial:
+  """A finished trial that reported `values` ({step: value})."""
+  return optuna.trial.create_trial(
+      params={}, distributions={}, value=values[max(values)],
+      intermediate_values=values)
+
+
+@pytest.mark.core
+def test_the_pruner_stops_a_trial_worse_than_the_median():
+  for name in ('median', 'asha', 'none'):
+    space = search.Space({'x': search.uniform(0, 1)}, trials=9, pruner=name,
+                         prune_after=2, startup_trials=3)
+    synthetic = optuna.create_study(pruner=study.pruner(space, eval_every=10))
+    for value in (1.0, 2.0, 3.0):  # As trials report: ASHA keeps rungs.
+      finished = synthetic.ask()
+      for step in (10, 20, 30):
+        finished.report(value, step)
+        finished.should_prune()
+      synthetic.tell(finished, value)
+    bad = synthetic.ask()
+    bad.report(9.0, 10)
+    assert not bad.should_prune(), name  # Before its 2nd evaluation.
+    bad.report(9.0, 20)
+    assert bad.should_prune() == (name != 'none'), name
+    good = synthetic.ask()
+    good.report(0.5, 20)
+    assert not good.should_prune(), name
+  # Fewer finished trials than startup_trials: neither prunes yet.
+  for name in ('median', 'asha'):
+    space = search.Space({'x': search.uniform(0, 1)}, trials=9, pruner=name)
+    early = optuna.create_study(pruner=study.pruner(space, eval_every=10))
+    for value in (1.0, 2.0):
+      finished = early.ask()
+      finished.report(value, 10)
+      finished.should_prune()
+      early.tell(finished, value)
+    bad = early.ask()
+    bad.report(9.0, 10)
+    assert not bad.should_prune(), name
+
+
+def test_workers_asking_at_once_do_not_pass_the_budget(tmp_path):
+  url = f'sqlite:///{tmp_path}/study.db'
+  shared = study.open_study(url, 'budget', {'mode': 'min'})
+  first = study._take(shared, budget=2)
+  assert first.number == 0
+  # Another worker asks between this one's count and its own ask.
+  ask = shared.ask
+  shared.ask = lambda: (ask(), ask())[1]
+  assert study._take(shared, budget=2) is None
+  surplus = shared.trials[2]
+  assert surplus.state == optuna.trial.TrialState.FAIL
+  assert surplus.user_attrs == {study.SURPLUS: True}
+  assert sorted(study.latest_attempts(shared)) == ['trial-000', 'trial-001']
+  # A trial put back in the queue is taken whatever the budget.
+  study.requeue(shared, shared.trials[1])
+  shared.ask = ask
+  again = study._take(shared, budget=2)
+  assert study.trial_directory(again) == 'trial-001'
+  with pytest.raises(InputError, match='runs another sweep: mode'):
+    study.open_study(url, 'budget', {'mode': 'max'})
+
+
+@pytest.fixture
+def trial_env() -> dict[str, str]:
+  """The environment of the trials: one CPU device. The trials of these
+  tests differ in their seed only: the first to run compiles the steps,
+  the others read them from the session's compilation cache
+  (tests/conftest.py)."""
+  return {'XLA_FLAGS': ''}
+
+
+def _worker(config, workdir, env) -> subprocess.Popen:
+  """A worker of the study, in its own session (so that kill -9 reaches
+  it alone, as when its node is lost)."""
+  return subprocess.Popen(
+      [sys.executable, '-m', 'experiments.sweep', f'--config={config}',
+       f'--workdir={workdir}', '--heartbeat=1'], cwd=REPO,
+      env=os.environ | env, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _kill_the_worker_of_a_running_trial(workdir: pathlib.Path,
+                                        timeout: float) -> pathlib.Path:
+  """kill -9 of the worker of a trial that has saved a checkpoint and is
+  still running; returns the trial's directory."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    for trial in sorted(workdir.glob('trial-*')):
+      steps = [int(p.name) for p in (trial / 'checkpoints').glob('*')
+               if p.name.isdigit()]
+      if (trial / 'trial.json').exists() or not steps or max(steps) >= 75:
+        continue
+      # The trial's lock names its process; its parent is the worker.
+      pid = json.loads((trial / 'lock').read_text())['pid']
+      try:
+        with open(f'/proc/{pid}/stat') as f:
+          worker = int(f.read().rsplit(')', 1)[1].split()[1])
+      except FileNotFoundError:  # It has just ended.
+        continue
+      os.kill(worker, signal.SIGKILL)
+      return trial
+    time.sleep(0.05)
+  raise AssertionError('no trial was seen running with a checkpoint')
+
+
+@pytest.mark.slow
+def test_two_workers_run_a_study_and_a_killed_trial_resumes(
+    tmp_path, data_dir, trial_env):
+  config = search_config(tmp_path, data_dir)
+  workdir = tmp_path / 'search'
+  workers = [_worker(config, workdir, trial_env),
+             _worker(config, workdir, trial_env)]
+  try:
+    killed = _kill_the_worker_of_a_running_trial(workdir, timeout=240)
+    # Takes the trial over.
+    workers.append(_worker(config, workdir, trial_env))
+    outputs = [worker.communicate(timeout=300)[0] for worker in workers]
+  finally:
+    for worker in workers:
+      if worker.poll() is None:
+        os.killpg(worker.pid, signal.SIGKILL)
+  assert sorted(worker.returncode for worker in workers) == [-9, 0, 0], (
+      outputs)
+
+  shared = optuna.load_study(study_name='search',
+                             storage=f'sqlite:///{workdir}/study.db')
+  attempts = study.latest_attempts(shared)
+  assert len(attempts) == 6
+  assert all(t.state == optuna.trial.TrialState.COMPLETE
+             for t in attempts.values())
+  # Every trial ran to its end once: the killed one failed, then resumed.
+  states = [t.state.name for t in shared.trials]
+  assert states.count('COMPLETE') == 6 and states.count('FAIL') == 1
+  assert f'{killed.name} (resumed): started' in ''.join(outputs)
+  # A worker started on the finished study runs nothing, and says so.
+  again = _worker(config, workdir, trial_env).communicate(timeout=120)[0]
+  assert 'started' not in again
+  summary = 'Search: 6 of 6 trials (6 finished); best eval_loss '
+  assert any(line.startswith(summary) for line in again.splitlines()), again
+  log = (killed / 'log.txt').read_text()
+  resumed = int(log.split('Resumed from the checkpoint at step ')[1]
+                .split('.')[0])
+  assert 25 <= resumed < 100
+  for trial, attempt in attempts.items():
+    record = trials.common.load_json(str(workdir / trial / 'trial.json'))
+    assert record['status'] == 'finished'
+    assert record['metrics']['step'] == 100
+    # The preset drawn set its keys.
+    config = trials.common.load_json(str(workdir / trial / 'config.json'))
+    assert config['log_every'] == {'often': 25, 'seldom': 50}[
+        attempt.params['logging']]
+
+  board = (workdir / 'leaderboard.md').read_text()
+  assert board.count('| finished |') == 6
+  best = board.split('Best (')[1].split(',')[0]
+  assert f'--workdir=workdirs/{best} --config.seed=' in board
+  assert '--config.log_every=' in board.split('Best (')[1]
+  for name in ('params.png', 'history.png'):
+    assert (workdir / name).read_bytes()[:4] == PNG
+
+
+def test_a_trial_worse_than_the_median_is_pruned_and_keeps_its_checkpoint(
+    tmp_path, data_dir, trial_env, monkeypatch):
+  for key, value in trial_env.items():
+    monkeypatch.setenv(key, value)
+  config = search_config(tmp_path, data_dir, trials=4, pruner='median')
+  url = f'sqlite:///{tmp_path}/study.db'
+  shared = study.open_study(url, 'pruned', {'mode': 'min'})
+  for value in (0.1, 0.2, 0.3):  # Far better than any tiny trial.
+    shared.add_trial(completed({50: value, 100: value}))
+  trial = shared.ask()
+  record = trials.run_trial(
+      str(config), str(tmp_path / 'trial'), {'seed': 7}, {},
+      module='experiments.trial',
+      extra=[f'--study={url}', '--study_name=pruned',
+             f'--trial_id={trial._trial_id}', '--metric=eval_loss'])
+  assert record['status'] == 'pruned', record
+  assert record['metrics']['step'] == 50
+  assert shared.trials[3].intermediate_values.keys() == {50}
+  assert (tmp_path / 'trial' / 'checkpoints' / '50').is_dir()
+  assert 'Pruned at step 50' in (tmp_path / 'trial' / 'log.txt').read_text()
+
+
+def test_the_cluster_launch_of_a_sweep_holds_the_study_and_the_array():
+  command = ['python', '-m', 'experiments.sweep',
+             '--config=configs/listops.py', '--workdir=/shared/ls',
+             '--study=postgresql://db/attnlab']
+  script = launch.sbatch_script(command, nodes=1, gpus_per_node=1,
+                                cpus_per_task=8, partition=None,
+                                time_limit='4:00:00', array=(16, 4))
+  assert '#SBATCH --array=0-15%4' in script
+  assert '#SBATCH --nodes=1' in script
+  assert script.rstrip().endswith(
+      'srun .venv/bin/python -m experiments.sweep --config=configs/'
+      'listops.py --workdir=/shared/ls --study=postgresql://db/attnlab')
+  assert 'distributed' not in script
+
+  tpu = launch.tpu_sweep_commands('sw', 'z', 'v5litepod-8', 'v2', True,
+                                  command, workers=2)
+  archives = [c for c in tpu if 'archive' in c]
+  assert len(archives) == 1  # Packed once, copied to each VM.
+  starts = [c[-1] for c in tpu if 'nohup' in c[-1]]
+  assert [c[5] for c in tpu if 'nohup' in c[-1]] == ['sw-0', 'sw-1']
+  for start in starts:
+    assert start.endswith('--study=postgresql://db/attnlab > sweep.log '
+                          '2>&1 &')
+  assert all('psycopg2-binary' in c[-1] for c in tpu if 'pip' in c[-1])

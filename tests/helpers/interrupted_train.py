@@ -1,0 +1,78 @@
+"""`python -m train.train`, interrupted on cue: for the reliability tests.
+
+  python tests/helpers/interrupted_train.py --interrupt=HOW:STEP \
+      [train.train flags]
+
+HOW is one of
+  kill:  SIGKILL this process once step STEP is dispatched and the
+         checkpoint saved before it is written (so that where the run
+         resumes does not depend on how fast the disk is);
+  save:  SIGKILL it while it writes the checkpoint of step STEP, after the
+         arrays are written and before orbax renames the directory to
+         commit it;
+  term:  send it SIGTERM once step STEP is dispatched (a preemption), and
+         slow every later step down, so that on several hosts the notice
+         reaches them all (through JAX's coordination service) before the
+         run ends.
+The cues hook the loop's per-step call (StopRequest.due), the checkpointer
+and orbax's commit (the atomic rename); nothing else changes.
+"""
+
+import os
+import signal
+import sys
+import time
+
+from absl import app
+from orbax.checkpoint._src.path import atomicity
+
+from train import cli, train
+from train.run import checkpointing, preemption
+
+# Seconds each step takes after a SIGTERM cue.
+SLOWED_STEP_S = 0.2
+
+
+def _cue(interrupt: str) -> None:
+  how, step = interrupt.split(':')
+  step = int(step)
+  if how == 'save':
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def killed_before_commit(self, *args, **kwargs):
+      if self.get_final().name == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+      return await finalize(self, *args, **kwargs)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = killed_before_commit
+    return
+
+  checkpointers = []
+  save = checkpointing.Checkpointer.save
+
+  def remembered_save(self, *args, **kwargs):
+    checkpointers.append(self)
+    return save(self, *args, **kwargs)
+
+  checkpointing.Checkpointer.save = remembered_save
+  due = preemption.StopRequest.due
+
+  def signalled_after(self, done: int) -> bool:
+    if done == step and how == 'kill':
+      for checkpointer in checkpointers[-1:]:
+        checkpointer.wait()
+      os.kill(os.getpid(), signal.SIGKILL)
+    if done == step and how == 'term':
+      os.kill(os.getpid(), signal.SIGTERM)
+    if how == 'term' and done >= step:
+      time.sleep(SLOWED_STEP_S)
+    return due(self, done)
+
+  preemption.StopRequest.due = signalled_after
+
+
+if __name__ == '__main__':
+  flag = next(arg for arg in sys.argv if arg.startswith('--interrupt='))
+  sys.argv.remove(flag)
+  _cue(flag.split('=', 1)[1])
+  app.run(train.main, flags_parser=cli.parse_flags)

@@ -1,0 +1,418 @@
+"""The fused attention kernels against dense, on the CPU: the Pallas
+kernels interpreted, cuDNN's call through XLA's implementation of the same
+function; and the table that chooses among them."""
+
+from flax import linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import attention, logical_axes, positions
+from model.attention import (alibi_flash, alibi_flash_tpu, cudnn_packed,
+                             fused, fused_kernels)
+from model.attention.fused import Case
+
+B, N, H = 2, 4, 16
+dense = attention.scaled_dot_product_attention
+
+
+def make_qkv(seed, length, num_kv_heads):
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(kq, (B, length, N, H)),
+          jax.random.normal(kk, (B, length, num_kv_heads, H)),
+          jax.random.normal(kv, (B, length, num_kv_heads, H)))
+
+
+def window_mask(length, window, is_causal):
+  """local's pattern as a [1, 1, T, T] mask for dense."""
+  offsets = np.arange(length)[:, None] - np.arange(length)[None]
+  allowed = (offsets < window) & (offsets >= 0 if is_causal
+                                  else offsets > -window)
+  return jnp.asarray(allowed)[None, None]
+
+
+def value_and_grads(fn, q, k, v, **kwargs):
+  """The output, and the gradients w.r.t. q, k, v of a nonlinear loss."""
+  def loss(q, k, v):
+    out = fn(q, k, v, **kwargs)
+    return jnp.sum(jnp.sin(out)), out
+  (_, out), grads = jax.jit(jax.value_and_grad(
+      loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  return (out,) + grads
+
+
+def assert_all_close(ours, reference, atol=2e-5):
+  for x, y in zip(ours, reference):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol,
+                               rtol=1e-4)
+
+
+PACKED = np.repeat(np.array([[1, 2, 3, 0], [4, 4, 5, 0]]), [60, 70, 50, 20],
+                   axis=1)
+LENGTHS = np.array([72, 0])  # Example 1 is all padding.
+
+# name: (length, key/value heads, kernels, chunked's arguments, dense's).
+CASES = {
+    # Causal packed rows, GQA, 200 = no multiple of the blocks.
+    'causal_packed_gqa': (200, 2, ('pallas_tpu', 'pallas_gpu'), dict(
+        is_causal=True, mask=attention.SegmentMask(jnp.asarray(PACKED))),
+                          dict(is_causal=True, mask=jnp.asarray(
+                              PACKED[:, None, :, None]
+                              == PACKED[:, None, None, :]))),
+    'bidirectional_mqa': (72, 1, ('pallas_tpu', 'pallas_gpu'), {}, {}),
+    'right_padded_mqa': (
+        72, 1, ('pallas_tpu',),
+        dict(mask=jnp.asarray(np.arange(72) < LENGTHS[:, None])[
+            :, None, None]), None),
+}
+
+
+@pytest.mark.parametrize('kernel,name', [
+    (kernel, name) for name, case in CASES.items() for kernel in case[2]])
+def test_pallas_kernels_equal_dense(kernel, name):
+  length, num_kv_heads, _, ours, reference = CASES[name]
+  q, k, v = make_qkv(len(name), length, num_kv_heads)
+  chunked = attention.get('chunked')
+  assert_all_close(
+      value_and_grads(chunked, q, k, v, kernel=kernel, **ours),
+      value_and_grads(dense, q, k, v, **ours if reference is None
+                      else reference))
+
+
+@pytest.mark.parametrize('is_causal', [True, False])
+def test_splash_local_window_equals_dense(is_causal):
+  """local's window on splash: GQA; under padding (bidirectional) a query
+  whose window holds only padding comes out 0, as from dense."""
+  q, k, v = make_qkv(7, 72, 2)
+  window = 9
+  mask = None
+  if not is_causal:
+    lengths = np.array([72, 30])
+    mask = jnp.asarray(np.arange(72) < lengths[:, None])[:, None, None]
+  expected = window_mask(72, window, is_causal)
+  if mask is not None:
+    expected = expected & mask
+  local = attention.get('local')
+  ours = value_and_grads(local, q, k, v, mask=mask, is_causal=is_causal,
+                         window=window, kernel='pallas_tpu')
+  assert_all_close(ours, value_and_grads(dense, q, k, v, mask=expected))
+  if mask is not None:
+    np.testing.assert_array_equal(ours[0][1, 30 + window:], 0.0)
+
+
+def test_fused_kernels_split_batch_and_heads_as_the_rules_say():
+  """Under a data x tensor mesh and rules mapping the model's batch and
+  heads there, a fused kernel (cuDNN's call, by XLA's implementation) runs
+  in a shard_map over both, its padding mask and bias split alike, and
+  equals dense."""
+  mesh = jax.make_mesh((4, 2), ('data', 'tensor'),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  rules = ((logical_axes.BATCH, 'data'), (logical_axes.HEADS, 'tensor'),
+           (logical_axes.KV_HEADS, 'tensor'))
+  q, k, v = (jnp.tile(x, (2, 1, 1, 1)) for x in make_qkv(10, 24, 2))
+  padding = jnp.asarray(np.arange(24) < np.array([24, 17, 0, 9])[:, None])
+  bias = jax.random.normal(jax.random.key(3), (1, N, 24, 24))
+  kwargs = dict(mask=padding[:, None, None], bias=bias, is_causal=True)
+  cudnn = lambda q, k, v, bias, mask, is_causal: fused_kernels.over_shards(
+      lambda *args: fused_kernels.cudnn_attention(
+          *args, scale=H ** -0.5, is_causal=is_causal, window=None,
+          implementation='xla'), q, k, v, bias, mask)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    jaxpr = str(jax.make_jaxpr(lambda *x: cudnn(*x, **kwargs))(q, k, v))
+    ours = value_and_grads(cudnn, q, k, v, **kwargs)
+  assert "in_specs=(P('data', None, 'tensor'), " in jaxpr
+  assert_all_close(ours, value_and_grads(dense, q, k, v, **kwargs))
+
+
+def test_cudnn_call_takes_right_padding_and_the_causal_window():
+  """cuDNN's arguments, run by XLA's implementation of the same function:
+  padding as lengths (a row of no keys gives 0), the causal window as a
+  left window, a bias array; a row padded elsewhere than on the right
+  comes out NaN."""
+  q, k, v = make_qkv(8, 24, 2)
+  lengths = np.array([17, 0])
+  padding = jnp.asarray(np.arange(24) < lengths[:, None])[:, None, None]
+  bias = jax.random.normal(jax.random.key(11), (1, N, 24, 24))
+  cudnn = lambda q, k, v, bias=None, **kw: fused_kernels.cudnn_attention(
+      q, k, v, bias, implementation='xla', scale=H ** -0.5, **kw)
+  assert_all_close(
+      value_and_grads(cudnn, q, k, v, mask=padding, is_causal=True,
+                      window=None),
+      value_and_grads(dense, q, k, v, mask=padding, is_causal=True))
+  assert_all_close(
+      value_and_grads(cudnn, q, k, v, bias=bias, mask=None, is_causal=True,
+                      window=5),
+      value_and_grads(dense, q, k, v, bias=bias,
+                      mask=window_mask(24, 5, True)))
+  holes = padding.at[0, 0, 0, 3].set(False)
+  out = cudnn(q, k, v, mask=holes, is_causal=False, window=None)
+  assert np.isnan(out[0]).all() and (out[1] == 0).all()
+
+
+@pytest.mark.core
+def test_rows_with_keys_match_brute_force():
+  rng = np.random.default_rng(0)
+  valid = rng.random((3, 11)) < 0.3
+  for is_causal in (True, False):
+    for window in (None, 1, 3):
+      allowed = valid[:, None, :] & np.ones((11, 11), bool)
+      offsets = np.arange(11)[:, None] - np.arange(11)[None]
+      if is_causal:
+        allowed &= offsets >= 0
+      if window:
+        allowed &= (offsets < window) & (offsets > -window)
+      np.testing.assert_array_equal(
+          fused_kernels.rows_with_keys(jnp.asarray(valid), 11,
+                                       is_causal=is_causal, window=window),
+          allowed.any(-1))
+
+
+# --- ALiBi's bias inside the kernel ---
+
+ALIBI_IDS = np.repeat(np.array([[1, 2, 0], [3, 3, 4]]), [15, 20, 5], axis=1)
+ALIBI_POSITIONS = np.concatenate(
+    [np.arange(15), np.arange(20), np.arange(5)])[None].repeat(B, 0)
+
+# name: (key/value heads, causal, mask, positions, dtype, tolerance).
+ALIBI_CASES = {
+    # Packed rows (positions from each document's start), GQA.
+    'causal_packed_gqa': (2, True, attention.SegmentMask(
+        jnp.asarray(ALIBI_IDS)), ALIBI_POSITIONS, jnp.float32, 2e-5),
+    # Right padding, row 1 all padding (it comes out 0), MQA.
+    'bidirectional_padded_mqa': (1, False, jnp.asarray(
+        np.arange(40) < np.array([29, 0])[:, None])[:, None, None],
+                                 np.arange(40)[None], jnp.float32, 2e-5),
+    # Half precision: a few bfloat16 ulps, as dense's own rounding.
+    'causal_bfloat16': (4, True, None, np.arange(40)[None], jnp.bfloat16,
+                        6e-2),
+}
+
+
+@pytest.mark.parametrize('name', ALIBI_CASES)
+@pytest.mark.parametrize('kernel', ['pallas_gpu', 'pallas_tpu'])
+def test_alibi_kernels_equal_dense_with_alibis_bias(kernel, name):
+  """T = 40, no multiple of the kernels' blocks: outputs and q/k/v
+  gradients equal dense's under the same PositionBias."""
+  num_kv_heads, is_causal, mask, positions_, dtype, atol = ALIBI_CASES[name]
+  q, k, v = (x.astype(dtype) for x in make_qkv(len(name), 40, num_kv_heads))
+  positions_BxT = jnp.broadcast_to(jnp.asarray(positions_), (B, 40))
+  bias = positions.alibi_bias(positions_BxT, positions_BxT, N)
+  kwargs = dict(bias=bias, mask=mask, is_causal=is_causal)
+  chunked = attention.get('chunked')
+  ours = value_and_grads(chunked, q, k, v, kernel=kernel, **kwargs)
+  reference = value_and_grads(dense, q, k, v, **kwargs)
+  assert_all_close([x.astype(jnp.float32) for x in ours],
+                   [x.astype(jnp.float32) for x in reference], atol=atol)
+  if mask is not None and not is_causal:
+    np.testing.assert_array_equal(ours[0][1], 0.0)
+
+
+@pytest.mark.parametrize('backend,module,platform,call', [
+    ('gpu', alibi_flash, 'cuda', '__gpu$xla.gpu.triton'),
+    ('tpu', alibi_flash_tpu, 'tpu', 'tpu_custom_call')])
+def test_alibi_kernels_lower_for_their_accelerator(monkeypatch, backend,
+                                                   module, platform, call):
+  """Exported for a GPU (Triton) or a TPU (Mosaic) from this CPU, not
+  interpreted: the forward, dq and dk/dv kernels lower to three calls."""
+  monkeypatch.setattr(jax, 'default_backend', lambda: backend)
+  shape = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype)
+
+  def loss(q, k, v, positions_BxT):
+    out = module.attention(
+        q, k, v, positions_BxT, positions_BxT, jnp.ones(4), scale=0.125,
+        is_causal=True, q_ids_BxT=positions_BxT, kv_ids_BxT=positions_BxT)
+    return jnp.sum(out.astype(jnp.float32))
+
+  exported = jax.export.export(
+      jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=[platform],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(call)])(
+          shape(1, 256, 4, 64), shape(1, 256, 2, 64), shape(1, 256, 2, 64),
+          shape(1, 256, dtype=jnp.int32))
+  assert exported.mlir_module().count(f'@{call}(') == 3
+
+
+# --- packed rows in cuDNN's layout ---
+
+
+def brute_force_layout(ids, max_segments):
+  """(seqlen, offsets, fits) of one row of ids, by a loop over tokens."""
+  runs = []  # [start, length, id]
+  for t, token_id in enumerate(ids):
+    if runs and runs[-1][2] == token_id:
+      runs[-1][1] += 1
+    else:
+      runs.append([t, 1, token_id])
+  fits = (len(runs) <= max_segments
+          and len({r[2] for r in runs}) == len(runs))
+  kept = runs[:max_segments]
+  seqlen = [r[1] for r in kept] + [-1] * (max_segments - len(kept))
+  offsets = [r[0] for r in kept] + [-1] * (max_segments + 1 - len(kept))
+  return seqlen, offsets, fits
+
+
+SEGMENT_ROWS = np.array([
+    [5] * 12,                                   # One segment.
+    [1, 1, 2, 2, 2, 3, 4, 4, 5, 6, 6, 6],       # The most segments: 6.
+    [1, 1, 1, 2, 2, 2, 2, 2, 0, 0, 0, 0],       # Trailing padding.
+    [1, 1, 2, 2, 1, 1, 3, 3, 3, 3, 3, 3],       # An id comes back.
+    [1, 2, 3, 4, 5, 6, 7, 7, 7, 7, 7, 7],       # Seven: over the bound.
+])
+
+
+def test_segment_layout_matches_brute_force():
+  seqlen, offsets, fits = cudnn_packed.segment_layout(
+      jnp.asarray(SEGMENT_ROWS), 6)
+  for row, ids in enumerate(SEGMENT_ROWS):
+    want = brute_force_layout(ids.tolist(), 6)
+    np.testing.assert_array_equal(seqlen[row], want[0])
+    if want[2]:  # A row that does not fit is NaN: its offsets are moot.
+      np.testing.assert_array_equal(offsets[row], want[1])
+    assert bool(fits[row]) == want[2], row
+
+
+def cudnn_reference(query, key, value, seqlen, offsets, *, scale, is_causal):
+  """Attention from the packed layout as cuDNN's documentation defines it:
+  a token of segment m (offsets[m] <= t < offsets[m] + seqlen[m]) attends
+  to the tokens of its own segment (under causality, up to itself)."""
+  positions = np.arange(query.shape[1])
+  starts, lengths = offsets[:, None, :-1], seqlen[:, None, :]
+  member_BxTxM = ((positions[None, :, None] >= starts)
+                  & (positions[None, :, None] < starts + lengths)
+                  & (lengths > 0))
+  same = jnp.einsum('btm,bsm->bts', member_BxTxM.astype(jnp.float32),
+                    member_BxTxM.astype(jnp.float32)) > 0
+  return dense(query, key, value, mask=same[:, None], scale=scale,
+               is_causal=is_causal)
+
+
+@pytest.mark.parametrize('is_causal', [True, False])
+@pytest.mark.parametrize('num_kv_heads', [4, 2, 1], ids=['mha', 'gqa', 'mqa'])
+def test_cudnn_packed_layout_equals_dense_with_segment_ids(num_kv_heads,
+                                                           is_causal):
+  """The layout through the reference equals dense with the SegmentMask
+  (outputs and gradients); rows the layout cannot say come out NaN."""
+  q, k, v = make_qkv(12, 12, num_kv_heads)
+  ids = jnp.asarray(SEGMENT_ROWS[1:3])
+  packed = lambda q, k, v: cudnn_packed.attention(
+      q, k, v, ids, scale=H ** -0.5, is_causal=is_causal, max_segments=6,
+      call=cudnn_reference)
+  assert_all_close(
+      value_and_grads(packed, q, k, v),
+      value_and_grads(dense, q, k, v, mask=attention.SegmentMask(ids),
+                      is_causal=is_causal))
+  # And the reference itself takes grouped key/value heads as they are.
+  seqlen, offsets, _ = cudnn_packed.segment_layout(ids, 6)
+  np.testing.assert_allclose(
+      cudnn_reference(q, k, v, seqlen, offsets, scale=H ** -0.5,
+                      is_causal=is_causal),
+      dense(q, k, v, mask=attention.SegmentMask(ids), is_causal=is_causal),
+      atol=2e-5)
+  bad = cudnn_packed.attention(
+      q, k, v, jnp.asarray(SEGMENT_ROWS[3:]), scale=H ** -0.5,
+      is_causal=is_causal, max_segments=6, call=cudnn_reference)
+  assert np.isnan(bad).all()
+
+
+def test_packed_rows_need_a_known_jax_and_cudnn_96(monkeypatch):
+  hopper = dict(mask='segments', compute_capability='9.0', max_segments=9)
+  monkeypatch.setattr(cudnn_packed, '_cudnn_version', lambda: 90100)
+  with pytest.raises(fused.KernelError, match='cuDNN 9.6 or newer, not 90100'):
+    fused.choose('cudnn', case('gpu', **hopper))
+  assert fused.choose('auto', case('gpu', **hopper)) == 'pallas_gpu'
+  monkeypatch.setattr(cudnn_packed, '_cudnn_version', lambda: 90600)
+  monkeypatch.setattr(cudnn_packed, '_jax_version', lambda: (0, 12, 0))
+  with pytest.raises(fused.KernelError, match='jax 0.5.1 to 0.11.2'):
+    fused.choose('cudnn', case('gpu', **hopper))
+
+
+def case(backend, dtype='bfloat16', head_dim=64, q_len=256, kv_len=256,
+         is_causal=True, **kwargs):
+  return Case(backend, dtype, head_dim, q_len, kv_len, is_causal, **kwargs)
+
+
+# (case, what 'auto' runs).
+AUTO = [
+    (case('cpu'), 'xla'),
+    (case('cpu', mask='segments'), 'xla'),
+    (case('tpu'), 'pallas_tpu'),
+    (case('tpu', mask='segments'), 'pallas_tpu'),
+    (case('tpu', mask='key_padding', is_causal=False), 'pallas_tpu'),
+    (case('tpu', window=128), 'pallas_tpu'),
+    (case('tpu', dtype='float32'), 'pallas_tpu'),
+    (case('tpu', bias='function'), 'xla'),
+    (case('tpu', mask='other'), 'xla'),
+    (case('tpu', q_len=1, kv_len=256), 'xla'),  # A query after a cache.
+    (case('gpu'), 'cudnn'),
+    (case('gpu', mask='key_padding'), 'cudnn'),
+    (case('gpu', bias='array'), 'cudnn'),
+    (case('gpu', window=128), 'cudnn'),
+    (case('gpu', mask='segments'), 'pallas_gpu'),
+    (case('gpu', dtype='float32'), 'pallas_gpu'),
+    (case('gpu', dtype='float32', mask='segments'), 'pallas_gpu'),
+    (case('gpu', head_dim=160), 'xla'),
+    (case('gpu', window=128, is_causal=False), 'xla'),
+    (case('gpu', window=128, mask='key_padding'), 'xla'),
+    (case('gpu', q_len=128, kv_len=256), 'xla'),  # Diagonal alignment.
+    (case('gpu', is_causal=False, q_len=128, kv_len=256), 'cudnn'),
+    (case('gpu', mask='other'), 'xla'),
+    (case('gpu', bias='function'), 'xla'),
+    (case('gpu', dtype='float32', mask='key_padding'), 'xla'),
+    (case('gpu', dtype='bfloat16 queries, float32 keys'), 'xla'),
+    (case('tpu', dtype='float16'), 'xla'),
+    # Packed rows: cuDNN's packed layout on Hopper and newer, bounded rows.
+    (case('gpu', mask='segments', compute_capability='9.0',
+          max_segments=33), 'cudnn'),
+    (case('gpu', mask='segments', compute_capability='10.0',
+          max_segments=33), 'cudnn'),
+    (case('gpu', mask='segments', compute_capability='8.0',
+          max_segments=33), 'pallas_gpu'),
+    (case('gpu', mask='segments', compute_capability='9.0'), 'pallas_gpu'),
+    (case('gpu', dtype='float32', mask='segments', compute_capability='9.0',
+          max_segments=33), 'pallas_gpu'),
+    # ALiBi: the project's own Pallas kernel on a GPU; none on a TPU.
+    (case('gpu', bias='alibi'), 'pallas_gpu'),
+    (case('gpu', bias='alibi', mask='segments', compute_capability='9.0',
+          max_segments=33), 'pallas_gpu'),
+    (case('gpu', bias='alibi', mask='key_padding', is_causal=False),
+     'pallas_gpu'),
+    (case('gpu', bias='alibi', head_dim=96), 'xla'),
+    (case('gpu', bias='alibi', window=64), 'xla'),
+    (case('gpu', bias='alibi', q_len=1), 'xla'),
+    (case('tpu', bias='alibi'), 'pallas_tpu'),
+    (case('tpu', bias='alibi', mask='segments'), 'pallas_tpu'),
+    (case('tpu', bias='alibi', head_dim=96), 'xla'),
+    (case('tpu', bias='alibi', window=64), 'xla'),
+    # A length split over the mesh: no fused kernel (ring computes it).
+    (case('tpu', length_shards=2), 'xla'),
+    (case('gpu', length_shards=4), 'xla'),
+]
+
+
+@pytest.mark.parametrize('the_case,expected', AUTO)
+def test_auto_chooses_by_backend_and_case(the_case, expected):
+  assert fused.choose('auto', the_case) == expected
+  # Every fused kernel it passed over refuses the case.
+  for name in fused.AUTO_ORDER.get(the_case.backend, ()):
+    if name == expected:
+      break
+    assert fused.refusal(name, the_case) is not None
+
+
+@pytest.mark.core
+def test_a_named_kernel_that_cannot_compute_the_case_raises():
+  with pytest.raises(fused.KernelError, match="kernel='cudnn' needs a GPU"):
+    fused.choose('cudnn', case('cpu'))
+  with pytest.raises(fused.KernelError, match='takes no bias'):
+    fused.choose('pallas_tpu', case('tpu', bias='array'))
+  with pytest.raises(fused.KernelError, match='Hopper or newer'):
+    fused.choose('cudnn', case('gpu', mask='segments',
+                               compute_capability='8.6', max_segments=9))
+  with pytest.raises(fused.KernelError, match='sequence parallelism'):
+    fused.choose('pallas_tpu', case('tpu', length_shards=2))
+  with pytest.raises(ValueError, match='must be one of'):
+    fused.choose('flash', case('cpu'))
+  q, k, v = make_qkv(9, 8, 2)
+  with pytest.raises(fused.KernelError, match='needs a GPU'):
+    attention.get('chunked')(q, k, v, kernel='cudnn')
+  assert fused.choose('pallas_gpu', case('cpu')) == 'pallas_gpu'

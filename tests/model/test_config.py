@@ -1,0 +1,103 @@
+"""ModelConfig validation: every mistake is named by its config key."""
+
+import dataclasses
+import inspect
+import re
+
+import pytest
+
+from configs import default
+from model import ModelConfig, families
+from model import config as config_module
+
+
+def test_defaults_resolve_head_dim_and_kv_heads():
+  config = ModelConfig(d_model=64, num_heads=4)
+  assert config.head_dim == 16 and config.num_kv_heads == 4
+
+
+def test_default_config_builds_a_model_config():
+  config = default.get_config()
+  assert ModelConfig.from_mapping(config.model) == ModelConfig()
+  config.model.head_dim = 64
+  assert ModelConfig.from_mapping(config.model).head_dim == 64
+
+
+def test_attention_options_are_read_flat_or_under_the_attention_name():
+  config = default.get_config()
+  config.model.attention = 'local'
+  config.model.attention_options.window = 8  # Set; the others unset.
+  assert ModelConfig.from_mapping(config.model).attention_options == (
+      ('window', 8),)
+  config.model.attention_options.window = None
+  config.model.attention_options.local.window = 8
+  assert ModelConfig.from_mapping(config.model).attention_options == (
+      ('window', 8),)
+  config.model.attention = 'dense,local'
+  assert ModelConfig.from_mapping(config.model).attention_options == (
+      (), (('window', 8),))
+
+
+def test_every_model_field_has_a_comment():
+  source = inspect.getsource(config_module)
+  for field in dataclasses.fields(ModelConfig):
+    line = source.index(f'\n  {field.name}: ')
+    assert source[:line].rstrip().splitlines()[-1].strip().startswith('#'), (
+        field.name)
+
+
+@pytest.mark.core
+@pytest.mark.parametrize('overrides, message', [
+    (dict(d_model=100, num_heads=3),
+     'config.model.num_heads=3 does not divide config.model.d_model=100'),
+    (dict(num_heads=4, num_kv_heads=3),
+     'config.model.num_kv_heads=3 does not divide config.model.num_heads=4'),
+    (dict(num_layers=0), 'config.model.num_layers=0 must be a positive'),
+    (dict(vocab_size=2.5), 'config.model.vocab_size=2.5'),
+    (dict(mlp_activation='tanh'), "config.model.mlp_activation='tanh'"),
+    (dict(norm='batchnorm'), "config.model.norm='batchnorm'"),
+    (dict(norm_position='middle'), "config.model.norm_position='middle'"),
+    (dict(position='rotary'), "config.model.position='rotary'"),
+    (dict(family='rnn'), "config.model.family='rnn'"),
+    (dict(attention='magic'), "config.model.attention='magic'"),
+    (dict(attention_projections=False, position='alibi'),
+     "config.model.position='alibi' biases each head, and config.model."
+     'attention_projections=False'),
+    (dict(attention_projections=1), 'config.model.attention_projections=1 '
+     'must be True or False'),
+    (dict(moe={'num_experts': 4, 'top_k': 3}),
+     'config.model.moe.top_k=3 must be 1 or 2, and at most'),
+    (dict(moe={'experts': 4}), 'unknown key config.model.moe.experts'),
+    (dict(num_layers=1, moe={'num_experts': 4}),
+     'config.model.moe.every_n_layers=2 exceeds config.model.num_layers=1'),
+    (dict(family='rnn_attention', moe={'num_experts': 4}),
+     "config.model.moe.num_experts is for the Transformer families"),
+    (dict(attention='dense,magic'),
+     "config.model.attention[1]: config.model.attention='magic' must be"),
+    (dict(attention='dense,local', attention_options={'window': 3}),
+     "config.model.attention_options.window names no entry of "
+     "config.model.attention='dense,local'; with several attentions, "
+     'options are keyed by their names: config.model.attention_options.'
+     '<name>.window.'),
+    (dict(attention='local', attention_options={'window': 3,
+                                                'local': {'window': 4}}),
+     "config.model.attention_options sets ['window'] and local: "
+     "['window']; give the options of one attention in one of the two "
+     'places.'),
+    (dict(dtype='float64'), "config.model.dtype='float64'"),
+    (dict(dropout_rate=1.0), 'config.model.dropout_rate=1.0'),
+    (dict(attention_dropout_rate=-0.1),
+     'config.model.attention_dropout_rate=-0.1'),
+    (dict(remat='yes'), "config.model.remat='yes'"),
+    (dict(pooling='max'), "config.model.pooling='max'"),
+])
+def test_invalid_values_name_the_key(overrides, message):
+  with pytest.raises(ValueError, match=re.escape(message)):
+    families.check(ModelConfig(**overrides))
+
+
+def test_unknown_key_is_named():
+  config = default.get_config()
+  config.model.num_head = 8
+  with pytest.raises(ValueError, match=r'unknown key config\.model\.num_head;'):
+    ModelConfig.from_mapping(config.model)

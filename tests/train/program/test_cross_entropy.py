@@ -1,0 +1,147 @@
+"""The cross-entropy of vocabulary logits, whole and a block at a time,
+against optax on float32 logits; and no float32 matmul over the vocabulary
+in a bfloat16 train step."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from model import ModelConfig, build
+from model.readout import Readout
+from train.data import tasks
+from train.program import cross_entropy, steps
+
+# A vocabulary of no round size, so that no block of anything divides it.
+VOCAB = 37
+
+
+def _reference_sum(logits_BxTxV, targets_BxT, weights_BxT, smoothing):
+  """optax's weighted cross-entropy of float32 logits."""
+  labels = optax.smooth_labels(jax.nn.one_hot(targets_BxT, VOCAB), smoothing)
+  return jnp.sum(optax.softmax_cross_entropy(logits_BxTxV, labels)
+                 * weights_BxT)
+
+
+@pytest.mark.core
+def test_token_losses_match_optax():
+  logits = jax.random.normal(jax.random.key(0), (3, 5))
+  targets = jnp.array([0, 3, 4])
+  losses = cross_entropy.token_losses(logits, targets, 0.2)
+  np.testing.assert_allclose(losses.loss, optax.softmax_cross_entropy(
+      logits, optax.smooth_labels(jax.nn.one_hot(targets, 5), 0.2)),
+                             rtol=1e-6)
+  np.testing.assert_allclose(
+      losses.nll,
+      optax.softmax_cross_entropy_with_integer_labels(logits, targets),
+      rtol=1e-6)
+  np.testing.assert_array_equal(losses.correct,
+                                jnp.argmax(logits, -1) == targets)
+
+
+@pytest.mark.parametrize('smoothing', [0.0, 0.1])
+def test_blockwise_loss_and_gradients_equal_optax(monkeypatch, smoothing):
+  batch, length, width = 2, 12, 8
+  keys = jax.random.split(jax.random.key(1), 4)
+  hidden = jax.random.normal(keys[0], (batch, length, width))
+  kernel = jax.random.normal(keys[1], (width, VOCAB))
+  bias = jax.random.normal(keys[2], (VOCAB,))
+  targets = jax.random.randint(keys[3], (batch, length), 0, VOCAB)
+  weights = jnp.ones((batch, length)).at[1, 7:].set(0.0)  # Padding.
+  # Blocks of 2 positions: 6 blocks, a scan and recomputed gradients.
+  monkeypatch.setattr(cross_entropy, 'MAX_BLOCK_LOGITS',
+                      batch * 2 * VOCAB)
+  assert cross_entropy.num_blocks(batch, length, VOCAB) == 6
+
+  def blockwise(hidden, kernel, bias):
+    losses = cross_entropy.readout_losses(
+        Readout(hidden, kernel, bias, divisor=2.0), targets, smoothing)
+    return jnp.sum(losses.loss * weights), losses
+
+  def reference(hidden, kernel, bias):
+    logits = jnp.einsum('btd,dv->btv', hidden, kernel,
+                        precision='highest') / 2.0 + bias
+    return _reference_sum(logits, targets, weights, smoothing)
+
+  (value, losses), grads = jax.value_and_grad(
+      blockwise, argnums=(0, 1, 2), has_aux=True)(hidden, kernel, bias)
+  expected, expected_grads = jax.value_and_grad(
+      reference, argnums=(0, 1, 2))(hidden, kernel, bias)
+  np.testing.assert_allclose(value, expected, rtol=1e-5)
+  for grad, expected_grad in zip(grads, expected_grads):
+    np.testing.assert_allclose(grad, expected_grad, rtol=1e-4, atol=1e-5)
+  logits = Readout(hidden, kernel, bias, divisor=2.0).logits()
+  np.testing.assert_array_equal(losses.correct,
+                                jnp.argmax(logits, -1) == targets)
+
+
+def test_bfloat16_readout_is_float32_to_bfloat16_precision():
+  # Embedding-shaped weights [V, D]; bfloat16 operands, float32 sums.
+  keys = jax.random.split(jax.random.key(2), 3)
+  hidden = jax.random.normal(keys[0], (2, 6, 16))
+  embedding = jax.random.normal(keys[1], (VOCAB, 16)) / 4
+  targets = jax.random.randint(keys[2], (2, 6), 0, VOCAB)
+
+  def loss(hidden, embedding, dtype):
+    readout = Readout(hidden.astype(dtype), embedding, weights_spec='vd',
+                      compute_dtype=dtype)
+    return jnp.sum(cross_entropy.readout_losses(readout, targets).loss)
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1))
+  value, (d_hidden, d_embedding) = grad(hidden, embedding, jnp.bfloat16)
+  expected, (expected_hidden, expected_embedding) = grad(
+      hidden, embedding, jnp.float32)
+  assert d_embedding.dtype == jnp.float32  # As the parameter is.
+  np.testing.assert_allclose(value, expected, rtol=1e-2)
+  for grad, expected_grad in ((d_hidden, expected_hidden),
+                              (d_embedding, expected_embedding)):
+    np.testing.assert_allclose(grad.astype(jnp.float32), expected_grad,
+                               rtol=0.05, atol=0.02)
+
+
+def _contains_float32_matmul_over(jaxpr, size: int) -> bool:
+  """Whether any dot_general in `jaxpr` (or the jaxprs inside it) has a
+  float32 operand with a dimension of `size`."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'dot_general' and any(
+        var.aval.dtype == jnp.float32 and size in var.aval.shape
+        for var in eqn.invars):
+      return True
+    for param in eqn.params.values():
+      for inner in param if isinstance(param, (tuple, list)) else [param]:
+        inner = getattr(inner, 'jaxpr', inner)
+        if isinstance(inner, jax.extend.core.Jaxpr) and (
+            _contains_float32_matmul_over(inner, size)):
+          return True
+  return False
+
+
+@pytest.mark.parametrize('tie_embeddings', [True, False])
+def test_bfloat16_train_step_has_no_float32_matmul_over_the_vocabulary(
+    tie_embeddings):
+  config = ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2,
+                       num_layers=1, mlp_dim=32, max_len=8,
+                       tie_embeddings=tie_embeddings, dtype='bfloat16')
+  model = build(config)
+  params = steps.init_params(model, tasks.LM, jax.random.key(0), 8)
+  optimizer = optax.adamw(1e-3)
+  state = steps.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                           opt_state=optimizer.init(params))
+  row = jnp.ones((2, 8), jnp.int32)
+  batch = {'inputs': row, 'targets': row, 'weights': row.astype(float),
+           'positions': jnp.broadcast_to(jnp.arange(8), (2, 8))}
+  train_step = jax.make_jaxpr(lambda state, batch: steps.train_step(
+      state, batch, jax.random.key(0), model=model, task=tasks.LM,
+      optimizer=optimizer, schedule=lambda step: 1e-3))
+  assert not _contains_float32_matmul_over(
+      train_step(state, batch).jaxpr, VOCAB)
+  # The check sees one where the step computes in float32.
+  float32_model = build(dataclasses.replace(config, dtype='float32'))
+  float32_step = jax.make_jaxpr(lambda state, batch: steps.train_step(
+      state, batch, jax.random.key(0), model=float32_model, task=tasks.LM,
+      optimizer=optimizer, schedule=lambda step: 1e-3))
+  assert _contains_float32_matmul_over(float32_step(state, batch).jaxpr,
+                                       VOCAB)

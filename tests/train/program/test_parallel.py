@@ -1,0 +1,489 @@
+"""One train step on any mesh: layouts agree with one device, ring attention
+is exact, checkpoints move between meshes, bad layouts are refused."""
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import grain
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+from tests.helpers import config_overrides
+from configs import default, lm_stdlib
+from model import attention, positions
+from tests.helpers import REPO
+from train.base.errors import InputError
+from train.config import validation as config_validation
+from train.program import mesh, sharding
+from train.run import checkpointing
+from train.run.program import Program
+from train.run.trainer import train_and_evaluate
+
+
+B, T, V = 8, 16, 64
+
+
+def small_config(**parallelism):
+  config = default.get_config()
+  config.batch_size = B
+  config.seq_len = T
+  config.warmup_steps = 1
+  # Plain SGD, unclipped: a gradient of the wrong scale changes the losses.
+  config.update(optimizer='sgd', grad_clip_norm=0.0, learning_rate=0.5)
+  config.model.update(vocab_size=V, d_model=32, num_heads=4, num_layers=2,
+                      mlp_dim=64, max_len=T, position='rope')
+  config.parallelism.update(parallelism)
+  return config
+
+
+def lm_batches(count: int):
+  """Packed LM batches: two documents a row, with segment ids."""
+  rng = np.random.default_rng(0)
+  for _ in range(count):
+    tokens = rng.integers(1, V, (B, T + 1)).astype(np.int32)
+    split = T // 2 - 3
+    segments = np.where(np.arange(T) < split, 1, 2).astype(np.int32)
+    segments = np.broadcast_to(segments, (B, T)).copy()
+    positions_ = np.where(np.arange(T) < split, np.arange(T),
+                          np.arange(T) - split).astype(np.int32)
+    yield {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
+           'positions': np.broadcast_to(positions_, (B, T)).copy(),
+           'segment_ids': segments,
+           'weights': np.ones((B, T), np.float32)}
+
+
+def program_for(config, devices):
+  return Program.from_config(config, devices)
+
+
+def train(program, steps: int = 5):
+  """(losses and gradient norms of `steps` steps, final state)."""
+  state = program.init()
+  losses = []
+  with program.scope():
+    for batch in lm_batches(steps):
+      state, sums = program.train_step(state, program.batch(batch),
+                                       program.key(1))
+      losses.append(float(sums['loss_sum'] / sums['weight_sum']))
+      losses.append(float(sums['grad_norm']))
+  return losses, state
+
+
+@pytest.fixture(scope='module')
+def one_device_losses():
+  return train(program_for(small_config(), jax.devices()[:1]))[0]
+
+
+def query_kernel(state):
+  return state.params['decoder']['block_0']['self_attention']['query'][
+      'kernel']
+
+
+LAYOUTS = {
+    'data8': (dict(data=8), None),
+    'fsdp8': (dict(data=1, fsdp=8), None),
+    'data2_fsdp2_tensor2': (dict(data=2, fsdp=2, tensor=2), None),
+    'data4_sequence2_ring': (dict(data=4, sequence=2), 'ring'),
+    'pmap_data8': (dict(data=8, strategy='pmap'), None),
+}
+
+
+@pytest.mark.parametrize('name', LAYOUTS)
+def test_layout_trains_like_one_device(name, one_device_losses):
+  layout, attention_name = LAYOUTS[name]
+  config = small_config(**layout)
+  if attention_name:
+    config.model.attention = attention_name
+  losses, state = train(program_for(config, jax.devices()))
+  np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
+  assert losses[-2] < losses[0]  # It learns.
+  # The query kernel [embed 32, heads 4, head_dim 8] on each device: split
+  # by FSDP along embed, by tensor parallelism along heads.
+  shard_shape = {'data8': (32, 4, 8), 'fsdp8': (4, 4, 8),
+                 'data2_fsdp2_tensor2': (16, 2, 8),
+                 'data4_sequence2_ring': (32, 4, 8),
+                 'pmap_data8': (32, 4, 8)}[name]
+  kernel = query_kernel(state)
+  assert {s.data.shape for s in kernel.addressable_shards} == {shard_shape}
+  if name == 'fsdp8':
+    leaves = jax.tree.leaves(state.params)
+    total = sum(x.nbytes for x in leaves)
+    on_device_0 = sum(x.addressable_shards[0].data.nbytes for x in leaves)
+    assert on_device_0 < 0.15 * total  # 1/8, plus the unsplit biases.
+
+
+def test_experts_spread_over_devices_by_a_logical_axis_rule():
+  """('expert', 'fsdp') before the default rules gives each of the 4 fsdp
+  devices one of 4 experts (expert parallelism); the steps equal one
+  device's."""
+  def moe_config(**parallelism):
+    config = small_config(**parallelism)
+    config.model.moe.update(num_experts=4, top_k=2, every_n_layers=1)
+    config.logical_axis_rules = (('expert', 'fsdp'),) + sharding.DEFAULT_RULES
+    return config
+
+  want, _ = train(program_for(moe_config(), jax.devices()[:1]))
+  got, state = train(program_for(moe_config(data=2, fsdp=4), jax.devices()))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  experts = state.params['decoder']['block_0']['moe']['wi']  # [4, 32, 64]
+  assert {s.data.shape for s in experts.addressable_shards} == {(1, 32, 64)}
+
+
+def compiled_step(kernel: str, model: dict, **parallelism):
+  """(the params after one step of chunked attention on `kernel`, its
+  metric sums, its compiled HLO) under the trainer's own rules."""
+  config = small_config(**parallelism)
+  config.model.update(attention='chunked',
+                      attention_options={'kernel': kernel}, **model)
+  program = program_for(config, jax.devices())
+  batch = program.batch(next(lm_batches(1)))
+  with program.scope():
+    step = program.train_step.lower(program.abstract_state, batch,
+                                    program.key(1)).compile()
+    state, sums = step(program.init(), batch, program.key(1))
+  return state.params, sums, step.as_text()
+
+
+# name: (mesh, config.model's changes, the fused kernels compared with
+# xla).
+FUSED_LAYOUTS = {
+    'data8': (dict(data=8), {}, ('pallas_tpu', 'pallas_gpu')),
+    'data4_tensor2': (dict(data=4, tensor=2), {},
+                      ('pallas_tpu', 'pallas_gpu')),
+    'data2_tensor4': (dict(data=2, tensor=4), {},
+                      ('pallas_tpu', 'pallas_gpu')),
+    # ALiBi's slopes split by head, its positions by example; heads of 16.
+    'data4_tensor2_alibi': (dict(data=4, tensor=2),
+                            dict(position='alibi', num_heads=2),
+                            ('pallas_tpu', 'pallas_gpu')),
+}
+
+
+@pytest.mark.parametrize('name', FUSED_LAYOUTS)
+def test_fused_kernels_split_like_the_model_under_the_trainers_rules(name):
+  """Each Pallas kernel (interpreted) in a train step on packed rows: the
+  same loss and updated parameters (SGD: the gradients) as the xla kernel,
+  and no more all-gathers: each device computes its own examples' heads."""
+  layout, model, kernels = FUSED_LAYOUTS[name]
+  params, sums, hlo = compiled_step('xla', model, **layout)
+  for kernel in kernels:
+    got_params, got_sums, got_hlo = compiled_step(kernel, model, **layout)
+    np.testing.assert_allclose(got_sums['loss_sum'], sums['loss_sum'],
+                               rtol=1e-5)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5),
+                 got_params, params)
+    assert got_hlo.count('all-gather(') <= hlo.count('all-gather('), kernel
+
+
+# --- ring attention ---
+
+
+def random_qkv(batch=2, length=16, heads=4, kv_heads=2, head_dim=8):
+  rng = np.random.default_rng(1)
+  make = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  return (make(batch, length, heads, head_dim),
+          make(batch, length, kv_heads, head_dim),
+          make(batch, length, kv_heads, head_dim))
+
+
+def ring_mesh(**sizes):
+  config = default.get_config()
+  config.parallelism.update(dict(data=1) | sizes)
+  return mesh.make_mesh(config.parallelism)
+
+
+RING_CASES = {
+    'plain': dict(),
+    'causal': dict(is_causal=True),
+    'padding_mask': dict(mask=jnp.arange(16)[None, None, None, :] < 13),
+    'row_mask_and_bias': dict(
+        mask=jnp.asarray(np.random.default_rng(2).random((2, 1, 16, 16))
+                         > 0.3),
+        bias=jnp.asarray(np.random.default_rng(3).normal(size=(2, 4, 16, 16)),
+                         jnp.float32), is_causal=True),
+}
+
+
+@pytest.mark.parametrize('case', RING_CASES)
+@pytest.mark.parametrize('sizes', [dict(sequence=8),
+                                   dict(data=2, sequence=4)],
+                         ids=['sequence8', 'data2_sequence4'])
+def test_ring_attention_equals_dense_with_gradients(case, sizes):
+  q, k, v = random_qkv()
+  kwargs = RING_CASES[case]
+
+  def loss(fn, q, k, v):
+    return jnp.sum(jnp.sin(fn(q, k, v, **kwargs)))
+
+  dense = attention.get('dense')
+  expected = dense(q, k, v, **kwargs)
+  expected_grads = jax.grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2))(
+      q, k, v)
+  ring = attention.get('ring')
+  with jax.set_mesh(ring_mesh(**sizes)):
+    # One compilation for the outputs and the gradients.
+    out, grads = jax.jit(lambda *a: (
+        ring(*a, **kwargs),
+        jax.grad(lambda *a: loss(ring, *a), argnums=(0, 1, 2))(*a)))(q, k, v)
+  np.testing.assert_allclose(out, expected, atol=1e-5)
+  for got, want in zip(grads, expected_grads):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.core
+def test_ring_attention_passes_blocks_round_the_ring():
+  q, k, v = random_qkv()
+  ring = attention.get('ring')
+  with jax.set_mesh(ring_mesh(sequence=8)):
+    hlo = jax.jit(lambda q, k, v: ring(q, k, v, is_causal=True)).lower(
+        q, k, v).compile().as_text()
+  assert 'collective-permute' in hlo
+  # Sequence-split: no device computes logits for the whole length.
+  assert 'f32[2,2,2,16,16]' not in hlo
+
+
+def test_ring_attention_with_a_position_bias_and_its_gradient():
+  q, k, v = random_qkv()
+  pos = jnp.tile(jnp.arange(16), (2, 1))
+  slopes = jnp.asarray(positions.alibi_slopes(4), jnp.float32)
+
+  def loss(fn, q, slopes):
+    bias = positions.alibi_bias(pos, pos, 4)
+    bias = dataclasses.replace(bias, data=bias.data | {'slopes': slopes})
+    return jnp.sum(jnp.sin(fn(q, k, v, bias, is_causal=True)))
+
+  want = jax.grad(lambda *a: loss(attention.get('dense'), *a),
+                  argnums=(0, 1))(q, slopes)
+  with jax.set_mesh(ring_mesh(sequence=4, data=2)):
+    got = jax.jit(jax.grad(lambda *a: loss(attention.get('ring'), *a),
+                           argnums=(0, 1)))(q, slopes)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_ring_attention_with_segment_ids_and_its_gradients():
+  """Packed rows under a sequence split: each device compares its queries'
+  ids with every key's, and the result is dense's under the full mask."""
+  q, k, v = random_qkv()
+  ids = np.repeat([[1, 2, 3, 4], [1, 1, 2, 0]], 4, axis=1)
+  ids[0, 5:9] = 7  # A sequence crossing the devices' blocks.
+  full = jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :])
+  segments = attention.SegmentMask(jnp.asarray(ids), jnp.asarray(ids))
+
+  def loss(fn, mask, q, k, v):
+    return jnp.sum(jnp.sin(fn(q, k, v, mask=mask, is_causal=True)))
+
+  want = jax.value_and_grad(
+      lambda *a: loss(attention.get('dense'), full, *a), argnums=(0, 1, 2))(
+          q, k, v)
+  with jax.set_mesh(ring_mesh(sequence=4, data=2)):
+    got = jax.jit(jax.value_and_grad(
+        lambda *a: loss(attention.get('ring'), segments, *a),
+        argnums=(0, 1, 2)))(q, k, v)
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-5),
+               got, want)
+
+
+@pytest.mark.parametrize('case', ['row_mask_and_bias', 'segment_ids'])
+def test_ring_attention_under_explicit_mesh_axes(case):
+  """A mesh of jax.make_mesh with Explicit axes, the inputs split by
+  example: outputs and gradients (queries, keys, values, bias) equal
+  dense's, and the output is split as the queries are."""
+  q, k, v = random_qkv()
+  if case == 'segment_ids':
+    ids = jnp.asarray(np.repeat([[1, 2, 3, 4], [1, 1, 2, 0]], 4, axis=1))
+    bias, ring_mask = None, attention.SegmentMask(ids, ids)
+    dense_mask = ids[:, None, :, None] == ids[:, None, None, :]
+  else:
+    bias, ring_mask = (RING_CASES[case]['bias'], RING_CASES[case]['mask'])
+    dense_mask = ring_mask
+
+  def loss(fn, mask, *inputs):
+    return jnp.sum(jnp.sin(fn(*inputs, mask=mask, is_causal=True)))
+
+  want = jax.value_and_grad(
+      lambda *a: loss(attention.get('dense'), dense_mask, *a),
+      argnums=(0, 1, 2, 3))(q, k, v, bias)
+  explicit = jax.sharding.AxisType.Explicit
+  mesh_2x4 = jax.make_mesh((2, 4), ('data', 'sequence'),
+                           axis_types=(explicit, explicit))
+  ring = attention.get('ring')
+  with jax.set_mesh(mesh_2x4):
+    q, k, v = (jax.device_put(x, jax.NamedSharding(mesh_2x4, P('data')))
+               for x in (q, k, v))
+    got = jax.jit(jax.value_and_grad(
+        lambda *a: loss(ring, ring_mask, *a), argnums=(0, 1, 2, 3)))(
+            q, k, v, bias)
+    out = jax.eval_shape(lambda *a: ring(*a, mask=ring_mask, is_causal=True),
+                         q, k, v, bias)
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-5),
+               got, want)
+  assert out.sharding.spec == P('data', None, None, None)
+
+
+def test_ring_attention_refuses_what_it_cannot_split():
+  q, k, v = random_qkv(length=12)
+  ring = attention.get('ring')
+  with jax.set_mesh(ring_mesh(sequence=8)):
+    with pytest.raises(ValueError, match='does not split evenly'):
+      ring(q, k, v)
+  with pytest.raises(ValueError, match='S == T'):
+    ring(q, k[:, :8], v[:, :8])
+
+
+# --- checkpoints across meshes ---
+
+
+@pytest.mark.parametrize('save_on, restore_on', [('fsdp8', 'one'),
+                                                 ('one', 'fsdp8')])
+def test_checkpoint_restores_onto_another_mesh(save_on, restore_on, tmp_path):
+  layouts = {'fsdp8': (dict(data=1, fsdp=8), jax.devices()),
+             'one': (dict(), jax.devices()[:1])}
+  source = program_for(small_config(**layouts[save_on][0]),
+                       layouts[save_on][1])
+  _, state = train(source, steps=1)
+  iterator = iter(grain_iterator())
+  next(iterator), next(iterator), next(iterator)
+  checkpointer = checkpointing.Checkpointer(str(tmp_path), keep=1)
+  checkpointer.save(1, state, iterator)
+  checkpointer.close()
+
+  target = program_for(small_config(**layouts[restore_on][0]),
+                       layouts[restore_on][1])
+  checkpointer = checkpointing.Checkpointer(str(tmp_path), keep=1)
+  restored_iterator = iter(grain_iterator())
+  restored = checkpointer.restore(1, target.abstract_state,
+                                  restored_iterator)
+  checkpointer.close()
+  assert next(restored_iterator) == next(iterator) == 3
+  for got, want, placed in zip(
+      jax.tree.leaves(restored), jax.tree.leaves(state),
+      jax.tree.leaves(target.state_sharding)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert got.sharding == placed
+  num_devices = len(query_kernel(restored).sharding.device_set)
+  assert num_devices == (8 if restore_on == 'fsdp8' else 1)
+
+
+def grain_iterator():
+  return grain.MapDataset.range(10).to_iter_dataset()
+
+
+# --- refused layouts ---
+
+BAD_LAYOUTS = [
+    (dict(data=3), 'config.parallelism: data=3'),
+    (dict(data=-1, fsdp=-1), 'only one axis may be -1'),
+    (dict(data=-1, tensor=3), 'config.parallelism.data=-1'),
+    (dict(data=2, tensor=4, model=dict(num_heads=6, d_model=48)),
+     'config.model.num_heads=6 does not split over '
+     'config.parallelism.tensor=4'),
+    (dict(data=8, batch_size=12), 'config.batch_size=12'),
+    (dict(data=2, sequence=4, seq_len=18), 'config.seq_len=18'),
+    (dict(data=2, fsdp=4, strategy='pmap'), 'config.parallelism.fsdp=4'),
+    (dict(strategy='pmapp'), 'config.parallelism.strategy'),
+    (dict(rules=(('embed', 'model'),)), 'config.logical_axis_rules'),
+    (dict(dcn_data=2), 'config.parallelism.dcn_data=2'),
+]
+
+
+@pytest.mark.core
+@pytest.mark.parametrize('overrides, message', BAD_LAYOUTS)
+def test_bad_layouts_are_refused_naming_the_key(overrides, message):
+  overrides = dict(overrides)
+  config = small_config()
+  config.model.update(overrides.pop('model', {}))
+  if 'batch_size' in overrides:
+    config.batch_size = overrides.pop('batch_size')
+  if 'seq_len' in overrides:
+    config.seq_len = config.model.max_len = overrides.pop('seq_len')
+  if 'rules' in overrides:
+    config.logical_axis_rules = overrides.pop('rules')
+  config.parallelism.update(overrides)
+  with pytest.raises(InputError, match=message.replace('(', r'\(')):
+    config_validation.validate(config)
+
+
+# --- two processes ---
+
+TWO_PROCESS_OVERRIDES = {
+    'num_train_steps': 30, 'warmup_steps': 1, 'batch_size': 8, 'seq_len': 32,
+    'log_every': 1, 'eval_every': 0, 'checkpoint_every': 0,
+    'num_eval_steps': 1, 'sample_length': 4, 'model.num_layers': 1,
+    'model.d_model': 32, 'parallelism.fsdp': 2}
+
+
+def train_losses(workdir) -> list[float]:
+  """Training losses by step; a resumed run's lines replace the first's."""
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    lines = [json.loads(line) for line in f if '"loss"' in line]
+  return list({line['step']: line['loss'] for line in lines}.values())
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def run_two_processes(flags: list[str], interrupts=(None, None)
+                      ) -> list[str]:
+  """Both processes' output; each must exit with status 0. `interrupts`:
+  a tests/helpers/interrupted_train.py cue for each process, or None."""
+  env = dict(os.environ, JAX_PLATFORMS='cpu',
+             XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  flags = flags + [f'--coordinator_address=127.0.0.1:{free_port()}',
+                   '--num_processes=2']
+  commands = [[sys.executable, '-m', 'train.train'] if cue is None else
+              [sys.executable, 'tests/helpers/interrupted_train.py',
+               f'--interrupt={cue}'] for cue in interrupts]
+  processes = [subprocess.Popen(
+      command + flags + [f'--process_id={i}'], cwd=REPO, env=env,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+      for i, command in enumerate(commands)]
+  try:
+    outputs = [process.communicate(timeout=300)[0] for process in processes]
+  finally:
+    for process in processes:
+      process.kill()
+  for process, output in zip(processes, outputs):
+    assert process.returncode == 0, output[-3000:]
+  return outputs
+
+
+@pytest.mark.slow
+def test_two_processes_stop_together_resume_and_train_like_one(
+    tmp_path, data_dir, stdlib_dataset):
+  """SIGTERM to one host: the preemption service has both save the same
+  step and exit 0; restarted, they finish as one process would have."""
+  del stdlib_dataset  # Built once here, so the processes only read it.
+  flags = ['--config=configs/lm_stdlib.py', f'--config.data_dir={data_dir}',
+           f'--workdir={tmp_path / "two"}']
+  flags += [f'--config.{key}={value}'
+            for key, value in TWO_PROCESS_OVERRIDES.items()]
+  first, _ = run_two_processes(flags, interrupts=(None, 'term:2'))
+  checkpointer = checkpointing.Checkpointer(str(tmp_path / 'two'), keep=1,
+                                            read_only=True)
+  saved = checkpointer.latest_step()
+  checkpointer.close()
+  assert saved is not None and 2 <= saved < 30, first[-3000:]
+  assert (f'a preemption notice: saved the checkpoint of step {saved}'
+          in first)
+  resumed, _ = run_two_processes(flags)
+  assert f'Resumed from the checkpoint at step {saved}.' in resumed
+  assert '--- sample' in resumed
+
+  config = config_overrides.apply(lm_stdlib.get_config(),
+                                  TWO_PROCESS_OVERRIDES)
+  config.data_dir = data_dir
+  train_and_evaluate(config, str(tmp_path / 'one'))
+  one = train_losses(tmp_path / 'one')
+  assert len(one) == TWO_PROCESS_OVERRIDES['num_train_steps']
+  np.testing.assert_allclose(train_losses(tmp_path / 'two'), one, rtol=1e-5)

@@ -1,0 +1,243 @@
+"""A damaged checkpoint is found, reported in one line, moved aside and
+never deleted, and the run resumes from the newest one that verifies."""
+
+import glob
+import os
+import shutil
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from tests.helpers.tiny_runs import tiny_config
+from train.base.errors import TrainingError
+from train.run import checkpointing
+from train.run.program import Program
+from train.run.trainer import train_and_evaluate
+
+
+@pytest.fixture(scope='module')
+def trained(data_dir, tmp_path_factory):
+  """(config, workdir) of a tiny LM trained 4 steps: checkpoints 2 and 4."""
+  config = tiny_config('lm_stdlib', data_dir)
+  config.update(num_train_steps=4, schedule='constant')
+  workdir = str(tmp_path_factory.mktemp('trained'))
+  train_and_evaluate(config, workdir)
+  return config, workdir
+
+
+@pytest.fixture
+def run(trained, tmp_path):
+  """(config, a copy of the trained workdir, its checkpoints' shapes)."""
+  config, workdir = trained
+  copy = str(tmp_path / 'run')
+  shutil.copytree(workdir, copy)
+  program = Program.from_config(config)
+  return config, copy, program.abstract_state
+
+
+def array_files(workdir: str, step: int) -> list[str]:
+  """The files of a checkpoint's array data, largest first."""
+  return sorted(glob.glob(f'{workdir}/checkpoints/{step}/state/**/d/*',
+                          recursive=True), key=os.path.getsize, reverse=True)
+
+
+def orbax_restore(workdir: str, step: int, abstract_state):
+  """The arrays orbax restores, without any check of ours."""
+  manager = ocp.CheckpointManager(
+      os.path.join(workdir, 'checkpoints'),
+      options=ocp.CheckpointManagerOptions(read_only=True),
+      item_handlers={'state': ocp.StandardCheckpointHandler()})
+  state = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state)))['state']
+  manager.close()
+  return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def flip_a_bit_orbax_reads_silently(workdir: str, step: int,
+                                    abstract_state) -> None:
+  """Flips one bit of an array file where orbax then restores other values
+  without an error (the data is compressed: not every byte is read)."""
+  want = orbax_restore(workdir, step, abstract_state)
+  path = array_files(workdir, step)[0]
+  for fraction in np.linspace(0.05, 0.95, 19):
+    with open(path, 'r+b') as f:
+      data = bytearray(f.read())
+      data[int(len(data) * fraction)] ^= 0x04
+      f.seek(0)
+      f.write(data)
+    try:
+      got = orbax_restore(workdir, step, abstract_state)
+    except Exception:  # Unreadable after this flip: try another.
+      got = want
+    if any(not np.array_equal(g, w) for g, w in zip(got, want)):
+      return
+    with open(path, 'r+b') as f:  # Undone.
+      data[int(len(data) * fraction)] ^= 0x04
+      f.seek(0)
+      f.write(data)
+  raise AssertionError(f'no flipped bit of {path} changed what orbax reads')
+
+
+def test_a_flipped_bit_is_caught_and_the_run_resumes_bitwise_from_before(
+    run, capsys):
+  config, workdir, abstract_state = run
+  uninterrupted = orbax_restore(workdir, 4, abstract_state)
+  flip_a_bit_orbax_reads_silently(workdir, 4, abstract_state)
+  capsys.readouterr()
+  train_and_evaluate(config, workdir)
+  out = capsys.readouterr().out
+  [warning] = [line for line in out.splitlines() if 'damaged' in line]
+  assert 'step 4' in warning and 'does not match its checksum' in warning
+  assert 'Resumed from the checkpoint at step 2.' in out
+  assert os.path.isdir(os.path.join(workdir, 'checkpoints', 'corrupt', '4'))
+  # Steps 3 and 4 again, from checkpoint 2: the arrays of the run that
+  # was never interrupted.
+  for got, want in zip(orbax_restore(workdir, 4, abstract_state),
+                       uninterrupted):
+    np.testing.assert_array_equal(got, want)
+
+
+def truncate_the_array_files(step_dir):
+  """Cut as a full disk cuts them (orbax reads the start of each file)."""
+  for path in glob.glob(f'{step_dir}/state/**/d/*', recursive=True):
+    os.truncate(path, os.path.getsize(path) // 20)
+
+
+DAMAGE = {
+    'truncated_array_files': truncate_the_array_files,
+    'deleted_state_metadata': lambda step_dir: os.remove(
+        f'{step_dir}/state/_METADATA'),
+    'deleted_manifest': lambda step_dir: os.remove(
+        f'{step_dir}/state/manifest.ocdbt'),
+    'deleted_data_metadata': lambda step_dir: os.remove(
+        f'{step_dir}/data/metadata'),
+    # What an unmounted volume or a vanished directory looks like.
+    'state_a_dangling_link': lambda step_dir: (
+        shutil.rmtree(f'{step_dir}/state'),
+        os.symlink('/nonexistent/state', f'{step_dir}/state')),
+    # Without the recorded sizes (a run killed right after the commit),
+    # orbax's own error finds it.
+    'deleted_metadata_and_sizes': lambda step_dir: (
+        os.remove(f'{step_dir}/state/_METADATA'),
+        os.remove(f'{step_dir}/{checkpointing.FILE_SIZES}')),
+}
+
+
+@pytest.mark.parametrize('damage', DAMAGE)
+def test_a_damaged_checkpoint_falls_back_to_the_one_before(run, damage,
+                                                           capsys):
+  _, workdir, abstract_state = run
+  DAMAGE[damage](os.path.join(workdir, 'checkpoints', '4'))
+  checkpointer = checkpointing.Checkpointer(workdir, keep=3)
+  step, _ = checkpointer.restore_latest(abstract_state)
+  checkpointer.close()
+  assert step == 2
+  [warning] = capsys.readouterr().out.splitlines()
+  assert warning.startswith('warning: the checkpoint of step 4 is damaged')
+  assert os.path.exists(os.path.join(workdir, 'checkpoints', 'corrupt', '4'))
+
+
+def delete_checksums_and_sizes(workdir: str, step: int) -> None:
+  """A double fault, or a partial copy: the checkpoint's own checksums and
+  its file sizes gone."""
+  step_dir = os.path.join(workdir, 'checkpoints', str(step))
+  shutil.rmtree(os.path.join(step_dir, 'checksums'))
+  os.remove(os.path.join(step_dir, checkpointing.FILE_SIZES))
+
+
+def restore_latest(workdir: str, abstract_state) -> tuple[int, list]:
+  checkpointer = checkpointing.Checkpointer(workdir, keep=3)
+  step, state = checkpointer.restore_latest(abstract_state)
+  checkpointer.close()
+  return step, [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def test_a_checkpoint_that_lost_its_checksums_is_verified_by_the_ledger(
+    run, capsys):
+  _, workdir, abstract_state = run
+  delete_checksums_and_sizes(workdir, 4)
+  step, _ = restore_latest(workdir, abstract_state)
+  assert step == 4
+  assert capsys.readouterr().out.splitlines() == [
+      'warning: the checkpoint of step 4 has no checksums of its own; '
+      'verified against the ledger.']
+
+
+@pytest.mark.parametrize('deleted', ['', 'ledger', 'ledger and metadata'])
+def test_deleting_the_checksums_of_a_damaged_checkpoint_does_not_restore_it(
+    run, deleted, capsys):
+  _, workdir, abstract_state = run
+  flip_a_bit_orbax_reads_silently(workdir, 4, abstract_state)
+  delete_checksums_and_sizes(workdir, 4)
+  if deleted:
+    os.remove(os.path.join(workdir, 'checkpoints', checkpointing.LEDGER))
+  if 'metadata' in deleted:  # orbax's record of the items written.
+    os.remove(os.path.join(workdir, 'checkpoints', '4',
+                           '_CHECKPOINT_METADATA'))
+  step, _ = restore_latest(workdir, abstract_state)
+  assert step == 2
+  [warning] = capsys.readouterr().out.splitlines()
+  assert warning.startswith('warning: the checkpoint of step 4 is damaged: '
+                            + ('its checksums are missing' if deleted
+                               else 'the array'))
+
+
+def test_a_garbled_ledger_entry_verifies_nothing(run, capsys):
+  _, workdir, abstract_state = run
+  delete_checksums_and_sizes(workdir, 4)
+  ledger = os.path.join(workdir, 'checkpoints', checkpointing.LEDGER)
+  with open(ledger, 'w') as f:
+    f.write('{"4": [1, 2]}')
+  step, _ = restore_latest(workdir, abstract_state)
+  assert step == 2
+  [warning] = capsys.readouterr().out.splitlines()
+  assert warning.startswith('warning: the checkpoint of step 4 is damaged: '
+                            'its checksums are missing')
+
+
+def test_a_checkpoint_of_an_older_attnlab_restores_unverified_with_a_notice(
+    run, capsys):
+  """Written as attnlab wrote them before checksums: the state and the data
+  iterator's position, nothing else."""
+  _, workdir, abstract_state = run
+  directory = os.path.join(workdir, 'checkpoints')
+  handlers = {'state': ocp.StandardCheckpointHandler(),
+              'data': ocp.JsonCheckpointHandler()}
+  reader = ocp.CheckpointManager(
+      directory, options=ocp.CheckpointManagerOptions(read_only=True),
+      item_handlers=handlers)
+  saved = reader.restore(4, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state),
+      data=ocp.args.JsonRestore()))
+  reader.close()
+  shutil.rmtree(directory)
+  writer = ocp.CheckpointManager(directory, item_handlers=handlers)
+  writer.save(4, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(saved['state']),
+      data=ocp.args.JsonSave(saved['data'])))
+  writer.wait_until_finished()
+  writer.close()
+  step, arrays = restore_latest(workdir, abstract_state)
+  assert step == 4
+  for got, want in zip(arrays, jax.tree.leaves(saved['state'])):
+    np.testing.assert_array_equal(got, want)
+  assert capsys.readouterr().out.splitlines() == [
+      'warning: the checkpoint of step 4 has no checksums (an older attnlab '
+      'wrote it); restored unverified.']
+
+
+def test_every_checkpoint_damaged_stops_every_run_and_moves_none(run):
+  _, workdir, abstract_state = run
+  for step in (2, 4):
+    os.remove(os.path.join(workdir, 'checkpoints', str(step), 'state',
+                           '_METADATA'))
+  for _ in range(2):  # A rerun finds them where they were.
+    checkpointer = checkpointing.Checkpointer(workdir, keep=3)
+    with pytest.raises(TrainingError, match='step 4: .*step 2: .*does not '
+                       'start again from scratch'):
+      checkpointer.restore_latest(abstract_state)
+    checkpointer.close()
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == [
+      '2', '4', checkpointing.LEDGER]

@@ -1,0 +1,334 @@
+"""A run killed anywhere resumes bit for bit; a stop signal saves first;
+non-finite steps, unwritable workdirs, full disks and corrupted dataset
+files are reported, never silently lost.
+
+The interrupted runs are real `train.train` processes, killed on cue by
+tests/helpers/interrupted_train.py; each is compared with one uninterrupted
+run of the same config.
+"""
+
+import errno
+import glob
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+import types
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from tests.helpers import config_overrides
+from configs import algorithmic, lm_stdlib
+from tests.helpers import REPO
+from tests.helpers.tiny_runs import tiny_config
+from train import train
+from train.base.errors import InputError
+from train.config import validation as config_validation
+from train.data import datasets, pipeline
+from train.run import checkpointing
+from train.run.trainer import train_and_evaluate
+
+LAST_STEP = 12
+# Depend on the clock, not on the run.
+TIMING_KEYS = {'time', 'tokens_per_s', 'steps_per_s', 'mfu'}
+
+
+def overrides(data_dir: str, **extra) -> dict:
+  """A tiny lm_stdlib run with dropout and local attention (its options
+  set by their dotted keys, on the command lines too): 12 steps, every
+  step logged, a checkpoint every 3 steps and an evaluation every 6."""
+  values = {
+      'data_dir': data_dir, 'seq_len': 32, 'batch_size': 8,
+      'num_train_steps': LAST_STEP, 'warmup_steps': 2, 'log_every': 1,
+      'eval_every': 6, 'checkpoint_every': 3, 'num_eval_steps': 1,
+      'sample_length': 0, 'model.d_model': 16, 'model.num_heads': 2,
+      'model.num_layers': 1, 'model.mlp_dim': 32, 'model.max_len': 33,
+      'model.dropout_rate': 0.1, 'model.attention': 'local',
+      'model.attention_options.window': 8,
+      'model.attention_options.kernel': 'xla'}
+  return values | extra
+
+
+def config_of(values: dict):
+  return config_overrides.apply(lm_stdlib.get_config(), values)
+
+
+def run_interrupted(workdir, values: dict, interrupt: str | None):
+  """train.train in a subprocess (bounded in time), interrupted on cue
+  (see tests/helpers/interrupted_train.py) unless `interrupt` is None."""
+  command = ([sys.executable, '-m', 'train.train'] if interrupt is None else
+             [sys.executable, 'tests/helpers/interrupted_train.py',
+              f'--interrupt={interrupt}'])
+  flags = [f'--config.{key}={value}' for key, value in values.items()]
+  return subprocess.run(
+      command + ['--config=configs/lm_stdlib.py', f'--workdir={workdir}',
+                 *flags],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def checkpoints(workdir) -> list[str]:
+  path = pathlib.Path(workdir) / 'checkpoints'
+  return sorted(p.name for p in path.iterdir() if p.name[0].isdigit())
+
+
+def metric_lines(workdir) -> list[dict]:
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [{key: value for key, value in json.loads(line).items()
+             if key not in TIMING_KEYS} for line in f]
+
+
+def saved_state(workdir, step: int):
+  """Parameters and optimizer state of a checkpoint, as saved."""
+  manager = ocp.CheckpointManager(
+      os.path.join(workdir, 'checkpoints'),
+      options=ocp.CheckpointManagerOptions(read_only=True),
+      item_handlers={'state': ocp.StandardCheckpointHandler()})
+  state = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore()))['state']
+  manager.close()
+  return {'params': state['params'], 'opt_state': state['opt_state'],
+          'step': state['step']}
+
+
+def assert_bitwise_equal(got, want):
+  got_leaves, want_leaves = (jax.tree_util.tree_flatten_with_path(tree)[0]
+                             for tree in (got, want))
+  assert len(got_leaves) == len(want_leaves)
+  for (path, x), (want_path, y) in zip(got_leaves, want_leaves):
+    name = jax.tree_util.keystr(path)
+    assert name == jax.tree_util.keystr(want_path)
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape, name
+    assert x.tobytes() == y.tobytes(), name
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(data_dir, tmp_path_factory):
+  """The workdir of the run nothing interrupts."""
+  workdir = str(tmp_path_factory.mktemp('uninterrupted'))
+  train_and_evaluate(config_of(overrides(data_dir)), workdir)
+  return workdir
+
+
+def assert_same_run(workdir, uninterrupted):
+  """Final state bitwise equal; every logged step (first tries of redone
+  steps included) has the uninterrupted run's metrics."""
+  assert_bitwise_equal(saved_state(workdir, LAST_STEP),
+                       saved_state(uninterrupted, LAST_STEP))
+  want = {line['step']: line for line in metric_lines(uninterrupted)}
+  lines = metric_lines(workdir)
+  assert {line['step'] for line in lines} == set(want)
+  for line in lines:
+    assert line == want[line['step']]
+
+
+def test_runs_killed_at_three_points_resume_bit_for_bit(
+    data_dir, tmp_path, uninterrupted):
+  rng = random.Random()
+  first_kill, last_kill = rng.choice([4, 5]), rng.choice([10, 11])
+  workdir = str(tmp_path / 'killed')
+  values = overrides(data_dir)
+
+  # SIGKILL mid-run: the checkpoint of step 3 is the latest.
+  killed = run_interrupted(workdir, values, f'kill:{first_kill}')
+  assert killed.returncode == -9, (first_kill, killed.stderr[-2000:])
+  assert checkpoints(workdir) == ['3']
+
+  # SIGKILL during the save of step 6: written, never committed.
+  killed = run_interrupted(workdir, values, 'save:6')
+  assert killed.returncode == -9, killed.stderr[-2000:]
+  assert checkpoints(workdir) == ['3', '6.orbax-checkpoint-tmp']
+
+  # The half-written checkpoint is reported and skipped.
+  killed = run_interrupted(workdir, values, f'kill:{last_kill}')
+  assert killed.returncode == -9, (last_kill, killed.stderr[-2000:])
+  assert 'ignoring the incomplete checkpoint' in killed.stdout
+  assert 'Resumed from the checkpoint at step 3.' in killed.stdout
+  assert checkpoints(workdir) == ['3', '6', '9']
+
+  finished = run_interrupted(workdir, values, None)
+  assert finished.returncode == 0, finished.stderr[-2000:]
+  assert 'Resumed from the checkpoint at step 9.' in finished.stdout
+  assert ('Attention kernels: decoder layer 0 local: xla (as set; float32, '
+          "causal, packed rows, ALiBi's bias, window 8)" in finished.stdout)
+  assert_same_run(workdir, uninterrupted)
+
+
+def test_sigterm_saves_the_step_reached_and_exits_0(
+    data_dir, tmp_path, uninterrupted):
+  workdir = str(tmp_path / 'preempted')
+  values = overrides(data_dir)
+  stopped = run_interrupted(workdir, values, 'term:5')
+  assert stopped.returncode == 0, stopped.stderr[-2000:]
+  assert 'SIGTERM: saved the checkpoint of step 5' in stopped.stdout
+  assert checkpoints(workdir) == ['3', '5']
+
+  train_and_evaluate(config_of(values), workdir)
+  assert_same_run(workdir, uninterrupted)
+
+
+def test_a_non_finite_step_stops_the_run_keeping_the_last_checkpoint(
+    data_dir, tmp_path, capsys):
+  workdir = str(tmp_path / 'stop')
+  config = config_of(overrides(data_dir, num_train_steps=6,
+                               debug_poison_step=5))
+  with pytest.raises(SystemExit) as exit_:
+    train.run(config, workdir)
+  assert exit_.value.code == 1
+  message = capsys.readouterr().err
+  assert "step 5: the loss is nan (config.nan_policy='stop')" in message
+  assert (f'the last checkpoint, step 3 in {workdir}/checkpoints, is from '
+          'before it' in message)
+  assert checkpoints(workdir) == ['3']
+  assert [line['step'] for line in metric_lines(workdir)] == [1, 2, 3, 4]
+
+
+def test_a_skipped_step_leaves_the_state_as_it_was(data_dir, tmp_path):
+  workdir = str(tmp_path / 'skip')
+  config = config_of(overrides(
+      data_dir, num_train_steps=6, checkpoint_every=1, keep_checkpoints=6,
+      nan_policy='skip', debug_poison_step=5))
+  final = train_and_evaluate(config, workdir)
+  assert np.isfinite(final['eval_loss'])
+  lines = metric_lines(workdir)
+  assert [line['skipped_steps'] for line in lines] == [0, 0, 0, 0, 1, 0]
+  before, skipped = saved_state(workdir, 4), saved_state(workdir, 5)
+  assert int(skipped['step']) == 5
+  del before['step'], skipped['step']
+  assert_bitwise_equal(skipped, before)
+
+
+def test_more_skipped_steps_in_a_row_than_allowed_stop_the_run(
+    data_dir, tmp_path, capsys):
+  config = config_of(overrides(
+      data_dir, num_train_steps=3, nan_policy='skip', max_skipped_steps=0,
+      debug_poison_step=2))
+  with pytest.raises(SystemExit) as exit_:
+    train.run(config, str(tmp_path))
+  assert exit_.value.code == 1
+  assert ('steps 2-2: 1 updates in a row had a non-finite loss or gradient '
+          'and were skipped, more than config.max_skipped_steps=0'
+          in capsys.readouterr().err)
+
+
+@pytest.mark.core
+def test_an_unwritable_workdir_is_reported_before_training(
+    data_dir, tmp_path, capsys):
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('')
+  with pytest.raises(SystemExit) as exit_:
+    train.run(config_of(overrides(data_dir)), str(blocker / 'workdir'))
+  assert exit_.value.code == 2
+  assert (f'--workdir={blocker}/workdir cannot be written: Not a directory'
+          in capsys.readouterr().err)
+
+
+def test_a_disk_without_room_for_a_checkpoint_is_reported_before_training(
+    data_dir, tmp_path, monkeypatch):
+  monkeypatch.setattr(checkpointing.shutil, 'disk_usage',
+                      lambda path: types.SimpleNamespace(free=1000))
+  with pytest.raises(InputError, match='not enough disk space for a '
+                     r'checkpoint in .*: one takes .* MiB, 0.0 MiB are free'):
+    train_and_evaluate(config_of(overrides(data_dir)), str(tmp_path))
+
+
+def test_a_failed_save_stops_the_run_naming_the_last_complete_checkpoint(
+    data_dir, tmp_path, monkeypatch, capsys):
+  write = ocp.JsonCheckpointHandler._save_fn
+
+  async def disk_full_at_step_6(self, item, directory):
+    if '/6.' in str(directory):
+      raise OSError(errno.ENOSPC, 'No space left on device')
+    return await write(self, item, directory)
+
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, '_save_fn',
+                      disk_full_at_step_6)
+  workdir = str(tmp_path / 'full')
+  with pytest.raises(SystemExit) as exit_:
+    train.run(config_of(overrides(data_dir)), workdir)
+  assert exit_.value.code == 1
+  assert ('could not write the checkpoint of step 6 in '
+          f'{workdir}/checkpoints: [Errno 28] No space left on device. The '
+          'last complete checkpoint is step 3' in capsys.readouterr().err)
+  assert '3' in checkpoints(workdir) and '6' not in checkpoints(workdir)
+
+
+@pytest.fixture
+def algorithmic_config(tmp_path):
+  config = algorithmic.get_config('task=addition')
+  config.data_dir = str(tmp_path / 'data')
+  config.dataset_options.update(num_train=200, num_eval=20, max_length=8,
+                                long_max_length=12)
+  return config
+
+
+def train_file(config) -> str:
+  datasets.load(config, config.data_dir)  # Builds it.
+  [path] = glob.glob(f'{config.data_dir}/**/*-train.array_record*',
+                     recursive=True)
+  return path
+
+
+def test_a_truncated_dataset_file_is_named_with_how_to_rebuild(
+    algorithmic_config):
+  path = train_file(algorithmic_config)
+  with open(path, 'r+b') as f:
+    f.truncate(os.path.getsize(path) // 2)
+  with pytest.raises(InputError) as error:
+    datasets.load(algorithmic_config, algorithmic_config.data_dir)
+  assert f'dataset file {path} cannot be read' in str(error.value)
+  assert (f'Delete {os.path.dirname(path)} and run again: it is rebuilt on '
+          'first use.' in str(error.value))
+
+
+@pytest.mark.parametrize('damage', ['garbage', 'deleted'])
+def test_damaged_dataset_metadata_is_named_with_how_to_rebuild(
+    algorithmic_config, damage):
+  path = os.path.join(os.path.dirname(train_file(algorithmic_config)),
+                      'dataset_info.json')
+  if damage == 'garbage':
+    pathlib.Path(path).write_text('{not json')
+  else:
+    os.remove(path)
+  with pytest.raises(InputError) as error:
+    datasets.load(algorithmic_config, algorithmic_config.data_dir)
+  assert str(error.value).startswith(
+      f'{path} is {"damaged" if damage == "garbage" else "missing"}')
+  assert 'run again' in str(error.value)
+
+
+def test_a_corrupted_dataset_file_is_named_when_read(algorithmic_config):
+  path = train_file(algorithmic_config)
+  data = bytearray(pathlib.Path(path).read_bytes())
+  data[100:4000] = bytes(b ^ 0xFF for b in data[100:4000])
+  pathlib.Path(path).write_bytes(bytes(data))
+  dataset = datasets.load(algorithmic_config, algorithmic_config.data_dir)
+  batches = pipeline.train_iterator(dataset, seq_len=16, batch_size=8,
+                                    seed=0)
+  with pytest.raises(InputError, match=f'dataset file {path} is corrupted: '
+                     'reading example .* failed .*Riegeli.* Delete '):
+    for _ in range(30):  # Every example is read within 25 batches.
+      next(batches)
+  batches.close()
+
+
+def test_a_step_that_cannot_fit_stops_before_it_runs(data_dir, tmp_path,
+                                                     capsys, monkeypatch):
+  """Dense attention over 2048 tokens, on devices said to hold 16 MiB."""
+  monkeypatch.setattr(config_validation, 'device_bytes', lambda: 2**24)
+  config = tiny_config('lm_stdlib', data_dir)
+  config.seq_len = 2048
+  config.model.update(max_len=2049, attention='dense')
+  with pytest.raises(SystemExit) as exit_:
+    train.run(config, str(tmp_path))
+  assert exit_.value.code == 2
+  error = capsys.readouterr().err
+  assert 'a train step needs' in error
+  assert 'on each device, which holds 16.0 MiB' in error
+  assert 'config.batch_size=8 or config.seq_len=2048' in error
+  assert not os.path.exists(tmp_path / 'checkpoints' / '2')

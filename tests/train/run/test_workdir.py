@@ -1,0 +1,134 @@
+"""A workdir belongs to one run and one config: a second run is refused,
+a killed run's lock is taken over, a resume may change only how the run is
+observed, stopped or laid out."""
+
+import json
+import os
+
+import pytest
+
+from tests.helpers.tiny_runs import tiny_config
+from train import cli
+from train.base.errors import InputError
+from train.run import workdir
+from train.run.trainer import train_and_evaluate
+
+
+def exit_status(config, path) -> int:
+  """The status train.train exits with (it fails before any data is read
+  here)."""
+  with pytest.raises(SystemExit) as exit_info:
+    cli.outcome(lambda: train_and_evaluate(config, path))
+  return exit_info.value.code
+
+
+def a_recorded_run(data_dir, path):
+  """The config of a run that claimed `path` and logged a step there."""
+  config = tiny_config('lm_stdlib', data_dir)
+  with workdir.claim(config, str(path)):
+    pass
+  with open(os.path.join(path, 'metrics.jsonl'), 'w') as f:
+    f.write('{"step": 1, "loss": 1.0}\n')
+  return config
+
+
+def test_a_second_run_on_a_locked_workdir_exits_2_naming_the_holder(
+    data_dir, tmp_path, capsys):
+  lock = workdir.Lock(str(tmp_path))
+  try:
+    assert exit_status(tiny_config('lm_stdlib', data_dir), str(tmp_path)) == 2
+  finally:
+    lock.release()
+  error = capsys.readouterr().err
+  assert f'in use by the run of pid {os.getpid()}' in error
+  assert error.count('\n') == 1
+  assert not os.path.exists(tmp_path / 'config.json')
+
+
+def test_a_killed_runs_lock_is_taken_over_with_a_warning(tmp_path, capsys):
+  with open(tmp_path / 'lock', 'w') as f:
+    f.write(json.dumps({'host': 'node7', 'pid': 4242,
+                        'since': '2026-01-01T00:00:00'}))
+  lock = workdir.Lock(str(tmp_path))
+  assert 'taking over' in capsys.readouterr().out
+  with open(tmp_path / 'lock') as f:
+    assert json.load(f)['pid'] == os.getpid()
+  lock.release()
+  assert (tmp_path / 'lock').read_text() == ''
+  workdir.Lock(str(tmp_path)).release()  # Released: no warning now.
+  assert 'taking over' not in capsys.readouterr().out
+
+
+@pytest.mark.core
+def test_a_resume_with_a_changed_model_key_exits_2_and_keeps_config_json(
+    data_dir, tmp_path, capsys):
+  config = a_recorded_run(data_dir, tmp_path)
+  written = (tmp_path / 'config.json').read_bytes()
+  config.model.d_model = 32
+  config.seed = 7
+  assert exit_status(config, str(tmp_path)) == 2
+  error = capsys.readouterr().err
+  assert 'config.model.d_model: 16 -> 32' in error
+  assert 'config.seed: 0 -> 7' in error
+  assert (tmp_path / 'config.json').read_bytes() == written
+  assert not os.path.exists(tmp_path / 'config_history.jsonl')
+
+
+def test_a_resume_with_a_changed_log_every_proceeds_and_is_recorded(
+    data_dir, tmp_path, capsys):
+  config = a_recorded_run(data_dir, tmp_path)
+  written = (tmp_path / 'config.json').read_bytes()
+  config.log_every = 5
+  for _ in range(2):  # Recorded once: the second resume changes nothing.
+    with workdir.claim(config, str(tmp_path)):
+      pass
+  assert 'config.log_every: 2 -> 5' in capsys.readouterr().out
+  with open(tmp_path / 'config_history.jsonl') as f:
+    [line] = [json.loads(line) for line in f]
+  assert line['changes'] == {'log_every': [2, 5]}
+  assert workdir.recorded_config(str(tmp_path))['log_every'] == 5
+  assert (tmp_path / 'config.json').read_bytes() == written
+
+
+def test_a_workdir_without_a_record_takes_the_new_config(data_dir, tmp_path):
+  """A run that stopped before logging anything (say its dataset was
+  missing) binds nothing."""
+  config = tiny_config('lm_stdlib', data_dir)
+  with workdir.claim(config, str(tmp_path)):
+    pass
+  config.model.d_model = 32
+  with workdir.claim(config, str(tmp_path)):
+    pass
+  assert workdir.recorded_config(str(tmp_path))['model.d_model'] == 32
+
+
+@pytest.mark.core
+@pytest.mark.parametrize('schedule, allowed', [
+    ('cosine', False), ('linear', False), ('rsqrt', True), ('constant', True)])
+def test_more_steps_only_where_the_schedule_does_not_depend_on_them(
+    schedule, allowed):
+  old = {'num_train_steps': 100, 'schedule': schedule}
+  new = {'num_train_steps': 200, 'schedule': schedule}
+  if allowed:
+    assert workdir.check_resume(old, new) == {'num_train_steps': (100, 200)}
+  else:
+    with pytest.raises(InputError, match=f'change the {schedule} schedule'):
+      workdir.check_resume(old, new)
+
+
+def test_a_key_added_since_and_left_unset_is_no_change():
+  """A workdir recorded before config.model.attention_options held its
+  unset options resumes."""
+  old = {'model.d_model': 32}
+  new = old | {'model.attention_options.window': None}
+  assert workdir.check_resume(old, new) == {}
+  with pytest.raises(InputError, match=r"config.model.attention_options."
+                     r"window: '\(absent\)' -> 32"):
+    workdir.check_resume(old, new | {'model.attention_options.window': 32})
+
+
+def test_a_cut_history_line_is_named_not_a_traceback(data_dir, tmp_path):
+  config = a_recorded_run(data_dir, tmp_path)
+  (tmp_path / 'config_history.jsonl').write_text('{"changes": {"log_ev')
+  with pytest.raises(InputError, match='config_history.jsonl cannot be read'):
+    workdir.claim(config, str(tmp_path))

@@ -1,0 +1,222 @@
+"""Every command line speaks one language: a mistake in what was typed is
+one line, `error: ...`, naming it (and the nearest valid name), with exit
+status 2 and no traceback; a failure of the run itself is one line with
+exit status 1, its traceback in a log file."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+from train import cli
+
+LM = '--config=configs/lm_stdlib.py'
+LISTOPS = '--config=configs/listops.py'
+TRAIN = ['--', 'python', '-m', 'train.train', LM, '--workdir=/tmp/run']
+TPU = ['--tpu=pod', '--zone=z', '--accelerator=v5p-8', '--dry_run']
+
+# id: (module or file, arguments, what the one line says). {tmp} is a
+# fresh directory; {edited} a copy of the checkout with an edit.
+CASES = {
+    'train_key': ('train.train', [LM, '--workdir={tmp}/w',
+                                  '--config.model.dmodel=64'],
+                  "--config.model.dmodel=64: config.model has no key "
+                  "'dmodel'; did you mean d_model?"),
+    'train_value': ('train.train', [LM, '--workdir={tmp}/w',
+                                    '--config.model.num_heads=3'],
+                    'config.model.num_heads=3 does not divide'),
+    'train_type': ('train.train', [LM, '--workdir={tmp}/w',
+                                   '--config.model.tie_embeddings=maybe'],
+                   "--config.model.tie_embeddings=maybe: ('Non-boolean "
+                   "argument to boolean flag', 'maybe')"),
+    'train_choice': ('train.train', [LM, '--workdir={tmp}/w',
+                                     '--config.schedule=cosin'],
+                     "config.schedule='cosin' must be one of ['cosine', "
+                     "'linear', 'rsqrt', 'constant', 'wsd']; did you mean "
+                     "cosine?"),
+    'train_config_argument': (
+        'train.train', ['--config=configs/algorithmic.py:task=divide',
+                        '--workdir={tmp}/w'],
+        "configs/algorithmic.py takes task=<one of ('copy', 'reverse', "
+        "'sort', 'addition')>, got 'task=divide'."),
+    'train_config_path': ('train.train', ['--config=configs/lm_stdlb.py',
+                                          '--workdir={tmp}/w'],
+                          '--config=configs/lm_stdlb.py: no such file; did '
+                          'you mean configs/lm_stdlib.py?'),
+    'train_config_without_py': (
+        'train.train', ['--config=configs/lm_stdlib', '--workdir={tmp}/w'],
+        'no such file; did you mean configs/lm_stdlib.py?'),
+    'train_no_workdir': ('train.train', [LM], '--workdir is required: '),
+    'train_unknown_flag': ('train.train', [LM, '--workdir={tmp}/w',
+                                           '--worddir=x'],
+                           'unknown flag --worddir; did you mean --workdir?'),
+    'train_stray_argument': ('train.train', [LM, '--workdir={tmp}/w', 'x'],
+                             'unexpected arguments: x'),
+    'train_config_key_as_a_flag': (
+        'train.train', [LM, '--workdir={tmp}/w', '--num_train_steps=20'],
+        'unknown flag --num_train_steps; did you mean '
+        '--config.num_train_steps?'),
+    'train_config_outside_configs': (
+        'train.train',
+        ['--config=lm_stdlib.py:baseline', '--workdir={tmp}/w'],
+        '--config=lm_stdlib.py:baseline: no such file; did you mean '
+        'configs/lm_stdlib.py:baseline?'),
+    'train_attention_option': (
+        'train.train', [LM, '--workdir={tmp}/w', '--config.model.attention='
+                        'local', '--config.model.attention_options.windw=32'],
+        "--config.model.attention_options.windw=32: config.model."
+        "attention_options has no key 'windw'; did you mean window?"),
+    'train_attention_option_by_name': (
+        'train.train', [LM, '--workdir={tmp}/w', '--config.model.attention='
+                        'dense,local',
+                        '--config.model.attention_options.local.kernl=xla'],
+        "config.model.attention_options.local has no key 'kernl'; did you "
+        'mean kernel?'),
+    'generate_no_workdir': ('train.generate', [], '--workdir is required'),
+    'generate_not_a_run': ('train.generate', ['--workdir={tmp}/none'],
+                           "--workdir must be a training run's workdir"),
+    'translate_no_workdir': ('train.translate', [], '--workdir is required'),
+    'compare_variant': (
+        'experiments.compare_attention',
+        [LISTOPS, '--variants=dense,chunkd', '--workdir={tmp}/c'],
+        "--variants: no attention variant 'chunkd'; did you mean chunked?"),
+    'compare_option_variant': (
+        'experiments.compare_attention',
+        [LISTOPS, '--variants=dense', '--options=local.window=4',
+         '--workdir={tmp}/c'], "--options: 'local' is not among --variants"),
+    'compare_option': (
+        'experiments.compare_attention',
+        [LISTOPS, '--variants=dense,local', '--options=local.windw=32',
+         '--workdir={tmp}/c'], "--options: local.windw: local has no option "
+        "'windw'; did you mean window?"),
+    'compare_unrunnable': (
+        'experiments.compare_attention',
+        [LM, '--variants=dense,linformer', '--workdir={tmp}/c'],
+        "--variants: linformer cannot run this config (linformer: config."
+        "model.attention='linformer' cannot be causal"),
+    'compare_lengths': (
+        'experiments.compare_attention',
+        [LISTOPS, '--variants=dense', '--lengths=64,0', '--workdir={tmp}/c'],
+        '--lengths=64,0 must be positive integers.'),
+    'compare_no_variants': ('experiments.compare_attention',
+                            [LISTOPS, '--workdir={tmp}/c'],
+                            '--variants is required'),
+    'sweep_without_get_sweep': ('experiments.sweep',
+                                ['--config=configs/lm_systems.py',
+                                 '--workdir={tmp}/s'],
+                                'configs/lm_systems.py defines no '
+                                'get_sweep()'),
+    'sweep_metric': ('experiments.sweep',
+                     [LISTOPS, '--workdir={tmp}/s', '--metric=eval_acc'],
+                     '--metric=eval_acc: no trial logs it; did you mean '
+                     'eval_accuracy?'),
+    'sweep_key': ('experiments.sweep',
+                  [LISTOPS, '--workdir={tmp}/s', '--set=model.dmodel=64'],
+                  "config.model has no key 'dmodel'; did you mean d_model?"),
+    'sweep_no_workdir': ('experiments.sweep', [LISTOPS],
+                         '--workdir is required'),
+    'sweep_study_of_a_grid': (
+        'experiments.sweep',
+        ['--config=configs/length_generalisation.py', '--workdir={tmp}/s',
+         '--study=sqlite:///{tmp}/s.db'],
+        '--study: get_sweep() of configs/length_generalisation.py is a '
+        'grid'),
+    'sweep_search_metric': ('experiments.sweep',
+                            [LISTOPS, '--workdir={tmp}/s', '--metric=loss'],
+                            '--metric=loss: a search ranks and prunes by a '
+                            'metric of the evaluation'),
+    'launch_sweep_no_study': ('experiments.launch',
+                              ['--slurm', '--sweep', '--dry_run', '--',
+                               'python', '-m', 'experiments.sweep', LISTOPS,
+                               '--workdir=/tmp/s'],
+                              '--sweep: the workers share one study'),
+    'launch_sweep_sqlite_on_tpu': (
+        'experiments.launch',
+        ['--sweep', *TPU, '--', 'python', '-m', 'experiments.sweep', LISTOPS,
+         '--workdir=/tmp/s', '--study=sqlite:///s.db'],
+        'TPU VMs share no file system that SQLite can lock'),
+    'launch_no_command': ('experiments.launch', ['--slurm', '--dry_run'],
+                          'give the training command after --'),
+    'launch_no_tpu': ('experiments.launch', ['--dry_run', *TRAIN],
+                      '--tpu, --zone, --accelerator required'),
+    'launch_uncommitted': ('{edited}/experiments/launch.py', TPU + TRAIN,
+                           'uncommitted edits would not run on the workers '
+                           '(git archive HEAD copies the last commit): '
+                           'new.py; commit them, or give '
+                           '--include_uncommitted.'),
+    'maps_no_workdir': ('experiments.attention_maps', [],
+                        '--workdir is required'),
+    'report_no_out': ('experiments.accelerator_report', [],
+                      '--out is required'),
+    'bench_attention_flag': ('experiments.bench_attention', ['--lenghts=8'],
+                             'did you mean --lengths?'),
+    'bench_train_key': ('experiments.bench_train',
+                        ['--config.modle.d_model=8'],
+                        "config has no key 'modle'; did you mean model?"),
+    'bench_seq2seq_flag': ('experiments.bench_seq2seq', ['--step=3'],
+                           'did you mean --steps?'),
+    'profile_flag': ('experiments.profile', ['--bogus'],
+                     'unknown flag --bogus.'),
+}
+
+
+@pytest.fixture(scope='module')
+def outcomes(tmp_path_factory) -> dict[str, dict]:
+  """Every case, run by one process (tests/helpers/cli_cases.py)."""
+  tmp = tmp_path_factory.mktemp('cli')
+  # A checkout of launch.py alone, with an edit not committed.
+  edited = tmp / 'checkout'
+  (edited / 'experiments').mkdir(parents=True)
+  (edited / 'experiments' / 'launch.py').write_bytes(
+      (REPO / 'experiments' / 'launch.py').read_bytes())
+  git = ['git', '-C', str(edited), '-c', 'user.name=test',
+         '-c', 'user.email=test@localhost']
+  for command in (['init', '-q'], ['add', '.'], ['commit', '-qm', 'launch']):
+    subprocess.run(git + command, check=True)
+  (edited / 'new.py').write_text('')
+  cases = [(target.format(edited=edited),
+            [arg.format(tmp=tmp) for arg in args])
+           for target, args, _ in CASES.values()]
+  result = subprocess.run(
+      [sys.executable, str(REPO / 'tests' / 'helpers' / 'cli_cases.py'),
+       json.dumps(cases)], cwd=REPO, capture_output=True, text=True,
+      timeout=300, check=True)
+  return dict(zip(CASES, json.loads(result.stdout.splitlines()[-1])))
+
+
+@pytest.mark.parametrize('case', sorted(CASES))
+def test_a_mistake_is_one_line_and_status_2(case, outcomes):
+  outcome = outcomes[case]
+  assert outcome['stderr'].splitlines() == [
+      outcome['stderr'].strip()], outcome['stderr']
+  assert outcome['stderr'].startswith('error: ')
+  assert CASES[case][2] in outcome['stderr']
+  assert outcome['status'] == 2
+  assert outcome['stdout'] == ''
+
+
+def test_a_failure_of_the_run_is_one_line_and_status_1(capsys):
+  with pytest.raises(SystemExit) as stop:
+    cli.outcome(lambda: 1 / 0)
+  assert stop.value.code == 1
+  [line] = capsys.readouterr().err.splitlines()
+  log = re.fullmatch(r'error: ZeroDivisionError: division by zero '
+                     r'\(traceback in (\S+); --verbose prints it\)', line)
+  assert log, line
+  text = pathlib.Path(log.group(1)).read_text()
+  os.remove(log.group(1))
+  assert 'Traceback' in text and '1 / 0' in text
+
+
+def test_an_interrupted_command_says_so_with_status_130(capsys):
+  def interrupted():
+    raise KeyboardInterrupt
+  with pytest.raises(SystemExit) as stop:
+    cli.outcome(interrupted)
+  assert stop.value.code == 130
+  assert capsys.readouterr().err == 'Interrupted.\n'
