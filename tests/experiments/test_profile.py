@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from experiments import profile
-from train.base.errors import InputError
-
 from tests.helpers.tiny_runs import tiny_config
+from train.base.errors import InputError
 
 
 def covered_ns(intervals):

@@ -12,9 +12,9 @@ import pytest
 from model import ModelConfig, build
 from model import moe
 from model.layers import Mlp
+from tests.helpers.adam_steps import adam_steps
 from train.data import tasks
 from train.program import steps
-from tests.helpers.adam_steps import adam_steps
 
 B, T, D, M = 2, 8, 16, 32
 

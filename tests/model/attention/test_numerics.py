@@ -3,8 +3,8 @@ attention is easy to break: logits of +-1e4, bfloat16 inputs 4096 tokens
 long, and query rows whose every key is masked."""
 
 import jax
-from jax.sharding import AxisType
 import jax.numpy as jnp
+from jax.sharding import AxisType
 import numpy as np
 import pytest
 

@@ -9,11 +9,11 @@ import optax
 import pytest
 
 from model import ModelConfig, attention, build, families
-from model.state import Memory
 from model.config import POSITIONS
+from model.state import Memory
+from tests.helpers.causality import assert_causal
 from train.data import tasks
 from train.program import steps
-from tests.helpers.causality import assert_causal
 
 B, T, V = 2, 8, 32
 

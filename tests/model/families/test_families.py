@@ -11,9 +11,9 @@ import optax
 import pytest
 
 from model import DecoderLM, EncoderClassifier, EncoderDecoder, ModelConfig
-from model.layers import MultiHeadAttention
 from model import positions as positions_lib
 from model.families import build
+from model.layers import MultiHeadAttention
 from tests.helpers.causality import assert_causal
 
 B, T = 2, 8

@@ -10,11 +10,11 @@ import pytest
 from configs import rnn_attention
 from model import ModelConfig, build
 from model.families.rnn_attention import AttentionScore
+from tests.helpers.adam_steps import adam_steps
 from train.data import tasks
 from train.decode import decoding
 from train.program import mesh, steps
 from train.run.program import compile_program
-from tests.helpers.adam_steps import adam_steps
 
 V, D = 13, 32
 # Source rows of 5 and 3 symbols, padded to 6.

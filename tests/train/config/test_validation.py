@@ -6,11 +6,11 @@ import functools
 import ml_collections
 import pytest
 
-from tests.helpers import config_overrides
 from configs import algorithmic, default, listops, lm1b, lm_stdlib
 from configs import lm_systems, rnn_attention, wmt14_ende
 from model import attention, families
 from model.attention import options as variant_options
+from tests.helpers import config_overrides
 from train import train
 from train.base.errors import InputError
 from train.config import keys as declared_keys

@@ -22,9 +22,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.helpers import config_overrides
 from configs import algorithmic, lm_stdlib
 from tests.helpers import REPO
+from tests.helpers import config_overrides
 from tests.helpers.tiny_runs import tiny_config
 from train import train
 from train.base.errors import InputError

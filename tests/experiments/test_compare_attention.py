@@ -1,0 +1,133 @@
+"""experiments/compare_attention.py and experiments/attention_maps.py (on
+the checkpoints a comparison trains)."""
+
+import csv
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import attention_maps, compare_attention
+from model import build
+from model.config import ModelConfig
+from tests.helpers.tiny_runs import tiny_config
+from train.base.errors import InputError
+from train.data import tasks
+from train.program import steps
+from train.run import trained_run
+
+PNG = b'\x89PNG'
+
+
+@pytest.fixture(scope='module')
+def comparison(data_dir, tmp_path_factory):
+  """dense and linformer trained on tiny ListOps, measured at two
+  lengths."""
+  workdir = str(tmp_path_factory.mktemp('compare'))
+  config = tiny_config('listops', data_dir)
+  rows = compare_attention.compare(
+      config, ['dense', 'linformer'], workdir, lengths=[32, 16],
+      timing_steps=1, command='test')
+  return workdir, rows
+
+
+def test_compare_writes_the_table_csv_and_plots(comparison):
+  workdir, rows = comparison
+  with open(os.path.join(workdir, 'results.csv')) as f:
+    table = list(csv.DictReader(f))
+  assert [row['variant'] for row in table] == ['dense', 'linformer']
+  assert list(table[0]) == [
+      'variant', 'status', 'eval_accuracy', 'eval_loss', 'params',
+      'train_step_ms', 'tokens_per_s', 'peak_memory_mb', 'temp_memory_mb',
+      'step_ms@16', 'temp_mb@16', 'step_ms@32', 'temp_mb@32']
+  for row in table:
+    assert row['status'] == 'trained'
+    assert 0.0 <= float(row['eval_accuracy']) <= 1.0
+    for key in ('train_step_ms', 'tokens_per_s', 'step_ms@32'):
+      assert float(row[key]) > 0
+    assert float(row['temp_mb@32']) > float(row['temp_mb@16'])
+    assert float(row['peak_memory_mb']) > float(row['temp_memory_mb'])
+  # Linformer owns its projections.
+  assert int(table[1]['params']) > int(table[0]['params'])
+  results = open(os.path.join(workdir, 'results.md')).read()
+  assert 'Command: `test`' in results and '| dense | trained |' in results
+  for name in ('curves.png', 'scaling.png'):
+    with open(os.path.join(workdir, name), 'rb') as f:
+      assert f.read(4) == PNG
+
+
+def test_compare_does_not_train_a_finished_variant_again(comparison,
+                                                         data_dir,
+                                                         monkeypatch):
+  workdir, rows = comparison
+  config = tiny_config('listops', data_dir)
+
+  def refuse(*args):
+    raise AssertionError('trained again')
+
+  monkeypatch.setattr(compare_attention, 'train_and_evaluate', refuse)
+  again = compare_attention.compare(
+      config, ['dense'], workdir, lengths=[32, 16], timing_steps=1)
+  assert again[0] == rows[0]
+
+
+def test_compare_skips_a_variant_that_cannot_run_only_when_asked(
+    comparison, data_dir, monkeypatch, tmp_path):
+  """local at window 0 does not build; dense is trained already."""
+  workdir, rows = comparison
+  config = tiny_config('listops', data_dir)
+  options = {'local': {'window': 0}}
+  with pytest.raises(InputError, match=(
+      r'--variants: local cannot run this config \(local: config.model does '
+      r'not build .*window=0 must be positive.*\); leave it out, or give '
+      '--skip_unrunnable to compare the others.')):
+    compare_attention.compare(config, ['dense', 'local'],
+                              str(tmp_path / 'c'), options=options)
+  assert not (tmp_path / 'c').exists()
+  monkeypatch.setattr(compare_attention, 'train_and_evaluate',
+                      lambda *args: pytest.fail('trained again'))
+  dense, local = compare_attention.compare(
+      config, ['dense', 'local'], workdir, options=options, lengths=[32, 16],
+      timing_steps=1, skip_unrunnable=True)
+  assert dense == rows[0]
+  assert local['status'].startswith('skipped: config.model does not build')
+
+
+def test_compare_refuses_a_config_no_variant_can_run(data_dir, tmp_path):
+  config = tiny_config('lm_stdlib', data_dir)
+  with pytest.raises(InputError, match='no variant can run this config: '
+                     'linformer: .* cannot be causal'):
+    compare_attention.compare(config, ['linformer'], str(tmp_path / 'c'))
+  assert not (tmp_path / 'c').exists()
+
+
+def test_attention_maps_of_a_trained_checkpoint(comparison, monkeypatch):
+  workdir = os.path.join(comparison[0], 'dense')
+  drawn = {}
+  draw = attention_maps.draw
+  monkeypatch.setattr(attention_maps, 'draw', lambda layers, labels, path: (
+      drawn.update(layers=layers, labels=labels), draw(layers, labels, path)))
+  path = attention_maps.attention_maps(workdir, example=0)
+  with open(path, 'rb') as f:
+    assert f.read(4) == PNG
+  (name, weights), = drawn['layers']  # One layer of two heads.
+  labels = drawn['labels']
+  assert name == 'encoder/block_0' and labels[0] == '[CLS]'
+  assert weights.shape == (2, len(labels), len(labels))
+  np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
+  with pytest.raises(InputError, match='exact softmax attention'):
+    attention_maps.attention_maps(os.path.join(comparison[0], 'linformer'),
+                                  example=0)
+
+
+def test_attention_weights_mask_padding(comparison):
+  config = trained_run.load_config(os.path.join(comparison[0], 'dense'))
+  model = build(ModelConfig.from_mapping(config.model))
+  params = steps.init_params(model, tasks.CLASSIFICATION, jax.random.key(0), 8)
+  tokens = np.array([3, 4, 5, 6, 0, 0], np.int32)  # Two padding tokens.
+  (name, weights), = attention_maps.attention_weights(model, params, tokens)
+  assert name == 'encoder/block_0'
+  assert weights.shape == (2, 7, 7)  # Heads; the CLS vector, then tokens.
+  np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
+  np.testing.assert_array_equal(weights[..., -2:], 0.0)  # Padding unseen.
