@@ -114,6 +114,88 @@ def _decoding_evaluation(config: ml_collections.ConfigDict,
   return evaluate
 
 
+def _evaluation(config: ml_collections.ConfigDict, dataset: datasets.Dataset,
+                program: Program, workdir: str, layout: str
+                ) -> Callable[[Any], dict[str, float]]:
+  """params -> the evaluation's summary: config.num_eval_steps batches of
+  config.eval_split in rows of `layout`, and the decoding evaluation."""
+  evaluate_decoding = _decoding_evaluation(config, dataset, program,
+                                           workdir)
+
+  def evaluate(params) -> dict[str, float]:
+    totals, memory = None, program.fresh_memory()
+    batches = pipeline.eval_batches(
+        dataset, config.eval_split, seq_len=config.seq_len,
+        batch_size=config.batch_size, num_batches=config.num_eval_steps,
+        layout=layout, max_segments=program.model_config.max_segments_per_row)
+    for batch in tqdm.tqdm(batches, desc=f'evaluating on {config.eval_split}',
+                           unit='batch', leave=False,
+                           disable=jax.process_index() != 0):
+      sums, memory = program.eval_step(params, program.batch(batch), memory)
+      totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    if totals is None:
+      raise InputError(
+          f'config.eval_split={config.eval_split!r} has no examples of at '
+          f'most config.seq_len={config.seq_len} tokens.')
+    return metrics.summarize_eval(jax.device_get(totals),
+                                  byte_level=dataset.byte_level
+                                  ) | evaluate_decoding(params)
+  return evaluate
+
+
+def _say_what_runs(config: ml_collections.ConfigDict, program: Program,
+                   workdir: str) -> None:
+  """The run's first lines: the model, its size and devices, the config's
+  warnings, and the kernel each self-attention runs."""
+  model_config = program.model_config
+  split = ' x '.join(f'{axis} {size}' for axis, size in
+                     program.mesh.shape.items() if size > 1) or 'one device'
+  devices = jax.device_count()
+  _say(f'{model_config.family} on {config.dataset}: {program.num_params:,} '
+       f'parameters, {devices} {jax.default_backend().upper()} '
+       f'device{"s" if devices > 1 else ""} ({split}, '
+       f'{config.parallelism.strategy}), workdir {workdir}')
+  for warning in config_validation.warnings_of(config):
+    _say(f'Warning: {warning}')
+  kernels = attention_kernels.choices(
+      config, model_config,
+      config_validation.model_positions(config, model_config))
+  if kernels:
+    _say('Attention kernels: '
+         + '; '.join(choice.describe() for choice in kernels))
+
+
+def _train_log(config: ml_collections.ConfigDict, program: Program,
+               writer: metrics.MetricWriter) -> metrics.TrainLog:
+  """The training metrics' log, with the step's model FLOPs for MFU and
+  config.nan_policy's guard."""
+  model_config = program.model_config
+  flops_per_step = config.batch_size * flops.train_flops_per_example(
+      model_config, program.task, config.seq_len,
+      flops.non_embedding_params(
+          program.abstract_state.params,
+          model_config.moe.top_k / max(model_config.moe.num_experts, 1)))
+  return metrics.TrainLog(
+      writer, config.log_every, config.num_train_steps,
+      metrics.NonFiniteGuard(config.nan_policy, config.max_skipped_steps),
+      flops_per_step=flops_per_step,
+      peak_flops_per_s=flops.peak_flops_per_s())
+
+
+def _say_a_sample(config: ml_collections.ConfigDict, program: Program,
+                  dataset: datasets.Dataset, params) -> None:
+  """Text the trained model continues config.sample_prompt with."""
+  # Whole on every device: every host runs the sampling and can read it.
+  # Positions stay below seq_len, the longest the model was trained on.
+  [sample] = text.continue_text(
+      program.model, program.replicate(params), dataset,
+      config.sample_prompt, num_tokens=config.sample_length,
+      rng=program.key(2), max_positions=config.seq_len,
+      temperature=config.sample_temperature)
+  _say(f'--- sample (temperature {config.sample_temperature}) ---\n'
+       f'{sample}\n---')
+
+
 def train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str,
     on_evaluation: Callable[[int, dict[str, float]], bool] | None = None
@@ -156,28 +238,7 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
 
   layout = ('streams' if model_config.memory_length else
             'packed' if config.pack_sequences else 'padded')
-  evaluate_decoding = _decoding_evaluation(config, dataset, program,
-                                           workdir)
-
-  def evaluate(params) -> dict[str, float]:
-    totals, memory = None, program.fresh_memory()
-    batches = pipeline.eval_batches(
-        dataset, config.eval_split, seq_len=config.seq_len,
-        batch_size=config.batch_size, num_batches=config.num_eval_steps,
-        layout=layout, max_segments=model_config.max_segments_per_row)
-    for batch in tqdm.tqdm(batches, desc=f'evaluating on {config.eval_split}',
-                           unit='batch', leave=False,
-                           disable=jax.process_index() != 0):
-      sums, memory = program.eval_step(params, program.batch(batch), memory)
-      totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-    if totals is None:
-      raise InputError(
-          f'config.eval_split={config.eval_split!r} has no examples of at '
-          f'most config.seq_len={config.seq_len} tokens.')
-    return metrics.summarize_eval(jax.device_get(totals),
-                                  byte_level=dataset.byte_level
-                                  ) | evaluate_decoding(params)
-
+  evaluate = _evaluation(config, dataset, program, workdir, layout)
   checkpointer = checkpointing.Checkpointer(workdir,
                                             keep=config.keep_checkpoints)
   checkpointer.check_space_to_train(program.abstract_state)
@@ -193,36 +254,12 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
     latest, state = restored
     _say(f'Resumed from the checkpoint at step {latest}.')
 
-  num_params = program.num_params
-  split = ' x '.join(f'{axis} {size}' for axis, size in
-                     program.mesh.shape.items() if size > 1) or 'one device'
-  devices = jax.device_count()
-  _say(f'{model_config.family} on {config.dataset}: {num_params:,} '
-       f'parameters, {devices} {jax.default_backend().upper()} '
-       f'device{"s" if devices > 1 else ""} ({split}, '
-       f'{config.parallelism.strategy}), workdir {workdir}')
-  for warning in config_validation.warnings_of(config):
-    _say(f'Warning: {warning}')
-  kernels = attention_kernels.choices(
-      config, model_config,
-      config_validation.model_positions(config, model_config))
-  if kernels:
-    _say('Attention kernels: '
-         + '; '.join(choice.describe() for choice in kernels))
+  _say_what_runs(config, program, workdir)
   last_step = config.num_train_steps
   first_step = int(state.step)
   writer = metrics.MetricWriter(workdir, total_steps=last_step,
                                 first_step=first_step)
-  flops_per_step = config.batch_size * flops.train_flops_per_example(
-      model_config, program.task, config.seq_len,
-      flops.non_embedding_params(
-          program.abstract_state.params,
-          model_config.moe.top_k / max(model_config.moe.num_experts, 1)))
-  train_log = metrics.TrainLog(
-      writer, config.log_every, last_step,
-      metrics.NonFiniteGuard(config.nan_policy, config.max_skipped_steps),
-      flops_per_step=flops_per_step,
-      peak_flops_per_s=flops.peak_flops_per_s())
+  train_log = _train_log(config, program, writer)
   dropout_rng = program.key(1)
 
   def placed_batch(step: int):
@@ -314,15 +351,7 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
   if stop.reason:  # Asked during the final evaluation: trained, done.
     _say(f'{stop.reason}: trained to the end; no sample.')
   elif program.task.continues_text and config.sample_length:
-    # Whole on every device: every host runs the sampling and can read it.
-    # Positions stay below seq_len, the longest the model was trained on.
-    [sample] = text.continue_text(
-        program.model, program.replicate(state.params), dataset,
-        config.sample_prompt, num_tokens=config.sample_length,
-        rng=program.key(2), max_positions=config.seq_len,
-        temperature=config.sample_temperature)
-    _say(f'--- sample (temperature {config.sample_temperature}) ---\n'
-         f'{sample}\n---')
+    _say_a_sample(config, program, dataset, state.params)
   latest = checkpointer.latest_step()
   _say(closing_summary(
       task=program.task, steps=(first_step, last_step),
@@ -333,3 +362,4 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
       extendable=optim.SCHEDULES[config.schedule].length_free,
       cannot_decode=decoding.cache_refusal(model_config)))
   return final
+
