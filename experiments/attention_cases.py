@@ -138,7 +138,8 @@ def variant_fn(name: str, rows: str, length: int, options: dict, *,
   if causal and not variant.causal:
     return f'{name} is not causal'
   if base == 'ring':
-    return 'ring needs a mesh with a sequence axis (tests/train/program/test_sharding.py)'
+    return ('ring needs a mesh with a sequence axis '
+            '(tests/model/attention/test_ring.py)')
   options = options.get(base, {}) | ({'kernel': kernel} if kernel else {})
   config = ModelConfig(attention=base, num_heads=heads, head_dim=head_dim,
                        d_model=heads * head_dim, max_len=length,

@@ -246,9 +246,9 @@ def _write_summary(rows: list[dict], directory: str, peak: float | None, *,
       f', {shape}\n\n'
       + (f'Command: `{command}`\n\n' if command else '')
       + f'Machine: {common.machine_description()}; peak '
-      f'{peak / 1e9 if peak else float("nan"):.0f} GFLOP/s (train/program/flops.py: '
-      'the published bfloat16 peak of a GPU or TPU chip, a jitted 2048x2048 '
-      'float32 matmul on CPU).\n\n'
+      f'{peak / 1e9 if peak else float("nan"):.0f} GFLOP/s '
+      '(train/program/flops.py: the published bfloat16 peak of a GPU or TPU '
+      'chip, a jitted 2048x2048 float32 matmul on CPU).\n\n'
       'Times are the best of the repetitions, forward+backward is the '
       'gradient with respect to q, k and v; memory is the compiled '
       'temporaries of forward+backward; ratios are to xla '

@@ -258,10 +258,12 @@ def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
       '# Training throughput: attnlab DecoderLM against stock Flax\n\n'
       + (f'Command: `{command}`\n\n' if command else '')
       + f'Machine: {common.machine_description()}; peak '
-      f'{peak / 1e9 if peak else float("nan"):.0f} GFLOP/s (train/program/flops.py)'
-      f'.\n\nSizes: {shapes}. {dtype} computation, float32 parameters, '
+      f'{peak / 1e9 if peak else float("nan"):.0f} GFLOP/s '
+      '(train/program/flops.py).\n\n'
+      f'Sizes: {shapes}. {dtype} computation, float32 parameters, '
       f'remat {remat}; {steps} timed steps after {warmup}. MFU counts the '
-      'model FLOPs of train/program/flops.py (6 N + 6 L T d + 6 d V per token). '
+      'model FLOPs of train/program/flops.py (6 N + 6 L T d + 6 d V per '
+      'token). '
       'temp_mib: the compiled step\'s temporaries (XLA memory analysis). '
       'loop_efficiency: the bare step time over the time of a step in '
       '`train_and_evaluate`\'s loop on the config\'s dataset.\n\n')

@@ -24,7 +24,8 @@ FLAGS = flags.FLAGS
 def generate(workdir: str, prompt: str, *, max_new_tokens: int,
              temperature: float, top_k: int = 0, top_p: float = 1.0,
              num_samples: int = 1, seed: int = 0) -> list[str]:
-  """`num_samples` texts continuing `prompt` (see train/decode/decoding.py: choose)."""
+  """`num_samples` texts continuing `prompt` (see
+  train/decode/decoding.py: choose)."""
   for name, value, ok, must in (
       ('max_new_tokens', max_new_tokens, max_new_tokens >= 1, 'at least 1'),
       ('temperature', temperature, temperature >= 0, '>= 0 (0 is greedy)'),

@@ -15,13 +15,13 @@ Only the sequence axis is manual inside the `shard_map`: the batch and head
 dims keep whatever sharding the compiler gave them (data, FSDP, tensor). With
 no mesh in context, or none with `axis` of size > 1, the ring has one device
 and this is dense attention computed blockwise in one block. The mesh's axes
-may be Auto (as `train/program/mesh.py` makes them) or Explicit (`jax.make_mesh`'s
-default): under an Explicit `axis` the inputs are resharded along the length
-before the ring, and under any Explicit axis the output is resharded as the
-queries are, so that the function, and its gradients, keep the types of its
-inputs. (Under Explicit axes XLA gathers the batch over its other axes at
-the shard_map's boundary, which the Auto axes of a training run do not:
-exact, but slower there.)
+may be Auto (as `train/program/mesh.py` makes them) or Explicit
+(`jax.make_mesh`'s default): under an Explicit `axis` the inputs are
+resharded along the length before the ring, and under any Explicit axis the
+output is resharded as the queries are, so that the function, and its
+gradients, keep the types of its inputs. (Under Explicit axes XLA gathers
+the batch over its other axes at the shard_map's boundary, which the Auto
+axes of a training run do not: exact, but slower there.)
 
 Masks and array biases are split by query rows, each device holding its rows
 against every key (a [B, 1, 1, S] padding mask is O(S) on each); a

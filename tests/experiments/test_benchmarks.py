@@ -45,8 +45,9 @@ def test_bench_attention_measures_skips_and_writes_its_results(tmp_path):
   assert skipped['alibi', 'linformer'] == 'linformer takes no position bias'
   assert skipped['packed', 'linformer'] == (
       'linformer takes key padding masks only, not packed rows')
-  assert skipped['packed', 'ring'] == ('ring needs a mesh with a sequence '
-                                       'axis (tests/train/program/test_sharding.py)')
+  assert skipped['packed', 'ring'] == (
+      'ring needs a mesh with a sequence axis '
+      '(tests/model/attention/test_ring.py)')
   assert "kernel='cudnn' needs a GPU" in skipped['alibi', 'chunked[cudnn]']
   with open(os.path.join(directory, 'results.md')) as f:
     table = f.read()

@@ -148,7 +148,8 @@ def test_profile_of_a_tiny_run(data_dir, tmp_path):
   # 1 + 2 + 1 steps: the 4 of tiny_config, so that its programs, compiled
   # by the other tests' runs, come from the compilation cache.
   result = profile.run(tiny_config('lm_stdlib', data_dir), workdir, steps=2,
-                       warmup=1, config_path='tests/train/run/test_trainer.py tiny')
+                       warmup=1,
+                       config_path='tests/helpers/tiny_runs.py tiny_config')
   assert os.path.exists(result['trace'])
   assert result['trace'].startswith(os.path.join(workdir, 'trace'))
   assert result['step_ms'] > 0

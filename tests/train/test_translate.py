@@ -10,7 +10,8 @@ import pytest
 from configs import algorithmic
 from experiments import length_generalisation
 from tests.helpers.recount import recount
-from tests.helpers.tiny_runs import LocalWmt14, read_metrics, shrink, tiny_config
+from tests.helpers.tiny_runs import (LocalWmt14, read_metrics, shrink,
+                                     tiny_config)
 from train import translate
 from train.base.errors import InputError
 from train.decode import scores, seq2seq_eval

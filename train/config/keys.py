@@ -120,7 +120,8 @@ KEYS: dict[str, Key] = {
     'learning_rate': Key(1e-3, number(0.0, INF, include_low=False)),
     # Steps of linear warmup from 0.
     'warmup_steps': Key(100, integer(0)),
-    # After warmup: cosine, linear, rsqrt, constant or wsd (train/program/optim.py).
+    # After warmup: cosine, linear, rsqrt, constant or wsd (SCHEDULES in
+    # train/program/optim.py).
     'schedule': Key('cosine', one_of(optim.SCHEDULES)),
     # End of cosine/linear/wsd decay, as a fraction of learning_rate.
     'final_learning_rate_fraction': Key(0.1, number(0.0, 1.0,

@@ -5,8 +5,8 @@ length, expert; see model/layers.py, model/moe.py) and the Transformer
 blocks constrain their inputs to (activation_batch, activation_length,
 activation_embed) (model/logical_axes.py); the fused attention kernels
 split their work by the same rules.
-`config.logical_axis_rules` maps each name to mesh axes (train/program/mesh.py); a
-name without a rule is not split. DEFAULT_RULES give
+`config.logical_axis_rules` maps each name to mesh axes
+(train/program/mesh.py); a name without a rule is not split. DEFAULT_RULES give
   data parallelism      the batch over data and fsdp;
   FSDP                  every weight's embed dim over fsdp (each weight
                         matrix and embedding has one);

@@ -1,9 +1,9 @@
 """train_and_evaluate: the training loop, composed from the config.
 
 The state and batches are laid out on the mesh of `config.parallelism`
-(train/program/mesh.py) as `config.logical_axis_rules` say (train/program/sharding.py), by
-the run's program (train/run/program.py); the same loop runs on one CPU, a GPU
-node or a multi-host TPU pod.
+(train/program/mesh.py) as `config.logical_axis_rules` say
+(train/program/sharding.py), by the run's program (train/run/program.py);
+the same loop runs on one CPU, a GPU node or a multi-host TPU pod.
 """
 
 from collections.abc import Callable
