@@ -3,7 +3,8 @@
 Each experiment's `get_config()` starts from `get_config()` here and
 overrides only what it changes. The meaning of every key is documented
 where it is declared: `config.model`'s beside its field in
-`model/config.py`, the others in `train/config/keys.py`.
+`model/config.py`, the others beside TrainConfig's in
+`train/base/train_config.py`.
 """
 
 import dataclasses
@@ -14,7 +15,7 @@ from ml_collections import config_dict
 from model import attention
 from model.attention import options as variant_options
 from model.config import ModelConfig
-from train.config import keys as config_keys
+from train.base import train_config
 
 
 def choice(arg: str, key: str, choices: tuple[str, ...], path: str) -> str:
@@ -64,9 +65,8 @@ def model_defaults() -> ml_collections.ConfigDict:
 
 
 def get_config() -> ml_collections.ConfigDict:
-  """Every training key at its default (train/config/keys.py says what
-  each means), and `config.model` (model/config.py)."""
-  config = ml_collections.ConfigDict(
-      {name: key.value() for name, key in config_keys.KEYS.items()})
+  """Every training key at its default (train/base/train_config.py says
+  what each means), and `config.model` (model/config.py)."""
+  config = train_config.defaults()
   config.model = model_defaults()
   return config

@@ -26,6 +26,7 @@ import numpy as np
 from model.families import FAMILIES
 from train import cli
 from train.base.errors import InputError
+from train.base.train_config import TrainConfig
 from train.data import datasets, tokenizers
 from train.run import trained_run
 
@@ -37,8 +38,9 @@ FLAGS = flags.FLAGS
 EXACT = ('dense', 'chunked', 'ring')
 
 
-def tokens_to_draw(dataset: datasets.Dataset, config, text: str | None,
-                   example: int | None, max_tokens: int) -> np.ndarray:
+def tokens_to_draw(dataset: datasets.Dataset, config: TrainConfig,
+                   text: str | None, example: int | None,
+                   max_tokens: int) -> np.ndarray:
   if (text is None) == (example is None):
     raise InputError('give one of --text or --example.')
   if text is not None:
@@ -114,7 +116,7 @@ def attention_maps(workdir: str, *, text: str | None = None,
   """Draws the maps of the run in `workdir`; returns the PNG's path."""
   run = trained_run.load(workdir)
   family = FAMILIES[run.model_config.family]
-  if not family.self_attention(run.model_config, max_tokens, False):
+  if family.inputs_method is None:
     raise InputError(f'config.model.family={family.name!r} has no '
                      'self-attention to draw.')
   for layer_config in run.model_config.layer_configs():

@@ -47,7 +47,7 @@ def measure(base: ml_collections.ConfigDict, family: str, length: int, *,
   config.model.update(family=family, max_len=max(base.model.max_len,
                                                  length + 1))
   program = Program.from_config(config)
-  batch_arrays = program.batch(program.task.synthetic_batch(config))
+  batch_arrays = program.batch(program.task.synthetic_batch(program.config))
   dropout_rng = program.key(1)
   with program.scope():
     seconds = common.time_steps(

@@ -39,6 +39,7 @@ from configs import lm_stdlib
 from experiments import common
 from train import cli
 from train.base.errors import InputError
+from train.base.train_config import TrainConfig
 from train.program import flops
 from train.run import trainer
 from train.run.program import Program
@@ -124,10 +125,9 @@ def our_config(base: ml_collections.ConfigDict, size: str, *, attention: str,
   return config
 
 
-def measure_ours(config, program: Program, *, steps: int,
-                 warmup: int) -> dict:
-  """The program of `config`, on a synthetic batch."""
-  batch = program.batch(program.task.synthetic_batch(config))
+def measure_ours(program: Program, *, steps: int, warmup: int) -> dict:
+  """The program of a config, on a synthetic batch."""
+  batch = program.batch(program.task.synthetic_batch(program.config))
   dropout_rng = program.key(1)
   state = program.init()
   with program.scope():
@@ -154,7 +154,7 @@ def measure_loop(config) -> float:
   return 1 / timed['steps_per_s']
 
 
-def measure_stock(config, batch_sharding, *, steps: int,
+def measure_stock(config: TrainConfig, batch_sharding, *, steps: int,
                   warmup: int) -> dict:
   """The baseline, data parallel over the devices as ours is (the batch
   split as `batch_sharding` says, the rest replicated)."""
@@ -220,10 +220,10 @@ def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
                      remat=remat), num_train_steps=2 * steps, log_every=steps)
       program = Program.from_config(config)
       model_config = program.model_config
-      measured = {'attnlab': measure_ours(config, program, steps=steps,
+      measured = {'attnlab': measure_ours(program, steps=steps,
                                           warmup=warmup),
                   'stock_flax': measure_stock(
-                      config, program.batch_sharding, steps=steps,
+                      program.config, program.batch_sharding, steps=steps,
                       warmup=warmup)}
       for name, row in measured.items():
         tokens = config.batch_size * config.seq_len

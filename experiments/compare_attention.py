@@ -83,7 +83,7 @@ def measure(config, timing_steps: int) -> dict[str, float]:
   synthetic batch."""
   program = Program.from_config(config)
   state = program.init()
-  batch = program.batch(program.task.synthetic_batch(config))
+  batch = program.batch(program.task.synthetic_batch(program.config))
   rng = program.key(1)
   with program.scope():
     compiled = program.train_step.lower(state, batch, rng).compile()

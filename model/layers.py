@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from model import activations, attention, logical_axes, positions
+from model.attention import fused
 from model.attention import options as variant_options
 from model.config import ModelConfig
 from model.state import KeysValues
@@ -188,8 +189,9 @@ class MultiHeadAttention(nn.Module):
         config.attention_dropout_rate > 0.0):
       kwargs |= {'dropout_rate': config.attention_dropout_rate,
                  'dropout_rng': self.make_rng('dropout')}
-    out_BxTxNxH = self.variant.fn(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias,
-                                  mask, is_causal=causal, **kwargs)
+    with fused.caller(self.path):  # What a fused kernel's choice records.
+      out_BxTxNxH = self.variant.fn(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias,
+                                    mask, is_causal=causal, **kwargs)
     return self._out(out_BxTxNxH), cache
 
   @property

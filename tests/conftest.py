@@ -36,8 +36,6 @@ def data_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope='session')
 def stdlib_dataset(data_dir):
-  from configs import default
+  from train.base.train_config import TrainConfig
   from train.data import datasets
-  config = default.get_config()
-  config.data_dir = data_dir
-  return datasets.load(config, workdir=data_dir)
+  return datasets.load(TrainConfig(data_dir=data_dir), workdir=data_dir)

@@ -19,8 +19,9 @@ A kernel takes a case only where it computes it as `dense` does;
 first kernel of AUTO_ORDER[backend] that computes the case, else xla. A
 kernel named explicitly that cannot compute the case raises KernelError:
 nothing falls back silently. A `Case` holds only what shapes and types say,
-so the choice is made while tracing, and a config's choices can be worked
-out before anything is compiled (train/config/attention_kernels.py).
+so the choice is made while tracing; `recording()` collects the choices of
+a trace, which is how a config's choices are known before anything is
+compiled (train/config/kernels.py).
 
 Under a mesh every fused kernel runs in a `shard_map` that splits the batch
 and the heads as the model's own arrays are split, read from the same
@@ -31,6 +32,9 @@ device). A length split over the mesh (sequence parallelism) is
 refused by every fused kernel: the `ring` variant computes that layout.
 """
 
+from collections.abc import Iterator
+import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -241,9 +245,56 @@ def refusal(kernel: str, case: Case) -> str | None:
   return _REFUSALS[kernel](case)
 
 
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """One call's choice, as `recording()` keeps it."""
+
+  # Where the call came from (`caller`): the attention module's path in
+  # the model, e.g. ('decoder', 'block_0', 'self_attention'); () unsaid.
+  caller: tuple[str, ...]
+  option: str  # The kernel asked for ('auto' or one of KERNELS).
+  case: Case
+  # What computes the case; None where `option` cannot (`refusal`).
+  kernel: str | None
+  refusal: str | None
+
+
+# The Decisions of the innermost `recording()`, and the current caller.
+_RECORD = contextvars.ContextVar('fused_record', default=None)
+_CALLER = contextvars.ContextVar('fused_caller', default=())
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Decision]]:
+  """Collects the Decision of every `choose` called within, in order.
+
+  Within, nothing is refused by raising (each refusal is in its Decision)
+  and `choose` answers 'xla' whatever it decided: a trace inside computes
+  the same shapes as the chosen kernels would, on any backend, so a model
+  can be traced for its choices before they are run.
+  """
+  decisions = []
+  token = _RECORD.set(decisions)
+  try:
+    yield decisions
+  finally:
+    _RECORD.reset(token)
+
+
+@contextlib.contextmanager
+def caller(path: tuple[str, ...]) -> Iterator[None]:
+  """`choose` calls within come from `path` (a module's path)."""
+  token = _CALLER.set(tuple(path))
+  try:
+    yield
+  finally:
+    _CALLER.reset(token)
+
+
 def choose(kernel: str, case: Case) -> str:
   """The kernel that computes `case`: `kernel` itself, or for 'auto' the
-  first of AUTO_ORDER[case.backend] that can, else 'xla'.
+  first of AUTO_ORDER[case.backend] that can, else 'xla'. Within
+  `recording()`, the decision is recorded and 'xla' returned.
 
   Raises:
     ValueError: `kernel` is not one of KERNELS.
@@ -251,14 +302,21 @@ def choose(kernel: str, case: Case) -> str:
   """
   if kernel not in KERNELS:
     raise ValueError(f'kernel={kernel!r} must be one of {list(KERNELS)}.')
+  reason = None
   if kernel == 'auto':
-    return next((name for name in AUTO_ORDER.get(case.backend, ())
-                 if refusal(name, case) is None), 'xla')
-  reason = refusal(kernel, case)
+    chosen = next((name for name in AUTO_ORDER.get(case.backend, ())
+                   if refusal(name, case) is None), 'xla')
+  else:
+    reason = refusal(kernel, case)
+    chosen = kernel if reason is None else None
+  record = _RECORD.get()
+  if record is not None:
+    record.append(Decision(_CALLER.get(), kernel, case, chosen, reason))
+    return 'xla'
   if reason is not None:
     raise KernelError(f'kernel={kernel!r} {reason} ({case.describe()} on '
                       f'{case.backend}).')
-  return kernel
+  return chosen
 
 
 def run(kernel: str, query: Array, key: Array, value: Array, bias, mask, *,

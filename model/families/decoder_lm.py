@@ -9,7 +9,7 @@ from model import attention
 from model.blocks import BlockInputs, TransformerStack
 from model.config import ModelConfig
 from model.embedder import Embedder, default_positions, output
-from model.families.family import Family, Stack
+from model.families.family import Family
 from model.readout import Readout
 from model.state import Cache, Memory
 
@@ -86,16 +86,7 @@ class DecoderLM(nn.Module):
     return output(embedder, x_BxTxD, readout), new_memory
 
 
-def _self_attention(config: ModelConfig, length: int,
-                    packed: bool) -> list[Stack]:
-  if config.memory_length:  # The memory's keys, some not yet filled.
-    return [('decoder', True, 'key_padding', length,
-             length + config.memory_length)]
-  return [('decoder', True, 'segments' if packed else 'none', length,
-           length)]
-
-
 FAMILY = Family(
     name='decoder_lm', module=DecoderLM, tasks=('lm',),
     attention_layers=lambda config: config.num_layers,
-    self_attention=_self_attention, memory=True)
+    memory=True)

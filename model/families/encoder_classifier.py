@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from model.blocks import BlockInputs, TransformerStack
 from model.config import PAD_ID, ModelConfig
 from model.embedder import Embedder, default_positions
-from model.families.family import Family, Stack
+from model.families.family import Family
 from model.weight_decay import undecayed
 
 Array = jax.Array
@@ -66,17 +66,10 @@ class EncoderClassifier(nn.Module):
     return classifier(pooled_BxD), None
 
 
-def _self_attention(config: ModelConfig, length: int,
-                    packed: bool) -> list[Stack]:
-  del config, packed
-  return [('encoder', False, 'key_padding', length, length)]
-
-
 FAMILY = Family(
     name='encoder_classifier', module=EncoderClassifier,
     tasks=('classification',),
     attention_layers=lambda config: config.num_layers,
-    self_attention=_self_attention,
     # The CLS vector before the tokens.
     extra_positions=lambda config: int(config.pooling == 'cls'),
     decoder=False)

@@ -8,7 +8,7 @@ import jax
 from model.blocks import BlockInputs, TransformerStack
 from model.config import ModelConfig
 from model.embedder import Embedder, default_positions, output, padding_mask
-from model.families.family import Family, Stack
+from model.families.family import Family
 from model.positions import SCHEMES, random_positions
 from model.readout import Readout
 from model.state import Cache, KeysValues
@@ -107,16 +107,9 @@ class EncoderDecoder(nn.Module):
     return logits_BxTxV, cache.replace(cross_attention=None)
 
 
-def _self_attention(config: ModelConfig, length: int,
-                    packed: bool) -> list[Stack]:
-  del config, packed
-  return [('encoder', False, 'key_padding', length, length),
-          ('decoder', True, 'none', length, length)]
-
-
 FAMILY = Family(
     name='encoder_decoder', module=EncoderDecoder, tasks=('seq2seq',),
     # The encoder's self-attention, the decoder's and its cross-attention.
     attention_layers=lambda config: 3 * config.num_layers,
-    self_attention=_self_attention, inputs_method='encode',
+    inputs_method='encode',
     random_positions=True)

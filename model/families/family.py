@@ -7,15 +7,11 @@ import flax.linen as nn
 
 from model.config import ModelConfig
 
-# A stack of self-attention: (name, causal, mask, query length, key
-# length), the mask as model.attention.fused.Case names it.
-Stack = tuple[str, bool, str, int, int]
-
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-  """A model family: its module, what it trains on, and what the checks,
-  the kernel table and the FLOPs count ask of it."""
+  """A model family: its module, what it trains on, and what the checks
+  and the FLOPs count ask of it."""
 
   name: str
   # Built with the ModelConfig: module(config).
@@ -25,13 +21,10 @@ class Family:
   # Attention layers a token's step attends over the whole length through,
   # forward (model FLOPs, train/program/flops.py).
   attention_layers: Callable[[ModelConfig], int]
-  # Its stacks of self-attention for activations of `length` positions,
-  # rows packed or not (train/config/attention_kernels.py); none of its own: [].
-  self_attention: Callable[[ModelConfig, int, bool], list[Stack]] = (
-      lambda config, length, packed: [])
   # The module's method that reads a row of inputs alone: what the maps of
-  # its self-attention feed (experiments/attention_maps.py).
-  inputs_method: str = '__call__'
+  # its self-attention feed (experiments/attention_maps.py); None for a
+  # family with no self-attention.
+  inputs_method: str | None = '__call__'
   # Activations beyond the tokens (a classifier's CLS vector).
   extra_positions: Callable[[ModelConfig], int] = lambda config: 0
   # Forward steps that must run one after another for `length` tokens.

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import default
 from model import ModelConfig, attention, build, weight_decay
 from model.config import POSITIONS
 from model.positions import SCHEMES
+from train.base.train_config import TrainConfig
 from train.data import tasks
 from train.program import mesh, optim, steps
 from train.run.program import compile_program
@@ -80,9 +80,8 @@ def test_the_optimizer_decays_what_the_mask_marks():
   boxed = boxed_params(config)
   params = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype),
                         nn.meta.unbox(boxed))
-  train_config = default.get_config()
-  train_config.update(dict(learning_rate=0.1, warmup_steps=0,
-                           weight_decay=0.5, schedule='constant'))
+  train_config = TrainConfig(learning_rate=0.1, warmup_steps=0,
+                             weight_decay=0.5, schedule='constant')
   optimizer, _ = optim.make_optimizer(train_config,
                                       weight_decay.decay_mask(boxed))
   updates = jax.jit(lambda params: optimizer.update(
@@ -101,9 +100,8 @@ def test_a_training_program_decays_by_its_models_declarations(monkeypatch):
   monkeypatch.setattr(optim, 'make_optimizer', lambda config, mask: (
       masks.append(mask), make_optimizer(config, mask))[1])
   config = CONFIGS['decoder_lm_moe_swiglu_rmsnorm']
-  train_config = default.get_config()
-  train_config.update(dict(seq_len=8, batch_size=2))
-  compile_program(train_config, config, tasks.LM, mesh.make_mesh(
+  train_config = TrainConfig(seq_len=8, batch_size=2, model=config)
+  compile_program(train_config, tasks.LM, mesh.make_mesh(
       train_config.parallelism, jax.devices()[:1]))
   [mask] = masks
   assert mask == weight_decay.decay_mask(boxed_params(config))

@@ -1,19 +1,23 @@
-"""Checks of a config's layout on the device mesh, for
-train/config/validation.py: the strategy, the logical axis rules, and the
-batch, the length and every parameter splitting evenly over the mesh.
+"""A config's model traced on the device mesh, and the checks of its
+layout there, for train/config/validation.py: the strategy, and the batch,
+the length and every parameter splitting evenly over the mesh (the logical
+axis rules passed their key's rule before).
 """
 
-import functools
+import dataclasses
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
-import ml_collections
 
 from model import ModelConfig, build
+from model.attention import fused
+from model.state import Memory
 from train.base.errors import InputError
+from train.base.train_config import TrainConfig
 from train.data.tasks import Task
-from train.program import mesh, sharding, steps
+from train.program import mesh, sharding
 
 
 # The config key behind each logical axis, to name it in an error.
@@ -34,55 +38,64 @@ def _attention_setting(model_config: ModelConfig) -> str:
           f'attention_options={options}')
 
 
-def check_layout(config: ml_collections.ConfigDict, model_config: ModelConfig,
-                 task: Task, positions: int, devices=None):
-  """The mesh fits `devices` (default: every device of every host), and
-  the batch, the length (`positions` in the model) and every parameter
-  split evenly over it (shapes only: nothing is computed). Returns the
-  parameters' shapes and logical names."""
-  sizes = dict(mesh.make_mesh(config.parallelism, devices).shape)
-  _check_splits(config, sizes, positions)
-  rules = checked_rules(config)
+@dataclasses.dataclass(frozen=True)
+class Traced:
+  """What tracing the model on a training batch tells (shapes only)."""
+
+  # The parameters' shapes and logical names (nn.Partitioned leaves of
+  # jax.ShapeDtypeStruct).
+  param_shapes: Any
+  # The choice of each fused-attention call, in call order (fused.py's
+  # recording; train/config/kernels.py reads it).
+  kernels: tuple[fused.Decision, ...]
+
+
+def trace_model(config: TrainConfig, task: Task,
+                device_mesh: jax.sharding.Mesh) -> Traced:
+  """The model initialised, shapes only, on the task's synthetic batch of
+  `config` (a training batch's shapes: packed rows, padded sources, a
+  Transformer-XL memory), under `device_mesh` and the logical axis rules,
+  as a training step calls it; InputError if it does not build."""
+  model = build(config.model)
+
+  def init(rng, batch):
+    kwargs = {}
+    if config.model.memory_length:
+      kwargs['memory'] = Memory.empty(config.model, config.batch_size)
+    return model.init(rng, *task.model_args(batch), **kwargs)['params']
+
   try:
-    boxed_params = jax.eval_shape(functools.partial(
-        steps.init_params, build(model_config), task, seq_len=config.seq_len,
-        boxed=True), jax.random.key(config.seed))
+    with (jax.set_mesh(device_mesh),
+          nn.logical_axis_rules(config.logical_axis_rules),
+          fused.recording() as decisions):
+      param_shapes = jax.eval_shape(init, jax.random.key(config.seed),
+                                    task.synthetic_batch(config))
   except ValueError as error:  # E.g. an attention refusing an option value.
     raise InputError(
-        f'config.model does not build ({_attention_setting(model_config)}): '
+        f'config.model does not build ({_attention_setting(config.model)}): '
         f'{error}') from None
-  # Unset, the key/value heads are the query heads.
-  kv_heads = ('model.num_kv_heads' if config.model.num_kv_heads is not None
+  return Traced(param_shapes, tuple(decisions))
+
+
+def check_parameters(config: TrainConfig, device_mesh: jax.sharding.Mesh,
+                     param_shapes) -> None:
+  """Every parameter (`param_shapes`, with their logical names) splits
+  evenly over `device_mesh`."""
+  # Unset, the key/value heads are the query heads: num_heads sets both.
+  kv_heads = ('model.num_kv_heads'
+              if config.model.num_kv_heads != config.model.num_heads
               else 'model.num_heads')
-  _check_parameters(boxed_params, sizes, rules,
+  _check_parameters(param_shapes, dict(device_mesh.shape),
+                    config.logical_axis_rules,
                     size_keys={'kv_heads': kv_heads})
-  return boxed_params
 
 
-def checked_rules(config: ml_collections.ConfigDict) -> tuple:
-  """`config.logical_axis_rules`, each a logical name and mesh axes, as
-  sharding.logical_rules reads them."""
-  rules = config.logical_axis_rules
-  try:
-    pairs = tuple((name, target) for name, target in rules)
-  except (TypeError, ValueError):
-    raise InputError(
-        f'config.logical_axis_rules={rules!r} must be a sequence of '
-        '(logical name, mesh axis or tuple of mesh axes) pairs.') from None
-  for name, target in pairs:
-    bad = [axis for axis in sharding.mesh_axes(target)
-           if axis not in mesh.MESH_AXES]
-    if not isinstance(name, str) or bad:
-      raise InputError(
-          f'config.logical_axis_rules: ({name!r}, {target!r}) must map a '
-          f'name to mesh axes among {list(mesh.MESH_AXES)}.')
-  return sharding.logical_rules(config)
-
-
-def _check_splits(config: ml_collections.ConfigDict, sizes: dict[str, int],
-                  positions: int) -> None:
-  """The batch and the length split evenly over the mesh, and the strategy
-  can run on it; `positions` is the length of the model's activations."""
+def check_splits(config: TrainConfig, device_mesh: jax.sharding.Mesh,
+                 positions: int) -> None:
+  """The batch and the length split evenly over `device_mesh`, and the
+  strategy can run on it; `positions` is the length of the model's
+  activations."""
+  sizes = dict(device_mesh.shape)
   strategy = config.parallelism.strategy
   if strategy not in mesh.STRATEGIES:
     raise InputError(f'config.parallelism.strategy={strategy!r} must be one '

@@ -1,7 +1,8 @@
 """Checks a training config before anything is built or compiled: each key
-by its rule (train/config/keys.py), `config.model` by ModelConfig, then what
-the keys ask of each other, of the dataset's task, of the model's attention
-and (train/config/layout.py) of the mesh.
+by its rule (train/base/train_config.py), `config.model` by ModelConfig,
+then what the keys ask of each other, of the dataset's task, of the
+model's attention and (train/config/layout.py) of the mesh. A config that
+passes becomes a TrainConfig, which everything after reads.
 
 Each rule names the key it checks, so a mistake is reported as, e.g.,
 `config.model.num_heads=6 does not split over config.parallelism.tensor=4`.
@@ -19,14 +20,16 @@ from model.attention import options as variant_options
 from model.attention import fused
 from model.positions import SCHEMES
 from train.base import hosts
+from train.base import train_config
 from train.base.errors import InputError, did_you_mean
-from train.config import attention_kernels
-from train.config import keys as config_keys
+from train.base.train_config import TrainConfig
+from train.config import kernels
 from train.config import layout as layout_validation
 from train.data import datasets
 from train.data.tasks import Task
 from train.decode import decoding
 from train.program import device_memory, optim
+from train.program import mesh as mesh_lib
 
 
 def _fail(message: str):
@@ -35,18 +38,22 @@ def _fail(message: str):
 
 @dataclasses.dataclass(frozen=True)
 class Checked:
-  """What checking a config found out on the way."""
+  """A config that passed, and what checking it found out on the way."""
 
-  model_config: ModelConfig
+  config: TrainConfig
   task: Task
+  mesh: jax.sharding.Mesh
   # The parameters' shapes and logical names (nn.Partitioned leaves of
   # jax.ShapeDtypeStruct), for their layout on the mesh.
   param_shapes: Any
+  # The choice of each fused-kernel call of a training step, in call order
+  # (train/config/kernels.py).
+  kernels: tuple[fused.Decision, ...]
 
 
-def validate(config: ml_collections.ConfigDict) -> ModelConfig:
-  """The ModelConfig of a config that `check` passes."""
-  return check(config).model_config
+def validate(config: ml_collections.ConfigDict) -> TrainConfig:
+  """The TrainConfig of a config that `check` passes."""
+  return check(config).config
 
 
 def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
@@ -61,12 +68,15 @@ def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
     except InputError as error:
       problems.append(str(error))
 
-  problems += config_keys.problems(config)
-  task = collect(datasets.task_of, config.dataset)
+  problems += train_config.problems(config)
+  problems += filter(None, [train_config.one_of(optim.SCHEDULES)(
+      'schedule', config.get('schedule'))])
+  task = collect(datasets.task_of, config.get('dataset'))
   model_config = collect(_model_config, config)
   if task is None or model_config is None:
     raise InputError('\n'.join(problems))
-  problems += _attention_problems(config, model_config, task)
+  config = TrainConfig.from_config(config, model_config)
+  problems += _attention_problems(config, task)
   if model_config.memory_length and (config.pack_sequences
                                      or config.grad_accum_steps != 1):
     problems.append(
@@ -79,23 +89,30 @@ def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
         f'config.model.family={model_config.family!r} cannot train on '
         f'config.dataset={config.dataset!r} ({task.name}); use '
         + ' or '.join(map(repr, trainers)) + '.')
-  collect(_check_decode_splits, config, model_config, task)
+  collect(_check_decode_splits, config, task)
   if problems:
     raise InputError('\n'.join(problems))
-  positions = model_positions(config, model_config)
-  collect(_check_kernels, config, model_config, positions, devices)
+  positions = model_positions(config)
+  problems += _kernel_option_problems(config)
   limit = SCHEMES[model_config.position].max_positions(model_config)
   if limit is not None and positions > limit:
     problems.append(
         f'config.seq_len={config.seq_len} needs {positions} positions, more '
         f'than config.model.max_len={limit}.')
-  param_shapes = None
+  mesh = collect(mesh_lib.make_mesh, config.parallelism, devices)
   if not problems:
-    param_shapes = collect(layout_validation.check_layout, config,
-                           model_config, task, positions, devices)
+    collect(layout_validation.check_splits, config, mesh, positions)
+  traced = None
+  if not problems:
+    traced = collect(layout_validation.trace_model, config, task, mesh)
+  if traced:
+    problems += kernels.refusals(config, traced.kernels)
+  if not problems:
+    collect(layout_validation.check_parameters, config, mesh,
+            traced.param_shapes)
   if problems:
     raise InputError('\n'.join(problems))
-  return Checked(model_config, task, param_shapes)
+  return Checked(config, task, mesh, traced.param_shapes, traced.kernels)
 
 
 def _model_config(config: ml_collections.ConfigDict) -> ModelConfig:
@@ -107,10 +124,10 @@ def _model_config(config: ml_collections.ConfigDict) -> ModelConfig:
     raise InputError(str(error)) from None
 
 
-def _attention_problems(config: ml_collections.ConfigDict,
-                        model_config: ModelConfig, task: Task) -> list[str]:
+def _attention_problems(config: TrainConfig, task: Task) -> list[str]:
   """Each attention of the pattern (or the one) against its options and
   the packed rows a language model reads; the closing sample."""
+  model_config = config.model
   problems = []
   for layer_config in model_config.layer_configs():
     known = sorted(variant_options.option_names(layer_config.attention))
@@ -135,43 +152,36 @@ def _attention_problems(config: ml_collections.ConfigDict,
   return list(dict.fromkeys(problems))  # A pattern repeats its layers.
 
 
-def _check_kernels(config: ml_collections.ConfigDict,
-                   model_config: ModelConfig, positions: int,
-                   devices) -> None:
-  """A kernel named in the attention options exists and computes what the
-  model's self-attention asks of it on this backend and mesh."""
-  for choice in attention_kernels.choices(config, model_config, positions,
-                                          devices=devices):
-    if choice.option not in fused.KERNELS:
-      _fail(f'{choice.key}={choice.option!r} must be one of '
-            f'{list(fused.KERNELS)}.')
-    if choice.refusal:
-      _fail(f'{choice.key}={choice.option!r} {choice.refusal}: the '
-            f"{choice.stack}'s self-attention is {choice.case.describe()} "
-            f"on {choice.case.backend}; set it to 'auto'.")
+def _kernel_option_problems(config: TrainConfig) -> list[str]:
+  """A kernel option of a layer's attention names one of fused.KERNELS
+  (whether that kernel computes the layer is learnt by tracing)."""
+  problems = []
+  for layer_config in config.model.layer_configs():
+    kernel = dict(layer_config.attention_options).get('kernel', 'auto')
+    if kernel not in fused.KERNELS:
+      problems.append(
+          f'{config.model.option_key(layer_config.attention, "kernel")}='
+          f'{kernel!r} must be one of {list(fused.KERNELS)}.')
+  return list(dict.fromkeys(problems))
 
 
-def _check_decode_splits(config: ml_collections.ConfigDict,
-                         model_config: ModelConfig, task: Task) -> None:
+def _check_decode_splits(config: TrainConfig, task: Task) -> None:
   """Decoding at each evaluation: split names, of a sequence-to-sequence
   dataset, with an attention that reads a key/value cache."""
   splits = config.decode_splits
-  if not isinstance(splits, (tuple, list)) or not all(
-      isinstance(split, str) and split for split in splits):
-    _fail(f'config.decode_splits={splits!r} must be a tuple of split names.')
   if not splits:
     return
   if not task.decodes:
     _fail(f'config.decode_splits={tuple(splits)!r}: decoding evaluates '
           f'sequence-to-sequence datasets, and config.dataset='
           f'{config.dataset!r} is {task.name}; set it to ().')
-  refusal = decoding.cache_refusal(model_config)
+  refusal = decoding.cache_refusal(config.model)
   if refusal:
     _fail(f'config.decode_splits={tuple(splits)!r} decodes with a key/value '
           f'cache, and {refusal}.')
 
 
-def warnings_of(config: ml_collections.ConfigDict) -> list[str]:
+def warnings_of(config: TrainConfig) -> list[str]:
   """One line for each setting of a valid config that is likely not what
   was meant; the trainer prints them at start."""
   found = []
@@ -199,15 +209,14 @@ def warnings_of(config: ml_collections.ConfigDict) -> list[str]:
   return found
 
 
-def model_positions(config: ml_collections.ConfigDict,
-                    model_config: ModelConfig) -> int:
+def model_positions(config: TrainConfig) -> int:
   """The length of the model's activations: config.seq_len, plus what the
   family adds (a classifier's CLS vector)."""
-  family = families.FAMILIES[model_config.family]
-  return config.seq_len + family.extra_positions(model_config)
+  family = families.FAMILIES[config.model.family]
+  return config.seq_len + family.extra_positions(config.model)
 
 
-def check_dataset_fits(config: ml_collections.ConfigDict,
+def check_dataset_fits(config: TrainConfig,
                        dataset: datasets.Dataset) -> None:
   """The dataset has the eval and decode splits, and the model's
   vocabulary and classes cover the dataset's."""
@@ -247,7 +256,7 @@ def _size(count: float) -> str:
 
 
 def check_step_fits(compiled: jax.stages.Compiled,
-                    config: ml_collections.ConfigDict) -> None:
+                    config: TrainConfig) -> None:
   """Before the first step: the compiled train step's memory on a device
   (its arguments, outputs and temporaries, less what it updates in place)
   fits in what the device holds; InputError with the figures and the keys

@@ -24,12 +24,12 @@ from typing import Any
 import grain
 import jax
 from jax.experimental import multihost_utils
-import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 
 from train.base import hosts, quiet
 from train.base.errors import InputError, did_you_mean
+from train.base.train_config import TrainConfig
 from train.data import algorithmic, builder_config, integrity, listops, stdlib
 from train.data import tasks, tokenizers
 
@@ -133,9 +133,9 @@ def _document(tokens: np.ndarray) -> np.ndarray:
   return np.concatenate([[tokenizers.EOS_ID], tokens]).astype(np.int32)
 
 
-def _options(config, known: set[str]) -> dict[str, Any]:
+def _options(config: TrainConfig, known: set[str]) -> dict[str, Any]:
   """config.dataset_options as a dict, each key checked against `known`."""
-  options = config.dataset_options.to_dict()
+  options = dict(config.dataset_options)
   for key in options:
     if key not in known:
       raise InputError(
@@ -144,7 +144,8 @@ def _options(config, known: set[str]) -> dict[str, Any]:
   return options
 
 
-def load_python_stdlib_bytes(config, data_dir, workdir) -> Dataset:
+def load_python_stdlib_bytes(config: TrainConfig, data_dir: str,
+                             workdir: str) -> Dataset:
   """The corpus is small (about 12 MB), so it is read into memory, and its
   windows are shuffled one by one."""
   del workdir  # The corpus needs no tokenizer training.
@@ -159,7 +160,7 @@ def load_python_stdlib_bytes(config, data_dir, workdir) -> Dataset:
                  byte_level=True, shuffle_windows=True)
 
 
-def _builder_config(config_cls, config: ml_collections.ConfigDict):
+def _builder_config(config_cls, config: TrainConfig):
   """The builder config from config.dataset_options (its own fields only)."""
   options = _options(config, set(builder_config.options_of(config_cls)))
   try:
@@ -168,7 +169,8 @@ def _builder_config(config_cls, config: ml_collections.ConfigDict):
     raise InputError(f'config.dataset_options.{error}') from None
 
 
-def load_algorithmic(config, data_dir, workdir) -> Dataset:
+def load_algorithmic(config: TrainConfig, data_dir: str,
+                     workdir: str) -> Dataset:
   del workdir
   task_config = _builder_config(algorithmic.AlgorithmicConfig, config)
   sources = _build(lambda: algorithmic.Algorithmic(
@@ -179,7 +181,8 @@ def load_algorithmic(config, data_dir, workdir) -> Dataset:
   return Dataset(tasks.SEQ2SEQ, splits, algorithmic.VOCAB_SIZE)
 
 
-def load_listops(config, data_dir, workdir) -> Dataset:
+def load_listops(config: TrainConfig, data_dir: str,
+                 workdir: str) -> Dataset:
   del workdir
   lengths_config = _builder_config(listops.ListOpsConfig, config)
   sources = _build(lambda: listops.ListOps(
@@ -225,7 +228,7 @@ def _text(value) -> str:
   return value.decode('utf-8') if isinstance(value, bytes) else value
 
 
-def _sentencepiece(config, workdir,
+def _sentencepiece(config: TrainConfig, workdir: str,
                    texts: Callable[[], Iterator[str]]
                    ) -> tokenizers.SentencePieceTokenizer:
   """The tokenizer at config.vocab_path, trained from `texts` if absent.
@@ -241,7 +244,8 @@ def _sentencepiece(config, workdir,
   return tokenizers.SentencePieceTokenizer(path)
 
 
-def load_lm1b(config, data_dir, workdir) -> Dataset:
+def load_lm1b(config: TrainConfig, data_dir: str,
+              workdir: str) -> Dataset:
   _options(config, set())
   sources = _prepared_sources(config.dataset, data_dir, ('train', 'test'))
   train = sources['train']
@@ -255,7 +259,8 @@ def load_lm1b(config, data_dir, workdir) -> Dataset:
   return Dataset(tasks.LM, splits, tokenizer.vocab_size, tokenizer)
 
 
-def load_translation(config, data_dir, workdir) -> Dataset:
+def load_translation(config: TrainConfig, data_dir: str,
+                     workdir: str) -> Dataset:
   """A tfds translation dataset ({language: text} examples)."""
   options = _options(config, {'source_language', 'target_language'})
   source_language = options.get('source_language')
@@ -314,7 +319,7 @@ def task_of(name: str) -> tasks.Task:
   return LOADERS[name][0]
 
 
-def load(config: ml_collections.ConfigDict, workdir: str) -> Dataset:
+def load(config: TrainConfig, workdir: str) -> Dataset:
   """The dataset `config.dataset`, built or opened in `config.data_dir`."""
   task_of(config.dataset)
   loader = LOADERS[config.dataset][1]

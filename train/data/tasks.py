@@ -24,9 +24,9 @@ from typing import Any
 import grain
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
+from train.base.train_config import TrainConfig
 from train.data import layouts
 
 Array = jax.Array
@@ -80,7 +80,7 @@ class Task:
     """Non-padding tokens the model reads, float32."""
     return jnp.sum(batch['inputs'] != 0).astype(jnp.float32)
 
-  def synthetic_batch(self, config: ml_collections.ConfigDict,
+  def synthetic_batch(self, config: TrainConfig,
                       seed: int = 0) -> dict[str, np.ndarray]:
     """A batch of random tokens of the shapes the pipeline gives for
     `config` (benchmarks and compiled-memory figures)."""
@@ -107,7 +107,8 @@ class Task:
     raise NotImplementedError
 
 
-def _random_tokens(config, rng: np.random.Generator) -> np.ndarray:
+def _random_tokens(config: TrainConfig,
+                   rng: np.random.Generator) -> np.ndarray:
   return rng.integers(1, config.model.vocab_size,
                       (config.batch_size, config.seq_len)).astype(np.int32)
 
@@ -124,7 +125,7 @@ class LanguageModelling(Task):
   def model_args(self, batch):
     return batch['inputs'], batch['positions'], batch.get('segment_ids')
 
-  def synthetic_batch(self, config, seed=0):
+  def synthetic_batch(self, config: TrainConfig, seed=0):
     rng = np.random.default_rng(seed)
     shape = (config.batch_size, config.seq_len)
     batch = {'inputs': _random_tokens(config, rng),
@@ -162,7 +163,7 @@ class SequenceToSequence(Task):
     """Inputs and targets."""
     return super().token_count(batch) + jnp.sum(batch['weights'] > 0)
 
-  def synthetic_batch(self, config, seed=0):
+  def synthetic_batch(self, config: TrainConfig, seed=0):
     rng = np.random.default_rng(seed)
     return {'inputs': _random_tokens(config, rng),
             'decoder_inputs': _random_tokens(config, rng),
@@ -182,7 +183,7 @@ class Classification(Task):
   def model_args(self, batch):
     return (batch['inputs'],)
 
-  def synthetic_batch(self, config, seed=0):
+  def synthetic_batch(self, config: TrainConfig, seed=0):
     rng = np.random.default_rng(seed)
     return {'inputs': _random_tokens(config, rng),
             'targets': rng.integers(0, config.model.num_classes,

@@ -1,6 +1,7 @@
 """The device mesh of a run, from `config.parallelism`, and multi-host start.
 
-The mesh has four named axes, always in this order (MESH_AXES):
+The mesh has four named axes, always in this order (MESH_AXES, declared
+with the keys that size them in train/base/train_config.py):
   data      data parallelism: each replica takes a slice of the batch.
   fsdp      fully sharded data parallelism (ZeRO-3): a slice of the batch
             too, and every parameter split along its `embed` dim; XLA
@@ -24,20 +25,17 @@ import ml_collections
 import numpy as np
 
 from train.base.errors import InputError
+from train.base.train_config import MESH_AXES, Parallelism
 
-MESH_AXES = ('data', 'fsdp', 'tensor', 'sequence')
-# The axes that split the batch.
-BATCH_AXES = ('data', 'fsdp')
 STRATEGIES = ('pjit', 'pmap')
 
 
-def axis_sizes(parallelism: ml_collections.ConfigDict,
-               num_devices: int) -> dict[str, int]:
+def axis_sizes(parallelism: Parallelism, num_devices: int) -> dict[str, int]:
   """{axis: size} with any -1 resolved; InputError naming the key when the
   sizes are not positive integers or do not multiply to `num_devices`."""
   sizes = {}
   for axis in MESH_AXES:
-    size = parallelism[axis]
+    size = getattr(parallelism, axis)
     if isinstance(size, bool) or not isinstance(size, int) or (
         size < 1 and size != -1):
       raise InputError(f'config.parallelism.{axis}={size!r} must be a '
@@ -62,7 +60,7 @@ def axis_sizes(parallelism: ml_collections.ConfigDict,
   return sizes
 
 
-def make_mesh(parallelism: ml_collections.ConfigDict,
+def make_mesh(parallelism: Parallelism,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
   """The mesh over `devices` (default: every device of every host).
 

@@ -4,24 +4,23 @@ from collections.abc import Callable
 import dataclasses
 
 import jax.numpy as jnp
-import ml_collections
 import optax
 
-OPTIMIZERS = ('adamw', 'sgd')
+from train.base.train_config import TrainConfig
 
 
-def wsd_cooldown_steps(config: ml_collections.ConfigDict) -> int:
+def wsd_cooldown_steps(config: TrainConfig) -> int:
   """The steps of wsd's decay: the last `decay_fraction` of the run, at
   least one."""
   return max(round(config.decay_fraction * config.num_train_steps), 1)
 
 
-def _ramp(config: ml_collections.ConfigDict) -> optax.Schedule:
+def _ramp(config: TrainConfig) -> optax.Schedule:
   """The warmup: linear from 0 to the peak over `warmup_steps`."""
   return optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
 
 
-def _after_warmup(config: ml_collections.ConfigDict,
+def _after_warmup(config: TrainConfig,
                   decay: optax.Schedule) -> optax.Schedule:
   """The warmup's ramp, then `decay` counted from its end."""
   if config.warmup_steps == 0:
@@ -29,36 +28,36 @@ def _after_warmup(config: ml_collections.ConfigDict,
   return optax.join_schedules([_ramp(config), decay], [config.warmup_steps])
 
 
-def _final(config: ml_collections.ConfigDict) -> float:
+def _final(config: TrainConfig) -> float:
   return config.learning_rate * config.final_learning_rate_fraction
 
 
-def _decay_steps(config: ml_collections.ConfigDict) -> int:
+def _decay_steps(config: TrainConfig) -> int:
   return max(config.num_train_steps - config.warmup_steps, 1)
 
 
-def _cosine(config: ml_collections.ConfigDict) -> optax.Schedule:
+def _cosine(config: TrainConfig) -> optax.Schedule:
   return _after_warmup(config, optax.cosine_decay_schedule(
       config.learning_rate, _decay_steps(config),
       alpha=config.final_learning_rate_fraction))
 
 
-def _linear(config: ml_collections.ConfigDict) -> optax.Schedule:
+def _linear(config: TrainConfig) -> optax.Schedule:
   return _after_warmup(config, optax.linear_schedule(
       config.learning_rate, _final(config), _decay_steps(config)))
 
 
-def _rsqrt(config: ml_collections.ConfigDict) -> optax.Schedule:
+def _rsqrt(config: TrainConfig) -> optax.Schedule:
   peak, warmup = config.learning_rate, max(config.warmup_steps, 1)
   return _after_warmup(
       config, lambda count: peak * jnp.sqrt(warmup / (count + warmup)))
 
 
-def _constant(config: ml_collections.ConfigDict) -> optax.Schedule:
+def _constant(config: TrainConfig) -> optax.Schedule:
   return _after_warmup(config, optax.constant_schedule(config.learning_rate))
 
 
-def _wsd(config: ml_collections.ConfigDict) -> optax.Schedule:
+def _wsd(config: TrainConfig) -> optax.Schedule:
   peak, cooldown = config.learning_rate, wsd_cooldown_steps(config)
 
   def peak_then_cooldown(steps_at_peak: int) -> optax.Schedule:
@@ -80,7 +79,7 @@ class Schedule:
   `warmup_steps` to the peak `learning_rate`, then its own course."""
 
   # config -> the rate at each step.
-  build: Callable[[ml_collections.ConfigDict], optax.Schedule]
+  build: Callable[[TrainConfig], optax.Schedule]
   # Its rates do not depend on num_train_steps, so a run on it may be
   # extended or shortened when it resumes.
   length_free: bool = False
@@ -113,12 +112,12 @@ def length_free_schedules() -> list[str]:
   return [name for name, schedule in SCHEDULES.items() if schedule.length_free]
 
 
-def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
   """The rate at each step of `config.schedule` (SCHEDULES)."""
   return SCHEDULES[config.schedule].build(config)
 
 
-def make_optimizer(config: ml_collections.ConfigDict, decay_mask
+def make_optimizer(config: TrainConfig, decay_mask
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Clipping by global norm, then `config.optimizer` on the schedule,
   with weight decay on the parameters `decay_mask` marks (a tree of bools

@@ -6,7 +6,8 @@ blocks constrain their inputs to (activation_batch, activation_length,
 activation_embed) (model/logical_axes.py); the fused attention kernels
 split their work by the same rules.
 `config.logical_axis_rules` maps each name to mesh axes
-(train/program/mesh.py); a name without a rule is not split. DEFAULT_RULES give
+(train/program/mesh.py); a name without a rule is not split. Its defaults
+(train/base/train_config.py) give
   data parallelism      the batch over data and fsdp;
   FSDP                  every weight's embed dim over fsdp (each weight
                         matrix and embedding has one);
@@ -25,24 +26,10 @@ The programs that use them are built in train/run/program.py.
 import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-import ml_collections
 
-from model import logical_axes
 from model.state import Memory
-from train.program import mesh as mesh_lib
+from train.base.train_config import BATCH_AXES
 from train.program.steps import TrainState
-
-BATCH_AXES = mesh_lib.BATCH_AXES
-
-DEFAULT_RULES = (
-    (logical_axes.BATCH, BATCH_AXES),
-    (logical_axes.LENGTH, 'sequence'),
-    ('embed', 'fsdp'),
-    (logical_axes.HEADS, 'tensor'),
-    (logical_axes.KV_HEADS, 'tensor'),
-    ('mlp', 'tensor'),
-    ('vocab', 'tensor'),
-)
 
 
 def mesh_axes(target) -> tuple[str, ...]:
@@ -50,13 +37,6 @@ def mesh_axes(target) -> tuple[str, ...]:
   if target is None:
     return ()
   return (target,) if isinstance(target, str) else tuple(target)
-
-
-def logical_rules(config: ml_collections.ConfigDict) -> tuple:
-  """`config.logical_axis_rules` (checked by train/config/layout.py) as
-  a tuple of (name, mesh axes) pairs; JSON's lists are tuples again."""
-  return tuple((name, tuple(target) if isinstance(target, list) else target)
-               for name, target in config.logical_axis_rules)
 
 
 def state_shardings(abstract_state: TrainState, boxed_params, mesh: Mesh,

@@ -25,11 +25,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 
 from model import ModelConfig, build, weight_decay
+from model.attention import fused
 from model.state import Memory
+from train.base.train_config import TrainConfig
 from train.config import validation as config_validation
 from train.data.tasks import Task
 from train.program import optim, sharding, steps
-from train.program import mesh as mesh_lib
 from train.program.steps import TrainState
 
 
@@ -69,12 +70,10 @@ class Program:
   Trace and run `train_step` and `eval_step` inside `scope()`.
   """
 
-  model_config: ModelConfig
+  config: TrainConfig
   task: Task
   model: nn.Module
   mesh: Mesh
-  rules: tuple
-  seed: int
   # Shapes, dtypes and shardings of the train state (what a restore fills).
   abstract_state: TrainState
   state_sharding: TrainState
@@ -87,6 +86,9 @@ class Program:
   eval_step: Callable[..., tuple[dict, Any]]
   # () -> an empty Transformer-XL memory (None without one).
   fresh_memory: Callable[[], Any]
+  # The choice of each fused-kernel call of a training step, in call order
+  # (train/config/kernels.py).
+  kernels: tuple[fused.Decision, ...] = ()
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict,
@@ -95,10 +97,13 @@ class Program:
     device of every host); InputError naming every bad key, checked for
     that mesh, first."""
     checked = config_validation.check(config, devices)
-    return compile_program(
-        config, checked.model_config, checked.task,
-        mesh_lib.make_mesh(config.parallelism, devices),
-        param_shapes=checked.param_shapes)
+    return compile_program(checked.config, checked.task, checked.mesh,
+                           param_shapes=checked.param_shapes,
+                           kernels=checked.kernels)
+
+  @property
+  def model_config(self) -> ModelConfig:
+    return self.config.model
 
   @property
   def num_params(self) -> int:
@@ -107,8 +112,8 @@ class Program:
   def key(self, index: int) -> jax.Array:
     """Key `index` of those the seed gives, the same on every host:
     0 initialises, 1 draws dropout, 2 samples."""
-    return jax.jit(lambda: jax.random.split(jax.random.key(self.seed),
-                                            3)[index],
+    return jax.jit(lambda: jax.random.split(
+        jax.random.key(self.config.seed), 3)[index],
                    out_shardings=NamedSharding(self.mesh, P()))()
 
   def replicate(self, tree):
@@ -126,17 +131,19 @@ class Program:
     there."""
     stack = contextlib.ExitStack()
     stack.enter_context(jax.set_mesh(self.mesh))
-    stack.enter_context(nn.logical_axis_rules(self.rules))
+    stack.enter_context(
+        nn.logical_axis_rules(self.config.logical_axis_rules))
     return stack
 
 
-def compile_program(config: ml_collections.ConfigDict,
-                    model_config: ModelConfig, task: Task, mesh: Mesh, *,
-                    param_shapes=None) -> Program:
+def compile_program(config: TrainConfig, task: Task, mesh: Mesh, *,
+                    param_shapes=None, kernels=()) -> Program:
   """The Program of a checked config on `mesh` (jitted, compiled on first
   call). `param_shapes`: the parameters' shapes with their logical names
-  (`steps.init_params(..., boxed=True)` under `jax.eval_shape`), if known.
+  (`steps.init_params(..., boxed=True)` under `jax.eval_shape`), if known;
+  `kernels`: the fused-kernel choices its check recorded.
   """
+  model_config = config.model
   model = build(model_config)
   if param_shapes is None:
     param_shapes = jax.eval_shape(functools.partial(
@@ -144,7 +151,7 @@ def compile_program(config: ml_collections.ConfigDict,
         jax.random.key(config.seed))
   optimizer, schedule = optim.make_optimizer(
       config, weight_decay.decay_mask(param_shapes))
-  rules = sharding.logical_rules(config)
+  rules = config.logical_axis_rules
   replicated = NamedSharding(mesh, P())
 
   def empty_memory():
@@ -180,8 +187,7 @@ def compile_program(config: ml_collections.ConfigDict,
           config.seq_len)),
       out_shardings=state_sharding)
   return Program(
-      model_config=model_config, task=task, model=model, mesh=mesh,
-      rules=rules, seed=seed,
+      config=config, task=task, model=model, mesh=mesh,
       abstract_state=jax.tree.map(
           lambda leaf, leaf_sharding: jax.ShapeDtypeStruct(
               leaf.shape, leaf.dtype, sharding=leaf_sharding),
@@ -189,4 +195,5 @@ def compile_program(config: ml_collections.ConfigDict,
       state_sharding=state_sharding, batch_sharding=batch, init=init,
       train_step=train_step, eval_step=eval_step,
       fresh_memory=jax.jit(empty_memory,
-                           out_shardings=state_sharding.memory))
+                           out_shardings=state_sharding.memory),
+      kernels=kernels)

@@ -12,6 +12,7 @@ import ml_collections
 
 from model import ModelConfig
 from train.base.errors import InputError
+from train.base.train_config import TrainConfig
 from train.data import datasets
 from train.decode import decoding
 from train.run import checkpointing
@@ -21,13 +22,16 @@ from train.run.program import Program
 
 @dataclasses.dataclass(frozen=True)
 class TrainedRun:
-  config: ml_collections.ConfigDict
-  model_config: ModelConfig
+  config: TrainConfig
   model: nn.Module
   dataset: datasets.Dataset
   # The latest checkpoint's parameters, and its step.
   params: Any
   step: int
+
+  @property
+  def model_config(self) -> ModelConfig:
+    return self.config.model
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
@@ -64,6 +68,7 @@ def load(workdir: str, decoder: str | None = None) -> TrainedRun:
   if refusal:
     raise InputError(f'{decoder} decodes with a key/value cache, and in the '
                      f'run in {workdir} {refusal}.')
+  config = program.config
   dataset = datasets.load(config, workdir)
   checkpointer = checkpointing.Checkpointer(
       workdir, keep=config.keep_checkpoints, read_only=True)
@@ -72,5 +77,4 @@ def load(workdir: str, decoder: str | None = None) -> TrainedRun:
   if restored is None:
     raise InputError(f'{workdir} has no checkpoint yet.')
   step, state = restored
-  return TrainedRun(config, program.model_config, program.model, dataset,
-                    state.params, step)
+  return TrainedRun(config, program.model, dataset, state.params, step)

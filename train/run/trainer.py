@@ -18,7 +18,8 @@ import ml_collections
 import tqdm
 
 from train.base.errors import InputError, Pruned, Stopped, TrainingError
-from train.config import attention_kernels
+from train.base.train_config import TrainConfig
+from train.config import kernels
 from train.config import validation as config_validation
 from train.data import datasets, pipeline
 from train.data.tasks import Task
@@ -78,7 +79,7 @@ def closing_summary(*, task: Task, steps: tuple[int, int], seconds: float,
   return '\n'.join(lines)
 
 
-def _decoding_evaluation(config: ml_collections.ConfigDict,
+def _decoding_evaluation(config: TrainConfig,
                          dataset: datasets.Dataset, program: Program,
                          workdir: str) -> Callable[[Any], dict[str, float]]:
   """`params -> {decode_<split>_<score>: value}` for config.decode_splits:
@@ -114,7 +115,7 @@ def _decoding_evaluation(config: ml_collections.ConfigDict,
   return evaluate
 
 
-def _evaluation(config: ml_collections.ConfigDict, dataset: datasets.Dataset,
+def _evaluation(config: TrainConfig, dataset: datasets.Dataset,
                 program: Program, workdir: str, layout: str
                 ) -> Callable[[Any], dict[str, float]]:
   """params -> the evaluation's summary: config.num_eval_steps batches of
@@ -143,7 +144,7 @@ def _evaluation(config: ml_collections.ConfigDict, dataset: datasets.Dataset,
   return evaluate
 
 
-def _say_what_runs(config: ml_collections.ConfigDict, program: Program,
+def _say_what_runs(config: TrainConfig, program: Program,
                    workdir: str) -> None:
   """The run's first lines: the model, its size and devices, the config's
   warnings, and the kernel each self-attention runs."""
@@ -157,15 +158,13 @@ def _say_what_runs(config: ml_collections.ConfigDict, program: Program,
        f'{config.parallelism.strategy}), workdir {workdir}')
   for warning in config_validation.warnings_of(config):
     _say(f'Warning: {warning}')
-  kernels = attention_kernels.choices(
-      config, model_config,
-      config_validation.model_positions(config, model_config))
-  if kernels:
+  if program.kernels:
     _say('Attention kernels: '
-         + '; '.join(choice.describe() for choice in kernels))
+         + '; '.join(layers.describe() for layers
+                     in kernels.grouped(config, program.kernels)))
 
 
-def _train_log(config: ml_collections.ConfigDict, program: Program,
+def _train_log(config: TrainConfig, program: Program,
                writer: metrics.MetricWriter) -> metrics.TrainLog:
   """The training metrics' log, with the step's model FLOPs for MFU and
   config.nan_policy's guard."""
@@ -182,7 +181,7 @@ def _train_log(config: ml_collections.ConfigDict, program: Program,
       peak_flops_per_s=flops.peak_flops_per_s())
 
 
-def _say_a_sample(config: ml_collections.ConfigDict, program: Program,
+def _say_a_sample(config: TrainConfig, program: Program,
                   dataset: datasets.Dataset, params) -> None:
   """Text the trained model continues config.sample_prompt with."""
   # Whole on every device: every host runs the sampling and can read it.
@@ -215,24 +214,69 @@ def train_and_evaluate(
   started = time.perf_counter()
   program = Program.from_config(config)
   workdir = os.path.abspath(workdir)
+  # The config as given is the workdir's record (config.json) and the
+  # run's hyperparameters in TensorBoard; the program's is what runs.
+  hparams = metrics.flat_hparams(config.to_dict())
   with workdir_lib.claim(config, workdir):
     # Listening from here on: a stop asked for while the dataset is read or
     # the steps compile is acted on after the first step.
     stop = preemption.StopRequest()
     try:
-      return _train(config, program, workdir, stop, started, on_evaluation)
+      return _train(program, workdir, stop, started, on_evaluation, hparams)
     finally:
       stop.close()
 
 
-def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
-           stop: preemption.StopRequest, started: float,
-           on_evaluation: Callable[[int, dict[str, float]], bool] | None
-           ) -> dict[str, float]:
+def _restore_or_init(program: Program,
+                     checkpointer: checkpointing.Checkpointer,
+                     train_iterator) -> Any:
+  """The train state of the latest checkpoint (the iterator restored with
+  it), or a fresh one."""
+  restored = checkpointer.restore_latest(program.abstract_state,
+                                        train_iterator)
+  if restored is None:
+    return program.init()
+  latest, state = restored
+  _say(f'Resumed from the checkpoint at step {latest}.')
+  return state
+
+
+def _compile(program: Program, state, batch, dropout_rng,
+             writer: metrics.MetricWriter) -> None:
+  """Compiles the train step for the first batch (the calls reuse it) and
+  checks that it fits in each device's memory."""
+  writer.say('Compiling the train step ...')
+  compiling = time.perf_counter()
+  with jax.profiler.TraceAnnotation('compile'):
+    config_validation.check_step_fits(program.train_step.lower(
+        state, batch, dropout_rng).compile(), program.config)
+  writer.say(f'Compiled in {time.perf_counter() - compiling:.0f} s.')
+
+
+def _leave(done: int, checkpointer: checkpointing.Checkpointer,
+           stop_reason: str | None) -> None:
+  """Once step `done`'s checkpoint is written: Stopped on `stop_reason`,
+  else Pruned."""
+  checkpointer.wait()
+  if stop_reason:
+    _say(f'{stop_reason}: saved the checkpoint of step {done} in '
+         f'{checkpointer.directory} and stopped; run the same command '
+         'to resume.')
+    raise Stopped(f'stopped at step {done} on {stop_reason}')
+  _say(f'Pruned at step {done}: saved its checkpoint in '
+       f'{checkpointer.directory}.')
+  raise Pruned(f'pruned at step {done}')
+
+
+def _train(program: Program, workdir: str, stop: preemption.StopRequest,
+           started: float,
+           on_evaluation: Callable[[int, dict[str, float]], bool] | None,
+           hparams: dict[str, Any]) -> dict[str, float]:
   """train_and_evaluate of a checked config's program in its claimed
   workdir, `stop` listening; `started`: when the run started
-  (time.perf_counter)."""
-  model_config = program.model_config
+  (time.perf_counter); `hparams`: the config as given, flattened for
+  TensorBoard."""
+  config, model_config = program.config, program.model_config
   dataset = datasets.load(config, workdir)
   config_validation.check_dataset_fits(config, dataset)
 
@@ -246,14 +290,7 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
       dataset, seq_len=config.seq_len, batch_size=config.batch_size,
       seed=config.seed, layout=layout,
       max_segments=model_config.max_segments_per_row, place=program.batch)
-  restored = checkpointer.restore_latest(program.abstract_state,
-                                        train_iterator)
-  if restored is None:
-    state = program.init()
-  else:
-    latest, state = restored
-    _say(f'Resumed from the checkpoint at step {latest}.')
-
+  state = _restore_or_init(program, checkpointer, train_iterator)
   _say_what_runs(config, program, workdir)
   last_step = config.num_train_steps
   first_step = int(state.step)
@@ -279,12 +316,7 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
         with jax.profiler.StepTraceAnnotation('train', step_num=done):
           batch = placed_batch(done)
           if step == first_step:  # Compiled once: the calls reuse it.
-            writer.say('Compiling the train step ...')
-            compiling = time.perf_counter()
-            with jax.profiler.TraceAnnotation('compile'):
-              config_validation.check_step_fits(program.train_step.lower(
-                  state, batch, dropout_rng).compile(), config)
-            writer.say(f'Compiled in {time.perf_counter() - compiling:.0f} s.')
+            _compile(program, state, batch, dropout_rng, writer)
             # The first throughput figure is that of the steps alone.
             train_log.restart_clock()
           state, step_metrics = program.train_step(state, batch, dropout_rng)
@@ -322,21 +354,12 @@ def _train(config: ml_collections.ConfigDict, program: Program, workdir: str,
               writer.say(f'step {done}: saving the checkpoint in '
                          f'{checkpointer.directory} (in the background)')
             train_log.restart_clock()
-          if stopping:
-            checkpointer.wait()
-            _say(f'{stop.reason}: saved the checkpoint of step {done} in '
-                 f'{checkpointer.directory} and stopped; run the same command '
-                 'to resume.')
-            raise Stopped(f'stopped at step {done} on {stop.reason}')
-          if pruned:
-            checkpointer.wait()
-            _say(f'Pruned at step {done}: saved its checkpoint in '
-                 f'{checkpointer.directory}.')
-            raise Pruned(f'pruned at step {done}')
+          if stopping or pruned:
+            _leave(done, checkpointer, stop.reason if stopping else None)
       if final is None:  # Trained to the end before; evaluate again only.
         final = evaluate(state.params)
         _say(f'Already trained to step {last_step}: evaluated again.')
-    writer.write_hparams(metrics.flat_hparams(config.to_dict()), final)
+    writer.write_hparams(hparams, final)
   except metrics.NonFiniteStop as error:
     latest = checkpointer.wait()
     where = ('no checkpoint was saved before it' if latest is None else

@@ -416,3 +416,23 @@ def test_a_named_kernel_that_cannot_compute_the_case_raises():
   with pytest.raises(fused.KernelError, match='needs a GPU'):
     attention.get('chunked')(q, k, v, kernel='cudnn')
   assert fused.choose('pallas_gpu', case('cpu')) == 'pallas_gpu'
+
+
+@pytest.mark.core
+def test_a_recording_keeps_each_choice_and_its_caller_and_raises_nothing():
+  """Within fused.recording(), a trace learns what each call would run
+  (train/config/kernels.py) while computing shapes with xla."""
+  hopper = case('gpu', compute_capability='9.0')
+  with fused.recording() as decisions:
+    with fused.caller(('decoder', 'block_1', 'self_attention')):
+      assert fused.choose('auto', hopper) == 'xla'
+    assert fused.choose('cudnn', case('cpu')) == 'xla'
+  assert [(d.caller, d.option, d.kernel) for d in decisions] == [
+      (('decoder', 'block_1', 'self_attention'), 'auto', 'cudnn'),
+      ((), 'cudnn', None)]
+  assert decisions[0].refusal is None
+  assert decisions[1].refusal.startswith('needs a GPU')
+  # Outside a recording, the same calls run and refuse as ever.
+  assert fused.choose('auto', hopper) == 'cudnn'
+  with pytest.raises(fused.KernelError, match='needs a GPU'):
+    fused.choose('cudnn', case('cpu'))

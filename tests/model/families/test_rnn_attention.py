@@ -11,6 +11,7 @@ from configs import rnn_attention
 from model import ModelConfig, build
 from model.families.rnn_attention import AttentionScore
 from tests.helpers.adam_steps import adam_steps
+from train.base.train_config import TrainConfig
 from train.data import tasks
 from train.decode import decoding
 from train.program import mesh, steps
@@ -105,7 +106,7 @@ def test_it_trains_data_parallel_over_the_devices_as_on_one():
   config = rnn_attention.get_config('task=reverse')
   config.batch_size, config.seq_len, config.warmup_steps = 8, 6, 1
   config.model.update(d_model=D)
-  model_config = ModelConfig.from_mapping(config.model)
+  config = TrainConfig.from_config(config)
   rng = np.random.default_rng(0)
   sources = rng.integers(3, V, (8, 6))
   batch = {'inputs': sources, 'targets': sources[:, ::-1].copy(),
@@ -114,8 +115,7 @@ def test_it_trains_data_parallel_over_the_devices_as_on_one():
 
   def losses(devices):
     program = compile_program(
-        config, model_config, tasks.SEQ2SEQ, mesh.make_mesh(config.parallelism,
-                                                        devices))
+        config, tasks.SEQ2SEQ, mesh.make_mesh(config.parallelism, devices))
     state, out = program.init(), []
     with program.scope():
       for _ in range(3):

@@ -1,6 +1,7 @@
 """Training configs are checked before anything compiles, key by key: every
 bad value exits with status 2 and one message naming its key."""
 
+import dataclasses
 import functools
 
 import ml_collections
@@ -13,7 +14,7 @@ from model.attention import options as variant_options
 from tests.helpers import config_overrides
 from train import train
 from train.base.errors import InputError
-from train.config import keys as declared_keys
+from train.base import train_config
 from train.config import validation as config_validation
 from train.data import tasks
 
@@ -29,12 +30,17 @@ def test_every_shipped_config_is_valid():
     config_validation.validate(config)
 
 
+def warnings_of(config):
+  return config_validation.warnings_of(
+      train_config.TrainConfig.from_config(config))
+
+
 def test_a_run_shorter_than_its_warmup_is_valid_and_warned_of():
   config = lm_stdlib.get_config('baseline')  # 50 warmup steps, cosine.
-  assert config_validation.warnings_of(config) == []
+  assert warnings_of(config) == []
   config.num_train_steps = 20
   config_validation.validate(config)
-  assert config_validation.warnings_of(config) == [
+  assert warnings_of(config) == [
       'config.warmup_steps=50 exceeds config.num_train_steps=20: the '
       'learning rate never leaves its warmup, reaching 0.4 of '
       'config.learning_rate=0.003.']
@@ -42,9 +48,9 @@ def test_a_run_shorter_than_its_warmup_is_valid_and_warned_of():
 
 def test_a_wsd_run_too_short_for_its_warmup_and_cooldown_is_warned_of():
   config = lm_stdlib.get_config()  # 50 warmup steps, wsd over the last 0.2.
-  assert config_validation.warnings_of(config) == []
+  assert warnings_of(config) == []
   config.num_train_steps = 20  # The smoke run.
-  [warning] = config_validation.warnings_of(config)
+  [warning] = warnings_of(config)
   assert warning == (
       'config.warmup_steps=50 and the wsd cooldown of 4 steps (config.'
       'decay_fraction=0.2 of config.num_train_steps=20) overlap: the '
@@ -52,20 +58,22 @@ def test_a_wsd_run_too_short_for_its_warmup_and_cooldown_is_warned_of():
       'reaching at most 0.36 of config.learning_rate=0.0033, and ends at '
       '0.1 of it.')
   config.num_train_steps = 4  # The ramp is below the final rate at the end.
-  assert config_validation.warnings_of(config) == [
+  assert warnings_of(config) == [
       'config.warmup_steps=50 exceeds config.num_train_steps=4: the '
       'learning rate never leaves its warmup, reaching 0.08 of '
       'config.learning_rate=0.0033.']
 
 
 def test_every_default_key_has_a_comment():
-  """The training keys are declared in train/config/keys.py, a comment
-  above each; config.model's fields are checked in test_config.py."""
-  source = open(declared_keys.__file__).read()
-  assert set(default.get_config().keys()) == (set(declared_keys.KEYS)
-                                              | {'model'})
-  for key in declared_keys.KEYS:
-    line = source.index(f"    '{key}': Key(")
+  """The training keys are declared in train/base/train_config.py, a
+  comment above each; config.model's fields are checked in
+  test_config.py."""
+  source = open(train_config.__file__).read()
+  declared = [field.name for field in dataclasses.fields(
+      train_config.TrainConfig)]
+  assert set(default.get_config().keys()) == set(declared)
+  for key in declared:
+    line = source.index(f'\n  {key}: ')
     previous = source[:line].rstrip().splitlines()[-1].strip()
     assert previous.startswith('#'), key
 

@@ -7,12 +7,11 @@ import time
 import types
 
 import grain
-import ml_collections
 import numpy as np
 import pytest
 
-from configs import default
 from train.base.errors import InputError
+from train.base.train_config import TrainConfig
 from train.data import algorithmic, builder_config, datasets, layouts, listops
 from train.data import pipeline, stdlib, tasks, tokenizers
 
@@ -296,9 +295,7 @@ def test_train_iterator_resumes_at_the_same_batch(stdlib_dataset):
 
 
 def _config(**overrides):
-  config = default.get_config()
-  config.update(overrides)
-  return config
+  return TrainConfig(**overrides)
 
 
 def test_unprepared_tfds_dataset_says_how_to_prepare_it(tmp_path):
@@ -347,8 +344,8 @@ def test_processes_that_build_one_dataset_at_once_take_turns(tmp_path):
 
 
 def test_unknown_dataset_option_is_named(tmp_path):
-  config = _config(dataset='listops', data_dir=str(tmp_path))
-  config.dataset_options = ml_collections.ConfigDict({'max_len': 10})
+  config = _config(dataset='listops', data_dir=str(tmp_path),
+                   dataset_options={'max_len': 10})
   with pytest.raises(InputError,
                      match=r'unknown key config\.dataset_options\.max_len'):
     datasets.load(config, str(tmp_path))

@@ -18,8 +18,8 @@ from configs import default, lm_stdlib
 from tests.helpers import REPO
 from tests.helpers import config_overrides
 from train.base.errors import InputError
+from train.base.train_config import TrainConfig
 from train.config import validation as config_validation
-from train.program import sharding
 from train.run import checkpointing
 from train.run.program import Program
 from train.run.trainer import train_and_evaluate
@@ -124,7 +124,8 @@ def test_experts_spread_over_devices_by_a_logical_axis_rule():
   def moe_config(**parallelism):
     config = small_config(**parallelism)
     config.model.moe.update(num_experts=4, top_k=2, every_n_layers=1)
-    config.logical_axis_rules = (('expert', 'fsdp'),) + sharding.DEFAULT_RULES
+    config.logical_axis_rules = (('expert', 'fsdp'),) + (
+        TrainConfig().logical_axis_rules)
     return config
 
   want, _ = train(program_for(moe_config(), jax.devices()[:1]))

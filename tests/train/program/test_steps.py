@@ -8,16 +8,15 @@ import numpy as np
 import optax
 import pytest
 
-from configs import default, lm_stdlib
+from configs import lm_stdlib
 from model import ModelConfig, build
+from train.base.train_config import TrainConfig
 from train.data import tasks
 from train.program import optim, steps
 
 
 def _config(**overrides):
-  config = default.get_config()
-  config.update(overrides)
-  return config
+  return TrainConfig(**overrides)
 
 
 @pytest.mark.core
@@ -43,9 +42,9 @@ def test_rsqrt_schedule_is_inverse_square_root_after_warmup():
 def test_linear_and_constant_schedules():
   config = _config(learning_rate=1.0, warmup_steps=0, num_train_steps=100,
                    final_learning_rate_fraction=0.0)
-  config.schedule = 'linear'
+  config = dataclasses.replace(config, schedule='linear')
   np.testing.assert_allclose(optim.learning_rate_schedule(config)(50), 0.5)
-  config.schedule = 'constant'
+  config = dataclasses.replace(config, schedule='constant')
   np.testing.assert_allclose(optim.learning_rate_schedule(config)(50), 1.0)
 
 
@@ -64,6 +63,7 @@ def _stdlib_wsd(num_train_steps: int, **overrides):
   of the run decaying to 0.1 of the peak), over a run of that length."""
   config = lm_stdlib.get_config()
   config.update(num_train_steps=num_train_steps, **overrides)
+  config = TrainConfig.from_config(config)
   return config, optim.learning_rate_schedule(config)
 
 

@@ -28,6 +28,7 @@ from tests.helpers import config_overrides
 from tests.helpers.tiny_runs import tiny_config
 from train import train
 from train.base.errors import InputError
+from train.base.train_config import TrainConfig
 from train.config import validation as config_validation
 from train.data import datasets, pipeline
 from train.run import checkpointing
@@ -264,7 +265,7 @@ def algorithmic_config(tmp_path):
   config.data_dir = str(tmp_path / 'data')
   config.dataset_options.update(num_train=200, num_eval=20, max_length=8,
                                 long_max_length=12)
-  return config
+  return TrainConfig.from_config(config)
 
 
 def train_file(config) -> str:

@@ -1,53 +1,59 @@
-"""The kernel each self-attention of a config runs, worked out from the
-config: by family, packing, dtype and backend."""
+"""The kernel each self-attention of a config runs, learnt by tracing the
+model on the task's batches: by family, packing, dtype and backend (other
+backends than this CPU's faked where fused.py reads the device)."""
 
 import pytest
 
 from configs import listops, lm_stdlib, wmt14_ende
-from model import ModelConfig
 from model.attention import fused
 from train.base.errors import InputError
-from train.config import attention_kernels
+from train.config import kernels
 from train.config import validation as config_validation
 
 
-def summary(config, backend):
-  found = attention_kernels.choices(
-      config, ModelConfig.from_mapping(config.model), config.seq_len,
-      backend)
+def traced(config, monkeypatch, backend, capability=None):
+  """The config's kernels, grouped, as a `backend` device would choose."""
+  monkeypatch.setattr(fused, 'device_description',
+                      lambda: (backend, capability))
+  checked = config_validation.check(config)
+  return kernels.grouped(checked.config, checked.kernels)
+
+
+def summary(config, monkeypatch, backend):
   return [(c.stack, c.layers, c.case.mask, c.case.is_causal, c.kernel)
-          for c in found]
+          for c in traced(config, monkeypatch, backend)]
 
 
 @pytest.mark.core
-def test_each_family_asks_its_own_cases():
+def test_each_family_asks_its_own_cases(monkeypatch):
   lm = lm_stdlib.get_config('baseline')  # Sinusoidal: no bias to refuse.
   lm.model.update(attention='chunked', dtype='bfloat16')
   layers = (0, 1, 2, 3)
   # Packed rows: Pallas on either accelerator, never cuDNN.
-  assert summary(lm, 'gpu') == [('decoder', layers, 'segments', True,
-                                 'pallas_gpu')]
-  assert summary(lm, 'tpu')[0][-1] == 'pallas_tpu'
-  assert summary(lm, 'cpu')[0][-1] == 'xla'
+  assert summary(lm, monkeypatch, 'gpu') == [
+      ('decoder', layers, 'segments', True, 'pallas_gpu')]
+  assert summary(lm, monkeypatch, 'tpu')[0][-1] == 'pallas_tpu'
+  assert summary(lm, monkeypatch, 'cpu')[0][-1] == 'xla'
   lm.pack_sequences = False
-  assert summary(lm, 'gpu')[0][2:] == ('none', True, 'cudnn')
+  assert summary(lm, monkeypatch, 'gpu')[0][2:] == ('none', True, 'cudnn')
   # Encoder-decoder: padded source rows, then a causal decoder.
   wmt = wmt14_ende.get_config()
   wmt.model.attention = 'chunked'
-  encoder, decoder = summary(wmt, 'gpu')
+  encoder, decoder = summary(wmt, monkeypatch, 'gpu')
   assert encoder[0] == 'encoder' and encoder[2:] == ('key_padding', False,
                                                      'cudnn')
   assert decoder[0] == 'decoder' and decoder[2:] == ('none', True, 'cudnn')
   wmt.model.dtype = 'float32'  # cuDNN takes half precision only.
-  assert [row[-1] for row in summary(wmt, 'gpu')] == ['xla', 'pallas_gpu']
+  assert [row[-1] for row in summary(wmt, monkeypatch, 'gpu')] == [
+      'xla', 'pallas_gpu']
   # A pattern: only the entries that take a kernel, each on its layers.
   classifier = listops.get_config()
   classifier.model.update(attention='dense,local', num_layers=4)
-  (local,) = summary(classifier, 'tpu')
+  (local,) = summary(classifier, monkeypatch, 'tpu')
   assert local == ('encoder', (1, 3), 'key_padding', False, 'pallas_tpu')
   # Dense takes no kernel option.
   classifier.model.attention = 'dense'
-  assert summary(classifier, 'tpu') == []
+  assert summary(classifier, monkeypatch, 'tpu') == []
 
 
 def test_packed_rows_take_cudnn_on_hopper_and_newer(monkeypatch):
@@ -56,27 +62,23 @@ def test_packed_rows_take_cudnn_on_hopper_and_newer(monkeypatch):
   lm = lm_stdlib.get_config('baseline')
   lm.model.update(attention='chunked', dtype='bfloat16')
   for capability, kernel in (('9.0', 'cudnn'), ('8.0', 'pallas_gpu')):
-    monkeypatch.setattr(fused, 'device_description',
-                        lambda capability=capability: ('gpu', capability))
-    (choice,) = attention_kernels.choices(
-        lm, ModelConfig.from_mapping(lm.model), lm.seq_len)
+    (choice,) = traced(lm, monkeypatch, 'gpu', capability)
     assert (choice.case.mask, choice.kernel) == ('segments', kernel)
     assert choice.case.max_segments == lm.model.max_segments_per_row + 1
 
 
-def test_alibi_layers_run_the_alibi_kernels_on_a_gpu_or_tpu():
+def test_alibi_layers_run_the_alibi_kernels_on_a_gpu_or_tpu(monkeypatch):
   """make train's model: ALiBi, attention 'auto' (chunked)."""
   config = lm_stdlib.get_config()
-  model_config = ModelConfig.from_mapping(config.model)
   for backend in ('gpu', 'tpu'):
-    found = attention_kernels.choices(config, model_config, config.seq_len,
-                                      backend)
+    found = traced(config, monkeypatch, backend)
     assert found and {(c.case.bias, c.kernel) for c in found} == {
         ('alibi', f'pallas_{backend}')}
     assert found[0].describe().endswith("ALiBi's bias)")
 
 
-def test_a_length_split_over_the_mesh_refuses_a_named_fused_kernel():
+def test_a_length_split_over_the_mesh_refuses_a_named_fused_kernel(
+    monkeypatch):
   lm = lm_stdlib.get_config('baseline')
   lm.model.update(attention='chunked',
                   attention_options={'kernel': 'pallas_tpu'})
@@ -86,6 +88,20 @@ def test_a_length_split_over_the_mesh_refuses_a_named_fused_kernel():
       r'the length over 2 devices \(sequence parallelism')):
     config_validation.check(lm)
   lm.model.attention_options = {}
-  (choice,) = attention_kernels.choices(
-      lm, ModelConfig.from_mapping(lm.model), lm.seq_len, 'tpu')
+  (choice,) = traced(lm, monkeypatch, 'tpu')
   assert choice.kernel == 'xla'
+
+
+def test_a_named_kernel_that_cannot_compute_a_layer_is_refused_by_key():
+  """cuDNN on this CPU: refused, naming the option of that attention in a
+  pattern, its stack and the case the trace found."""
+  config = lm_stdlib.get_config('baseline')
+  config.model.update(attention='dense,chunked', num_layers=2,
+                      attention_options={'chunked': {'kernel': 'cudnn'}})
+  with pytest.raises(InputError) as error:
+    config_validation.check(config)
+  assert str(error.value).startswith(
+      "config.model.attention_options.chunked.kernel='cudnn' ")
+  assert str(error.value).endswith(
+      "the decoder's self-attention is float32, causal, packed rows on "
+      "cpu; set it to 'auto'.")
