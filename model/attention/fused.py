@@ -268,8 +268,9 @@ _CALLER = contextvars.ContextVar('fused_caller', default=())
 def recording() -> Iterator[list[Decision]]:
   """Collects the Decision of every `choose` called within, in order.
 
-  Within, nothing is refused by raising (each refusal is in its Decision)
-  and `choose` answers 'xla' whatever it decided: a trace inside computes
+  Within, no kernel that cannot compute its case raises (the refusal is in
+  its Decision; a name that is not one of KERNELS still does), and
+  `choose` answers 'xla' whatever it decided: a trace inside computes
   the same shapes as the chosen kernels would, on any backend, so a model
   can be traced for its choices before they are run.
   """

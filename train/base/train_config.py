@@ -14,10 +14,10 @@ train/program/mesh.py.
 
 from collections.abc import Callable, Mapping
 import dataclasses
-import types
 import typing
 from typing import Any
 
+import flax.core
 import ml_collections
 from ml_collections import config_dict
 
@@ -170,7 +170,7 @@ class TrainConfig:
   # Options of that dataset (e.g. the algorithmic task, ListOps lengths;
   # train/data/datasets.py checks them).
   dataset_options: Mapping[str, Any] = key(
-      rule=group(None), factory=lambda: types.MappingProxyType({}))
+      rule=group(None), factory=flax.core.FrozenDict)
   # Where datasets are built (embedded ones) or prepared beforehand (tfds).
   data_dir: str = key('~/tensorflow_datasets', text())
   # SentencePiece model for text datasets; None: train one from the
@@ -303,18 +303,25 @@ class TrainConfig:
   def from_config(cls, config: ml_collections.ConfigDict,
                   model: ModelConfig | None = None) -> 'TrainConfig':
     """The TrainConfig of `config`, with `model` (default: built from
-    `config.model`). A value that breaks its key's rule is kept as given:
-    validation, which reports it, raises before such a config goes on."""
+    `config.model`). A value missing or breaking its key's rule becomes
+    the key's default, so that the checks combining keys read sound
+    values: validation, which reports it, raises before such a config
+    goes on."""
     values = {}
     for field in dataclasses.fields(cls):
       if field.name == 'model':
         values['model'] = model or ModelConfig.from_mapping(config.model)
         continue
+      if field.name not in config:
+        values[field.name] = _default(field)
+        continue
       value = config[field.name]
       if hasattr(value, 'to_dict'):  # An ml_collections ConfigDict.
         value = value.to_dict()
       rule = field.metadata['rule']
-      if field.name in _CONVERT and not (rule and rule(field.name, value)):
+      if rule and rule(field.name, value):
+        value = _default(field)
+      elif field.name in _CONVERT:
         value = _CONVERT[field.name](value)
       values[field.name] = value
     return cls(**values)
@@ -323,13 +330,18 @@ class TrainConfig:
 # How the ConfigDict's values of some keys become TrainConfig's.
 _CONVERT = {
     'parallelism': lambda value: Parallelism(**value),
-    'dataset_options': lambda value: types.MappingProxyType(dict(value)),
+    'dataset_options': flax.core.FrozenDict,
     'decode_splits': tuple,
     # JSON (config.json) holds the tuples of mesh axes as lists.
     'logical_axis_rules': lambda rules: tuple(
         (name, tuple(target) if isinstance(target, list) else target)
         for name, target in rules),
 }
+
+
+def _default(field: dataclasses.Field) -> Any:
+  return (field.default_factory() if field.default is dataclasses.MISSING
+          else field.default)
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -339,8 +351,7 @@ def defaults() -> ml_collections.ConfigDict:
   for field in dataclasses.fields(TrainConfig):
     if field.name == 'model':
       continue
-    value = (field.default_factory() if field.default is dataclasses.MISSING
-             else field.default)
+    value = _default(field)
     if dataclasses.is_dataclass(value):
       value = ml_collections.ConfigDict(dataclasses.asdict(value))
     elif isinstance(value, Mapping):
@@ -353,17 +364,22 @@ def defaults() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(values)
 
 
-def problems(config: ml_collections.ConfigDict) -> list[str]:
-  """What is wrong with each key that has a rule, and each key that is
-  not one of TrainConfig's, one line each."""
+def problems(config: ml_collections.ConfigDict,
+             rules: Mapping[str, Rule] | None = None) -> list[str]:
+  """What is wrong with each key by its rule (or by `rules`, for keys
+  whose values name what train/base cannot import), each key missing and
+  each that is not one of TrainConfig's, one line each, in key order."""
   fields = {field.name: field for field in dataclasses.fields(TrainConfig)}
   found = []
   for name in config:
     if name not in fields:
       found.append(f'unknown key config.{name}{did_you_mean(name, fields)}')
   for name, field in fields.items():
-    rule = field.metadata['rule']
-    if rule is not None and name in config:
+    rule = (rules or {}).get(name, field.metadata['rule'])
+    if name not in config:
+      found.append(f'config.{name} is missing: a config starts from '
+                   "configs/default.py's get_config().")
+    elif rule is not None:
       problem = rule(name, config[name])
       if problem:
         found.append(problem)

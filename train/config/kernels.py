@@ -18,7 +18,9 @@ from train.base.train_config import TrainConfig
 
 def _where(caller: tuple[str, ...]) -> tuple[str, int | None]:
   """(the stack, the layer) of an attention module's path, e.g.
-  ('decoder', 'block_0', 'self_attention') -> ('decoder', 0)."""
+  ('decoder', 'block_0', 'self_attention') -> ('decoder', 0); a path with
+  no block (no model calls one so today) is layer None, read as layer 0's
+  attention."""
   for index, name in enumerate(caller):
     if name.startswith('block_') and name[len('block_'):].isdigit():
       return '/'.join(caller[:index]) or 'model', int(name[len('block_'):])

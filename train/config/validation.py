@@ -68,10 +68,11 @@ def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
     except InputError as error:
       problems.append(str(error))
 
-  problems += train_config.problems(config)
-  problems += filter(None, [train_config.one_of(optim.SCHEDULES)(
-      'schedule', config.get('schedule'))])
-  task = collect(datasets.task_of, config.get('dataset'))
+  problems += train_config.problems(
+      config, {'schedule': train_config.one_of(optim.SCHEDULES)})
+  if 'model' not in config or 'dataset' not in config:
+    raise InputError('\n'.join(problems))
+  task = collect(datasets.task_of, config.dataset)
   model_config = collect(_model_config, config)
   if task is None or model_config is None:
     raise InputError('\n'.join(problems))

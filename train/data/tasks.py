@@ -83,7 +83,8 @@ class Task:
   def synthetic_batch(self, config: TrainConfig,
                       seed: int = 0) -> dict[str, np.ndarray]:
     """A batch of random tokens of the shapes the pipeline gives for
-    `config` (benchmarks and compiled-memory figures)."""
+    `config` (the config check's trace of the model, benchmarks and
+    compiled-memory figures)."""
     raise NotImplementedError
 
   def examples(self, dataset, split: str, *, seq_len: int,

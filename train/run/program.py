@@ -140,8 +140,9 @@ def compile_program(config: TrainConfig, task: Task, mesh: Mesh, *,
                     param_shapes=None, kernels=()) -> Program:
   """The Program of a checked config on `mesh` (jitted, compiled on first
   call). `param_shapes`: the parameters' shapes with their logical names
-  (`steps.init_params(..., boxed=True)` under `jax.eval_shape`), if known;
-  `kernels`: the fused-kernel choices its check recorded.
+  (nn.Partitioned leaves of jax.ShapeDtypeStruct), as the config check's
+  trace found them (train/config/layout.py), else traced here;
+  `kernels`: the fused-kernel choices that trace recorded.
   """
   model_config = config.model
   model = build(model_config)

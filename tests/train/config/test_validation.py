@@ -439,3 +439,18 @@ def test_every_problem_of_a_config_is_reported_at_once():
   assert 'cannot keep packed sequences apart' in lines[1]
   assert lines[2].startswith('config.sample_length=300 samples with a '
                              'key/value cache')
+
+
+@pytest.mark.core
+def test_a_missing_or_unknown_key_is_named():
+  """A config file that adds a key (a typo) or drops one is refused
+  before anything is built."""
+  config = lm_stdlib.get_config()
+  del config['seed']
+  config.learning_rte = 0.1
+  with pytest.raises(InputError) as error:
+    config_validation.validate(config)
+  assert str(error.value).splitlines() == [
+      'unknown key config.learning_rte; did you mean learning_rate?',
+      "config.seed is missing: a config starts from configs/default.py's "
+      'get_config().']
