@@ -1,7 +1,7 @@
 r"""One markdown report of what the accelerator at hand does with attnlab:
-the `make train` job's speed, profiles of its step and of GPT-2 small's,
-training throughput against stock Flax, and attention against sequence
-length.
+the `make train` job's speed (one step a call, and 16), profiles of its
+step and of GPT-2 small's, training throughput against stock Flax, and
+attention against sequence length.
 
   python -m experiments.accelerator_report --out=DIR [--budget_s=450] \
       [--data_dir=~/tensorflow_datasets]
@@ -65,6 +65,10 @@ PROBE = [sys.executable, '-c',
 # --budget_s=400 on 2 cores.
 ACCELERATOR_FLAGS = {
     'main_job': [],
+    # The same job, 16 steps a call (config.steps_per_call): the same
+    # steps and final evaluation, its intervals multiples of 16.
+    'main_job_16': ['--config.steps_per_call=16', '--config.log_every=64',
+                    '--config.eval_every=0', '--config.checkpoint_every=0'],
     'profile': ['--steps=20'],
     'profile_gpt2': ['--steps=10'] + [
         f'--config.{key}={value}' for key, value in
@@ -78,6 +82,11 @@ CPU_FLAGS = {
         ('num_train_steps', 30), ('log_every', 10), ('eval_every', 30),
         ('checkpoint_every', 30), ('warmup_steps', 10),
         ('num_eval_steps', 10), ('sample_length', 0))],
+    'main_job_16': [f'--config.{key}={value}' for key, value in (
+        ('num_train_steps', 32), ('log_every', 16), ('eval_every', 0),
+        ('checkpoint_every', 0), ('warmup_steps', 10),
+        ('num_eval_steps', 10), ('sample_length', 0),
+        ('steps_per_call', 16))],
     'profile': ['--steps=5'],
     'profile_gpt2': ['--steps=2'] + [
         f'--config.{key}={value}' for key, value in
@@ -151,7 +160,7 @@ def throughput_markdown(workdir: str) -> str | None:
 
 
 def default_parts(out: str, backend: str, data_dir: str) -> list[Part]:
-  """The five parts, with the flags of `backend`."""
+  """The six parts, with the flags of `backend`."""
   sized = ACCELERATOR_FLAGS if backend in ('gpu', 'tpu') else CPU_FLAGS
   where = {name: os.path.join(out, name) for name in sized}
   config = ['--config=configs/lm_stdlib.py', f'--config.data_dir={data_dir}']
@@ -160,6 +169,10 @@ def default_parts(out: str, backend: str, data_dir: str) -> list[Part]:
       Part('main_job', [*module, 'train.train', *config,
                         f'--workdir={where["main_job"]}', *sized['main_job']],
            0.25, functools.partial(throughput_markdown, where['main_job'])),
+      Part('main_job_16', [*module, 'train.train', *config,
+                           f'--workdir={where["main_job_16"]}',
+                           *sized['main_job_16']],
+           0.1, functools.partial(throughput_markdown, where['main_job_16'])),
       *(Part(name, [*module, 'experiments.profile', *config,
                     f'--workdir={where[name]}', '--warmup=3', *sized[name]],
              0.1, functools.partial(read_file, os.path.join(where[name],

@@ -4,15 +4,17 @@ profiler, read back into tables. What to run first when a step is slow.
   python -m experiments.profile --config=configs/lm_stdlib.py --workdir=DIR \
       [--steps=10] [--warmup=2] [--config.key=value ...]
 
-Trains the config `warmup + steps + 1` steps through `train_and_evaluate`
+Trains the config `warmup + steps + K` steps through `train_and_evaluate`
+(K: config.steps_per_call, of which `warmup` and `steps` are multiples)
 in DIR/run (removed first: it is this command's scratch run), inside
 `jax.profiler.trace(DIR/trace)` (also removed first), with no periodic
 evaluation, checkpoint or sample, and the learning-rate warmup cut to fit
-the run. train/run/trainer.py marks each step with
-`jax.profiler.StepTraceAnnotation('train', step_num=...)`; the measured
-window runs from the start of step warmup + 1 to the start of step
-warmup + steps + 1. So the first `warmup` steps (compiling) are left out, and
-so is the last step, which holds the one log line, the closing evaluation
+the run. train/run/trainer.py marks each call (K steps) with
+`jax.profiler.StepTraceAnnotation('train', step_num=<its first step>)`;
+the measured window runs from the start of step warmup + 1 to the start of
+step warmup + steps + 1, and every figure is per step (the window's time
+over `steps`). So the first `warmup` steps (compiling) are left out, and
+so is the last call, which holds the one log line, the closing evaluation
 and the checkpoint.
 
 What counts as a device op: on GPU and TPU, the events of the device planes
@@ -303,6 +305,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, steps: int,
   if warmup < 1:
     raise InputError(f'--warmup={warmup} must be at least 1: the first step '
                      'compiles.')
+  per_call = config.steps_per_call
+  for flag, value in (('steps', steps), ('warmup', warmup)):
+    if value % per_call:
+      raise InputError(
+          f'--{flag}={value} must be a multiple of config.steps_per_call='
+          f'{per_call}: the window starts and ends with a call.')
   run_dir = os.path.join(workdir, 'run')
   trace_dir = os.path.join(workdir, 'trace')
   for directory in (run_dir, trace_dir):
@@ -312,8 +320,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, steps: int,
   options = jax.profiler.ProfileOptions()
   options.python_tracer_level = 0
   with jax.profiler.trace(trace_dir, profiler_options=options):
-    # The one log line falls in the last step, outside the window.
-    total = warmup + steps + 1
+    # The one log line falls in the last call, outside the window.
+    total = warmup + steps + per_call
     train_and_evaluate(common.timed_run_config(
         config, num_train_steps=total, log_every=total), run_dir)
   path = trace_file(trace_dir)

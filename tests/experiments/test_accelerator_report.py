@@ -128,4 +128,5 @@ def test_the_parts_that_read_data_get_the_data_dir(backend):
   parts = accelerator_report.default_parts('/out', backend, '/data')
   reading = {part.name for part in parts
              if '--config.data_dir=/data' in part.argv}
-  assert reading == {'main_job', 'profile', 'profile_gpt2', 'bench_train'}
+  assert reading == {'main_job', 'main_job_16', 'profile', 'profile_gpt2',
+                     'bench_train'}

@@ -4,9 +4,10 @@
       [train.train flags]
 
 HOW is one of
-  kill:  SIGKILL this process once step STEP is dispatched and the
-         checkpoint saved before it is written (so that where the run
-         resumes does not depend on how fast the disk is);
+  kill:  SIGKILL this process once step STEP is dispatched (with several
+         steps a call, the call that holds it) and the checkpoint saved
+         before it is written (so that where the run resumes does not
+         depend on how fast the disk is);
   save:  SIGKILL it while it writes the checkpoint of step STEP, after the
          arrays are written and before orbax renames the directory to
          commit it;
@@ -57,12 +58,18 @@ def _cue(interrupt: str) -> None:
   checkpointing.Checkpointer.save = remembered_save
   due = preemption.StopRequest.due
 
+  fired = []
+
   def signalled_after(self, done: int) -> bool:
-    if done == step and how == 'kill':
+    # With several steps a call, the call that reaches STEP.
+    cued = done >= step and not fired
+    if cued:
+      fired.append(done)
+    if cued and how == 'kill':
       for checkpointer in checkpointers[-1:]:
         checkpointer.wait()
       os.kill(os.getpid(), signal.SIGKILL)
-    if done == step and how == 'term':
+    if cued and how == 'term':
       os.kill(os.getpid(), signal.SIGTERM)
     if how == 'term' and done >= step:
       time.sleep(SLOWED_STEP_S)

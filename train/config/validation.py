@@ -91,6 +91,7 @@ def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
         f'config.dataset={config.dataset!r} ({task.name}); use '
         + ' or '.join(map(repr, trainers)) + '.')
   collect(_check_decode_splits, config, task)
+  problems += _interval_problems(config)
   if problems:
     raise InputError('\n'.join(problems))
   positions = model_positions(config)
@@ -151,6 +152,22 @@ def _attention_problems(config: TrainConfig, task: Task) -> list[str]:
         f'config.sample_length={config.sample_length} samples with a '
         f'key/value cache, and {refusal}; set it to 0.')
   return list(dict.fromkeys(problems))  # A pattern repeats its layers.
+
+
+def _interval_problems(config: TrainConfig) -> list[str]:
+  """The logging, evaluation and checkpoint intervals fall on the last
+  step of a call (config.steps_per_call)."""
+  per_call, problems = config.steps_per_call, []
+  for key in ('log_every', 'eval_every', 'checkpoint_every'):
+    every = getattr(config, key)
+    if every % per_call:
+      nearest = [value for value in (every // per_call * per_call,
+                                     (every // per_call + 1) * per_call)
+                 if value > 0]
+      problems.append(
+          f'config.{key}={every} must be a multiple of config.'
+          f'steps_per_call={per_call}: {" or ".join(map(str, nearest))}.')
+  return problems
 
 
 def _kernel_option_problems(config: TrainConfig) -> list[str]:

@@ -31,15 +31,16 @@ PREFETCH_BATCHES = 2
 def train_iterator(dataset: Dataset, *, seq_len: int, batch_size: int,
                    seed: int, layout: str = 'packed',
                    max_segments: int | None = None,
-                   place: Callable[[dict], dict] | None = None
+                   place: Callable[[dict], dict] | None = None,
+                   prefetch: int = PREFETCH_BATCHES
                    ) -> grain.DatasetIterator:
   """Endless shuffled training batches; checkpointable with grain.
 
   `layout` (LM only) is one of layouts.LAYOUTS; a packed row holds at most
   `max_segments` windows (None: any number). `place`
   (a batch of numpy arrays -> the same on the devices) runs in the
-  prefetching thread, so that batches wait on the devices before the step
-  that needs them.
+  prefetching thread, `prefetch` batches ahead, so that batches wait on
+  the devices before the call that needs them.
   """
   task = dataset.task
   examples = task.examples(dataset, 'train', seq_len=seq_len, layout=layout)
@@ -49,7 +50,7 @@ def train_iterator(dataset: Dataset, *, seq_len: int, batch_size: int,
   if place is not None:
     batches = batches.map(place)
   return iter(grain.experimental.ThreadPrefetchIterDataset(
-      batches, prefetch_buffer_size=PREFETCH_BATCHES))
+      batches, prefetch_buffer_size=prefetch))
 
 
 def poisoned(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:

@@ -69,9 +69,12 @@ def state_shardings(abstract_state: TrainState, boxed_params, mesh: Mesh,
                     memory=memory)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batches (and per-example metrics) are split by example."""
-  return NamedSharding(mesh, P(BATCH_AXES))
+def batch_sharding(mesh: Mesh, *, stacked: bool = False) -> NamedSharding:
+  """Batches (and per-example metrics) are split by example; `stacked`:
+  batches [K, B, ...] of several steps (config.steps_per_call), split
+  alike."""
+  return NamedSharding(mesh, P(None, BATCH_AXES) if stacked
+                       else P(BATCH_AXES))
 
 
 def global_batch(batch, sharding: NamedSharding):

@@ -205,6 +205,17 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
   return new_state, metrics
 
 
+def train_steps(state: TrainState, batches: dict[str, Array], rng: Array,
+                **kwargs) -> tuple[TrainState, dict]:
+  """`train_step` on each of K batches (`batches`: [K, B, ...]) in turn, in
+  one program: the same dropout keys (drawn by state.step), schedule
+  values, skipped updates, mixture-of-experts statistics and memory carry
+  as K calls; the metric sums of each step stacked [K]."""
+  return jax.lax.scan(
+      lambda state, batch: train_step(state, batch, rng, **kwargs),
+      state, batches)
+
+
 def eval_step(params, batch: dict[str, Array], memory=None, *,
               model: nn.Module, task: Task) -> tuple[dict[str, Array], Any]:
   """Metric sums of `batch` without dropout or label smoothing, and the

@@ -289,21 +289,35 @@ class TrainLog:
     self._steps = 0
     self._interval_start = time.perf_counter()
 
-  def add(self, step: int, metrics: dict) -> tuple[int, dict] | None:
-    """Records the dispatched `step`; returns (step, summary) of the step
-    before if that one ended a logging interval."""
+  def add(self, step: int, metrics: dict,
+          count: int = 1) -> tuple[int, dict] | None:
+    """Records the dispatched call that ends at `step`: one step, or
+    `count` steps whose metrics are stacked [count] (steps_per_call);
+    returns (step, summary) of the call before if it ended a logging
+    interval."""
     completed = self.complete()
-    self._pending = (step, metrics)
+    self._pending = (step, metrics, count)
     return completed
 
   def complete(self) -> tuple[int, dict] | None:
-    """Waits for the last dispatched step; returns (step, summary) if it
-    ends a logging interval."""
+    """Waits for the last dispatched call (one transfer of its metrics);
+    returns (step, summary) if one of its steps ends a logging interval
+    (the last one does, where intervals are multiples of its steps)."""
     if self._pending is None:
       return None
-    step, metrics = self._pending
+    last, metrics, count = self._pending
     self._pending = None
     values = jax.device_get(metrics)
+    completed = None
+    for index in range(count):
+      step_values = values if count == 1 else {
+          key: value[index] for key, value in values.items()}
+      completed = self._record(last - count + 1 + index,
+                               step_values) or completed
+    return completed
+
+  def _record(self, step: int, values: dict) -> tuple[int, dict] | None:
+    """Adds one step's metrics; (step, summary) if it ends an interval."""
     self._guard(step, values)
     # Mixture-of-experts models also report their routing (moe_*).
     for key in self._summed + tuple(k for k in values

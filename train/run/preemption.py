@@ -1,15 +1,20 @@
-"""Stop requests: a signal or a preemption notice, acted on between steps.
+"""Stop requests: a signal or a preemption notice, acted on between calls.
 
 A scheduler that preempts a job sends SIGTERM and waits a grace period; a
 person at the terminal presses Ctrl-C (SIGINT). Either sets a flag, and the
-training loop, at the next step boundary, saves a checkpoint, waits for it
-to be written and exits with status 0; running the same command resumes.
+training loop, at the end of the call under way (config.steps_per_call
+steps; up to that many - 1 after the signal), saves a checkpoint, waits
+for it to be written and exits with status 0; running the same command
+resumes.
 
 With several processes, every host must save the same step. There JAX's
 preemption service (started by `jax.distributed.initialize`) owns SIGTERM:
-when any host receives it, the hosts agree on a step, and orbax's
-`reached_preemption(step)` turns True on all of them at that step. SIGINT
-is then left alone (Ctrl-C stops one host without a save).
+when any host receives it, the hosts agree on a sync point one past the
+furthest count any of them reported, and orbax's `reached_preemption(n)`
+turns True on all of them at that count. The count is of calls, not steps:
+with several steps a call the steps rise by more than one, and would pass
+the sync point by. SIGINT is then left alone (Ctrl-C stops one host
+without a save).
 """
 
 import signal
@@ -25,6 +30,7 @@ class StopRequest:
 
   def __init__(self):
     self._received = None
+    self._calls = 0
     self._previous = {}
     self._multihost = jax.process_count() > 1
     # Python runs signal handlers in the main thread only.
@@ -42,9 +48,11 @@ class StopRequest:
           '(Ctrl-C again to stop at once).', flush=True)
 
   def due(self, step: int) -> bool:
-    """Whether to save and stop after `step` (call it after every step)."""
+    """Whether to save and stop after `step`, the last of a call (call it
+    after every call, on every host)."""
+    self._calls += 1
     if (self._multihost and self._received is None
-        and ocp.multihost.reached_preemption(step)):
+        and ocp.multihost.reached_preemption(self._calls)):
       self._received = 'a preemption notice'
     return self._received is not None
 

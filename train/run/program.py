@@ -35,11 +35,13 @@ from train.program.steps import TrainState
 
 
 def jit_train_step(step_fn: Callable, strategy: str, mesh: Mesh,
-                   state_sharding: TrainState) -> Callable:
+                   state_sharding: TrainState, *,
+                   stacked: bool = False) -> Callable:
   """`step_fn(state, batch, rng, device_axes=None) -> (state, metrics)` as
-  the compiled step of `strategy`; the state argument is donated."""
+  the compiled step of `strategy`; the state argument is donated.
+  `stacked`: the batch is [K, B, ...], K steps' (steps.train_steps)."""
   replicated = NamedSharding(mesh, P())
-  batch = sharding.batch_sharding(mesh)
+  batch = sharding.batch_sharding(mesh, stacked=stacked)
   if strategy == 'pjit':
     return jax.jit(step_fn,
                    in_shardings=(state_sharding, batch, replicated),
@@ -82,6 +84,9 @@ class Program:
   init: Callable[[], TrainState]
   # (state, batch, rng) -> (state, metric sums); the state is donated.
   train_step: Callable[..., tuple[TrainState, dict]]
+  # config.steps_per_call > 1: (state, batches [K, B, ...], rng) -> (state,
+  # metric sums stacked [K]), K steps in one call; else None.
+  train_steps: Callable[..., tuple[TrainState, dict]] | None
   # (params, batch, memory) -> (metric sums, memory).
   eval_step: Callable[..., tuple[dict, Any]]
   # () -> an empty Transformer-XL memory (None without one).
@@ -125,6 +130,11 @@ class Program:
     """Global arrays of a batch every host holds whole."""
     return sharding.global_batch(host_batch, self.batch_sharding)
 
+  def stack(self, batches: list[dict]) -> dict:
+    """K placed batches as one [K, B, ...] batch of `train_steps`."""
+    return _stacked(sharding.batch_sharding(self.mesh, stacked=True))(
+        *batches)
+
   def scope(self) -> contextlib.ExitStack:
     """The mesh and the logical axis rules, in which the steps are traced:
     activation constraints and the ring attention's shard_map find them
@@ -134,6 +144,14 @@ class Program:
     stack.enter_context(
         nn.logical_axis_rules(self.config.logical_axis_rules))
     return stack
+
+
+@functools.cache
+def _stacked(stacked_sharding: NamedSharding) -> Callable:
+  """(batch, ..., batch) -> their leaves stacked on a new leading axis."""
+  return jax.jit(
+      lambda *batches: jax.tree.map(lambda *x: jnp.stack(x), *batches),
+      out_shardings=stacked_sharding)
 
 
 def compile_program(config: TrainConfig, task: Task, mesh: Mesh, *,
@@ -170,13 +188,19 @@ def compile_program(config: TrainConfig, task: Task, mesh: Mesh, *,
       abstract_state, param_shapes, mesh, rules,
       replicate_params=strategy == 'pmap')
   batch = sharding.batch_sharding(mesh)
+  step_options = dict(model=model, task=task, optimizer=optimizer,
+                      schedule=schedule,
+                      label_smoothing=config.label_smoothing,
+                      grad_accum_steps=config.grad_accum_steps,
+                      skip_nonfinite=config.nan_policy == 'skip')
   train_step = jit_train_step(
-      functools.partial(steps.train_step, model=model, task=task,
-                        optimizer=optimizer, schedule=schedule,
-                        label_smoothing=config.label_smoothing,
-                        grad_accum_steps=config.grad_accum_steps,
-                        skip_nonfinite=config.nan_policy == 'skip'),
-      strategy, mesh, state_sharding)
+      functools.partial(steps.train_step, **step_options), strategy, mesh,
+      state_sharding)
+  train_steps = None
+  if config.steps_per_call > 1:
+    train_steps = jit_train_step(
+        functools.partial(steps.train_steps, **step_options), strategy,
+        mesh, state_sharding, stacked=True)
   eval_step = jax.jit(
       functools.partial(steps.eval_step, model=model, task=task),
       in_shardings=(state_sharding.params, batch, state_sharding.memory),
@@ -194,7 +218,7 @@ def compile_program(config: TrainConfig, task: Task, mesh: Mesh, *,
               leaf.shape, leaf.dtype, sharding=leaf_sharding),
           abstract_state, state_sharding),
       state_sharding=state_sharding, batch_sharding=batch, init=init,
-      train_step=train_step, eval_step=eval_step,
+      train_step=train_step, train_steps=train_steps, eval_step=eval_step,
       fresh_memory=jax.jit(empty_memory,
                            out_shardings=state_sharding.memory),
       kernels=kernels)

@@ -144,10 +144,22 @@ def _evaluation(config: TrainConfig, dataset: datasets.Dataset,
   return evaluate
 
 
-def _say_what_runs(config: TrainConfig, program: Program,
-                   workdir: str) -> None:
+def _ranges(steps: list[int]) -> str:
+  """[1, 2, 3, 9] -> '1-3, 9'."""
+  runs = []
+  for step in steps:
+    if runs and runs[-1][1] == step - 1:
+      runs[-1][1] = step
+    else:
+      runs.append([step, step])
+  return ', '.join(f'{a}-{b}' if b > a else f'{a}' for a, b in runs)
+
+
+def _say_what_runs(config: TrainConfig, program: Program, workdir: str,
+                   first_step: int) -> None:
   """The run's first lines: the model, its size and devices, the config's
-  warnings, and the kernel each self-attention runs."""
+  warnings, the steps each call runs, and the kernel each self-attention
+  runs."""
   model_config = program.model_config
   split = ' x '.join(f'{axis} {size}' for axis, size in
                      program.mesh.shape.items() if size > 1) or 'one device'
@@ -158,6 +170,13 @@ def _say_what_runs(config: TrainConfig, program: Program,
        f'{config.parallelism.strategy}), workdir {workdir}')
   for warning in config_validation.warnings_of(config):
     _say(f'Warning: {warning}')
+  if config.steps_per_call > 1:
+    single = [step + 1 for step, count in calls(
+        first_step, config.num_train_steps, config.steps_per_call)
+              if count == 1]
+    _say(f'{config.steps_per_call} steps a call'
+         + (f'; steps {_ranges(single)} one at a time (a second '
+            'compilation)' if single else '') + '.')
   if program.kernels:
     _say('Attention kernels: '
          + '; '.join(layers.describe() for layers
@@ -241,15 +260,30 @@ def _restore_or_init(program: Program,
   return state
 
 
-def _compile(program: Program, state, batch, dropout_rng,
+def calls(first_step: int, last_step: int,
+          steps_per_call: int) -> list[tuple[int, int]]:
+  """(the step before, steps) of each call from `first_step` to
+  `last_step`: `steps_per_call` steps from each multiple of it, one at a
+  time before the first (a run resumed at another steps_per_call) and
+  after the last."""
+  found, step = [], first_step
+  while step < last_step:
+    count = steps_per_call if (step % steps_per_call == 0 and
+                               step + steps_per_call <= last_step) else 1
+    found.append((step, count))
+    step += count
+  return found
+
+
+def _compile(run, config: TrainConfig, state, batch, dropout_rng,
              writer: metrics.MetricWriter) -> None:
-  """Compiles the train step for the first batch (the calls reuse it) and
-  checks that it fits in each device's memory."""
+  """Compiles `run` (one step, or a call of several) for its first batch
+  (the calls reuse it) and checks that it fits in each device's memory."""
   writer.say('Compiling the train step ...')
   compiling = time.perf_counter()
   with jax.profiler.TraceAnnotation('compile'):
-    config_validation.check_step_fits(program.train_step.lower(
-        state, batch, dropout_rng).compile(), program.config)
+    config_validation.check_step_fits(
+        run.lower(state, batch, dropout_rng).compile(), config)
   writer.say(f'Compiled in {time.perf_counter() - compiling:.0f} s.')
 
 
@@ -289,11 +323,12 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
   train_iterator = pipeline.train_iterator(
       dataset, seq_len=config.seq_len, batch_size=config.batch_size,
       seed=config.seed, layout=layout,
-      max_segments=model_config.max_segments_per_row, place=program.batch)
+      max_segments=model_config.max_segments_per_row, place=program.batch,
+      prefetch=max(pipeline.PREFETCH_BATCHES, config.steps_per_call + 1))
   state = _restore_or_init(program, checkpointer, train_iterator)
-  _say_what_runs(config, program, workdir)
   last_step = config.num_train_steps
   first_step = int(state.step)
+  _say_what_runs(config, program, workdir, first_step)
   writer = metrics.MetricWriter(workdir, total_steps=last_step,
                                 first_step=first_step)
   train_log = _train_log(config, program, writer)
@@ -308,22 +343,28 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
     return batch
 
   final, evaluations, last_logged, pruned = None, [], {}, False
+  compiled = set()
   try:
     with program.scope():
-      for step in range(first_step, last_step):
-        done = step + 1
-        # A step in a jax.profiler trace (experiments/profile.py).
-        with jax.profiler.StepTraceAnnotation('train', step_num=done):
-          batch = placed_batch(done)
-          if step == first_step:  # Compiled once: the calls reuse it.
-            _compile(program, state, batch, dropout_rng, writer)
+      for step, count in calls(first_step, last_step,
+                               config.steps_per_call):
+        done = step + count
+        # A call in a jax.profiler trace, numbered by its first step
+        # (experiments/profile.py).
+        with jax.profiler.StepTraceAnnotation('train', step_num=step + 1):
+          batches = [placed_batch(s) for s in range(step + 1, done + 1)]
+          run = program.train_step if count == 1 else program.train_steps
+          batch = batches[0] if count == 1 else program.stack(batches)
+          if count not in compiled:  # Compiled once: the calls reuse it.
+            compiled.add(count)
+            _compile(run, program.config, state, batch, dropout_rng, writer)
             # The first throughput figure is that of the steps alone.
             train_log.restart_clock()
-          state, step_metrics = program.train_step(state, batch, dropout_rng)
-          # Waits for the step before this one only: the device has this
+          state, step_metrics = run(state, batch, dropout_rng)
+          # Waits for the call before this one only: the device has this
           # one queued meanwhile.
           with jax.profiler.TraceAnnotation('train_log'):
-            logged = train_log.add(done, step_metrics)
+            logged = train_log.add(done, step_metrics, count)
             if logged:
               writer.write(*logged)
               last_logged = logged[1]

@@ -122,6 +122,11 @@ INVALID = [
     ('weight_decay', -0.1, 'config.weight_decay=-0.1'),
     ('grad_clip_norm', -1.0, 'config.grad_clip_norm=-1.0'),
     ('grad_accum_steps', 3, 'config.grad_accum_steps=3 must split'),
+    ('steps_per_call', 0, 'config.steps_per_call=0 must be an integer >= 1'),
+    # The baseline logs every 50 steps, evaluates and saves every 275.
+    ('steps_per_call', 16, 'config.log_every=50 must be a multiple of '
+     'config.steps_per_call=16: 48 or 64.\nerror: config.eval_every=275 '
+     'must be a multiple of config.steps_per_call=16: 272 or 288.'),
     ('label_smoothing', 1.0, 'config.label_smoothing=1.0'),
     ('seed', -1, 'config.seed=-1'),
     ('log_every', 0, 'config.log_every=0'),

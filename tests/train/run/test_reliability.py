@@ -160,6 +160,29 @@ def test_runs_killed_at_three_points_resume_bit_for_bit(
   assert_same_run(workdir, uninterrupted)
 
 
+def test_a_run_of_several_steps_a_call_resumes_at_another_bit_for_bit(
+    data_dir, tmp_path, uninterrupted):
+  """config.steps_per_call: killed inside a call of 4 steps (5-8, once the
+  checkpoint of step 4 is written), resumed 3 steps a call (5 and 6 one at
+  a time, then 7-9 and 10-12): the uninterrupted run's final state, which
+  took one step a call. Logging, evaluation and checkpoints change no
+  state, so their intervals follow the calls."""
+  workdir = str(tmp_path / 'calls')
+  values = overrides(data_dir, steps_per_call=4, log_every=4, eval_every=0,
+                     checkpoint_every=4)
+  killed = run_interrupted(workdir, values, 'kill:6')
+  assert killed.returncode == -9, killed.stderr[-2000:]
+  assert '4 steps a call.' in killed.stdout
+  assert checkpoints(workdir) == ['4']
+  values |= dict(steps_per_call=3, log_every=6, checkpoint_every=6)
+  finished = run_interrupted(workdir, values, None)
+  assert finished.returncode == 0, finished.stderr[-2000:]
+  assert ('3 steps a call; steps 5-6 one at a time (a second compilation).'
+          in finished.stdout)
+  assert_bitwise_equal(saved_state(workdir, LAST_STEP),
+                       saved_state(uninterrupted, LAST_STEP))
+
+
 def test_sigterm_saves_the_step_reached_and_exits_0(
     data_dir, tmp_path, uninterrupted):
   workdir = str(tmp_path / 'preempted')
