@@ -66,7 +66,7 @@ PROBE = [sys.executable, '-c',
 ACCELERATOR_FLAGS = {
     'main_job': [],
     # The same job, 16 steps a call (config.steps_per_call): the same
-    # steps and final evaluation, its intervals multiples of 16.
+    # steps, logged every 64, evaluated and saved at the end only.
     'main_job_16': ['--config.steps_per_call=16', '--config.log_every=64',
                     '--config.eval_every=0', '--config.checkpoint_every=0'],
     'profile': ['--steps=20'],

@@ -227,8 +227,8 @@ class TrainConfig:
   # examples at a time are summed before one update.
   grad_accum_steps: int = key(1, integer(1))
   # Optimizer steps per call of the compiled program: K consecutive
-  # batches go to the devices as one [K, batch_size, ...] array and one
-  # call runs K updates in a lax.scan, each the computation of a call of
+  # batches, placed on the devices, are stacked into one [K, batch_size,
+  # ...] array and one call runs K updates in a lax.scan, each the computation of a call of
   # its own (same dropout keys, schedule, skips, memory); fewer Python
   # dispatches, launches and metric transfers keep a small model's
   # accelerator busy. Results are bitwise those of K calls where XLA
@@ -236,7 +236,7 @@ class TrainConfig:
   # on the CPU); elsewhere a reduction may round differently in the last
   # bit. log_every, eval_every and checkpoint_every must be multiples of
   # it; steps before the first multiple of K (a run resumed at another K)
-  # and after the last run one at a time (a second compilation).
+  # and after the last run one at a time (a program of their own).
   steps_per_call: int = key(1, integer(1))
   # Probability mass spread uniformly over the vocabulary (or classes).
   label_smoothing: float = key(0.0, number(0.0, 1.0))

@@ -264,12 +264,14 @@ class MetricWriter:
 
 
 class TrainLog:
-  """Training-metric summaries every `log_every` steps, fetched one step late.
+  """Training-metric summaries every `log_every` steps, fetched one call
+  late.
 
-  `add` is called right after a step is dispatched; it fetches the metrics
-  of the step before, which waits for that step only. So the device always
-  has the next step queued, and the host never runs more than one step
-  ahead: the progress bar and the throughput are what the device does.
+  `add` is called right after a call (one step or several) is dispatched;
+  it fetches the metrics of the call before, which waits for that call
+  only. So the device always has the next call queued, and the host never
+  runs more than one call ahead: the progress bar and the throughput are
+  what the device does.
   """
 
   _SUMMED = ('loss_sum', 'correct_sum', 'weight_sum', 'token_count')
@@ -288,6 +290,7 @@ class TrainLog:
     self._sums = dict.fromkeys(self._summed, 0.0)
     self._steps = 0
     self._interval_start = time.perf_counter()
+    self._excluded = 0.0
 
   def add(self, step: int, metrics: dict,
           count: int = 1) -> tuple[int, dict] | None:
@@ -327,7 +330,8 @@ class TrainLog:
     self._writer.advance()
     if not is_due(step, self._log_every, self._last_step):
       return None
-    seconds = max(time.perf_counter() - self._interval_start, 1e-9)
+    seconds = max(time.perf_counter() - self._interval_start
+                  - self._excluded, 1e-9)
     summary = summarize_train(self._sums)
     summary['learning_rate'] = float(values['learning_rate'])
     summary['grad_norm'] = float(values['grad_norm'])
@@ -341,6 +345,15 @@ class TrainLog:
     return step, summary
 
   def restart_clock(self) -> None:
-    """Excludes time spent outside training steps (eval, saving) from the
-    next throughput figure."""
+    """Starts the interval's clock now (the first call, once compiled)."""
     self._interval_start = time.perf_counter()
+    self._excluded = 0.0
+
+  def pause(self) -> None:
+    """Stops the interval's clock until `resume`: time spent outside
+    training calls (an evaluation, a save, compiling another program)
+    while no call runs stays out of the throughput."""
+    self._paused_at = time.perf_counter()
+
+  def resume(self) -> None:
+    self._excluded += time.perf_counter() - self._paused_at

@@ -2,10 +2,10 @@
 
 A scheduler that preempts a job sends SIGTERM and waits a grace period; a
 person at the terminal presses Ctrl-C (SIGINT). Either sets a flag, and the
-training loop, at the end of the call under way (config.steps_per_call
-steps; up to that many - 1 after the signal), saves a checkpoint, waits
-for it to be written and exits with status 0; running the same command
-resumes.
+training loop, at the end of a call (config.steps_per_call steps; the
+host is one call ahead of the device, so up to 2K - 1 steps may run after
+the signal), saves a checkpoint, waits for it to be written and exits
+with status 0; running the same command resumes.
 
 With several processes, every host must save the same step. There JAX's
 preemption service (started by `jax.distributed.initialize`) owns SIGTERM:
@@ -49,7 +49,9 @@ class StopRequest:
 
   def due(self, step: int) -> bool:
     """Whether to save and stop after `step`, the last of a call (call it
-    after every call, on every host)."""
+    after every call, on every host). The answer does not depend on
+    `step`: the hosts agree by a count of calls (see above); it names
+    where the loop is, for a caller's logs and the tests' cues."""
     self._calls += 1
     if (self._multihost and self._received is None
         and ocp.multihost.reached_preemption(self._calls)):

@@ -87,6 +87,9 @@ class Program:
   # config.steps_per_call > 1: (state, batches [K, B, ...], rng) -> (state,
   # metric sums stacked [K]), K steps in one call; else None.
   train_steps: Callable[..., tuple[TrainState, dict]] | None
+  # config.steps_per_call > 1: (batch, ..., batch) -> the K placed batches
+  # as one [K, B, ...] batch of train_steps; else None.
+  stack: Callable[..., dict] | None
   # (params, batch, memory) -> (metric sums, memory).
   eval_step: Callable[..., tuple[dict, Any]]
   # () -> an empty Transformer-XL memory (None without one).
@@ -130,11 +133,6 @@ class Program:
     """Global arrays of a batch every host holds whole."""
     return sharding.global_batch(host_batch, self.batch_sharding)
 
-  def stack(self, batches: list[dict]) -> dict:
-    """K placed batches as one [K, B, ...] batch of `train_steps`."""
-    return _stacked(sharding.batch_sharding(self.mesh, stacked=True))(
-        *batches)
-
   def scope(self) -> contextlib.ExitStack:
     """The mesh and the logical axis rules, in which the steps are traced:
     activation constraints and the ring attention's shard_map find them
@@ -144,14 +142,6 @@ class Program:
     stack.enter_context(
         nn.logical_axis_rules(self.config.logical_axis_rules))
     return stack
-
-
-@functools.cache
-def _stacked(stacked_sharding: NamedSharding) -> Callable:
-  """(batch, ..., batch) -> their leaves stacked on a new leading axis."""
-  return jax.jit(
-      lambda *batches: jax.tree.map(lambda *x: jnp.stack(x), *batches),
-      out_shardings=stacked_sharding)
 
 
 def compile_program(config: TrainConfig, task: Task, mesh: Mesh, *,
@@ -196,11 +186,14 @@ def compile_program(config: TrainConfig, task: Task, mesh: Mesh, *,
   train_step = jit_train_step(
       functools.partial(steps.train_step, **step_options), strategy, mesh,
       state_sharding)
-  train_steps = None
+  train_steps = stack = None
   if config.steps_per_call > 1:
     train_steps = jit_train_step(
         functools.partial(steps.train_steps, **step_options), strategy,
         mesh, state_sharding, stacked=True)
+    stack = jax.jit(
+        lambda *batches: jax.tree.map(lambda *x: jnp.stack(x), *batches),
+        out_shardings=sharding.batch_sharding(mesh, stacked=True))
   eval_step = jax.jit(
       functools.partial(steps.eval_step, model=model, task=task),
       in_shardings=(state_sharding.params, batch, state_sharding.memory),
@@ -218,7 +211,8 @@ def compile_program(config: TrainConfig, task: Task, mesh: Mesh, *,
               leaf.shape, leaf.dtype, sharding=leaf_sharding),
           abstract_state, state_sharding),
       state_sharding=state_sharding, batch_sharding=batch, init=init,
-      train_step=train_step, train_steps=train_steps, eval_step=eval_step,
+      train_step=train_step, train_steps=train_steps, stack=stack,
+      eval_step=eval_step,
       fresh_memory=jax.jit(empty_memory,
                            out_shardings=state_sharding.memory),
       kernels=kernels)

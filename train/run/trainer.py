@@ -6,7 +6,7 @@ The state and batches are laid out on the mesh of `config.parallelism`
 the same loop runs on one CPU, a GPU node or a multi-host TPU pod.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 import os
 import time
 from typing import Any
@@ -175,8 +175,8 @@ def _say_what_runs(config: TrainConfig, program: Program, workdir: str,
         first_step, config.num_train_steps, config.steps_per_call)
               if count == 1]
     _say(f'{config.steps_per_call} steps a call'
-         + (f'; steps {_ranges(single)} one at a time (a second '
-            'compilation)' if single else '') + '.')
+         + (f'; steps {_ranges(single)} one at a time (a program of their '
+            'own)' if single else '') + '.')
   if program.kernels:
     _say('Attention kernels: '
          + '; '.join(layers.describe() for layers
@@ -261,18 +261,17 @@ def _restore_or_init(program: Program,
 
 
 def calls(first_step: int, last_step: int,
-          steps_per_call: int) -> list[tuple[int, int]]:
+          steps_per_call: int) -> Iterator[tuple[int, int]]:
   """(the step before, steps) of each call from `first_step` to
   `last_step`: `steps_per_call` steps from each multiple of it, one at a
   time before the first (a run resumed at another steps_per_call) and
   after the last."""
-  found, step = [], first_step
+  step = first_step
   while step < last_step:
     count = steps_per_call if (step % steps_per_call == 0 and
                                step + steps_per_call <= last_step) else 1
-    found.append((step, count))
+    yield step, count
     step += count
-  return found
 
 
 def _compile(run, config: TrainConfig, state, batch, dropout_rng,
@@ -354,12 +353,18 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
         with jax.profiler.StepTraceAnnotation('train', step_num=step + 1):
           batches = [placed_batch(s) for s in range(step + 1, done + 1)]
           run = program.train_step if count == 1 else program.train_steps
-          batch = batches[0] if count == 1 else program.stack(batches)
+          batch = batches[0] if count == 1 else program.stack(*batches)
           if count not in compiled:  # Compiled once: the calls reuse it.
-            compiled.add(count)
+            # The call before ends first, so that its time stays in its
+            # interval and the compilation's does not.
+            jax.block_until_ready(state)
+            train_log.pause()
             _compile(run, program.config, state, batch, dropout_rng, writer)
-            # The first throughput figure is that of the steps alone.
-            train_log.restart_clock()
+            if compiled:
+              train_log.resume()
+            else:  # The first throughput figure is that of the steps alone.
+              train_log.restart_clock()
+            compiled.add(count)
           state, step_metrics = run(state, batch, dropout_rng)
           # Waits for the call before this one only: the device has this
           # one queued meanwhile.
@@ -377,6 +382,7 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
                                                 last_step)
           if evaluate_now or save_now:
             logged = train_log.complete()
+            train_log.pause()
             summary = logged[1] if logged else {}
             last_logged = summary or last_logged
             if evaluate_now:
@@ -394,7 +400,7 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
                 checkpointer.save(done, state, train_iterator)
               writer.say(f'step {done}: saving the checkpoint in '
                          f'{checkpointer.directory} (in the background)')
-            train_log.restart_clock()
+            train_log.resume()
           if stopping or pruned:
             _leave(done, checkpointer, stop.reason if stopping else None)
       if final is None:  # Trained to the end before; evaluate again only.

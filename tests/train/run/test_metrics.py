@@ -5,7 +5,10 @@ import json
 import math
 import pathlib
 import struct
+import time
+import types
 
+import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2, plugin_hparams_pb2
 
@@ -89,3 +92,35 @@ def test_tensorboard_tags_are_grouped_and_hparams_written(tmp_path):
       (value.tag, value.simple_value) for event in tensorboard_events(
           tmp_path / 'tensorboard' / 'hparams')
       for value in event.summary.value]
+
+
+@pytest.mark.core
+def test_a_call_of_several_steps_is_logged_by_step_and_pauses_are_left_out(
+    monkeypatch):
+  """Two steps in one call (stacked metrics): each counted, the interval
+  summarised at its last; the 10 s paused (an evaluation, a compilation)
+  are not in the throughput."""
+  now = [0.0]
+  monkeypatch.setattr(metrics, 'time', types.SimpleNamespace(
+      perf_counter=lambda: now[0], time=time.time))
+  log = metrics.TrainLog(types.SimpleNamespace(advance=lambda: None),
+                         log_every=2, last_step=2,
+                         guard=metrics.NonFiniteGuard('stop', 0))
+  stacked = {'loss_sum': np.array([4.0, 2.0]),
+             'correct_sum': np.array([1.0, 3.0]),
+             'weight_sum': np.array([4.0, 4.0]),
+             'token_count': np.array([8.0, 8.0]),
+             'learning_rate': np.array([0.1, 0.2]),
+             'grad_norm': np.array([1.0, 0.5])}
+  now[0] = 1.0
+  assert log.add(2, stacked, count=2) is None
+  log.pause()
+  now[0] = 11.0
+  log.resume()
+  now[0] = 13.0
+  step, summary = log.complete()
+  assert step == 2
+  assert summary['loss'] == 6.0 / 8.0 and summary['accuracy'] == 0.5
+  assert (summary['learning_rate'], summary['grad_norm']) == (0.2, 0.5)
+  assert summary['steps_per_s'] == 2 / 3.0
+  assert summary['tokens_per_s'] == 16 / 3.0

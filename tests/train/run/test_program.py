@@ -47,7 +47,7 @@ def test_steps_in_one_call_equal_one_call_each_bitwise(name):
       state, metrics = program.train_step(state, batch, rng)
       each.append(jax.device_get(metrics))
     called, stacked = program.train_steps(program.init(),
-                                          program.stack(batches), rng)
+                                          program.stack(*batches), rng)
   assert bytes_of(jax.device_get(called)) == bytes_of(jax.device_get(state))
   stacked = jax.device_get(stacked)
   for index, metrics in enumerate(each):

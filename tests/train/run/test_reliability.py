@@ -177,7 +177,7 @@ def test_a_run_of_several_steps_a_call_resumes_at_another_bit_for_bit(
   values |= dict(steps_per_call=3, log_every=6, checkpoint_every=6)
   finished = run_interrupted(workdir, values, None)
   assert finished.returncode == 0, finished.stderr[-2000:]
-  assert ('3 steps a call; steps 5-6 one at a time (a second compilation).'
+  assert ('3 steps a call; steps 5-6 one at a time (a program of their own).'
           in finished.stdout)
   assert_bitwise_equal(saved_state(workdir, LAST_STEP),
                        saved_state(uninterrupted, LAST_STEP))

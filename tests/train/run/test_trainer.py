@@ -162,7 +162,7 @@ def test_resumed_run_repeats_the_uninterrupted_one(name, data_dir, tmp_path):
 def test_calls_run_steps_per_call_steps_from_each_multiple_of_it():
   """(the step before, steps) of each call: one at a time up to the first
   multiple (a run resumed at another steps_per_call) and after the last."""
-  assert trainer.calls(0, 8, 4) == [(0, 4), (4, 4)]
-  assert trainer.calls(3, 13, 4) == [(3, 1), (4, 4), (8, 4), (12, 1)]
-  assert trainer.calls(0, 3, 4) == [(0, 1), (1, 1), (2, 1)]
-  assert trainer.calls(5, 7, 1) == [(5, 1), (6, 1)]
+  assert list(trainer.calls(0, 8, 4)) == [(0, 4), (4, 4)]
+  assert list(trainer.calls(3, 13, 4)) == [(3, 1), (4, 4), (8, 4), (12, 1)]
+  assert list(trainer.calls(0, 3, 4)) == [(0, 1), (1, 1), (2, 1)]
+  assert list(trainer.calls(5, 7, 1)) == [(5, 1), (6, 1)]
