@@ -1,7 +1,9 @@
 r"""One markdown report of what the accelerator at hand does with attnlab:
-the `make train` job's speed (one step a call, and 16), profiles of its
-step and of GPT-2 small's, training throughput against stock Flax, and
-attention against sequence length.
+the `make train` job's speed (one step a call, and 16; on a GPU also with
+XLA's command buffers off), profiles of its step and of GPT-2 small's
+(device time by kind: attention, matmuls, readout and loss, optimizer,
+elementwise), training throughput against stock Flax (GPT-2 small at
+batch 8 and 32 on an accelerator), and attention against sequence length.
 
   python -m experiments.accelerator_report --out=DIR [--budget_s=450] \
       [--data_dir=~/tensorflow_datasets]
@@ -60,23 +62,30 @@ PROBE = [sys.executable, '-c',
 
 
 # Each part's own flags: profiles of make train's step and of GPT-2
-# small's, GPT-2 small's throughput and long attention (on plain, packed,
-# padded and ALiBi rows) on a GPU or TPU; on a CPU, short runs that fit
-# --budget_s=400 on 2 cores.
+# small's, GPT-2 small's throughput (at llm.c's 32 rows as well as 8; the
+# loop's efficiency is main_job's to say) and long attention (on plain,
+# packed, padded and ALiBi rows) on a GPU or TPU; on a CPU, short runs
+# that fit --budget_s=400 on 2 cores.
 ACCELERATOR_FLAGS = {
     'main_job': [],
     # The same job, 16 steps a call (config.steps_per_call): the same
     # steps, logged every 64, evaluated and saved at the end only.
     'main_job_16': ['--config.steps_per_call=16', '--config.log_every=64',
                     '--config.eval_every=0', '--config.checkpoint_every=0'],
+    # main_job again with XLA's GPU command buffers off (ENV below).
+    'main_job_no_command_buffer': [],
     'profile': ['--steps=20'],
     'profile_gpt2': ['--steps=10'] + [
         f'--config.{key}={value}' for key, value in
         bench_train.size_overrides('gpt2', attention='auto',
                                    dtype='bfloat16', remat='none').items()],
-    'bench_train': ['--sizes=gpt2', '--dtype=bfloat16', '--steps=10'],
+    'bench_train': ['--sizes=gpt2', '--batch_sizes=8,32',
+                    '--dtype=bfloat16', '--steps=10', '--noloop'],
     'bench_attention': ['--lengths=4096,16384,65536', '--dtype=bfloat16',
                         '--rows=plain,packed,padded,alibi']}
+# Environment a part runs with, added to this process's.
+ENV = {'main_job_no_command_buffer': {'XLA_FLAGS': ' '.join(filter(None, (
+    os.environ.get('XLA_FLAGS'), '--xla_gpu_enable_command_buffer=')))}}
 CPU_FLAGS = {
     'main_job': [f'--config.{key}={value}' for key, value in (
         ('num_train_steps', 30), ('log_every', 10), ('eval_every', 30),
@@ -106,6 +115,7 @@ class Part(NamedTuple):
   share: float
   # The markdown it wrote, read back after it ended; None if none.
   markdown: Callable[[], str | None]
+  env: dict[str, str] = {}  # Added to this process's environment.
 
 
 def read_file(path: str) -> str | None:
@@ -160,19 +170,21 @@ def throughput_markdown(workdir: str) -> str | None:
 
 
 def default_parts(out: str, backend: str, data_dir: str) -> list[Part]:
-  """The six parts, with the flags of `backend`."""
+  """The parts, with the flags of `backend`: the command-buffer A/B on a
+  GPU only."""
   sized = ACCELERATOR_FLAGS if backend in ('gpu', 'tpu') else CPU_FLAGS
   where = {name: os.path.join(out, name) for name in sized}
   config = ['--config=configs/lm_stdlib.py', f'--config.data_dir={data_dir}']
   module = [sys.executable, '-m']
+  jobs = {'main_job': 0.25, 'main_job_16': 0.1}
+  if backend == 'gpu':
+    jobs['main_job_no_command_buffer'] = 0.2
   return [
-      Part('main_job', [*module, 'train.train', *config,
-                        f'--workdir={where["main_job"]}', *sized['main_job']],
-           0.25, functools.partial(throughput_markdown, where['main_job'])),
-      Part('main_job_16', [*module, 'train.train', *config,
-                           f'--workdir={where["main_job_16"]}',
-                           *sized['main_job_16']],
-           0.1, functools.partial(throughput_markdown, where['main_job_16'])),
+      *(Part(name, [*module, 'train.train', *config,
+                    f'--workdir={where[name]}', *sized[name]], share,
+             functools.partial(throughput_markdown, where[name]),
+             ENV.get(name, {}))
+        for name, share in jobs.items()),
       *(Part(name, [*module, 'experiments.profile', *config,
                     f'--workdir={where[name]}', '--warmup=3', *sized[name]],
              0.1, functools.partial(read_file, os.path.join(where[name],
@@ -220,7 +232,7 @@ def run_part(part: Part, out: str, timeout_s: float) -> str:
     process = subprocess.Popen(
         part.argv, cwd=REPO, stdout=log, stderr=subprocess.PIPE, text=True,
         errors='replace', start_new_session=True,
-        env=os.environ | {'PYTHONUNBUFFERED': '1'})
+        env=os.environ | {'PYTHONUNBUFFERED': '1'} | part.env)
     try:
       _, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -269,7 +281,10 @@ def _section(part: Part, status: str) -> str:
     markdown = 'It wrote no table.\n'
   markdown = '\n'.join('##' + line if line.startswith('#') else line
                        for line in markdown.splitlines())
-  return (f'## {part.name}\n\nCommand: `{shlex.join(part.argv)}`\n\n'
+  environment = ''.join(f'{key}={shlex.quote(value)} '
+                        for key, value in part.env.items())
+  return (f'## {part.name}\n\nCommand: `{environment}'
+          f'{shlex.join(part.argv)}`\n\n'
           f'Status: {status}\n\n{markdown}\n')
 
 

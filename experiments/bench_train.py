@@ -2,13 +2,15 @@ r"""Training throughput of our DecoderLM against a decoder LM of the same
 size written with stock Flax layers, in one run.
 
   python -m experiments.bench_train --out=experiments/results/bench_train \
-      [--sizes=small,medium] [--steps=10 --warmup=2] [--attention=auto] \
-      [--dtype=float32] [--remat=none] [--noloop] [--config.key=value ...]
+      [--sizes=small,medium] [--batch_sizes=8,32] [--steps=10 --warmup=2] \
+      [--attention=auto] [--dtype=float32] [--remat=none] [--noloop] \
+      [--config.key=value ...]
 
 Both models: learned positions, pre-LayerNorm blocks, a GELU MLP, a tied
 output projection, AdamW with global-norm clipping, float32 parameters,
 `--dtype` computation, synthetic rows of random tokens (one sequence a row,
-causal), data parallel over every device. Ours is `train.train`'s own step
+causal), data parallel over every device; each size at its own batch, or
+at each of --batch_sizes. Ours is `train.train`'s own step
 (configs/lm_stdlib.py with the size's keys and any --config overrides;
 metrics included); the baseline is `nn.MultiHeadDotProductAttention` with
 `nn.make_causal_mask`, written out below. For each: step time, tokens/s,
@@ -98,11 +100,13 @@ class StockLM(nn.Module):
     return embed.attend(x).astype(jnp.float32)
 
 
-def size_overrides(size: str, *, attention: str, dtype: str,
-                   remat: str) -> dict[str, object]:
+def size_overrides(size: str, *, attention: str, dtype: str, remat: str,
+                   batch_size: int | None = None) -> dict[str, object]:
   """{config key: value} that make lm_stdlib's config the GPT-2-style
-  model of `size` (as StockLM builds it) on unpacked rows."""
+  model of `size` (as StockLM builds it) on unpacked rows, `batch_size` of
+  them (default: the size's)."""
   d_model, layers, heads, mlp, seq_len, batch, vocab = SIZES[size]
+  batch = batch_size or batch
   model = dict(d_model=d_model, num_layers=layers, num_heads=heads,
                mlp_dim=mlp, vocab_size=vocab, max_len=seq_len,
                position='learned', norm='layernorm', norm_position='pre',
@@ -113,10 +117,12 @@ def size_overrides(size: str, *, attention: str, dtype: str,
 
 
 def our_config(base: ml_collections.ConfigDict, size: str, *, attention: str,
-               dtype: str, remat: str) -> ml_collections.ConfigDict:
+               dtype: str, remat: str, batch_size: int | None = None
+               ) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict(base.to_dict())
   for key, value in size_overrides(size, attention=attention, dtype=dtype,
-                                   remat=remat).items():
+                                   remat=remat,
+                                   batch_size=batch_size).items():
     *groups, name = key.split('.')
     target = config
     for group in groups:
@@ -197,9 +203,55 @@ def measure_stock(config: TrainConfig, batch_sharding, *, steps: int,
           'step_s': seconds, 'temp_mib': temp_bytes / 2 ** 20}
 
 
+def _measure_size(base: ml_collections.ConfigDict, size: str,
+                  batch_size: int, lines, *, steps: int, warmup: int,
+                  attention: str, dtype: str, remat: str, loop: bool,
+                  peak: float | None) -> list[dict]:
+  """Our row and stock Flax's at `size` and `batch_size`, each also
+  written to `lines` (results.jsonl) and printed as it is measured."""
+  # Two logged intervals of `steps` for measure_loop; the bare step has
+  # the same schedule, so both compile the same program.
+  config = common.timed_run_config(
+      our_config(base, size, attention=attention, dtype=dtype, remat=remat,
+                 batch_size=batch_size),
+      num_train_steps=2 * steps, log_every=steps)
+  program = Program.from_config(config)
+  model_config = program.model_config
+  measured = {'attnlab': measure_ours(program, steps=steps, warmup=warmup),
+              'stock_flax': measure_stock(
+                  program.config, program.batch_sharding, steps=steps,
+                  warmup=warmup)}
+  rows = []
+  for name, row in measured.items():
+    tokens = config.batch_size * config.seq_len
+    per_token = flops.train_flops_per_example(
+        model_config, program.task, config.seq_len,
+        row['non_embedding_params']) / config.seq_len
+    row = {'size': size, 'batch': config.batch_size, 'model': name,
+           'attention': (model_config.attention if name == 'attnlab' else
+                         'nn.MultiHeadDotProductAttention'), **row,
+           'tokens_per_s': tokens / row['step_s'],
+           'model_gflop_per_token': per_token / 1e9}
+    if peak:
+      row['mfu'] = per_token * row['tokens_per_s'] / peak
+    rows.append(row)
+  ours, stock = rows
+  ours['speedup_vs_stock'] = ours['tokens_per_s'] / stock['tokens_per_s']
+  if loop:
+    ours['loop_step_s'] = measure_loop(config)
+    ours['loop_efficiency'] = ours['step_s'] / ours['loop_step_s']
+  for row in rows:
+    lines.write(json.dumps(row) + '\n')
+    print(json.dumps(row), flush=True)
+  return rows
+
+
 def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
         steps: int, warmup: int, attention: str, dtype: str, remat: str,
-        loop: bool = True, command: str = '') -> list[dict]:
+        batch_sizes: list[int] = (), loop: bool = True,
+        command: str = '') -> list[dict]:
+  """The two models at each size (and each of `batch_sizes`, if given);
+  writes OUT/<backend>/results.{jsonl,md,csv} and returns the rows."""
   for size in sizes:
     if size not in SIZES:
       raise InputError(f'--sizes: unknown size {size!r}; known: '
@@ -213,47 +265,21 @@ def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
   rows = []
   with open(os.path.join(directory, 'results.jsonl'), 'w') as lines:
     for size in sizes:
-      # Two logged intervals of `steps` for measure_loop; the bare step
-      # has the same schedule, so both compile the same program.
-      config = common.timed_run_config(
-          our_config(base, size, attention=attention, dtype=dtype,
-                     remat=remat), num_train_steps=2 * steps, log_every=steps)
-      program = Program.from_config(config)
-      model_config = program.model_config
-      measured = {'attnlab': measure_ours(program, steps=steps,
-                                          warmup=warmup),
-                  'stock_flax': measure_stock(
-                      program.config, program.batch_sharding, steps=steps,
-                      warmup=warmup)}
-      for name, row in measured.items():
-        tokens = config.batch_size * config.seq_len
-        per_token = flops.train_flops_per_example(
-            model_config, program.task, config.seq_len,
-            row['non_embedding_params']) / config.seq_len
-        row = {'size': size, 'model': name, 'attention': (
-            model_config.attention if name == 'attnlab' else
-            'nn.MultiHeadDotProductAttention'), **row,
-               'tokens_per_s': tokens / row['step_s'],
-               'model_gflop_per_token': per_token / 1e9}
-        if peak:
-          row['mfu'] = per_token * row['tokens_per_s'] / peak
-        rows.append(row)
-      ours, stock = rows[-2], rows[-1]
-      ours['speedup_vs_stock'] = ours['tokens_per_s'] / stock['tokens_per_s']
-      if loop:
-        ours['loop_step_s'] = measure_loop(config)
-        ours['loop_efficiency'] = ours['step_s'] / ours['loop_step_s']
-      for row in (ours, stock):
-        lines.write(json.dumps(row) + '\n')
-        print(json.dumps(row), flush=True)
-  columns = ['size', 'model', 'attention', 'params', 'step_s', 'tokens_per_s',
+      for batch_size in batch_sizes or [SIZES[size][5]]:
+        rows += _measure_size(base, size, batch_size, lines, steps=steps,
+                              warmup=warmup, attention=attention,
+                              dtype=dtype, remat=remat, loop=loop,
+                              peak=peak)
+  columns = ['size', 'batch', 'model', 'attention', 'params', 'step_s', 'tokens_per_s',
              'speedup_vs_stock', 'model_gflop_per_token', 'mfu', 'temp_mib',
              'loop_step_s', 'loop_efficiency']
   shapes = '; '.join(
       f'{size}: d_model {SIZES[size][0]}, {SIZES[size][1]} layers, '
       f'{SIZES[size][2]} heads, MLP {SIZES[size][3]}, T {SIZES[size][4]}, '
       f'batch {SIZES[size][5]}, vocabulary {SIZES[size][6]}'
-      for size in sizes)
+      for size in sizes) + (
+          f' (batch: {", ".join(map(str, batch_sizes))} rows instead)'
+          if batch_sizes else '')
   preamble = (
       '# Training throughput: attnlab DecoderLM against stock Flax\n\n'
       + (f'Command: `{command}`\n\n' if command else '')
@@ -276,7 +302,9 @@ def main(argv: list[str]) -> None:
   cli.run_main(argv, lambda: run(
       FLAGS.config, FLAGS.out, sizes=FLAGS.sizes, steps=FLAGS.steps,
       warmup=FLAGS.warmup, attention=FLAGS.attention, dtype=FLAGS.dtype,
-      remat=FLAGS.remat, loop=FLAGS.loop,
+      remat=FLAGS.remat,
+      batch_sizes=common.parse_integers('--batch_sizes', FLAGS.batch_sizes),
+      loop=FLAGS.loop,
       command='python -m experiments.bench_train ' + ' '.join(sys.argv[1:])))
 
 
@@ -289,6 +317,8 @@ def _define_flags() -> None:
                       'Results go to OUT/<backend>/.')
   flags.DEFINE_list('sizes', ['small', 'medium'],
                     f'Model sizes, of {", ".join(SIZES)}.')
+  flags.DEFINE_list('batch_sizes', [], 'Rows a step, each measured; '
+                    'default: each size\'s own.')
   flags.DEFINE_integer('steps', 10, 'Timed steps.')
   flags.DEFINE_integer('warmup', 2, 'Untimed steps first (compiling).')
   flags.DEFINE_string('attention', 'auto', 'Our config.model.attention.')

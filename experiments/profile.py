@@ -26,12 +26,18 @@ instruction (fusion.12, dot.3, all-reduce.1). With CPU devices simulated
 wait for the other devices' threads.
 
 Writes DIR/profile.md (the command, the machine, the config, then the
-tables), the tables alone in DIR/kernels.{md,csv} and DIR/host.{md,csv},
-and prints the report:
+tables), the tables alone in DIR/kinds.{md,csv}, DIR/kernels.{md,csv} and
+DIR/host.{md,csv}, and prints the report:
   - step time: the window over the measured steps;
   - device busy: the union of each device's op intervals in the window over
     the window (ops overlapping on several streams or threads counted
     once), averaged over the devices;
+  - kinds: device time by what the ops do (attention, matmuls, readout and
+    loss, optimizer, collectives, elementwise, outside the step), per step
+    and per device, self time; each op's kind is read from the compiled
+    train step's text (its opcode, what a fusion holds, and the name scope
+    its op name passes through: see `op_kinds`), which the trainer hands
+    over as it compiles;
   - kernels: device time by kernel, numeric suffixes stripped so that
     fusion.1 and fusion.2 are one row, per step and per device, self time
     (an op inside another, as a loop body inside its while, counts once);
@@ -41,13 +47,13 @@ The trace itself opens in TensorBoard's or XProf's profile viewer.
 """
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 import glob
 import os
 import re
 import shutil
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from absl import flags
 import jax
@@ -55,8 +61,10 @@ import ml_collections
 from ml_collections import config_flags
 
 from experiments import common
+from model.layers import ATTENTION_SCOPE
 from train import cli
 from train.base.errors import InputError
+from train.program.steps import LOSS_SCOPE, OPTIMIZER_SCOPE
 from train.run.trainer import train_and_evaluate
 
 FLAGS = flags.FLAGS
@@ -68,6 +76,14 @@ HOST_ROWS = 10
 KERNEL_COLUMNS = ('kernel', 'program', 'count_per_step', 'ms_per_step',
                   'share')
 HOST_COLUMNS = ('name', 'count_per_step', 'ms_per_step', 'self_ms_per_step')
+KIND_COLUMNS = ('kind', 'count_per_step', 'ms_per_step', 'share')
+# What a device op does, by its HLO instruction in the compiled train step
+# (see `op_kinds`), in the order the table lists them.
+KINDS = ('attention', 'matmuls', 'readout and loss', 'optimizer',
+         'collectives', 'elementwise', 'outside the step')
+COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
+               'ragged-all-to-all', 'collective-permute',
+               'collective-broadcast')
 
 
 class Op(NamedTuple):
@@ -78,6 +94,8 @@ class Op(NamedTuple):
   program: str  # The HLO module, e.g. 'jit_train_step'; '' if unknown.
   start_ns: float
   end_ns: float
+  # The HLO instruction it runs (the trace's hlo_op, else its name).
+  instruction: str = ''
 
 
 class Span(NamedTuple):
@@ -160,7 +178,8 @@ def read_trace(data) -> Trace:
         device_ops += [
             Op(plane.name, f'{plane_index}/{line_index}', event.name,
                str(_stats(event).get('hlo_module', '')), event.start_ns,
-               event.end_ns)
+               event.end_ns,
+               str(_stats(event).get('hlo_op', '')) or event.name)
             for event in line.events if event.duration_ns > 0]
     elif plane.name.startswith('/host:'):
       for line_index, line in enumerate(plane.lines):
@@ -175,7 +194,8 @@ def read_trace(data) -> Trace:
             host_ops.append(Op(f'cpu:{stats.get("device_ordinal", 0)}',
                                track, event.name,
                                str(stats.get('hlo_module', '')),
-                               event.start_ns, event.end_ns))
+                               event.start_ns, event.end_ns,
+                               str(stats['hlo_op'])))
   # A GPU's or TPU's host threads may annotate ops too; its planes say what
   # the device did.
   ops = device_ops or host_ops
@@ -205,6 +225,101 @@ def step_window(steps: dict[int, tuple[float, float]], *, warmup: int,
   return steps[first][0], steps[after][0]
 
 
+# --- What each op does, from the compiled program's text ---
+
+_HEADER = re.compile(r'HloModule\s+([\w.\-]+)')
+# A computation's first line: unindented, ending with its opening brace.
+_COMPUTATION = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$')
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s+=\s+(.*)$')
+# The opcode: the first lower-case word before a parenthesis after the
+# shape (f32[8]{0}, a tuple (f32[], s32[]), a layout {1,0:T(8,128)}).
+_OPCODE = re.compile(r'(?:^|\s)([a-z][a-z0-9\-]*)\(')
+_CALLS = re.compile(r'\bcalls=%?([\w.\-]+)')
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_APPLIES = re.compile(r'\bto_apply=%?([\w.\-]+)')
+
+
+class _Instruction(NamedTuple):
+  opcode: str
+  op_name: str  # The JAX name stack: jit(train_step)/jvp(DecoderLM)/...
+  calls: str  # A fusion's computation; '' if none.
+  target: str  # A custom call's target; '' if none.
+
+
+def _parse_hlo(text: str) -> tuple[str, dict[str, dict[str, _Instruction]]]:
+  """(module name, {computation: {instruction: _Instruction}}) of a
+  compiled program's text (`jax.stages.Compiled.as_text()`)."""
+  header = _HEADER.search(text)
+  computations, current = {}, None
+  for line in text.splitlines():
+    instruction = _INSTRUCTION.match(line)
+    if line[:1].isspace() and instruction and current is not None:
+      name, rest = instruction.groups()
+      opcode = _OPCODE.search(rest)
+      fields = [pattern.search(rest) for pattern in (_OP_NAME, _CALLS,
+                                                     _TARGET)]
+      current[name] = _Instruction(
+          opcode.group(1) if opcode else '',
+          *(field.group(1) if field else '' for field in fields))
+    elif computation := _COMPUTATION.match(line):
+      current = computations.setdefault(computation.group(1), {})
+  return (header.group(1) if header else ''), computations
+
+
+def _is_matmul(instruction: _Instruction, computations) -> bool:
+  """A dot, a convolution, a GEMM library call, or a fusion of one."""
+  if instruction.opcode in ('dot', 'convolution'):
+    return True
+  if instruction.opcode == 'custom-call':
+    return any(word in instruction.target.lower()
+               for word in ('gemm', 'matmul'))
+  return any(_is_matmul(inner, computations) for inner in
+             computations.get(instruction.calls, {}).values())
+
+
+def _in_scope(op_name: str, scope: str) -> bool:
+  """Whether the name stack (its first, where fusion joined several with
+  ';') passes through the name scope `scope`."""
+  return scope in re.split(r'[/()]', op_name.split(';')[0])
+
+
+def op_kinds(text: str) -> dict[tuple[str, str], str]:
+  """{(program, instruction): kind} of every instruction of a compiled
+  train step's text that runs as an op (not inside a fusion). The kind, of
+  KINDS: collectives by opcode; then by the name scope the op comes from
+  (the optimizer update and the loss over the readout's logits, in
+  train/program/steps.py; the attention function's call, in
+  model/layers.py); then matmuls (dots, GEMM calls and their fusions);
+  elementwise for the rest (norms, activations, residuals, casts,
+  copies, reductions)."""
+  module, computations = _parse_hlo(text)
+  # Fused computations and reducers' bodies run inside an op.
+  inside = set(_APPLIES.findall(text)) | {
+      instruction.calls for body in computations.values()
+      for instruction in body.values() if instruction.opcode == 'fusion'}
+  kinds = {}
+  for computation, body in computations.items():
+    if computation in inside:
+      continue
+    for name, instruction in body.items():
+      if instruction.opcode.removesuffix('-start').removesuffix(
+          '-done') in COLLECTIVES:
+        kind = 'collectives'
+      elif _in_scope(instruction.op_name, OPTIMIZER_SCOPE):
+        kind = 'optimizer'
+      elif _in_scope(instruction.op_name, LOSS_SCOPE):
+        kind = 'readout and loss'
+      elif _in_scope(instruction.op_name, ATTENTION_SCOPE):
+        kind = 'attention'
+      elif _is_matmul(instruction, computations):
+        kind = 'matmuls'
+      else:
+        kind = 'elementwise'
+      kinds[module, name] = kind
+  return kinds
+
+
 # --- Tables ---
 
 def kernel_name(name: str) -> str:
@@ -225,10 +340,9 @@ def busy_fraction(ops: Iterable[Op], window: tuple[float, float],
       length * max(len(devices), 1))
 
 
-def kernel_rows(ops: Iterable[Op], window: tuple[float, float],
-                num_steps: int, num_devices: int) -> list[dict]:
-  """Device self time by (kernel, program) in the window, most first: count
-  and ms per step and per device, and share of all the ops' time."""
+def _self_time_by(ops: Iterable[Op], window: tuple[float, float],
+                  key: Callable[[Op], Any]) -> tuple[dict, dict]:
+  """({key: count}, {key: self time in ns}) of the ops in the window."""
   by_track = defaultdict(list)
   for op in clipped(ops, window):
     by_track[op.track].append(op)
@@ -236,9 +350,17 @@ def kernel_rows(ops: Iterable[Op], window: tuple[float, float],
   for track_ops in by_track.values():
     for op, time in zip(track_ops, self_times(
         [(op.start_ns, op.end_ns) for op in track_ops])):
-      key = (kernel_name(op.name), op.program)
-      counts[key] += 1
-      times[key] += time
+      counts[key(op)] += 1
+      times[key(op)] += time
+  return counts, times
+
+
+def kernel_rows(ops: Iterable[Op], window: tuple[float, float],
+                num_steps: int, num_devices: int) -> list[dict]:
+  """Device self time by (kernel, program) in the window, most first: count
+  and ms per step and per device, and share of all the ops' time."""
+  counts, times = _self_time_by(
+      ops, window, lambda op: (kernel_name(op.name), op.program))
   total = sum(times.values()) or 1.0
   per_step = num_steps * max(num_devices, 1)
   return [{'kernel': kernel, 'program': program,
@@ -246,6 +368,30 @@ def kernel_rows(ops: Iterable[Op], window: tuple[float, float],
            'ms_per_step': times[kernel, program] / 1e6 / per_step,
            'share': times[kernel, program] / total}
           for kernel, program in sorted(times, key=times.get, reverse=True)]
+
+
+def kind_rows(ops: Iterable[Op], window: tuple[float, float],
+              num_steps: int, num_devices: int,
+              kinds: dict[tuple[str, str], str]) -> list[dict]:
+  """Device self time by kind (KINDS) in the window, in KINDS' order: count
+  and ms per step and per device, and share of all the ops' time. `kinds`:
+  {(program, instruction): kind} of the train step's programs (`op_kinds`);
+  any other op (a transfer, another program's) is 'outside the step'."""
+  def kind(op: Op) -> str:
+    # A GPU kernel without an hlo_op stat is named after its instruction,
+    # fusion.12 as fusion_12.
+    for name in (op.instruction, re.sub(r'_(\d+)$', r'.\1', op.instruction)):
+      if (op.program, name) in kinds:
+        return kinds[op.program, name]
+    return 'outside the step'
+
+  counts, times = _self_time_by(ops, window, kind)
+  total = sum(times.values()) or 1.0
+  per_step = num_steps * max(num_devices, 1)
+  return [{'kind': name, 'count_per_step': counts[name] / per_step,
+           'ms_per_step': times[name] / 1e6 / per_step,
+           'share': times[name] / total}
+          for name in KINDS if name in times]
 
 
 def host_rows(spans: Iterable[Span], window: tuple[float, float],
@@ -269,11 +415,15 @@ def host_rows(spans: Iterable[Span], window: tuple[float, float],
           for name in sorted(inclusive, key=inclusive.get, reverse=True)]
 
 
-def summarize(trace: Trace, *, warmup: int, num_steps: int) -> dict:
-  """step_ms, device_busy_fraction, kernels (top rows), host (top rows) and
-  num_devices of the measured steps of `trace`."""
+def summarize(trace: Trace, *, warmup: int, num_steps: int,
+              kinds: dict[tuple[str, str], str] | None = None) -> dict:
+  """step_ms, device_busy_fraction, kernels (top rows), host (top rows),
+  num_devices and, given `kinds` (see `kind_rows`), kinds (rows) of the
+  measured steps of `trace`."""
   window = step_window(trace.steps, warmup=warmup, num_steps=num_steps)
   return {
+      'kinds': kind_rows(trace.ops, window, num_steps, len(trace.devices),
+                         kinds) if kinds else [],
       'step_ms': (window[1] - window[0]) / 1e6 / num_steps,
       'device_busy_fraction': busy_fraction(trace.ops, window,
                                             trace.devices),
@@ -319,14 +469,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, steps: int,
   # hundreds of times larger, and steps it slows down.
   options = jax.profiler.ProfileOptions()
   options.python_tracer_level = 0
+  kinds = {}
   with jax.profiler.trace(trace_dir, profiler_options=options):
     # The one log line falls in the last call, outside the window.
     total = warmup + steps + per_call
-    train_and_evaluate(common.timed_run_config(
-        config, num_train_steps=total, log_every=total), run_dir)
+    train_and_evaluate(
+        common.timed_run_config(config, num_train_steps=total,
+                                log_every=total), run_dir,
+        on_compiled=lambda compiled: kinds.update(
+            op_kinds(compiled.as_text())))
   path = trace_file(trace_dir)
   result = summarize(read_trace(jax.profiler.ProfileData.from_file(path)),
-                     warmup=warmup, num_steps=steps)
+                     warmup=warmup, num_steps=steps, kinds=kinds)
   result['trace'] = path
   print(write_report(result, workdir, steps=steps, warmup=warmup,
                      config_path=config_path, command=command))
@@ -337,6 +491,8 @@ def write_report(result: dict, workdir: str, *, steps: int, warmup: int,
                  config_path: str, command: str) -> str:
   """Writes workdir/profile.md, kernels.{md,csv} and host.{md,csv};
   returns the markdown of profile.md."""
+  kinds = common.write_table(result['kinds'], KIND_COLUMNS,
+                             os.path.join(workdir, 'kinds'))
   kernels = common.write_table(result['kernels'], KERNEL_COLUMNS,
                                os.path.join(workdir, 'kernels'))
   host = common.write_table(result['host'], HOST_COLUMNS,
@@ -350,7 +506,9 @@ def write_report(result: dict, workdir: str, *, steps: int, warmup: int,
       f'{steps} steps measured after {warmup}: **{result["step_ms"]:.4g} ms '
       f'a step**; the devices ({result["num_devices"]}) are busy '
       f'**{result["device_busy_fraction"]:.1%}** of it.\n\n'
-      f'## Device time by kernel (top {KERNEL_ROWS}; per step and per '
+      '## Device time by kind (per step and per device; self time)\n\n'
+      + kinds +
+      f'\n## Device time by kernel (top {KERNEL_ROWS}; per step and per '
       'device; self time)\n\n' + kernels
       + f'\n## Main host thread by annotation (top {HOST_ROWS}; per step; '
       'ms inclusive of nested annotations, self_ms not)\n\n' + host)

@@ -20,6 +20,10 @@ from model.weight_decay import undecayed
 Array = jax.Array
 
 _KERNEL_INIT = nn.initializers.xavier_uniform()
+# The name scope of the attention function's call (scores, softmax, values;
+# a fused kernel): what a profile counts as attention
+# (experiments/profile.py).
+ATTENTION_SCOPE = 'attention_core'
 
 
 class Projection(nn.Module):
@@ -189,7 +193,8 @@ class MultiHeadAttention(nn.Module):
         config.attention_dropout_rate > 0.0):
       kwargs |= {'dropout_rate': config.attention_dropout_rate,
                  'dropout_rng': self.make_rng('dropout')}
-    with fused.caller(self.path):  # What a fused kernel's choice records.
+    # What a fused kernel's choice records; where a profile sees attention.
+    with fused.caller(self.path), jax.named_scope(ATTENTION_SCOPE):
       out_BxTxNxH = self.variant.fn(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias,
                                     mask, is_causal=causal, **kwargs)
     return self._out(out_BxTxNxH), cache

@@ -29,9 +29,12 @@ def _project_forward(x_BxTxD, weights, weights_spec, compute_dtype):
           (x_BxTxD, weights))
 
 
-def _project_backward(weights_spec, compute_dtype, residuals,
-                      d_logits_BxTxV):
-  x_BxTxD, weights = residuals
+def project_gradients(x_BxTxD: Array, weights: Array, weights_spec: str,
+                      compute_dtype, d_logits_BxTxV: Array
+                      ) -> tuple[Array, Array]:
+  """The gradients (x's, in its dtype; the weights', in theirs) of
+  `project`'s logits given their float32 cotangent: operands in
+  `compute_dtype`, accumulation in float32."""
   # The float32 cotangent is rounded to the compute dtype once, so that the
   # two gradient matmuls run at its speed; both accumulate in float32, and
   # the weights' gradient stays float32 (summed over blocks of tokens).
@@ -43,6 +46,13 @@ def _project_backward(weights_spec, compute_dtype, residuals,
                          x_BxTxD.astype(compute_dtype),
                          preferred_element_type=jnp.float32)
   return d_x.astype(x_BxTxD.dtype), d_weights.astype(weights.dtype)
+
+
+def _project_backward(weights_spec, compute_dtype, residuals,
+                      d_logits_BxTxV):
+  x_BxTxD, weights = residuals
+  return project_gradients(x_BxTxD, weights, weights_spec, compute_dtype,
+                           d_logits_BxTxV)
 
 
 _project.defvjp(_project_forward, _project_backward)

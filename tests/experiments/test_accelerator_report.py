@@ -40,9 +40,11 @@ def stand_in_parts(out: str) -> list[Part]:
           'time.sleep(60)'), 0.25,
            functools.partial(accelerator_report.benchmark_markdown,
                              os.path.join(out, 'sleeper'))),
+      # Its message comes from the environment it is given.
       Part('failer', python(
-          'import sys; print("RESOURCE_EXHAUSTED: out of memory", '
-          'file=sys.stderr); sys.exit(3)'), 0.25, lambda: None)]
+          'import os, sys; print("RESOURCE_EXHAUSTED: " + '
+          'os.environ["REPORT_TEST"], file=sys.stderr); sys.exit(3)'),
+           0.25, lambda: None, {'REPORT_TEST': 'out of memory'})]
 
 
 @pytest.fixture(scope='module')
@@ -95,6 +97,8 @@ def test_a_benchmark_cut_short_shows_the_rows_it_printed(report):
 def test_a_failed_part_shows_its_status_and_stderr(report):
   text, _, out = report
   failer = section(text, 'failer')
+  assert (f"Command: `REPORT_TEST='out of memory' "
+          f'{shlex.join(stand_in_parts(out)[2].argv)}`') in failer
   assert 'Status: failed with exit status 3' in failer
   assert '```text\nRESOURCE_EXHAUSTED: out of memory\n```' in failer
   assert 'It wrote no table.' in failer
@@ -128,5 +132,15 @@ def test_the_parts_that_read_data_get_the_data_dir(backend):
   parts = accelerator_report.default_parts('/out', backend, '/data')
   reading = {part.name for part in parts
              if '--config.data_dir=/data' in part.argv}
+  # On a GPU, make train's job also runs with XLA's command buffers off.
+  ab = {'main_job_no_command_buffer'} if backend == 'gpu' else set()
   assert reading == {'main_job', 'main_job_16', 'profile', 'profile_gpt2',
-                     'bench_train'}
+                     'bench_train'} | ab
+  for part in parts:
+    flags = os.environ.get('XLA_FLAGS', '').split()
+    assert part.env == ({'XLA_FLAGS': ' '.join(
+        flags + ['--xla_gpu_enable_command_buffer='])}
+                        if part.name in ab else {})
+  if backend == 'gpu':
+    [bench_train] = [part for part in parts if part.name == 'bench_train']
+    assert '--batch_sizes=8,32' in bench_train.argv

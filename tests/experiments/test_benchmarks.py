@@ -142,10 +142,12 @@ def test_bench_attention_names_a_bad_argument(tmp_path):
 def test_bench_train_times_ours_and_the_stock_baseline(tmp_path, data_dir):
   config = lm_stdlib.get_config()
   config.data_dir = data_dir
+  # At 16 rows, where the size has 8.
   ours, stock = bench_train.run(
       config, str(tmp_path), sizes=['tiny'], steps=1, warmup=1,
-      attention='auto', dtype='float32', remat='none')
+      attention='auto', dtype='float32', remat='none', batch_sizes=[16])
   assert (ours['model'], stock['model']) == ('attnlab', 'stock_flax')
+  assert ours['batch'] == stock['batch'] == 16
   assert ours['attention'] == 'chunked'  # auto, on CPU.
   # The same architecture: the same parameters and model FLOPs.
   assert ours['params'] == stock['params']
@@ -161,7 +163,7 @@ def test_bench_train_times_ours_and_the_stock_baseline(tmp_path, data_dir):
   assert ours['loop_step_s'] > 0
   [directory] = [entry.path for entry in os.scandir(tmp_path)]
   with open(os.path.join(directory, 'results.md')) as f:
-    assert '| tiny | attnlab | chunked |' in f.read()
+    assert '| tiny | 16 | attnlab | chunked |' in f.read()
   with pytest.raises(InputError, match="unknown size 'huge'"):
     bench_train.run(lm_stdlib.get_config(), str(tmp_path), sizes=['huge'],
                     steps=1, warmup=1, attention='auto', dtype='float32',

@@ -5,12 +5,15 @@ import itertools
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from experiments import profile
+from model.layers import ATTENTION_SCOPE
 from tests.helpers.tiny_runs import tiny_config
 from train.base.errors import InputError
+from train.program.steps import LOSS_SCOPE, OPTIMIZER_SCOPE
 
 
 def covered_ns(intervals):
@@ -158,12 +161,18 @@ def test_profile_of_a_tiny_run(data_dir, tmp_path):
   programs = {row['program'] for row in result['kernels']}
   assert 'jit_train_step' in programs
   assert all(row['ms_per_step'] > 0 for row in result['kernels'])
+  # Every kind of the step's work shows, with all of the devices' time.
+  kinds = {row['kind']: row for row in result['kinds']}
+  assert {'attention', 'matmuls', 'readout and loss', 'optimizer',
+          'collectives', 'elementwise'} <= set(kinds)
+  assert sum(row['share'] for row in kinds.values()) == pytest.approx(1.0)
   names = {row['name'] for row in result['host']}
   assert 'next_batch' in names and profile.STEP_NAME not in names
   with open(os.path.join(workdir, 'profile.md')) as f:
     report = f.read()
   assert '2 steps measured after 1' in report
   assert '| kernel | program |' in report and '| name |' in report
+  assert '| kind | count_per_step |' in report
 
 
 @pytest.mark.core
@@ -172,3 +181,46 @@ def test_steps_and_warmup_below_one_name_the_flag(tmp_path):
     profile.run(None, str(tmp_path), steps=0, warmup=1)
   with pytest.raises(InputError, match='--warmup=0'):
     profile.run(None, str(tmp_path), steps=1, warmup=0)
+
+
+def test_op_kinds_come_from_scopes_opcodes_and_fusions():
+  mesh = jax.make_mesh((8,), ('data',))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))
+
+  def step(x_BxD, w_DxD):
+    with jax.named_scope(ATTENTION_SCOPE):
+      a_BxD = jax.nn.softmax(x_BxD @ w_DxD.T)
+    h_BxD = jnp.tanh(a_BxD @ w_DxD) * 3.0
+    with jax.named_scope(LOSS_SCOPE):
+      loss = jnp.sum(jnp.exp(h_BxD))  # Summed over devices: all-reduce.
+    with jax.named_scope(OPTIMIZER_SCOPE):
+      return loss, w_DxD - 0.1 * loss * jnp.sign(w_DxD)
+
+  x = jax.device_put(jnp.ones((64, 32)), rows)
+  compiled = jax.jit(step).lower(x, jnp.ones((32, 32))).compile()
+  kinds = profile.op_kinds(compiled.as_text())
+  assert {program for program, _ in kinds} == {'jit_step'}
+  assert {'attention', 'matmuls', 'readout and loss', 'optimizer',
+          'collectives'} <= set(kinds.values()) <= set(profile.KINDS)
+
+
+def test_kind_rows_add_self_time_by_kind():
+  kinds = {('jit_step', 'while.1'): 'elementwise',
+           ('jit_step', 'fusion.12'): 'matmuls',
+           ('jit_step', 'all-reduce.3'): 'collectives'}
+  ops = [profile.Op('d0', 't', 'while.1', 'jit_step', 0, 10, 'while.1'),
+         profile.Op('d0', 't', 'fusion.12', 'jit_step', 1, 5, 'fusion.12'),
+         # A GPU kernel without an hlo_op stat: named after its fusion.
+         profile.Op('d1', 'u', 'fusion_12', 'jit_step', 0, 2, 'fusion_12'),
+         profile.Op('d1', 'u', 'all-reduce.3', 'jit_step', 2, 3,
+                    'all-reduce.3'),
+         profile.Op('d1', 'v', 'MemcpyH2D', '', 0, 4, 'MemcpyH2D')]
+  rows = profile.kind_rows(ops, (0, 10), num_steps=1, num_devices=2,
+                           kinds=kinds)
+  assert [(row['kind'], row['count_per_step'], row['ms_per_step'])
+          for row in rows] == [
+              ('matmuls', 1.0, pytest.approx(6e-6 / 2)),
+              ('collectives', 0.5, pytest.approx(1e-6 / 2)),
+              ('elementwise', 0.5, pytest.approx(6e-6 / 2)),
+              ('outside the step', 0.5, pytest.approx(4e-6 / 2))]
+  assert sum(row['share'] for row in rows) == pytest.approx(1.0)

@@ -1,19 +1,25 @@
 """Cross-entropy of vocabulary logits, a block of tokens at a time.
 
-`readout_losses` never holds float32 logits for more than one block of
+`readout_loss_sum` never holds float32 logits for more than one block of
 tokens: each block's logits are computed from the model's `Readout`
-(bfloat16 operands where the compute dtype is, float32 accumulation), reduced
-to per-token losses, and recomputed in the backward pass rather than kept
-(as large-vocabulary trainers do). With label smoothing s the target
-distribution is (1 - s) on the label plus s spread uniformly over the
-vocabulary (Szegedy et al. 2016).
+(bfloat16 operands where the compute dtype is, float32 accumulation) and
+reduced to per-token losses. Under differentiation the same pass also
+takes each block's gradient (softmax less the target distribution, times
+the token's weight) through the projection's two gradient matmuls, so the
+backward pass only scales what the forward kept: three matmuls over the
+vocabulary a step, where recomputing the logits in the backward pass
+would take four (as fused linear cross-entropy kernels do). With label
+smoothing s the target distribution is (1 - s) on the label plus s spread
+uniformly over the vocabulary (Szegedy et al. 2016).
 """
+
+import functools
 
 import flax
 import jax
 import jax.numpy as jnp
 
-from model.readout import Readout
+from model.readout import Readout, project_gradients
 
 Array = jax.Array
 
@@ -62,33 +68,112 @@ def num_blocks(batch: int, length: int, vocab: int) -> int:
   return length
 
 
-def readout_losses(readout: Readout, targets_BxT: Array,
-                   label_smoothing: float = 0.0) -> TokenLosses:
-  """`token_losses(readout.logits(), targets_BxT, label_smoothing)`,
-  computed a block of positions at a time: float32 logits of one block at
-  most, forward and backward."""
-  hidden_BxTxD = readout.hidden_BxTxD
+def _split(x_BxTx: Array, blocks: int) -> Array:
+  """[B, T, ...] -> [blocks, B, T / blocks, ...]: block k holds positions
+  k, k + blocks, ..., so that a split of the length over devices (sequence
+  parallelism) splits every block the same way."""
+  batch, length = x_BxTx.shape[:2]
+  x = x_BxTx.reshape(batch, length // blocks, blocks, *x_BxTx.shape[2:])
+  return jnp.moveaxis(x, 2, 0)
+
+
+def _join(x_NxBxCx: Array) -> Array:
+  """`_split`'s inverse: [blocks, B, C, ...] -> [B, blocks * C, ...]."""
+  blocks, batch, chunk = x_NxBxCx.shape[:3]
+  return jnp.moveaxis(x_NxBxCx, 0, 2).reshape(batch, blocks * chunk,
+                                              *x_NxBxCx.shape[3:])
+
+
+def _blockwise(readout: Readout, targets_BxT: Array, weights_BxT: Array,
+               label_smoothing: float, gradients: bool):
+  """(sum of loss x weight, TokenLosses) of the readout, a block of
+  positions at a time; with `gradients`, also the sum's gradient with
+  respect to the readout (a Readout of gradients; None for its bias if it
+  has none)."""
   batch, length = targets_BxT.shape
-  blocks = num_blocks(batch, length, readout.vocab_size)
+  vocab = readout.vocab_size
+  blocks = num_blocks(batch, length, vocab)
 
-  def block_losses(hidden_BxCxD, targets_BxC):
-    return token_losses(readout.logits(hidden_BxCxD), targets_BxC,
-                        label_smoothing)
+  def block(carry, xs):
+    hidden_BxCxD, targets_BxC, weights_BxC = xs
+    logits_BxCxV = readout.logits(hidden_BxCxD)
+    losses = token_losses(logits_BxCxV, targets_BxC, label_smoothing)
+    total = carry[0] + jnp.sum(losses.loss * weights_BxC)
+    if not gradients:
+      return (total,), losses
+    # d loss / d logits: softmax less the target distribution.
+    target_BxCxV = (1.0 - label_smoothing) * jax.nn.one_hot(
+        targets_BxC, vocab, dtype=jnp.float32) + label_smoothing / vocab
+    d_logits_BxCxV = (jax.nn.softmax(logits_BxCxV, axis=-1)
+                      - target_BxCxV) * weights_BxC[..., None]
+    d_hidden_BxCxD, d_weights = project_gradients(
+        hidden_BxCxD, readout.weights, readout.weights_spec,
+        readout.compute_dtype, d_logits_BxCxV / readout.divisor)
+    carry = (total, carry[1] + d_weights,
+             None if readout.bias_V is None else
+             carry[2] + jnp.sum(d_logits_BxCxV, axis=(0, 1)))
+    return carry, (losses, d_hidden_BxCxD)
 
-  if blocks == 1:
-    return block_losses(hidden_BxTxD, targets_BxT)
+  # Zeros that vary over whatever mesh axes the inputs vary over inside
+  # jax.shard_map (zeros_like follows its example), as the sums added to
+  # them do: a scan's carry keeps its type.
+  anchor = sum(jnp.zeros_like(x, jnp.float32, shape=()) for x in
+               jax.tree.leaves((readout, targets_BxT, weights_BxT)))
 
-  def split(x_BxTx):
-    # [B, T, ...] -> [blocks, B, T / blocks, ...]: block k holds positions
-    # k, k + blocks, ..., so that a split of the length over devices
-    # (sequence parallelism) splits every block the same way.
-    x = x_BxTx.reshape(batch, length // blocks, blocks, *x_BxTx.shape[2:])
-    return jnp.moveaxis(x, 2, 0)
+  def zeros(*shape):
+    return jnp.zeros_like(anchor, shape=shape)
 
-  # Recomputed in the backward pass: nothing of [B, C, V] is kept.
-  recomputed = jax.checkpoint(block_losses)
-  _, losses = jax.lax.scan(lambda _, xs: (None, recomputed(*xs)), None,
-                           (split(hidden_BxTxD), split(targets_BxT)))
-  return jax.tree.map(
-      lambda x_NxBxC: jnp.moveaxis(x_NxBxC, 0, 2).reshape(batch, length),
-      losses)
+  carry = (zeros(),) if not gradients else (
+      zeros(), zeros(*readout.weights.shape),
+      None if readout.bias_V is None else zeros(vocab))
+  carry, outputs = jax.lax.scan(
+      block, carry, tuple(_split(x, blocks) for x in (
+          readout.hidden_BxTxD, targets_BxT, weights_BxT)))
+  if not gradients:
+    return carry[0], jax.tree.map(_join, outputs)
+  losses, d_hidden_NxBxCxD = outputs
+  grads = readout.replace(
+      hidden_BxTxD=_join(d_hidden_NxBxCxD),
+      weights=carry[1].astype(readout.weights.dtype),
+      bias_V=None if readout.bias_V is None else
+      carry[2].astype(readout.bias_V.dtype))
+  return carry[0], jax.tree.map(_join, losses), grads
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _loss_sum(readout: Readout, targets_BxT: Array, weights_BxT: Array,
+              label_smoothing: float) -> tuple[Array, TokenLosses]:
+  return _blockwise(readout, targets_BxT, weights_BxT, label_smoothing,
+                    gradients=False)
+
+
+def _loss_sum_forward(readout, targets_BxT, weights_BxT, label_smoothing):
+  total, losses, grads = _blockwise(readout, targets_BxT, weights_BxT,
+                                    label_smoothing, gradients=True)
+  return (total, losses), grads
+
+
+def _loss_sum_backward(label_smoothing, grads, cotangents):
+  # The per-token losses' cotangents are zero: `readout_loss_sum` stops
+  # their gradient.
+  d_total = cotangents[0]
+  del label_smoothing
+  return (jax.tree.map(lambda g: (g * d_total).astype(g.dtype), grads),
+          None, None)
+
+
+_loss_sum.defvjp(_loss_sum_forward, _loss_sum_backward)
+
+
+def readout_loss_sum(readout: Readout, targets_BxT: Array,
+                     weights_BxT: Array, label_smoothing: float = 0.0
+                     ) -> tuple[Array, TokenLosses]:
+  """(sum over tokens of loss x weight, the TokenLosses [B, T]) of
+  `token_losses(readout.logits(), targets_BxT, label_smoothing)`,
+  computed a block of positions at a time: float32 logits of one block at
+  most. The sum is differentiable with respect to the readout (its
+  gradient taken with the forward pass); the per-token losses are values
+  only (no gradient flows through them)."""
+  total, losses = _loss_sum(readout, targets_BxT,
+                            weights_BxT.astype(jnp.float32), label_smoothing)
+  return total, jax.lax.stop_gradient(losses)

@@ -20,6 +20,13 @@ from train.program import cross_entropy
 
 Array = jax.Array
 
+# Name scopes of the train step's parts, which a profile reads back from
+# the compiled program's op names (experiments/profile.py): the readout's
+# logits and the loss over them; the gradient's normalisation, the
+# optimizer update and the update's checks.
+LOSS_SCOPE = 'loss'
+OPTIMIZER_SCOPE = 'optimizer'
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -91,10 +98,12 @@ def metric_sums(out: Array | Readout, batch: dict[str, Array], *,
   """
   targets, weights = batch['targets'], batch['weights']
   if isinstance(out, Readout):
-    losses = cross_entropy.readout_losses(out, targets, label_smoothing)
+    loss_sum, losses = cross_entropy.readout_loss_sum(
+        out, targets, weights, label_smoothing)
   else:
     losses = cross_entropy.token_losses(out, targets, label_smoothing)
-  sums = {'loss_sum': jnp.sum(losses.loss * weights),
+    loss_sum = jnp.sum(losses.loss * weights)
+  sums = {'loss_sum': loss_sum,
           'nll_sum': jnp.sum(losses.nll * weights),
           'correct_sum': jnp.sum(losses.correct * weights),
           'weight_sum': jnp.sum(weights)}
@@ -151,7 +160,9 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
       out, new_memory, experts = forward(
           model, task, params, micro_batch, memory=memory,
           dropout_rng=jax.random.fold_in(step_rng, index))
-      sums = metric_sums(out, micro_batch, label_smoothing=label_smoothing)
+      with jax.named_scope(LOSS_SCOPE):
+        sums = metric_sums(out, micro_batch,
+                           label_smoothing=label_smoothing)
       loss = sums['loss_sum']
       if experts is not None:
         # Weighted like the loss, so that its mean over the batch is
@@ -180,6 +191,17 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
   if device_axes is not None:
     # Sums, not means: devices whose examples hold more targets weigh more.
     grad_sum, sums = jax.lax.psum((grad_sum, sums), device_axes)
+  with jax.named_scope(OPTIMIZER_SCOPE):
+    return _update(state, grad_sum, sums, memory, optimizer=optimizer,
+                   schedule=schedule, skip_nonfinite=skip_nonfinite)
+
+
+def _update(state: TrainState, grad_sum, sums: dict[str, Array], memory, *,
+            optimizer: optax.GradientTransformation,
+            schedule: optax.Schedule, skip_nonfinite: bool
+            ) -> tuple[TrainState, dict]:
+  """`train_step`'s update of `state` by the summed gradient of the batch's
+  loss, and its metrics (see `train_step`)."""
   # The loss is the mean over every weighted target of the whole batch.
   grads = jax.tree.map(lambda g: g / jnp.maximum(sums['weight_sum'], 1.0),
                        grad_sum)

@@ -216,7 +216,8 @@ def _say_a_sample(config: TrainConfig, program: Program,
 
 def train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str,
-    on_evaluation: Callable[[int, dict[str, float]], bool] | None = None
+    on_evaluation: Callable[[int, dict[str, float]], bool] | None = None,
+    on_compiled: Callable[[jax.stages.Compiled], None] | None = None
 ) -> dict[str, float]:
   """Trains `config` in `workdir`, resuming from its latest checkpoint.
 
@@ -224,6 +225,8 @@ def train_and_evaluate(
   `on_evaluation(step, summary)` is called after each evaluation before
   the last step (on every host: its answer must agree); True stops the
   run there after saving a checkpoint, raising Pruned (a sweep's pruner).
+  `on_compiled(compiled)` is given each train-step program the run
+  compiles (a profile reads its op names).
   The workdir is this run's while it runs (see train/run/workdir.py).
   Raises train.base.errors.InputError, naming the key, for a bad config, a
   workdir in use or one that holds another config;
@@ -241,7 +244,8 @@ def train_and_evaluate(
     # the steps compile is acted on after the first step.
     stop = preemption.StopRequest()
     try:
-      return _train(program, workdir, stop, started, on_evaluation, hparams)
+      return _train(program, workdir, stop, started, on_evaluation,
+                    on_compiled, hparams)
     finally:
       stop.close()
 
@@ -275,14 +279,18 @@ def calls(first_step: int, last_step: int,
 
 
 def _compile(run, config: TrainConfig, state, batch, dropout_rng,
-             writer: metrics.MetricWriter) -> None:
+             writer: metrics.MetricWriter,
+             on_compiled: Callable[[jax.stages.Compiled], None] | None
+             ) -> None:
   """Compiles `run` (one step, or a call of several) for its first batch
   (the calls reuse it) and checks that it fits in each device's memory."""
   writer.say('Compiling the train step ...')
   compiling = time.perf_counter()
   with jax.profiler.TraceAnnotation('compile'):
-    config_validation.check_step_fits(
-        run.lower(state, batch, dropout_rng).compile(), config)
+    compiled = run.lower(state, batch, dropout_rng).compile()
+    config_validation.check_step_fits(compiled, config)
+  if on_compiled is not None:
+    on_compiled(compiled)
   writer.say(f'Compiled in {time.perf_counter() - compiling:.0f} s.')
 
 
@@ -304,6 +312,7 @@ def _leave(done: int, checkpointer: checkpointing.Checkpointer,
 def _train(program: Program, workdir: str, stop: preemption.StopRequest,
            started: float,
            on_evaluation: Callable[[int, dict[str, float]], bool] | None,
+           on_compiled: Callable[[jax.stages.Compiled], None] | None,
            hparams: dict[str, Any]) -> dict[str, float]:
   """train_and_evaluate of a checked config's program in its claimed
   workdir, `stop` listening; `started`: when the run started
@@ -359,7 +368,8 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
             # interval and the compilation's does not.
             jax.block_until_ready(state)
             train_log.pause()
-            _compile(run, program.config, state, batch, dropout_rng, writer)
+            _compile(run, program.config, state, batch, dropout_rng, writer,
+                     on_compiled)
             if compiled:
               train_log.resume()
             else:  # The first throughput figure is that of the steps alone.

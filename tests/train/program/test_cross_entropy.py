@@ -1,6 +1,6 @@
 """The cross-entropy of vocabulary logits, whole and a block at a time,
-against optax on float32 logits; and no float32 matmul over the vocabulary
-in a bfloat16 train step."""
+against optax on float32 logits; and three matmuls over the vocabulary in
+a train step, none of them float32 in a bfloat16 one."""
 
 import dataclasses
 
@@ -57,9 +57,9 @@ def test_blockwise_loss_and_gradients_equal_optax(monkeypatch, smoothing):
   assert cross_entropy.num_blocks(batch, length, VOCAB) == 6
 
   def blockwise(hidden, kernel, bias):
-    losses = cross_entropy.readout_losses(
-        Readout(hidden, kernel, bias, divisor=2.0), targets, smoothing)
-    return jnp.sum(losses.loss * weights), losses
+    return cross_entropy.readout_loss_sum(
+        Readout(hidden, kernel, bias, divisor=2.0), targets, weights,
+        smoothing)
 
   def reference(hidden, kernel, bias):
     logits = jnp.einsum('btd,dv->btv', hidden, kernel,
@@ -76,6 +76,18 @@ def test_blockwise_loss_and_gradients_equal_optax(monkeypatch, smoothing):
   logits = Readout(hidden, kernel, bias, divisor=2.0).logits()
   np.testing.assert_array_equal(losses.correct,
                                 jnp.argmax(logits, -1) == targets)
+  # Without differentiation: the same values (the pass that takes no
+  # gradient), and the per-token losses are optax's.
+  undifferentiated, plain_losses = jax.jit(blockwise)(hidden, kernel, bias)
+  np.testing.assert_allclose(undifferentiated, value, rtol=1e-6)
+  np.testing.assert_allclose(
+      plain_losses.loss, optax.softmax_cross_entropy(logits, optax.smooth_labels(
+          jax.nn.one_hot(targets, VOCAB), smoothing)), rtol=1e-5)
+  # A scaled loss scales the gradient: the backward pass multiplies the
+  # forward's gradient by the cotangent.
+  scaled = jax.grad(lambda kernel: -3.0 * blockwise(hidden, kernel, bias)[0])
+  np.testing.assert_allclose(scaled(kernel), -3.0 * expected_grads[1],
+                             rtol=1e-4, atol=1e-5)
 
 
 def test_bfloat16_readout_is_float32_to_bfloat16_precision():
@@ -88,7 +100,8 @@ def test_bfloat16_readout_is_float32_to_bfloat16_precision():
   def loss(hidden, embedding, dtype):
     readout = Readout(hidden.astype(dtype), embedding, weights_spec='vd',
                       compute_dtype=dtype)
-    return jnp.sum(cross_entropy.readout_losses(readout, targets).loss)
+    return cross_entropy.readout_loss_sum(readout, targets,
+                                          jnp.ones(targets.shape))[0]
 
   grad = jax.value_and_grad(loss, argnums=(0, 1))
   value, (d_hidden, d_embedding) = grad(hidden, embedding, jnp.bfloat16)
@@ -102,46 +115,49 @@ def test_bfloat16_readout_is_float32_to_bfloat16_precision():
                                rtol=0.05, atol=0.02)
 
 
-def _contains_float32_matmul_over(jaxpr, size: int) -> bool:
-  """Whether any dot_general in `jaxpr` (or the jaxprs inside it) has a
-  float32 operand with a dimension of `size`."""
+def _matmuls_over(jaxpr, size: int) -> list[set]:
+  """The operand dtypes of each dot_general in `jaxpr` (and the jaxprs
+  inside it) with an operand that has a dimension of `size`."""
+  found = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == 'dot_general' and any(
-        var.aval.dtype == jnp.float32 and size in var.aval.shape
-        for var in eqn.invars):
-      return True
+        size in var.aval.shape for var in eqn.invars):
+      found.append({var.aval.dtype for var in eqn.invars})
     for param in eqn.params.values():
       for inner in param if isinstance(param, (tuple, list)) else [param]:
         inner = getattr(inner, 'jaxpr', inner)
-        if isinstance(inner, jax.extend.core.Jaxpr) and (
-            _contains_float32_matmul_over(inner, size)):
-          return True
-  return False
+        if isinstance(inner, jax.extend.core.Jaxpr):
+          found += _matmuls_over(inner, size)
+  return found
 
 
 @pytest.mark.parametrize('tie_embeddings', [True, False])
-def test_bfloat16_train_step_has_no_float32_matmul_over_the_vocabulary(
-    tie_embeddings):
+def test_bfloat16_train_step_runs_three_bfloat16_matmuls_over_the_vocabulary(
+    monkeypatch, tie_embeddings):
+  """The logits, and the two gradient matmuls taken with them: no
+  recomputation in the backward pass, and no float32 operand."""
+  # Two blocks of positions: the gradients are taken inside the scan.
+  monkeypatch.setattr(cross_entropy, 'MAX_BLOCK_LOGITS', 2 * 4 * VOCAB)
   config = ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2,
                        num_layers=1, mlp_dim=32, max_len=8,
                        tie_embeddings=tie_embeddings, dtype='bfloat16')
-  model = build(config)
-  params = steps.init_params(model, tasks.LM, jax.random.key(0), 8)
   optimizer = optax.adamw(1e-3)
-  state = steps.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                           opt_state=optimizer.init(params))
   row = jnp.ones((2, 8), jnp.int32)
   batch = {'inputs': row, 'targets': row, 'weights': row.astype(float),
            'positions': jnp.broadcast_to(jnp.arange(8), (2, 8))}
-  train_step = jax.make_jaxpr(lambda state, batch: steps.train_step(
-      state, batch, jax.random.key(0), model=model, task=tasks.LM,
-      optimizer=optimizer, schedule=lambda step: 1e-3))
-  assert not _contains_float32_matmul_over(
-      train_step(state, batch).jaxpr, VOCAB)
-  # The check sees one where the step computes in float32.
-  float32_model = build(dataclasses.replace(config, dtype='float32'))
-  float32_step = jax.make_jaxpr(lambda state, batch: steps.train_step(
-      state, batch, jax.random.key(0), model=float32_model, task=tasks.LM,
-      optimizer=optimizer, schedule=lambda step: 1e-3))
-  assert _contains_float32_matmul_over(float32_step(state, batch).jaxpr,
-                                       VOCAB)
+
+  def vocabulary_matmuls(config):
+    model = build(config)
+    params = steps.init_params(model, tasks.LM, jax.random.key(0), 8)
+    state = steps.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                             opt_state=optimizer.init(params))
+    return _matmuls_over(jax.make_jaxpr(
+        lambda state, batch: steps.train_step(
+            state, batch, jax.random.key(0), model=model, task=tasks.LM,
+            optimizer=optimizer, schedule=lambda step: 1e-3))(
+                state, batch).jaxpr, VOCAB)
+
+  assert vocabulary_matmuls(config) == [{jnp.dtype(jnp.bfloat16)}] * 3
+  # The check sees float32 operands where the step computes in float32.
+  assert vocabulary_matmuls(dataclasses.replace(config, dtype='float32')) == [
+      {jnp.dtype(jnp.float32)}] * 3
