@@ -23,7 +23,7 @@ its status (with the end of its stderr if it failed or timed out) and the
 tables it wrote. Prints its path.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 import functools
 import glob
 import importlib.metadata
@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from typing import NamedTuple
 
 from absl import flags
@@ -72,7 +73,7 @@ ACCELERATOR_FLAGS = {
     # steps, logged every 64, evaluated and saved at the end only.
     'main_job_16': ['--config.steps_per_call=16', '--config.log_every=64',
                     '--config.eval_every=0', '--config.checkpoint_every=0'],
-    # main_job again with XLA's GPU command buffers off (ENV below).
+    # main_job again with XLA's GPU command buffers off (XLA_FLAGS below).
     'main_job_no_command_buffer': [],
     'profile': ['--steps=20'],
     'profile_gpt2': ['--steps=10'] + [
@@ -83,9 +84,8 @@ ACCELERATOR_FLAGS = {
                     '--dtype=bfloat16', '--steps=10', '--noloop'],
     'bench_attention': ['--lengths=4096,16384,65536', '--dtype=bfloat16',
                         '--rows=plain,packed,padded,alibi']}
-# Environment a part runs with, added to this process's.
-ENV = {'main_job_no_command_buffer': {'XLA_FLAGS': ' '.join(filter(None, (
-    os.environ.get('XLA_FLAGS'), '--xla_gpu_enable_command_buffer=')))}}
+# XLA flags a part adds to this process's (its environment's XLA_FLAGS).
+XLA_FLAGS = {'main_job_no_command_buffer': '--xla_gpu_enable_command_buffer='}
 CPU_FLAGS = {
     'main_job': [f'--config.{key}={value}' for key, value in (
         ('num_train_steps', 30), ('log_every', 10), ('eval_every', 30),
@@ -115,7 +115,8 @@ class Part(NamedTuple):
   share: float
   # The markdown it wrote, read back after it ended; None if none.
   markdown: Callable[[], str | None]
-  env: dict[str, str] = {}  # Added to this process's environment.
+  # Added to this process's environment.
+  env: Mapping[str, str] = types.MappingProxyType({})
 
 
 def read_file(path: str) -> str | None:
@@ -169,6 +170,12 @@ def throughput_markdown(workdir: str) -> str | None:
   return text or None
 
 
+def _xla_flags(flags: str) -> dict[str, str]:
+  """The environment that adds `flags` to this process's XLA_FLAGS."""
+  return {'XLA_FLAGS': ' '.join(filter(None, (os.environ.get('XLA_FLAGS'),
+                                              flags)))}
+
+
 def default_parts(out: str, backend: str, data_dir: str) -> list[Part]:
   """The parts, with the flags of `backend`: the command-buffer A/B on a
   GPU only."""
@@ -183,7 +190,7 @@ def default_parts(out: str, backend: str, data_dir: str) -> list[Part]:
       *(Part(name, [*module, 'train.train', *config,
                     f'--workdir={where[name]}', *sized[name]], share,
              functools.partial(throughput_markdown, where[name]),
-             ENV.get(name, {}))
+             _xla_flags(XLA_FLAGS[name]) if name in XLA_FLAGS else {})
         for name, share in jobs.items()),
       *(Part(name, [*module, 'experiments.profile', *config,
                     f'--workdir={where[name]}', '--warmup=3', *sized[name]],

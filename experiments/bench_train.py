@@ -270,9 +270,9 @@ def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
                               warmup=warmup, attention=attention,
                               dtype=dtype, remat=remat, loop=loop,
                               peak=peak)
-  columns = ['size', 'batch', 'model', 'attention', 'params', 'step_s', 'tokens_per_s',
-             'speedup_vs_stock', 'model_gflop_per_token', 'mfu', 'temp_mib',
-             'loop_step_s', 'loop_efficiency']
+  columns = ['size', 'batch', 'model', 'attention', 'params', 'step_s',
+             'tokens_per_s', 'speedup_vs_stock', 'model_gflop_per_token',
+             'mfu', 'temp_mib', 'loop_step_s', 'loop_efficiency']
   shapes = '; '.join(
       f'{size}: d_model {SIZES[size][0]}, {SIZES[size][1]} layers, '
       f'{SIZES[size][2]} heads, MLP {SIZES[size][3]}, T {SIZES[size][4]}, '

@@ -237,7 +237,6 @@ _OPCODE = re.compile(r'(?:^|\s)([a-z][a-z0-9\-]*)\(')
 _CALLS = re.compile(r'\bcalls=%?([\w.\-]+)')
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_APPLIES = re.compile(r'\bto_apply=%?([\w.\-]+)')
 
 
 class _Instruction(NamedTuple):
@@ -294,10 +293,13 @@ def op_kinds(text: str) -> dict[tuple[str, str], str]:
   elementwise for the rest (norms, activations, residuals, casts,
   copies, reductions)."""
   module, computations = _parse_hlo(text)
-  # Fused computations and reducers' bodies run inside an op.
-  inside = set(_APPLIES.findall(text)) | {
-      instruction.calls for body in computations.values()
-      for instruction in body.values() if instruction.opcode == 'fusion'}
+  # A fusion's computation runs inside its op. Every other computation's
+  # instructions may run as ops: a while loop's body, and on a GPU a
+  # command buffer's (`call`) which XLA runs op by op while profiling
+  # (--xla_enable_command_buffers_during_profiling is off by default).
+  inside = {instruction.calls for body in computations.values()
+            for instruction in body.values()
+            if instruction.opcode == 'fusion'}
   kinds = {}
   for computation, body in computations.items():
     if computation in inside:
@@ -376,13 +378,19 @@ def kind_rows(ops: Iterable[Op], window: tuple[float, float],
   """Device self time by kind (KINDS) in the window, in KINDS' order: count
   and ms per step and per device, and share of all the ops' time. `kinds`:
   {(program, instruction): kind} of the train step's programs (`op_kinds`);
-  any other op (a transfer, another program's) is 'outside the step'."""
+  any other op (a transfer, another program's) is 'outside the step'. An
+  op whose trace names no program is looked up in the one program, if
+  only one was compiled."""
+  programs = {program for program, _ in kinds}
+  alone = programs.pop() if len(programs) == 1 else None
+
   def kind(op: Op) -> str:
+    program = op.program or alone
     # A GPU kernel without an hlo_op stat is named after its instruction,
     # fusion.12 as fusion_12.
     for name in (op.instruction, re.sub(r'_(\d+)$', r'.\1', op.instruction)):
-      if (op.program, name) in kinds:
-        return kinds[op.program, name]
+      if (program, name) in kinds:
+        return kinds[program, name]
     return 'outside the step'
 
   counts, times = _self_time_by(ops, window, kind)
@@ -489,8 +497,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, steps: int,
 
 def write_report(result: dict, workdir: str, *, steps: int, warmup: int,
                  config_path: str, command: str) -> str:
-  """Writes workdir/profile.md, kernels.{md,csv} and host.{md,csv};
-  returns the markdown of profile.md."""
+  """Writes workdir/profile.md, kinds.{md,csv}, kernels.{md,csv} and
+  host.{md,csv}; returns the markdown of profile.md."""
   kinds = common.write_table(result['kinds'], KIND_COLUMNS,
                              os.path.join(workdir, 'kinds'))
   kernels = common.write_table(result['kernels'], KERNEL_COLUMNS,

@@ -224,3 +224,60 @@ def test_kind_rows_add_self_time_by_kind():
               ('elementwise', 0.5, pytest.approx(6e-6 / 2)),
               ('outside the step', 0.5, pytest.approx(4e-6 / 2))]
   assert sum(row['share'] for row in rows) == pytest.approx(1.0)
+
+
+# A GPU program's text, cut down: a command buffer called from the entry
+# (XLA runs its kernels one by one while profiling), an async all-reduce
+# with its reducer, a fusion in the optimizer's scope, and names with and
+# without XLA's '%'.
+GPU_HLO = '''HloModule jit_train_step, entry_computation_layout={(bf16[8,8]{1,0})->(f32[8,8]{1,0}, /*index=1*/f32[8,8]{1,0})}
+
+%fused_computation (p0: bf16[8,8], p1: bf16[8,8]) -> f32[8,8] {
+  %p0 = bf16[8,8]{1,0} parameter(0)
+  %p1 = bf16[8,8]{1,0} parameter(1)
+  ROOT %dot.1 = f32[8,8]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(train_step)/transpose(jvp(loss))/dot_general"}
+}
+
+%command_buffer (p: bf16[8,8]) -> f32[8,8] {
+  %p = bf16[8,8]{1,0} parameter(0)
+  ROOT %gemm_fusion_dot.3 = f32[8,8]{1,0} fusion(%p, %p), kind=kCustom, calls=%fused_computation, metadata={op_name="jit(train_step)/transpose(jvp(loss))/dot_general"}
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+fused_multiply (q0: f32[8,8]) -> f32[8,8] {
+  q0 = f32[8,8]{1,0} parameter(0)
+  ROOT multiply.2 = f32[8,8]{1,0} multiply(q0, q0), metadata={op_name="jit(train_step)/optimizer/mul"}
+}
+
+ENTRY %main.9 (x: bf16[8,8]) -> (f32[8,8], /*index=1*/f32[8,8]) {
+  %x = bf16[8,8]{1,0} parameter(0), metadata={op_name="x"}
+  %call.4 = f32[8,8]{1,0} call(%x), to_apply=%command_buffer
+  %all-reduce-start.2 = f32[8,8]{1,0} all-reduce-start(%call.4), replica_groups={}, to_apply=%add, metadata={op_name="jit(train_step)/transpose(jvp(loss))/dot_general"}
+  %all-reduce-done.2 = f32[8,8]{1,0} all-reduce-done(%all-reduce-start.2)
+  loop_multiply_fusion = f32[8,8]{1,0} fusion(%all-reduce-done.2), kind=kLoop, calls=fused_multiply, metadata={op_name="jit(train_step)/optimizer/mul"}
+  ROOT %tuple.5 = (f32[8,8]{1,0}, f32[8,8]{1,0}) tuple(%all-reduce-done.2, loop_multiply_fusion)
+}
+'''
+
+
+def test_op_kinds_read_a_gpu_program_with_command_buffers():
+  kinds = {name: kind for (program, name), kind in
+           profile.op_kinds(GPU_HLO).items() if program == 'jit_train_step'}
+  assert kinds['gemm_fusion_dot.3'] == 'readout and loss'
+  assert kinds['all-reduce-start.2'] == kinds['all-reduce-done.2'] == (
+      'collectives')
+  assert kinds['loop_multiply_fusion'] == 'optimizer'
+  assert kinds['call.4'] == 'elementwise'
+  # What runs inside a fusion is no op of its own.
+  assert 'dot.1' not in kinds and 'multiply.2' not in kinds
+  # An op of a trace that names no program: the one program's.
+  [row] = profile.kind_rows(
+      [profile.Op('d0', 't', 'gemm_fusion_dot_3', '', 0, 5,
+                  'gemm_fusion_dot_3')], (0, 10), num_steps=1,
+      num_devices=1, kinds=profile.op_kinds(GPU_HLO))
+  assert row['kind'] == 'readout and loss'

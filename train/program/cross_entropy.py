@@ -8,7 +8,9 @@ takes each block's gradient (softmax less the target distribution, times
 the token's weight) through the projection's two gradient matmuls, so the
 backward pass only scales what the forward kept: three matmuls over the
 vocabulary a step, where recomputing the logits in the backward pass
-would take four (as fused linear cross-entropy kernels do). With label
+would take four (fused linear cross-entropy kernels, such as Liger's, do
+the same). Forward-mode differentiation (jax.jvp) of the loss is not
+defined. With label
 smoothing s the target distribution is (1 - s) on the label plus s spread
 uniformly over the vocabulary (Szegedy et al. 2016).
 """
@@ -41,7 +43,13 @@ def token_losses(logits_xV: Array, targets_x: Array,
                  label_smoothing: float = 0.0) -> TokenLosses:
   """The losses of float32 logits [..., V] for integer targets [...]."""
   logits_xV = logits_xV.astype(jnp.float32)
-  log_probs_xV = jax.nn.log_softmax(logits_xV, axis=-1)
+  return _losses(logits_xV, jax.nn.log_softmax(logits_xV, axis=-1),
+                 targets_x, label_smoothing)
+
+
+def _losses(logits_xV: Array, log_probs_xV: Array, targets_x: Array,
+            label_smoothing: float) -> TokenLosses:
+  """`token_losses` of float32 logits [..., V] and their log_softmax."""
   label_x = jnp.take_along_axis(log_probs_xV, targets_x[..., None],
                                 axis=-1)[..., 0]
   nll_x = -label_x
@@ -86,25 +94,31 @@ def _join(x_NxBxCx: Array) -> Array:
 
 def _blockwise(readout: Readout, targets_BxT: Array, weights_BxT: Array,
                label_smoothing: float, gradients: bool):
-  """(sum of loss x weight, TokenLosses) of the readout, a block of
-  positions at a time; with `gradients`, also the sum's gradient with
-  respect to the readout (a Readout of gradients; None for its bias if it
-  has none)."""
+  """(sum of loss x weight [], TokenLosses [B, T]) of the readout's
+  logits for targets [B, T] weighted [B, T], a block of positions at a
+  time; with `gradients`, also the sum's gradient with respect to the
+  readout (a Readout of gradients: hidden states [B, T, D], weights, and
+  bias [V] or None)."""
   batch, length = targets_BxT.shape
   vocab = readout.vocab_size
   blocks = num_blocks(batch, length, vocab)
 
   def block(carry, xs):
+    """One block of C positions: the sums so far (loss; with gradients,
+    the weights' and the bias's) -> the sums with it, and its losses (and
+    hidden states' gradient [B, C, D])."""
     hidden_BxCxD, targets_BxC, weights_BxC = xs
     logits_BxCxV = readout.logits(hidden_BxCxD)
-    losses = token_losses(logits_BxCxV, targets_BxC, label_smoothing)
+    log_probs_BxCxV = jax.nn.log_softmax(logits_BxCxV, axis=-1)
+    losses = _losses(logits_BxCxV, log_probs_BxCxV, targets_BxC,
+                     label_smoothing)
     total = carry[0] + jnp.sum(losses.loss * weights_BxC)
     if not gradients:
       return (total,), losses
     # d loss / d logits: softmax less the target distribution.
     target_BxCxV = (1.0 - label_smoothing) * jax.nn.one_hot(
         targets_BxC, vocab, dtype=jnp.float32) + label_smoothing / vocab
-    d_logits_BxCxV = (jax.nn.softmax(logits_BxCxV, axis=-1)
+    d_logits_BxCxV = (jnp.exp(log_probs_BxCxV)
                       - target_BxCxV) * weights_BxC[..., None]
     d_hidden_BxCxD, d_weights = project_gradients(
         hidden_BxCxD, readout.weights, readout.weights_spec,
@@ -143,21 +157,24 @@ def _blockwise(readout: Readout, targets_BxT: Array, weights_BxT: Array,
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _loss_sum(readout: Readout, targets_BxT: Array, weights_BxT: Array,
               label_smoothing: float) -> tuple[Array, TokenLosses]:
+  """`readout_loss_sum` without stopping the losses' gradient; its
+  gradient is `_loss_sum_forward`'s, scaled."""
   return _blockwise(readout, targets_BxT, weights_BxT, label_smoothing,
                     gradients=False)
 
 
 def _loss_sum_forward(readout, targets_BxT, weights_BxT, label_smoothing):
+  """The values, and the sum's gradient as the residual."""
   total, losses, grads = _blockwise(readout, targets_BxT, weights_BxT,
                                     label_smoothing, gradients=True)
   return (total, losses), grads
 
 
-def _loss_sum_backward(label_smoothing, grads, cotangents):
-  # The per-token losses' cotangents are zero: `readout_loss_sum` stops
-  # their gradient.
+def _loss_sum_backward(_, grads, cotangents):
+  """The readout's gradient times the sum's cotangent; none for the
+  targets and weights. The per-token losses' cotangents are zero:
+  `readout_loss_sum` stops their gradient."""
   d_total = cotangents[0]
-  del label_smoothing
   return (jax.tree.map(lambda g: (g * d_total).astype(g.dtype), grads),
           None, None)
 
@@ -172,8 +189,15 @@ def readout_loss_sum(readout: Readout, targets_BxT: Array,
   `token_losses(readout.logits(), targets_BxT, label_smoothing)`,
   computed a block of positions at a time: float32 logits of one block at
   most. The sum is differentiable with respect to the readout (its
-  gradient taken with the forward pass); the per-token losses are values
-  only (no gradient flows through them)."""
-  total, losses = _loss_sum(readout, targets_BxT,
-                            weights_BxT.astype(jnp.float32), label_smoothing)
+  gradient taken with the forward pass where the logits take several
+  blocks; in one block, autodiff's backward pass recomputes nothing
+  already); the per-token losses are values only (no gradient flows
+  through them)."""
+  weights_BxT = weights_BxT.astype(jnp.float32)
+  if num_blocks(*targets_BxT.shape, readout.vocab_size) == 1:
+    losses = token_losses(readout.logits(), targets_BxT, label_smoothing)
+    total = jnp.sum(losses.loss * weights_BxT)
+  else:
+    total, losses = _loss_sum(readout, targets_BxT, weights_BxT,
+                              label_smoothing)
   return total, jax.lax.stop_gradient(losses)

@@ -89,7 +89,8 @@ def metric_sums(out: Array | Readout, batch: dict[str, Array], *,
                 exact_match: bool = False) -> dict[str, Array]:
   """Weighted sums: loss (nats), plain nll, correct predictions, weight,
   of the model's output: logits [..., V] or a language model's `Readout`
-  (its logits computed a block of tokens at a time).
+  (its logits computed a block of tokens at a time; then only the loss
+  sum carries a gradient).
 
   With `exact_match`, also the number of examples and of examples whose
   every weighted target is predicted (teacher-forced exact match, which is
