@@ -2,10 +2,11 @@
 
 softmax(q k^T) is replaced by a feature map phi with phi(q) . phi(k) as the
 similarity, so attention regroups as phi(q) (sum_j phi(k_j) v_j^T): O(T)
-in the sequence length. Causal attention keeps running sums over the keys;
-they are computed a chunk of positions at a time (quadratic only inside a
-chunk), so memory is O(T * (chunk + F * H / chunk)) rather than the
-O(T * F * H) of a plain prefix sum.
+in the sequence length. Causal attention sums over the keys before each
+query in the parallel chunk form (see `_causal_sums`): quadratic only
+inside a chunk, the states summed per chunk, so memory is
+O(T * (chunk + F * H / chunk)) rather than the O(T * F * H) of a prefix
+sum per position, and no step waits for the one before.
 """
 
 import math
@@ -32,117 +33,205 @@ def _check(name: str, query, key, value, bias, mask, is_causal) -> None:
                      f'{query.shape[1]} == key length {key.shape[1]}.')
 
 
+def _heads_first(x: Array) -> Array:
+  """[B, T, N, H] <-> [B, N, T, H]."""
+  return jnp.swapaxes(x, 1, 2)
+
+
 def _shifted_max(x: Array, axes) -> Array:
   """The max of x over `axes` (kept), 0 where everything is -inf; a
-  stabilizing shift, so no gradient flows through it."""
+  stabilising shift, so no gradient flows through it."""
   top = jnp.max(x, axis=axes, keepdims=True)
   return jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
 
 
 def _attend(phi_q: Array, log_phi_k: Array, value: Array, mask: Array | None,
-            *, is_causal: bool, chunk_size: int) -> Array:
+            *, is_causal: bool, chunk_size: int | None) -> Array:
   """sum_j phi(q_i).phi(k_j) v_j / sum_j phi(q_i).phi(k_j) over the allowed j.
 
-  phi_q [B, T, N, F] and the log of the key features log_phi_k [B, S, K, F]
-  (-inf where a feature is 0), value [B, S, K, H]; float32 out [B, T, N, H].
-  Key features are exponentiated relative to a running maximum over the
-  keys read so far (rescaling the running sums when it grows, as an online
-  softmax does), so a large key cannot underflow the features of earlier
-  chunks. A query with no allowed key gets zeros.
+  Heads first: phi_q [B, N, T, F] and the log of the key features
+  log_phi_k [B, K, S, F] (-inf where a feature is 0), value [B, K, S, H];
+  float32 out [B, N, T, H]. The matmuls take their operands in value's
+  dtype (bfloat16 where the compute dtype is) and sum in float32. A query
+  with no allowed key gets zeros.
   """
-  batch, q_len, num_heads, features = phi_q.shape
-  kv_len, num_kv_heads, head_dim = value.shape[1:]
-  value = value.astype(jnp.float32)
+  batch, num_heads, q_len, features = phi_q.shape
+  num_kv_heads, kv_len, head_dim = value.shape[1:]
   if mask is not None:  # [B?, N?, 1, S]: drop the masked keys.
     if mask.shape[1] != 1 and num_kv_heads != num_heads:
       # A mask per query head: each head needs keys of its own.
       repeats = num_heads // num_kv_heads
-      log_phi_k = jnp.repeat(log_phi_k, repeats, axis=2)
-      value = jnp.repeat(value, repeats, axis=2)
+      log_phi_k = jnp.repeat(log_phi_k, repeats, axis=1)
+      value = jnp.repeat(value, repeats, axis=1)
       num_kv_heads = num_heads
     keep = jnp.broadcast_to(mask[:, :, 0], (batch, num_heads, kv_len))
     keep = keep.reshape(batch, num_kv_heads, -1, kv_len)[:, :, 0]
-    log_phi_k = jnp.where(jnp.transpose(keep, (0, 2, 1))[..., None],
-                          log_phi_k, -jnp.inf)
+    log_phi_k = jnp.where(keep[..., None], log_phi_k, -jnp.inf)
   group = num_heads // num_kv_heads
-  phi_q = phi_q.reshape(batch, q_len, num_kv_heads, group, features)
+  phi_q = phi_q.reshape(batch, num_kv_heads, group, q_len, features)
   if not is_causal:
-    phi_k = jnp.exp(log_phi_k - _shifted_max(log_phi_k, (1, 3)))
-    state = jnp.einsum('bskf,bskh->bkfh', phi_k, value)
-    total = jnp.sum(phi_k, axis=1)  # [B, K, F]
-    numerator = jnp.einsum('btkgf,bkfh->btkgh', phi_q, state)
-    denominator = jnp.einsum('btkgf,bkf->btkg', phi_q, total)
+    phi_k = jnp.exp(log_phi_k - _shifted_max(log_phi_k, (2, 3)))
+    state = _dot('bksf,bksh->bkfh', phi_k, value)
+    total = jnp.sum(phi_k, axis=2)  # [B, K, F]
+    numerator = _dot('bkgtf,bkfh->bkgth', phi_q, state, value.dtype)
+    denominator = _dot('bkgtf,bkf->bkgt', phi_q, total, value.dtype)
   else:
-    chunk = min(chunk_size, q_len)
-    padded = -(-q_len // chunk) * chunk
-    pad = ((0, 0), (0, padded - q_len)) + ((0, 0),) * 2
-    phi_q = jnp.pad(phi_q, pad + ((0, 0),))
-    log_phi_k = jnp.pad(log_phi_k, pad, constant_values=-jnp.inf)
-    value = jnp.pad(value, pad)
-    chunks = padded // chunk
-
-    def per_chunk(x):  # [B, T, ...] -> [chunks, B, chunk, ...]
-      return jnp.moveaxis(x.reshape(batch, chunks, chunk, *x.shape[2:]), 1, 0)
-
-    within = jnp.tril(jnp.ones((chunk, chunk), bool))
-
-    def step(carry, xs):
-      # Sums over earlier chunks, [B,K,F,H] and [B,K,F], in units of
-      # exp(shift) [B,1,K,1].
-      state, total, shift = carry
-      q_c, log_k_c, v_c = xs
-      new_shift = jnp.maximum(shift, _shifted_max(log_k_c, (1, 3)))
-      rescale = jnp.exp(shift - new_shift)[:, 0]  # [B, K, 1]
-      state, total = state * rescale[..., None], total * rescale
-      k_c = jnp.exp(log_k_c - new_shift)
-      scores = jnp.einsum('btkgf,bskf->bkgts', q_c, k_c)
-      scores = jnp.where(within, scores, 0.0)
-      numerator = (jnp.einsum('bkgts,bskh->btkgh', scores, v_c)
-                   + jnp.einsum('btkgf,bkfh->btkgh', q_c, state))
-      denominator = (jnp.einsum('bkgts->btkg', scores)
-                     + jnp.einsum('btkgf,bkf->btkg', q_c, total))
-      state = state + jnp.einsum('bskf,bskh->bkfh', k_c, v_c)
-      total = total + jnp.sum(k_c, axis=1)
-      return (state, total, new_shift), (numerator, denominator)
-
-    init = (jnp.zeros((batch, num_kv_heads, features, head_dim)),
-            jnp.zeros((batch, num_kv_heads, features)),
-            jnp.full((batch, 1, num_kv_heads, 1), -jnp.inf))
-    _, (numerator, denominator) = jax.lax.scan(
-        step, init, (per_chunk(phi_q), per_chunk(log_phi_k),
-                     per_chunk(value)))
-
-    def unchunk(x):
-      x = jnp.moveaxis(x, 0, 1)
-      return x.reshape(batch, padded, *x.shape[3:])[:, :q_len]
-
-    numerator, denominator = unchunk(numerator), unchunk(denominator)
+    numerator, denominator = _causal_sums(
+        phi_q, log_phi_k, value,
+        chunk=min(chunk_size or default_chunk_size(), q_len))
   denominator = jnp.where(denominator > 0, denominator, 1.0)
   # Both divided by the denominator's value first, the division's gradient
   # (1 / denominator^2) stays finite where the features are tiny.
   unit = jax.lax.stop_gradient(denominator)
   out = (numerator / unit[..., None]) / (denominator / unit)[..., None]
-  return out.reshape(batch, q_len, num_heads, head_dim)
+  return out.reshape(batch, num_heads, q_len, head_dim)
+
+
+def default_chunk_size() -> int:
+  """Positions per chunk of causal kernelised attention on this backend:
+  128 on a TPU (its matrix units' width), 64 elsewhere."""
+  return 128 if jax.default_backend() == 'tpu' else 64
+
+
+def _dot(spec: str, x: Array, y: Array, dtype=None) -> Array:
+  """einsum(spec, x, y) with operands in `dtype` (default: y's) and float32
+  sums."""
+  dtype = dtype or y.dtype
+  return jnp.einsum(spec, x.astype(dtype), y.astype(dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def _top(x: Array, axis) -> Array:
+  """The max over `axis` (kept), under stop_gradient; -inf where every
+  element is -inf."""
+  return jax.lax.stop_gradient(jnp.max(x, axis=axis, keepdims=True))
+
+
+def _ratio(top: Array, reference: Array) -> Array:
+  """exp(top - reference), 0 where `top` is -inf (reference >= top)."""
+  finite = jnp.isfinite(top)
+  return jnp.where(finite, jnp.exp(jnp.where(finite, top - reference, 0.0)),
+                   0.0)
+
+
+def _combine(earlier, later):
+  """Two sums over keys, each (top [B, K, n], state [B, K, n, F, H],
+  total [B, K, n, F]) in units of exp(top): their sum, in units of the
+  larger top."""
+  (top_a, state_a, total_a), (top_b, state_b, total_b) = earlier, later
+  top = jnp.maximum(top_a, top_b)
+  a, b = _ratio(top_a, top), _ratio(top_b, top)
+  return (top, state_a * a[..., None, None] + state_b * b[..., None, None],
+          total_a * a[..., None] + total_b * b[..., None])
+
+
+def _causal_sums(phi_q: Array, log_phi_k: Array, value: Array, *,
+                 chunk: int) -> tuple[Array, Array]:
+  """The causal numerator [B, K, G, T, H] and denominator [B, K, G, T]
+  (float32, in units that cancel) of queries phi_q [B, K, G, T, F] over
+  keys log_phi_k [B, K, T, F] and values [B, K, T, H], in the parallel
+  chunk form (Lightning Attention-2; Mamba-2's SSD): per chunk of C
+  positions, the keys inside it as a masked [C, C] product, and the keys
+  of the chunks before it as the query times their summed states
+  sum_j phi(k_j) v_j^T, every chunk's prefix at once by a parallel scan
+  over the chunks (O(log(T / C)) steps, not T / C).
+
+  Exactness. Exponentiating key features can overflow or underflow
+  float32, so each quantity carries a shift that cancels between numerator
+  and denominator, under stop_gradient: each key's features are taken
+  relative to that key's largest (r_j), each chunk's state relative to
+  the chunk's largest r_j, and the scan adds two chunks' states relative to
+  the larger of their shifts. A query then weighs every key it sees
+  relative to the largest r_j among them (a running max), so its largest
+  term is exp(0) = 1 and its sums cannot underflow or overflow, whatever
+  the keys' norms; a later key (in its chunk or after it) changes nothing.
+  What can still round to zero is a term more than ~87 (float32's exponent
+  range) below the query's largest: one feature of a key against that
+  key's largest, or one key against the query's largest key, which
+  contributes less than e^-87 of that key's weight.
+  """
+  batch, kv_heads, group, length, features = phi_q.shape
+  dtype = value.dtype
+  padded = -(-length // chunk) * chunk
+  chunks = padded // chunk
+
+  def chunked(x, fill=0.0):  # [..., T, X] -> [..., n, C, X]
+    pad = [(0, 0)] * x.ndim
+    pad[-2] = (0, padded - length)
+    x = jnp.pad(x, pad, constant_values=fill)
+    return x.reshape(*x.shape[:-2], chunks, chunk, x.shape[-1])
+
+  # Queries [B, K, n, G, C, F] (a copy only where G > 1), keys [B, K, n,
+  # C, F], values [B, K, n, C, H]: each product below has its batch axes
+  # first and its free axes in operand order, so that XLA needs no copy
+  # (and XLA's CPU dot takes bfloat16 operands).
+  q = jnp.moveaxis(chunked(phi_q), 2, 3)
+  log_k = chunked(log_phi_k, -jnp.inf)
+  v = chunked(value)
+  key_top = _top(log_k, -1)  # [B, K, n, C, 1], r_j.
+  k = jnp.exp(log_k - jnp.where(jnp.isfinite(key_top), key_top, 0.0))
+  key_top = key_top[..., 0]  # [B, K, n, C]
+  # Each chunk's sum of phi(k_j) v_j^T and of phi(k_j), in units of its
+  # largest r_j.
+  chunk_top = _top(key_top, -1)[..., 0]  # [B, K, n]
+  weighted = k * _ratio(key_top, chunk_top[..., None])[..., None]
+  state = _dot('bkncf,bknch->bknfh', weighted, v, dtype)
+  total = jnp.sum(weighted, axis=3)  # [B, K, n, F]
+  # Inclusive prefix sums over the chunks, then shifted by one chunk.
+  tops, states, totals = jax.lax.associative_scan(
+      _combine, (chunk_top, state, total), axis=2)
+
+  def earlier(x, fill=0.0):  # Chunk n's: chunk n - 1's inclusive sums.
+    pad = [(0, 0)] * x.ndim
+    pad[2] = (1, 0)
+    return jnp.pad(x[:, :, :-1], pad, constant_values=fill)
+
+  earlier_top = earlier(tops, -jnp.inf)
+  # Each query's reference: the largest r_j it sees, [B, K, n, C].
+  reference = jnp.maximum(jax.lax.cummax(key_top, axis=3),
+                          earlier_top[..., None])
+  # Inside the chunk: scores [B, K, n, G, C (queries), C (keys)].
+  causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+  weight = jnp.where(causal, _ratio(key_top[..., None, :],
+                                    reference[..., None]), 0.0)
+  scores = _dot('bkngcf,bkndf->bkngcd', q, k, dtype) * weight[:, :, :, None]
+  numerator = _dot('bkngcd,bkndh->bkngch', scores, v, dtype)
+  denominator = jnp.sum(scores, axis=-1)  # [B, K, n, G, C]
+  # The chunks before: in units of the query's reference.
+  before = _ratio(earlier_top[..., None], reference)[:, :, :, None]
+  numerator += _dot('bkngcf,bknfh->bkngch', q, earlier(states),
+                    dtype) * before[..., None]
+  denominator += _dot('bkngcf,bknf->bkngc', q, earlier(totals),
+                      dtype) * before
+
+  def unchunked(x):  # [B, K, n, G, C, ...] -> [B, K, G, T, ...]
+    x = jnp.moveaxis(x, 3, 2)
+    return x.reshape(batch, kv_heads, group, padded,
+                     *x.shape[5:])[:, :, :, :length]
+
+  return unchunked(numerator), unchunked(denominator)
 
 
 def linear_attention(query: Array, key: Array, value: Array,
                      bias: Array | None = None, mask: Array | None = None, *,
                      scale: float | None = None, is_causal: bool = False,
-                     chunk_size: int = 64) -> Array:
+                     chunk_size: int | None = None) -> Array:
   """Linear attention with phi(x) = elu(x) + 1 (Katharopoulos et al. 2020).
 
   Args:
-    chunk_size: positions per chunk of the causal running sums.
+    chunk_size: positions per chunk of causal attention (default:
+      `default_chunk_size()`).
   """
   _check('linear', query, key, value, bias, mask, is_causal)
   if scale is not None:
     raise ValueError('linear attention has no logit scale; leave scale None.')
+  query, key, value = (_heads_first(x) for x in (query, key, value))
   key = key.astype(jnp.float32)
   # log(elu(x) + 1): x below 0, log(1 + x) above.
   log_phi_k = jnp.where(key < 0, key, jnp.log1p(jnp.maximum(key, 0.0)))
   out = _attend(jax.nn.elu(query.astype(jnp.float32)) + 1.0, log_phi_k,
                 value, mask, is_causal=is_causal, chunk_size=chunk_size)
-  return out.astype(query.dtype)
+  return _heads_first(out).astype(query.dtype)
 
 
 def orthogonal_features(rng: Array, num_features: int, head_dim: int) -> Array:
@@ -165,7 +254,7 @@ def performer_attention(query: Array, key: Array, value: Array,
                         bias: Array | None = None, mask: Array | None = None,
                         *, scale: float | None = None, is_causal: bool = False,
                         num_features: int = 256, seed: int = 0,
-                        chunk_size: int = 64) -> Array:
+                        chunk_size: int | None = None) -> Array:
   """FAVOR+ (Choromanski et al. 2021): positive orthogonal random features
   whose inner products estimate the softmax kernel exp(scale * q . k), so
   the output estimates dense attention with an error that falls as
@@ -183,13 +272,14 @@ def performer_attention(query: Array, key: Array, value: Array,
     # w . x - |x|^2 / 2, with x scaled so that exp(.) / sqrt(m) has
     # E[phi(q) . phi(k)] = exp(scale * q . k).
     x = x.astype(jnp.float32) * math.sqrt(scale)
-    projected = jnp.einsum('bthd,md->bthm', x, projection)
+    projected = jnp.einsum('bntd,md->bntm', x, projection)
     return (projected - jnp.sum(x * x, axis=-1, keepdims=True) / 2
             - math.log(num_features) / 2)
 
+  query, key, value = (_heads_first(x) for x in (query, key, value))
   # A shift per query cancels between numerator and denominator.
   log_phi_q = log_features(query)
   phi_q = jnp.exp(log_phi_q - _shifted_max(log_phi_q, -1))
   out = _attend(phi_q, log_features(key), value, mask, is_causal=is_causal,
                 chunk_size=chunk_size)
-  return out.astype(query.dtype)
+  return _heads_first(out).astype(query.dtype)

@@ -380,23 +380,103 @@ def kernel_reference(phi_q, phi_k, v, causal, keep=None):
           / jnp.sum(scores, -1).transpose(0, 2, 1)[..., None])
 
 
-@pytest.mark.parametrize('causal', [False, True])
-def test_linear_attention_matches_its_formula(causal):
-  q, k, v = make_qkv(8)
-  phi = lambda x: jax.nn.elu(x) + 1
-  out = attention.get('linear')(q, k, v, mask=padding(), is_causal=causal,
-                                chunk_size=4)
-  assert_close(out, kernel_reference(phi(q), phi(k), v, causal, padding()))
-
-
-def test_linear_attention_honours_a_key_mask_per_query_head():
+def test_causal_linear_attention_honours_a_key_mask_per_query_head():
   q, k, v = make_qkv(16)  # Two query heads per key head.
   keep = np.ones((B, N, 1, T), bool)
   keep[:, 1, :, 3:] = False  # Only head 1 loses keys 3 and later.
   keep = jnp.asarray(keep)
   phi = lambda x: jax.nn.elu(x) + 1
-  out = attention.get('linear')(q, k, v, mask=keep)
-  assert_close(out, kernel_reference(phi(q), phi(k), v, False, keep))
+  out = attention.get('linear')(q, k, v, mask=keep, is_causal=True,
+                                chunk_size=4)
+  assert_close(out, kernel_reference(phi(q), phi(k), v, True, keep))
+
+
+def log_space_kernel_reference(log_phi_q, log_phi_k, v, causal, keep):
+  """sum_j phi(q_i).phi(k_j) v_j / sum_j phi(q_i).phi(k_j) from the log
+  features [B, T, N or K, F], summed in log space (exact at any norm)."""
+  repeat = lambda x: jnp.repeat(x, N // x.shape[2], axis=2)
+  log_phi_k, v = repeat(log_phi_k), repeat(v).astype(jnp.float32)
+  logits = jax.nn.logsumexp(log_phi_q[:, :, None, :, :]  # [B, T, S, N, F]
+                            + log_phi_k[:, None, :, :, :], axis=-1)
+  allowed = jnp.broadcast_to(keep[:, 0, 0][:, None, :, None], logits.shape)
+  if causal:
+    allowed &= np.tril(np.ones((T, T), bool))[None, :, :, None]
+  logits = jnp.where(allowed, logits, -jnp.inf)
+  weights = jnp.exp(logits - jnp.max(logits, axis=2, keepdims=True))
+  return (jnp.einsum('btsn,bsnh->btnh', weights, v)
+          / jnp.sum(weights, axis=2)[..., None])
+
+
+def log_elu_features(x):
+  """log(elu(x) + 1), linear attention's feature map."""
+  x = x.astype(jnp.float32)
+  return jnp.where(x < 0, x, jnp.log1p(jnp.maximum(x, 0.0)))
+
+
+def log_performer_features(x, num_features, seed):
+  """log phi(x) of FAVOR+ with performer's default scale 1 / sqrt(H)."""
+  w = kernel.orthogonal_features(jax.random.key(seed), num_features, H)
+  x = x.astype(jnp.float32) * H ** -0.25
+  return (jnp.einsum('bthd,md->bthm', x, w)
+          - jnp.sum(x * x, -1, keepdims=True) / 2 - np.log(num_features) / 2)
+
+
+# Key norms per position: up to 40 times the others, so that the features
+# of different keys lie hundreds of nats apart, where an unshifted exp
+# underflows to zero.
+NORMS = jnp.asarray([1, 40, 1, 3, 20, 1, 1, 30, 2, 1.0])[None, :, None, None]
+KERNEL_CASES = {
+    # name: (variant, is_causal, kv heads, chunk_size, dtype, key norms)
+    'linear_causal_gqa_padding': ('linear', True, 2, 4, jnp.float32, 1.0),
+    'linear_bidirectional_mqa': ('linear', False, 1, None, jnp.float32, 1.0),
+    'performer_causal_gqa_padding': ('performer', True, 2, 4, jnp.float32,
+                                     1.0),
+    'performer_causal_bfloat16': ('performer', True, 4, 3, jnp.bfloat16,
+                                  1.0),
+    'performer_causal_large_keys': ('performer', True, 2, 4, jnp.float32,
+                                    NORMS),
+    'linear_causal_large_negative_keys': ('linear', True, 2, 4, jnp.float32,
+                                          -NORMS * 30),
+}
+
+
+@pytest.mark.parametrize('case', KERNEL_CASES)
+def test_parallel_chunk_kernel_attention_equals_the_quadratic_form(case):
+  """Outputs and gradients against phi(q) phi(k)^T masked and normalised,
+  written out in log space: chunk sizes that do not divide T = 10, a
+  padded example, grouped heads."""
+  name, causal, kv_heads, chunk_size, dtype, norms = KERNEL_CASES[case]
+  q, k, v = make_qkv(21, num_kv_heads=kv_heads)
+  k = jnp.abs(k) * norms if case.endswith('negative_keys') else k * norms
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
+  keep = padding()
+  if name == 'linear':
+    options, features = {}, log_elu_features
+  else:
+    options = dict(num_features=16, seed=5)
+    features = functools.partial(log_performer_features, num_features=16,
+                                 seed=5)
+
+  def ours(q, k, v, bias=None):
+    return attention.get(name)(q, k, v, bias, mask=keep, is_causal=causal,
+                               chunk_size=chunk_size, **options)
+
+  def reference(q, k, v, bias=None):
+    del bias
+    return log_space_kernel_reference(features(q), features(k), v, causal,
+                                      keep).astype(q.dtype)
+
+  tolerance = 3e-2 if dtype == jnp.bfloat16 else 2e-5
+  out, expected = jax.jit(ours)(q, k, v), jax.jit(reference)(q, k, v)
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  np.testing.assert_allclose(np.asarray(out, np.float32),
+                             np.asarray(expected, np.float32),
+                             atol=tolerance, rtol=tolerance)
+  for grad, expected_grad in zip(grads(ours, q, k, v),
+                                 grads(reference, q, k, v)):
+    np.testing.assert_allclose(np.asarray(grad, np.float32),
+                               np.asarray(expected_grad, np.float32),
+                               atol=10 * tolerance, rtol=10 * tolerance)
 
 
 def mean_error(fn, seeds=(0, 1, 2), **kwargs) -> float:
