@@ -6,7 +6,8 @@ in the sequence length. Causal attention sums over the keys before each
 query in the parallel chunk form (see `_causal_sums`): quadratic only
 inside a chunk, the states summed per chunk, so memory is
 O(T * (chunk + F * H / chunk)) rather than the O(T * F * H) of a prefix
-sum per position, and no step waits for the one before.
+sum per position, in O(log(T / chunk)) dependent steps rather than
+T / chunk.
 """
 
 import math
@@ -76,9 +77,11 @@ def _attend(phi_q: Array, log_phi_k: Array, value: Array, mask: Array | None,
     numerator = _dot('bkgtf,bkfh->bkgth', phi_q, state, value.dtype)
     denominator = _dot('bkgtf,bkf->bkgt', phi_q, total, value.dtype)
   else:
-    numerator, denominator = _causal_sums(
-        phi_q, log_phi_k, value,
-        chunk=min(chunk_size or default_chunk_size(), q_len))
+    chunk = default_chunk_size() if chunk_size is None else chunk_size
+    if chunk < 1:
+      raise ValueError(f'chunk_size={chunk_size} must be positive.')
+    numerator, denominator = _causal_sums(phi_q, log_phi_k, value,
+                                          chunk=min(chunk, q_len))
   denominator = jnp.where(denominator > 0, denominator, 1.0)
   # Both divided by the denominator's value first, the division's gradient
   # (1 / denominator^2) stays finite where the features are tiny.
@@ -108,7 +111,8 @@ def _top(x: Array, axis) -> Array:
 
 
 def _ratio(top: Array, reference: Array) -> Array:
-  """exp(top - reference), 0 where `top` is -inf (reference >= top)."""
+  """exp(top - reference), 0 where `top` is -inf (reference >= top where
+  `top` is finite)."""
   finite = jnp.isfinite(top)
   return jnp.where(finite, jnp.exp(jnp.where(finite, top - reference, 0.0)),
                    0.0)
@@ -142,15 +146,16 @@ def _causal_sums(phi_q: Array, log_phi_k: Array, value: Array, *,
   relative to that key's largest (r_j), each chunk's state relative to
   the chunk's largest r_j, and the scan adds two chunks' states relative to
   the larger of their shifts. A query then weighs every key it sees
-  relative to the largest r_j among them (a running max), so its largest
-  term is exp(0) = 1 and its sums cannot underflow or overflow, whatever
-  the keys' norms; a later key (in its chunk or after it) changes nothing.
-  What can still round to zero is a term more than ~87 (float32's exponent
-  range) below the query's largest: one feature of a key against that
-  key's largest, or one key against the query's largest key, which
-  contributes less than e^-87 of that key's weight.
+  relative to the largest r_j among them (a running max): that key's
+  weight is exp(0) = 1, the others' at most 1, whatever the keys' norms,
+  and a later key (in its chunk or after it) changes nothing before it.
+  What can still round to zero: a key's feature more than ~87 nats
+  (float32's exponent range) below that key's largest, or a key whose
+  r_j lies that far below the query's reference; and the query's own
+  features, phi(q) against the features of the keys it sees, if those
+  products span more than that range (queries of very large norm).
   """
-  batch, kv_heads, group, length, features = phi_q.shape
+  batch, kv_heads, group, length, _ = phi_q.shape
   dtype = value.dtype
   padded = -(-length // chunk) * chunk
   chunks = padded // chunk
@@ -192,8 +197,8 @@ def _causal_sums(phi_q: Array, log_phi_k: Array, value: Array, *,
                           earlier_top[..., None])
   # Inside the chunk: scores [B, K, n, G, C (queries), C (keys)].
   causal = jnp.tril(jnp.ones((chunk, chunk), bool))
-  weight = jnp.where(causal, _ratio(key_top[..., None, :],
-                                    reference[..., None]), 0.0)
+  weight = _ratio(jnp.where(causal, key_top[..., None, :], -jnp.inf),
+                  reference[..., None])
   scores = _dot('bkngcf,bkndf->bkngcd', q, k, dtype) * weight[:, :, :, None]
   numerator = _dot('bkngcd,bkndh->bkngch', scores, v, dtype)
   denominator = jnp.sum(scores, axis=-1)  # [B, K, n, G, C]
