@@ -37,11 +37,18 @@ what it needed, or that follows one that did not fit or took longer than
 variant that cannot run the case (a non-causal one when --causal, `ring`,
 which needs a mesh with a sequence axis, one taking key padding masks only
 on packed rows, one taking no bias on alibi rows, a kernel that refuses
-the case: `fused.KernelError`). Exact
-variants also get their speed in model FLOP/s (matmuls only, causal half
+the case: `fused.KernelError`). Every variant gets its speed in exact
+attention's FLOP/s (the dense equivalent: matmuls only, causal half
 counted, the same on packed and padded rows as on plain ones; the backward
-pass 2.5 times the forward) and its fraction of the device's peak
-(train/program/flops.py; on CPU a matmul measured in the same run).
+pass 2.5 times the forward) and that rate's fraction of the device's peak
+(train/program/flops.py; on CPU a matmul measured in the same run); and
+its own work, own_gflop (forward+backward: exact attention's for the exact
+variants, else the matmuls of its gradient program, counted from the
+jaxpr: a kernelised variant's features and states, a block-sparse one's
+blocks), with that rate's fraction of peak, own_fraction_of_peak: an
+efficient variant that does little work slowly shows there, where its
+dense-equivalent rate looks good. A variant run by a fused kernel or a
+while loop has no own count.
 
 Writes OUT/<backend>/results.jsonl (a line per rows kind, variant and
 length), results.md and .csv (forward+backward time, its ratio to xla on
@@ -52,6 +59,7 @@ a row per kind, variant and length) and scaling.png (log-log).
 from collections.abc import Sequence
 import itertools
 import json
+import math
 import os
 import re
 import sys
@@ -117,6 +125,35 @@ def attention_flops(length: int, *, batch: int, heads: int, head_dim: int,
   return forward * (3.5 if backward else 1.0)
 
 
+def matmul_flops(jaxpr) -> float | None:
+  """FLOPs of the matmuls (dot_general) in `jaxpr` and the jaxprs inside
+  it, a scan's body counted once per step, a cond's costliest branch;
+  None where they cannot be counted from the jaxpr: a while loop (its
+  trip count) or a fused kernel (pallas_call, or XLA's custom calls)."""
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == 'while' or 'pallas' in name or 'custom_call' in name:
+      return None
+    if name == 'dot_general':
+      (contracting, _), _ = eqn.params['dimension_numbers']
+      lhs = eqn.invars[0].aval.shape
+      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(
+          lhs[i] for i in contracting)
+    inner = []
+    for param in eqn.params.values():
+      for value in param if isinstance(param, (tuple, list)) else [param]:
+        value = getattr(value, 'jaxpr', value)
+        if isinstance(value, jax.extend.core.Jaxpr):
+          inner.append(matmul_flops(value))
+    if None in inner:
+      return None
+    if inner:
+      steps = eqn.params.get('length', 1) if name == 'scan' else 1
+      total += steps * (max(inner) if name == 'cond' else sum(inner))
+  return total
+
+
 def measure(name: str, kind: str, length: int, *, options: dict,
             causal: bool, batch: int, heads: int, head_dim: int, dtype,
             reps: int, memory_limit: int) -> dict:
@@ -161,10 +198,17 @@ def measure(name: str, kind: str, length: int, *, options: dict,
       row[f'{key}_s'] = _best_time(compiled[key], args, reps)
     except jax.errors.JaxRuntimeError as error:
       return row | _did_not_fit(key, 'running', error)
-    if exact:
-      row[f'{key}_gflop_per_s'] = attention_flops(
-          length, batch=batch, heads=heads, head_dim=head_dim, causal=causal,
-          backward=key == 'fwd_bwd') / row[f'{key}_s'] / 1e9
+    row[f'{key}_gflop_per_s'] = attention_flops(
+        length, batch=batch, heads=heads, head_dim=head_dim, causal=causal,
+        backward=key == 'fwd_bwd') / row[f'{key}_s'] / 1e9
+  # The variant's own work: exact attention's, or the matmuls it runs.
+  own = (attention_flops(length, batch=batch, heads=heads,
+                         head_dim=head_dim, causal=causal, backward=True)
+         if exact else matmul_flops(
+             jax.make_jaxpr(programs['fwd_bwd'])(*args).jaxpr))
+  if own is not None:
+    row['own_gflop'] = own / 1e9
+    row['own_gflop_per_s'] = own / row['fwd_bwd_s'] / 1e9
   return row
 
 
@@ -214,6 +258,8 @@ def run(out: str, *, variants: list[str], lengths: list[int],
             given_up = f'{name} did not fit at length {length}'
         if 'fwd_bwd_gflop_per_s' in row and peak:
           row['fraction_of_peak'] = row['fwd_bwd_gflop_per_s'] / (peak / 1e9)
+        if 'own_gflop_per_s' in row and peak:
+          row['own_fraction_of_peak'] = row['own_gflop_per_s'] / (peak / 1e9)
         results.append(row)
         lines.write(json.dumps(row) + '\n')
         lines.flush()
@@ -240,7 +286,8 @@ def _write_summary(rows: list[dict], directory: str, peak: float | None, *,
     table.append(line)
   columns = ['rows', 'variant', 'length', 'fwd_s', 'fwd_bwd_s',
              'speedup_vs_xla', 'fwd_bwd_temp_mb', 'memory_vs_xla',
-             'fwd_bwd_gflop_per_s', 'fraction_of_peak', 'skipped']
+             'fwd_bwd_gflop_per_s', 'fraction_of_peak', 'own_gflop',
+             'own_fraction_of_peak', 'skipped']
   preamble = (
       f'# Attention speed and memory, {"causal" if causal else "bidirectional"}'
       f', {shape}\n\n'
@@ -256,7 +303,12 @@ def _write_summary(rows: list[dict], directory: str, peak: float | None, *,
       'length in this run (speedup > 1: faster). Rows: plain (no mask), '
       'packed (documents of about 2T/7 positions, as segment ids), '
       'padded (the first 3T/4 + 1 keys real, the rest right padding) or '
-      "alibi (no mask, ALiBi's position bias).\n\n")
+      "alibi (no mask, ALiBi's position bias). fwd_bwd_gflop_per_s and "
+      "fraction_of_peak: exact attention's FLOPs over the time (the dense "
+      'equivalent, whatever the variant computes); own_gflop: the '
+      "variant's own forward+backward matmul GFLOP (exact attention's, or "
+      'counted from its gradient program), own_fraction_of_peak: their '
+      'rate over the peak.\n\n')
   table_md = common.write_table(table, columns,
                                 os.path.join(directory, 'results'), preamble)
   kinds = set(row['rows'] for row in rows)
