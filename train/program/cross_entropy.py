@@ -10,9 +10,8 @@ backward pass only scales what the forward kept: three matmuls over the
 vocabulary a step, where recomputing the logits in the backward pass
 would take four (fused linear cross-entropy kernels, such as Liger's, do
 the same). Forward-mode differentiation (jax.jvp) of the loss is not
-defined. With label
-smoothing s the target distribution is (1 - s) on the label plus s spread
-uniformly over the vocabulary (Szegedy et al. 2016).
+defined. With label smoothing s the target distribution is (1 - s) on the
+label plus s spread uniformly over the vocabulary (Szegedy et al. 2016).
 """
 
 import functools
