@@ -40,10 +40,10 @@ def _heads_first(x: Array) -> Array:
 
 
 def _shifted_max(x: Array, axes) -> Array:
-  """The max of x over `axes` (kept), 0 where everything is -inf; a
-  stabilising shift, so no gradient flows through it."""
-  top = jnp.max(x, axis=axes, keepdims=True)
-  return jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
+  """`_top` of x over `axes`, 0 where everything is -inf: a stabilising
+  shift, under stop_gradient."""
+  top = _top(x, axes)
+  return jnp.where(jnp.isfinite(top), top, 0.0)
 
 
 def _attend(phi_q: Array, log_phi_k: Array, value: Array, mask: Array | None,
@@ -173,9 +173,8 @@ def _causal_sums(phi_q: Array, log_phi_k: Array, value: Array, *,
   q = jnp.moveaxis(chunked(phi_q), 2, 3)
   log_k = chunked(log_phi_k, -jnp.inf)
   v = chunked(value)
-  key_top = _top(log_k, -1)  # [B, K, n, C, 1], r_j.
-  k = jnp.exp(log_k - jnp.where(jnp.isfinite(key_top), key_top, 0.0))
-  key_top = key_top[..., 0]  # [B, K, n, C]
+  k = jnp.exp(log_k - _shifted_max(log_k, -1))
+  key_top = _top(log_k, -1)[..., 0]  # [B, K, n, C], r_j.
   # Each chunk's sum of phi(k_j) v_j^T and of phi(k_j), in units of its
   # largest r_j.
   chunk_top = _top(key_top, -1)[..., 0]  # [B, K, n]
