@@ -207,7 +207,8 @@ def default_parts(out: str, backend: str, data_dir: str) -> list[Part]:
       Part('bench_attention', [
           *module, 'experiments.bench_attention',
           f'--out={where["bench_attention"]}',
-          '--variants=xla,dense,chunked,local,bigbird,performer,linear',
+          '--variants=xla,dense,chunked,local,bigbird,bigbird[xla],'
+          'performer,linear', '--options=bigbird.num_global_blocks=2',
           '--causal=True', '--max_seconds=1', '--reps=2',
           *sized['bench_attention']], 0.3,
            functools.partial(benchmark_markdown, where['bench_attention']))]

@@ -45,10 +45,11 @@ pass 2.5 times the forward) and that rate's fraction of the device's peak
 its own work, own_gflop (forward+backward: exact attention's for the exact
 variants, else the matmuls of its gradient program, counted from the
 jaxpr: a kernelised variant's features and states, a block-sparse one's
-blocks), with that rate's fraction of peak, own_fraction_of_peak: an
-efficient variant that does little work slowly shows there, where its
-dense-equivalent rate looks good. A variant run by a fused kernel or a
-while loop has no own count.
+blocks; on a Pallas kernel, the tiles that kernel visits), with that
+rate's fraction of peak, own_fraction_of_peak: an efficient variant that
+does little work slowly shows there, where its dense-equivalent rate looks
+good. Any other variant run by a fused kernel or a while loop has no own
+count.
 
 Writes OUT/<backend>/results.jsonl (a line per rows kind, variant and
 length), results.md and .csv (forward+backward time, its ratio to xla on
@@ -70,7 +71,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import attention_cases, common
-from model.attention import fused
+from model.attention import fused, fused_kernels, patterns, sparse_flash
 from train import cli
 from train.base.errors import InputError
 from train.program import device_memory, flops
@@ -154,6 +155,31 @@ def matmul_flops(jaxpr) -> float | None:
   return total
 
 
+def tile_flops(decisions: list[fused.Decision], *, batch: int, heads: int,
+               head_dim: int) -> float | None:
+  """Forward+backward matmul FLOPs of the tiles that the Pallas kernels
+  visit for block-sparse patterns and windows, from the choices a trace
+  recorded (`fused.recording()`): 4 tile^2 H per visited tile and query
+  head forward, the backward 2.5 times that. None unless every call ran
+  one of them."""
+  total = 0.0
+  for decision in decisions:
+    case = decision.case
+    pattern = case.pattern or (patterns.Window(case.window) if case.window
+                               else None)
+    if pattern is None or decision.kernel not in ('pallas_tpu', 'pallas_gpu'):
+      return None
+    if decision.kernel == 'pallas_tpu':
+      padded, tile = fused_kernels.splash_tiles(case.q_len, case.pattern)
+    else:
+      tile = sparse_flash.tile_size(pattern, case.q_len)
+      padded = -(-case.q_len // tile) * tile
+    tiles = sparse_flash.touched_tiles(pattern, padded, tile,
+                                       case.is_causal).sum()
+    total += 4.0 * tiles * tile**2 * head_dim * batch * heads
+  return total * 3.5 if decisions else None
+
+
 def measure(name: str, kind: str, length: int, *, options: dict,
             causal: bool, batch: int, heads: int, head_dim: int, dtype,
             reps: int, memory_limit: int) -> dict:
@@ -178,6 +204,10 @@ def measure(name: str, kind: str, length: int, *, options: dict,
   programs = {'fwd': jax.jit(fn),
               'fwd_bwd': jax.jit(jax.grad(loss, argnums=(1, 2, 3)))}
   args = (params, q, k, v, mask, bias)
+  # The kernels it runs, traced before anything is compiled (a trace that
+  # is cached records nothing).
+  with fused.recording() as decisions:
+    jax.eval_shape(fn, *args)
   exact = attention_cases.parse_variant(name)[0] in attention_cases.EXACT
   compiled = {}
   for key, program in programs.items():
@@ -201,11 +231,14 @@ def measure(name: str, kind: str, length: int, *, options: dict,
     row[f'{key}_gflop_per_s'] = attention_flops(
         length, batch=batch, heads=heads, head_dim=head_dim, causal=causal,
         backward=key == 'fwd_bwd') / row[f'{key}_s'] / 1e9
-  # The variant's own work: exact attention's, or the matmuls it runs.
+  # The variant's own work: exact attention's, or the matmuls it runs, or
+  # the tiles its Pallas kernel visits.
   own = (attention_flops(length, batch=batch, heads=heads,
                          head_dim=head_dim, causal=causal, backward=True)
          if exact else matmul_flops(
              jax.make_jaxpr(programs['fwd_bwd'])(*args).jaxpr))
+  if own is None:
+    own = tile_flops(decisions, batch=batch, heads=heads, head_dim=head_dim)
   if own is not None:
     row['own_gflop'] = own / 1e9
     row['own_gflop_per_s'] = own / row['fwd_bwd_s'] / 1e9

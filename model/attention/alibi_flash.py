@@ -57,6 +57,60 @@ def _logits(q, k, q_pos, k_pos, q_ids, k_ids, q_index, k_index, *, slope,
                        slope=slope, is_causal=is_causal)
 
 
+def softmax_start(shape_BqxH):
+  """The online softmax's (accumulator, running max, running sum) before a
+  query block's first key block."""
+  rows = shape_BqxH[0]
+  return (jnp.zeros(shape_BqxH, jnp.float32),
+          jnp.full((rows,), MASKED, jnp.float32),
+          jnp.zeros((rows,), jnp.float32))
+
+
+def softmax_step(carry, s, mask, v):
+  """The online softmax after one more key block: logits `s` [bq, bk]
+  float32, masked to MASKED where `mask` is False; its values `v`."""
+  acc, m, l = carry
+  m_next = jnp.maximum(m, jnp.max(s, axis=1))
+  p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
+  correction = jnp.exp(m - m_next)
+  acc = acc * correction[:, None] + jnp.dot(
+      p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return acc, m_next, l * correction + jnp.sum(p, axis=1)
+
+
+def softmax_finish(carry, o_ref, lse_ref):
+  """Writes a query block's output and log-sum-exp. A query that saw no
+  key (sum 0) comes out 0, as from dense."""
+  acc, m, l = carry
+  l = jnp.where(l == 0.0, 1.0, l)
+  o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = m + jnp.log(l)
+
+
+def dq_step(dq, s, mask, lse, delta, do, k, v):
+  """dq [bq, H] float32 (unscaled) after one more key block: FlashAttention-
+  2's recomputation of the block's weights from the log-sum-exp `lse`."""
+  p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+  dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
+  ds = p * (dp - delta[:, None])
+  return dq + jnp.dot(ds.astype(k.dtype), k,
+                      preferred_element_type=jnp.float32)
+
+
+def dkv_step(carry, s, mask, lse, delta, q, do, v):
+  """(dk unscaled, dv) [bk, H] float32 after one more query block: its
+  queries `q`, output gradients `do`, log-sum-exps and deltas."""
+  dk, dv = carry
+  p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+  dv = dv + jnp.dot(p.T.astype(do.dtype), do,
+                    preferred_element_type=jnp.float32)
+  dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
+  ds = p * (dp - delta[:, None])
+  dk = dk + jnp.dot(ds.T.astype(q.dtype), q,
+                    preferred_element_type=jnp.float32)
+  return dk, dv
+
+
 def _key_blocks(query_block, num_blocks: int, is_causal: bool):
   """The key blocks a query block visits: [0, stop)."""
   return query_block + 1 if is_causal else num_blocks
@@ -71,29 +125,17 @@ def _forward_kernel(slope_ref, q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref,
   slope = slope_ref[0]
 
   def visit(j, carry):
-    acc, m, l = carry
     keys = pl.ds(j * block, block)
     s, mask = _logits(q, k_ref[keys, :], q_pos, k_pos_ref[keys],
                       q_ids, k_ids_ref[keys], q_index,
                       j * block + jnp.arange(block), slope=slope,
                       scale=scale, is_causal=is_causal)
-    m_next = jnp.maximum(m, jnp.max(s, axis=1))
-    p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
-    correction = jnp.exp(m - m_next)
-    v = v_ref[keys, :]
-    acc = acc * correction[:, None] + jnp.dot(
-        p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return acc, m_next, l * correction + jnp.sum(p, axis=1)
+    return softmax_step(carry, s, mask, v_ref[keys, :])
 
-  init = (jnp.zeros(q.shape, jnp.float32),
-          jnp.full((block,), MASKED, jnp.float32),
-          jnp.zeros((block,), jnp.float32))
-  acc, m, l = lax.fori_loop(
-      0, _key_blocks(i, k_ref.shape[0] // block, is_causal), visit, init)
-  # A query that sees no key (l = 0) comes out 0, as from dense.
-  l = jnp.where(l == 0.0, 1.0, l)
-  o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = m + jnp.log(l)
+  carry = lax.fori_loop(
+      0, _key_blocks(i, k_ref.shape[0] // block, is_causal), visit,
+      softmax_start(q.shape))
+  softmax_finish(carry, o_ref, lse_ref)
 
 
 def _dq_kernel(slope_ref, q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref,
@@ -111,11 +153,7 @@ def _dq_kernel(slope_ref, q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref,
                       q_ids_ref[...], k_ids_ref[keys], q_index,
                       j * block + jnp.arange(block), slope=slope_ref[0],
                       scale=scale, is_causal=is_causal)
-    p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
-    dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta[:, None])
-    return dq + jnp.dot(ds.astype(k.dtype), k,
-                        preferred_element_type=jnp.float32)
+    return dq_step(dq, s, mask, lse, delta, do, k, v)
 
   dq = lax.fori_loop(0, _key_blocks(i, k_ref.shape[0] // block, is_causal),
                      visit, jnp.zeros(q.shape, jnp.float32))
@@ -131,20 +169,13 @@ def _dkv_kernel(slope_ref, q_ref, k_ref, v_ref, q_pos_ref, k_pos_ref,
   k_index = j * block + jnp.arange(block)
 
   def visit(i, carry):
-    dk, dv = carry
     queries = pl.ds(i * block, block)
-    q, do = q_ref[queries, :], do_ref[queries, :]
+    q = q_ref[queries, :]
     s, mask = _logits(q, k, q_pos_ref[queries], k_pos, q_ids_ref[queries],
                       k_ids, i * block + jnp.arange(block), k_index,
                       slope=slope_ref[0], scale=scale, is_causal=is_causal)
-    p = jnp.where(mask, jnp.exp(s - lse_ref[queries][:, None]), 0.0)
-    dv = dv + jnp.dot(p.T.astype(do.dtype), do,
-                      preferred_element_type=jnp.float32)
-    dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta_ref[queries][:, None])
-    dk = dk + jnp.dot(ds.T.astype(q.dtype), q,
-                      preferred_element_type=jnp.float32)
-    return dk, dv
+    return dkv_step(carry, s, mask, lse_ref[queries], delta_ref[queries], q,
+                    do_ref[queries, :], v)
 
   first = j if is_causal else 0
   dk, dv = lax.fori_loop(first, q_ref.shape[0] // block, visit,
@@ -169,13 +200,13 @@ def _specs(block: int, length: int, group: int, head_dim: int):
           key_rows, block_of_row, rows, block_of_row, rows]
 
 
-def _per_query_block(block: int) -> pl.BlockSpec:
+def per_query_block(block: int) -> pl.BlockSpec:
   """A query block's log-sum-exp or delta, of [B, N, T] float32."""
   return pl.BlockSpec((None, None, block), lambda i, b, n: (b, n, i))
 
 
-def _call(kernel, inputs, in_specs, out_specs, out_shape, grid, *, name,
-          head_dim: int, **params):
+def call_kernel(kernel, inputs, in_specs, out_specs, out_shape, grid, *,
+                name, head_dim: int, **params):
   """`kernel` as a pallas_call: Triton on a GPU, interpreted on the CPU."""
   return pl.pallas_call(
       functools.partial(kernel, **params), grid=grid, in_specs=in_specs,
@@ -191,8 +222,8 @@ def _forward(inputs, *, scale, is_causal):
   block = block_size(length)
   group = num_heads // k.shape[2]
   specs = _specs(block, length, group, head_dim)
-  return _call(
-      _forward_kernel, inputs, specs, [specs[1], _per_query_block(block)],
+  return call_kernel(
+      _forward_kernel, inputs, specs, [specs[1], per_query_block(block)],
       [jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct((batch, num_heads, length), jnp.float32)],
       (length // block, batch, num_heads), name='alibi_flash_forward',
@@ -225,9 +256,9 @@ def _attention_backward(scale, is_causal, residuals, d_out):
   grid = (length // block, batch, num_heads)
   params = dict(head_dim=head_dim, scale=scale, is_causal=is_causal,
                 block=block)
-  dq = _call(
+  dq = call_kernel(
       _dq_kernel, inputs,
-      specs + [specs[1], _per_query_block(block), _per_query_block(block)],
+      specs + [specs[1], per_query_block(block), per_query_block(block)],
       specs[1], jax.ShapeDtypeStruct(q.shape, q.dtype), grid,
       name='alibi_flash_dq', **params)
   # Per key block: the query head's whole rows, the key head's block.
@@ -239,7 +270,7 @@ def _attention_backward(scale, is_causal, residuals, d_out):
   rows = pl.BlockSpec((None, length), lambda j, b, n: (b, 0))
   per_query_head = pl.BlockSpec((None, block, None, head_dim),
                                 lambda j, b, n: (b, j, n, 0))
-  dk, dv = _call(
+  dk, dv = call_kernel(
       _dkv_kernel, inputs,
       [specs[0], whole_rows, key_block, key_block, rows, positions_block,
        rows, positions_block, whole_rows, rows_of_head, rows_of_head],
@@ -270,17 +301,23 @@ def padded(query: Array, key: Array, value: Array, q_positions_BxT: Array,
   ids no token has."""
   batch, length = query.shape[:2]
   padded_length = -(-length // block) * block
-  if q_ids_BxT is None:
-    q_ids_BxT = kv_ids_BxT = jnp.zeros((batch, length), jnp.int32)
   positions = [
       pad_length(jnp.broadcast_to(p, (batch, length)).astype(jnp.int32),
                  padded_length) for p in (q_positions_BxT, kv_positions_BxT)]
   return (pad_length(query, padded_length), pad_length(key, padded_length),
           pad_length(value, padded_length), *positions,
-          pad_length(q_ids_BxT.astype(jnp.int32), padded_length,
-                     _PAD_QUERY),
-          pad_length(kv_ids_BxT.astype(jnp.int32), padded_length,
-                     _PAD_KEY))
+          *padded_ids(q_ids_BxT, kv_ids_BxT, batch, length, padded_length))
+
+
+def padded_ids(q_ids_BxT: Array | None, kv_ids_BxT: Array | None,
+               batch: int, length: int, padded_length: int
+               ) -> tuple[Array, Array]:
+  """(query ids, key ids) [B, padded_length] int32: one id for all where
+  None, and ids no token has for the padded queries and keys."""
+  if q_ids_BxT is None:
+    q_ids_BxT = kv_ids_BxT = jnp.zeros((batch, length), jnp.int32)
+  return (pad_length(q_ids_BxT.astype(jnp.int32), padded_length, _PAD_QUERY),
+          pad_length(kv_ids_BxT.astype(jnp.int32), padded_length, _PAD_KEY))
 
 
 def attention(query: Array, key: Array, value: Array, q_positions_BxT: Array,

@@ -1,18 +1,23 @@
 """Fused attention kernels, and which one computes a case.
 
-`chunked`, and `local` for its window, compute exact attention with one of:
+`chunked`, and the block-sparse variants for their patterns (`local`,
+`strided`, `fixed`, `bigbird`), compute exact attention with one of:
 
-  xla         the blocked JAX code of chunked.py (local: its band of blocks
-              in sparse.py); every case, on every backend.
+  xla         the JAX code of chunked.py (the block-sparse variants: their
+              gathered parts in sparse.py); every case, on every backend.
   cudnn       cuDNN's fused attention, `jax.nn.dot_product_attention(
               implementation='cudnn')`; GPU. Packed rows go in as its
-              packed layout (cudnn_packed.py), on Hopper and newer.
+              packed layout (cudnn_packed.py), on Hopper and newer; local's
+              window as its sliding window.
   pallas_tpu  Pallas splash attention (`jax.experimental.pallas.ops.tpu.
-              splash_attention`), and under ALiBi's bias the project's own
-              (alibi_flash_tpu.py); TPU, and the CPU in interpret mode.
+              splash_attention`), a block-sparse pattern as its block mask;
+              under ALiBi's bias the project's own (alibi_flash_tpu.py);
+              TPU, and the CPU in interpret mode.
   pallas_gpu  Pallas flash attention (`jax.experimental.pallas.ops.gpu.
-              attention.mha`), and under ALiBi's bias the project's own
-              (alibi_flash.py); GPU, and the CPU in interpret mode.
+              attention.mha`); a window or a block-sparse pattern by the
+              project's block-sparse kernel (sparse_flash.py), and ALiBi's
+              bias by its own (alibi_flash.py); GPU, and the CPU in
+              interpret mode.
 
 A kernel takes a case only where it computes it as `dense` does;
 `refusal(kernel, case)` says why it does not. `kernel='auto'` takes the
@@ -42,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from model import logical_axes
-from model.attention import core, cudnn_packed, fused_kernels
+from model.attention import core, cudnn_packed, fused_kernels, patterns
 
 Array = jax.Array
 
@@ -70,6 +75,8 @@ class Case:
   compute_capability: a CUDA GPU's, e.g. '9.0'; None elsewhere.
   max_segments: under packed rows, the most runs of one id a row holds
     (SegmentMask.max_segments), where the data bounds it.
+  pattern: a block-sparse variant's pattern (patterns.py: Strided, Fixed,
+    BigBird); None for none.
   """
 
   backend: str
@@ -84,6 +91,7 @@ class Case:
   length_shards: int = 1
   compute_capability: str | None = None
   max_segments: int | None = None
+  pattern: patterns.Pattern | None = None
 
   def describe(self) -> str:
     """e.g. 'bfloat16, causal, packed rows'."""
@@ -94,9 +102,16 @@ class Case:
               'alibi': ["ALiBi's bias"], 'none': []}[self.bias]
     if self.window:
       parts.append(f'window {self.window}')
+    if self.pattern:
+      parts.append(f"{pattern_name(self.pattern)}'s pattern")
     if self.length_shards > 1:
       parts.append(f'length split over {self.length_shards} devices')
     return ', '.join(parts)
+
+
+def pattern_name(pattern: patterns.Pattern) -> str:
+  """e.g. 'bigbird'."""
+  return type(pattern).__name__.lower()
 
 
 def _mask_kind(mask) -> str:
@@ -118,7 +133,8 @@ def device_description() -> tuple[str, str | None]:
 
 
 def case_of(query: Array, key: Array, bias, mask, *, is_causal: bool,
-            window: int | None = None) -> Case:
+            window: int | None = None,
+            pattern: patterns.Pattern | None = None) -> Case:
   """The Case of a call on the default backend."""
   if bias is None:
     bias_kind = 'none'
@@ -134,7 +150,7 @@ def case_of(query: Array, key: Array, bias, mask, *, is_causal: bool,
               is_causal, _mask_kind(mask), bias_kind, window,
               math.prod(jax.sharding.get_abstract_mesh().shape[axis]
                         for axis in length_axes), capability,
-              getattr(mask, 'max_segments', None))
+              getattr(mask, 'max_segments', None), pattern)
 
 
 def _cudnn_refusal(case: Case) -> str | None:
@@ -154,6 +170,8 @@ def _cudnn_refusal(case: Case) -> str | None:
     return 'takes no mask but right padding (a row it masks whole differs)'
   if case.bias in ('function', 'alibi'):
     return 'takes a bias array, not a position bias computed by blocks'
+  if case.pattern:
+    return 'takes no block-sparse pattern (a sliding window only)'
   if case.window and not case.is_causal:
     return 'takes a window only under a causal mask'
   if case.window and case.mask == 'key_padding':
@@ -193,7 +211,15 @@ def _pallas_tpu_refusal(case: Case) -> str | None:
     return 'takes segment ids or a key padding mask, not a mask array'
   if case.bias != 'none':
     return "takes no bias but ALiBi's"
+  if case.pattern and case.mask == 'key_padding':
+    return _SPARSE_PADDING
   return None
+
+
+# Why the block-sparse kernels refuse key padding masks.
+_SPARSE_PADDING = ('takes a block-sparse pattern with packed rows or no mask, '
+                   'not a key padding mask (a query may see no key of its '
+                   'pattern, which dense gives zeros)')
 
 
 def _pallas_gpu_refusal(case: Case) -> str | None:
@@ -210,10 +236,12 @@ def _pallas_gpu_refusal(case: Case) -> str | None:
     return 'takes segment ids, not a mask array'
   if case.bias != 'none':
     return "takes no bias but ALiBi's"
-  if case.window:
-    return 'takes no window'
   if case.head_dim > 128:
     return f'takes head dims up to 128, not {case.head_dim}'
+  tile = getattr(case.pattern, 'tile', None)
+  if tile is not None and tile not in (16, 32, 64, 128):
+    return (f"takes {pattern_name(case.pattern)}'s block as its tile: 16, "
+            f'32, 64 or 128, not {tile}')
   return None
 
 
@@ -224,8 +252,8 @@ def _alibi_flash_refusal(case: Case) -> str | None:
     return 'computes self-attention only under ALiBi'
   if case.mask == 'other':
     return 'takes packed rows or a key padding mask, not a mask array'
-  if case.window:
-    return 'takes no window under ALiBi'
+  if case.window or case.pattern:
+    return 'takes no window or block-sparse pattern under ALiBi'
   if case.head_dim not in (16, 32, 64, 128):
     return (f'takes head dims of 16, 32, 64 or 128 under ALiBi, not '
             f'{case.head_dim}')
@@ -321,12 +349,15 @@ def choose(kernel: str, case: Case) -> str:
 
 
 def run(kernel: str, query: Array, key: Array, value: Array, bias, mask, *,
-        scale: float, is_causal: bool, window: int | None = None) -> Array:
-  """Attention [B, T, N, H] by fused `kernel` (as `choose` returned it)."""
+        scale: float, is_causal: bool, window: int | None = None,
+        pattern: patterns.Pattern | None = None) -> Array:
+  """Attention [B, T, N, H] by fused `kernel` (as `choose` returned it),
+  under local's `window` or a block-sparse `pattern` (patterns.py)."""
   fn = {'cudnn': fused_kernels.cudnn_attention,
         'pallas_tpu': fused_kernels.splash,
         'pallas_gpu': fused_kernels.pallas_gpu}[kernel]
   return fused_kernels.over_shards(
       lambda q, k, v, b, m: fn(q, k, v, b, m, scale=scale,
-                               is_causal=is_causal, window=window),
+                               is_causal=is_causal, window=window,
+                               pattern=pattern),
       query, key, value, bias, mask)

@@ -1,8 +1,9 @@
 """The fused kernels that model/attention/fused.py chooses among, each
 called as `dense` would be: cuDNN's, Pallas splash attention (TPU) and
-Pallas flash attention (GPU). Under a mesh each runs in a `shard_map` that
-splits the batch and the heads as the model's arrays are split
-(`over_shards`). Rows that see no key give zeros, as `dense` does.
+Pallas flash attention (GPU), with the project's own for ALiBi's bias and,
+on a GPU, for block-sparse patterns. Under a mesh each runs in a
+`shard_map` that splits the batch and the heads as the model's arrays are
+split (`over_shards`). Rows that see no key give zeros, as `dense` does.
 """
 
 import dataclasses
@@ -17,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from model import logical_axes
-from model.attention import alibi_flash, alibi_flash_tpu, core, cudnn_packed
+from model.attention import (alibi_flash, alibi_flash_tpu, core, cudnn_packed,
+                             patterns, sparse_flash)
 
 Array = jax.Array
 # A padding id no packed row uses.
@@ -56,13 +58,15 @@ def _key_valid(mask: Array, batch: int) -> Array:
 
 def cudnn_attention(query: Array, key: Array, value: Array, bias, mask, *,
                     scale: float, is_causal: bool, window: int | None,
-                    implementation: str = 'cudnn') -> Array:
+                    pattern=None, implementation: str = 'cudnn') -> Array:
   """cuDNN's fused attention (tests run the same call with `implementation`
   'xla'). A key padding mask goes in as each row's number of keys, which is
   the mask only where rows are padded on the right (as every pipeline of
   train/data pads them): a row padded anywhere else comes out NaN, loudly,
   rather than differing from dense. A row with no key at all comes out 0,
-  as from dense. Packed rows go in as cuDNN's packed layout."""
+  as from dense. Packed rows go in as cuDNN's packed layout. (No
+  block-sparse pattern: refused.)"""
+  del pattern
   if isinstance(mask, core.SegmentMask):
     return cudnn_packed.attention(
         query, key, value, mask.q_segment_ids_BxT, scale=scale,
@@ -110,31 +114,62 @@ def _segment_ids(mask, batch: int, q_len: int, kv_len: int,
   return jnp.zeros((batch, padded_q), jnp.int32), kv_ids.astype(jnp.int32)
 
 
-def _splash_block(length: int) -> int:
-  """Splash's block along a length padded to a multiple of 128: the
-  largest of 512, 256, 128 dividing it."""
-  return next(block for block in (512, 256, 128) if length % block == 0)
+def splash_tiles(length: int, pattern) -> tuple[int, int]:
+  """(the length splash takes, padded to a multiple of 128; its block
+  along it): the largest of 512, 256, 128 dividing it, 128 under a
+  block-sparse pattern, whose blocks small ones skip."""
+  padded = _padded_length(length, 128)
+  return padded, next(block for block in (512, 256, 128)
+                      if padded % block == 0
+                      and (pattern is None or block == 128))
 
 
-def splash(query, key, value, bias, mask, *, scale, is_causal, window):
+@dataclasses.dataclass(frozen=True, eq=True)
+class PatternMask(splash_ops.Mask):
+  """A block-sparse pattern (patterns.py), causal or not, as splash's mask of
+  `size` (queries, keys): each of its blocks read from the pattern's
+  predicate as splash asks for it."""
+
+  size: tuple[int, int]
+  pattern: patterns.Pattern
+  is_causal: bool
+
+  @property
+  def shape(self) -> tuple[int, int]:
+    return self.size
+
+  def __getitem__(self, index) -> np.ndarray:
+    rows, columns = index
+    q = np.arange(self.size[0])[rows][:, None]
+    k = np.arange(self.size[1])[columns][None, :]
+    allowed = np.broadcast_to(self.pattern.allowed(q, k),
+                              (q.shape[0], k.shape[1]))
+    return allowed & (k <= q) if self.is_causal else allowed
+
+
+def splash(query, key, value, bias, mask, *, scale, is_causal, window,
+           pattern=None):
   """Splash attention, vmapped over the batch; queries and keys padded to
-  multiples of 128 (the TPU's lanes). Under ALiBi's bias, the project's
+  multiples of 128 (the TPU's lanes); local's window as its LocalMask, a
+  block-sparse pattern as a PatternMask. Under ALiBi's bias, the project's
   own kernel (alibi_flash_tpu.py)."""
   if bias is not None:
     return _alibi(alibi_flash_tpu.attention, query, key, value, bias, mask,
                   scale=scale, is_causal=is_causal)
   batch, q_len, num_heads, _ = query.shape
   kv_len = key.shape[1]
-  padded_q, padded_kv = _padded_length(q_len, 128), _padded_length(kv_len, 128)
+  (padded_q, block_q), (padded_kv, block_kv) = (
+      splash_tiles(q_len, pattern), splash_tiles(kv_len, pattern))
   shape = (padded_q, padded_kv)
-  if window:
+  if pattern is not None:
+    one_mask = PatternMask(shape, pattern, is_causal)
+  elif window:
     one_mask = splash_ops.LocalMask(
         shape, (window - 1, 0 if is_causal else window - 1), offset=0)
   elif is_causal:
     one_mask = splash_ops.CausalMask(shape)
   else:
     one_mask = splash_ops.FullMask(shape)
-  block_q, block_kv = _splash_block(padded_q), _splash_block(padded_kv)
   blocks = splash_ops.BlockSizes(
       block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
       block_q_dkv=block_q, block_kv_dkv=block_kv,
@@ -183,14 +218,23 @@ def _alibi(attend, query, key, value, bias, mask, *, scale, is_causal):
       **({} if ids is None else dict(q_ids_BxT=ids[0], kv_ids_BxT=ids[1])))
 
 
-def pallas_gpu(query, key, value, bias, mask, *, scale, is_causal, window):
+def pallas_gpu(query, key, value, bias, mask, *, scale, is_causal, window,
+               pattern=None):
   """The Pallas (Triton) flash attention; self-attention only. Under
-  ALiBi's bias, the project's own kernel (alibi_flash.py)."""
-  del window  # Refused.
+  ALiBi's bias, the project's own kernel (alibi_flash.py); under a window
+  or a block-sparse pattern, the project's block-sparse one
+  (sparse_flash.py)."""
+  if window:
+    pattern = patterns.Window(window)
   if bias is not None:
     return _alibi(alibi_flash.attention, query, key, value, bias, mask,
                   scale=scale, is_causal=is_causal)
   batch, length, num_heads, _ = query.shape
+  if pattern is not None:
+    ids = _segment_ids(mask, batch, length, length, length, length)
+    return sparse_flash.attention(
+        query, key, value, pattern, scale=scale, is_causal=is_causal,
+        **({} if ids is None else dict(q_ids_BxT=ids[0], kv_ids_BxT=ids[1])))
   padded = _pallas_gpu_length(length)
   block = min(128, padded)
   blocks = pallas_gpu_ops.BlockSizes(

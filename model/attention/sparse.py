@@ -1,13 +1,17 @@
 """Block-sparse self-attention: `local`, `strided`, `fixed` and `bigbird`.
 
-A pattern is a list of *parts*. A part splits the padded query positions
-into groups that read one shared, gathered list of keys, and says with a
-predicate which (query, key) pairs among those it allows. The parts of a
-pattern never allow the same pair twice, so joining all parts' logits per
-query under one softmax gives exactly dense attention under the pattern's
-mask, while computing only the gathered pairs: O(T * keys per query) work
-and memory, never O(T^2). Masks and biases are read at the gathered pairs
-only.
+Each pattern is said twice, for two kinds of implementation. As a
+patterns.Pattern, the pairs it allows as a predicate on positions, which
+the fused kernels read (model/attention/fused.py: splash attention's block
+masks on a TPU, the project's block-sparse kernel, sparse_flash.py, on a
+GPU). And for the JAX code ('xla'), as a list of *parts*. A part splits the padded
+query positions into groups that read one shared, gathered list of keys,
+and says with a predicate which (query, key) pairs among those it allows.
+The parts of a pattern never allow the same pair twice, so joining all
+parts' logits per query under one softmax gives exactly dense attention
+under the pattern's mask, while computing only the gathered pairs: O(T *
+keys per query) work and memory, never O(T^2). Masks and biases are read
+at the gathered pairs only.
 """
 
 from collections.abc import Callable
@@ -18,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.attention import core, fused
+from model.attention import core, fused, patterns
 
 Array = jax.Array
 # allowed(query_positions, key_positions) -> bool, broadcasting.
@@ -130,6 +134,20 @@ def _positive(**options):
       raise ValueError(f'{name}={value} must be positive.')
 
 
+def _fused(kernel: str, query: Array, key: Array, value: Array, bias, mask, *,
+           scale: float, is_causal: bool, window: int | None = None,
+           pattern: patterns.Pattern | None = None) -> Array | None:
+  """The output of the fused kernel that `kernel` names, or that 'auto'
+  picks (model/attention/fused.py); None where the JAX code computes it."""
+  kernel = fused.choose(kernel, fused.case_of(
+      query, key, bias, mask, is_causal=is_causal, window=window,
+      pattern=pattern))
+  if kernel == 'xla':
+    return None
+  return fused.run(kernel, query, key, value, bias, mask, scale=scale,
+                   is_causal=is_causal, window=window, pattern=pattern)
+
+
 def _band(padded: int, block: int, window: int, is_causal: bool) -> Part:
   """Pairs with |i - j| < window, on blocks of `block` >= window (or of the
   whole sequence) positions, each reading itself and its neighbours (the
@@ -151,12 +169,10 @@ def local_attention(query: Array, key: Array, value: Array,
   (model/attention/fused.py)."""
   _check_self_attention('local', query, key, value, bias, mask)
   _positive(window=window)
-  kernel = fused.choose(kernel, fused.case_of(
-      query, key, bias, mask, is_causal=is_causal, window=window))
-  if kernel != 'xla':
-    return fused.run(kernel, query, key, value, bias, mask,
-                     scale=_scale(query, scale), is_causal=is_causal,
-                     window=window)
+  out = _fused(kernel, query, key, value, bias, mask,
+               scale=_scale(query, scale), is_causal=is_causal, window=window)
+  if out is not None:
+    return out
   block = min(window, query.shape[1])
   part = _band(_padded(query.shape[1], block), block, window, is_causal)
   return attend_parts(query, key, value, bias, mask, scale=_scale(query, scale),
@@ -166,14 +182,20 @@ def local_attention(query: Array, key: Array, value: Array,
 def strided_attention(query: Array, key: Array, value: Array,
                       bias: Array | None = None, mask: Array | None = None, *,
                       scale: float | None = None, is_causal: bool = False,
-                      stride: int = 128) -> Array:
+                      stride: int = 128, kernel: str = 'auto') -> Array:
   """The strided pattern of the Sparse Transformer (Child et al. 2019), both
   halves merged: query i sees keys j with |i - j| < stride, and keys j with
-  i - j a multiple of stride. Local blocks plus the columns of the
-  [T / stride, stride] grid: O(T * (stride + T / stride))."""
+  i - j a multiple of stride. The JAX code ('xla'): local blocks plus the
+  columns of the [T / stride, stride] grid, O(T * (stride + T / stride));
+  `kernel` picks it or a fused kernel as for `chunked`."""
   _check_self_attention('strided', query, key, value, bias, mask)
   _positive(stride=stride)
   stride = min(stride, query.shape[1])
+  out = _fused(kernel, query, key, value, bias, mask,
+               scale=_scale(query, scale), is_causal=is_causal,
+               pattern=patterns.Strided(stride))
+  if out is not None:
+    return out
   padded = _padded(query.shape[1], stride)
   local = _band(padded, stride, stride, is_causal)
   columns = blocks(padded, stride).T  # Positions congruent mod stride.
@@ -185,15 +207,21 @@ def strided_attention(query: Array, key: Array, value: Array,
 def fixed_attention(query: Array, key: Array, value: Array,
                     bias: Array | None = None, mask: Array | None = None, *,
                     scale: float | None = None, is_causal: bool = False,
-                    block: int = 128, summary: int = 8) -> Array:
+                    block: int = 128, summary: int = 8,
+                    kernel: str = 'auto') -> Array:
   """The fixed pattern of the Sparse Transformer (Child et al. 2019), both
   halves merged: query i sees the keys of its own block of `block`
-  positions, and the last `summary` positions of every block.
-  O(T * (block + T * summary / block))."""
+  positions, and the last `summary` positions of every block. The JAX
+  code: O(T * (block + T * summary / block)); `kernel` as for `strided`."""
   _check_self_attention('fixed', query, key, value, bias, mask)
   _positive(block=block, summary=summary)
   if summary > block:
     raise ValueError(f'summary={summary} must not exceed block={block}.')
+  out = _fused(kernel, query, key, value, bias, mask,
+               scale=_scale(query, scale), is_causal=is_causal,
+               pattern=patterns.Fixed(block, summary))
+  if out is not None:
+    return out
   length = query.shape[1]
   padded = _padded(length, block)
   own = Part(blocks(padded, block), blocks(padded, block),
@@ -225,12 +253,14 @@ def bigbird_attention(query: Array, key: Array, value: Array,
                       bias: Array | None = None, mask: Array | None = None, *,
                       scale: float | None = None, is_causal: bool = False,
                       block: int = 64, num_global_blocks: int = 1,
-                      num_random_blocks: int = 3, seed: int = 0) -> Array:
+                      num_random_blocks: int = 3, seed: int = 0,
+                      kernel: str = 'auto') -> Array:
   """BigBird (Zaheer et al. 2020) on blocks of `block` positions: each query
   block sees its own and neighbouring blocks, the first `num_global_blocks`
   blocks, and `num_random_blocks` random blocks (fixed by `seed`); the
-  global blocks' queries see every key. O(T * block * (3 + global +
-  random)) for the rest, O(global * block * T) for the global rows."""
+  global blocks' queries see every key. The JAX code: O(T * block * (3 +
+  global + random)) for the rest, O(global * block * T) for the global
+  rows; `kernel` as for `strided`."""
   _check_self_attention('bigbird', query, key, value, bias, mask)
   _positive(block=block)
   if num_global_blocks < 0 or num_random_blocks < 0:
@@ -244,6 +274,13 @@ def bigbird_attention(query: Array, key: Array, value: Array,
   if num_global * block >= length:  # Every row is global: dense attention.
     return core.scaled_dot_product_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal)
+  random_blocks = bigbird_random_blocks(num_blocks, num_global,
+                                        num_random_blocks, seed)
+  out = _fused(kernel, query, key, value, bias, mask, scale=scale,
+               is_causal=is_causal, pattern=patterns.BigBird(
+                   block, num_global, tuple(map(tuple, random_blocks.tolist()))))
+  if out is not None:
+    return out
   not_global = lambda q, k: k // block >= num_global
   parts = [Part(blocks(padded, block),
                 neighbour_blocks(num_blocks, block, (-1, 0, 1)), not_global)]
@@ -252,8 +289,6 @@ def bigbird_attention(query: Array, key: Array, value: Array,
                       np.arange(num_global * block)[None],
                       lambda q, k: np.ones(np.broadcast_shapes(q.shape,
                                                                k.shape), bool)))
-  random_blocks = bigbird_random_blocks(num_blocks, num_global,
-                                        num_random_blocks, seed)
   if random_blocks.size:
     random_keys = np.where(random_blocks[:, :, None] >= 0,
                            random_blocks[:, :, None] * block

@@ -13,6 +13,8 @@ from configs import algorithmic, lm_stdlib
 from experiments import attention_cases, bench_attention, bench_seq2seq
 from experiments import bench_train
 from model import attention
+from model.attention import fused, sparse
+from tests.helpers.sparse_patterns import bigbird_pattern
 from train.base.errors import InputError
 
 PNG = b'\x89PNG'
@@ -155,6 +157,29 @@ def test_bench_attention_counts_a_variants_own_work(tmp_path):
   assert row['own_gflop'] > 0 and row['own_fraction_of_peak'] > 0
   assert row['own_gflop_per_s'] == pytest.approx(
       row['own_gflop'] / row['fwd_bwd_s'])
+
+
+def test_tile_flops_count_the_tiles_a_pallas_kernel_visits():
+  """BigBird on the GPU's block-sparse kernel: its tiles are its blocks of
+  16, 13 of them over 200 positions; on the JAX code, no tile count."""
+  q = jnp.ones((2, 200, 3, 16))
+
+  def recorded(kernel):
+    with fused.recording() as decisions:
+      jax.eval_shape(lambda q: attention.get('bigbird')(
+          q, q, q, is_causal=True, block=16, num_random_blocks=2,
+          kernel=kernel), q)
+    return decisions
+
+  pattern = bigbird_pattern(208, 16, 1, sparse.bigbird_random_blocks(
+      13, 1, 2, seed=0), causal=True)
+  tiles = pattern.reshape(13, 16, 13, 16).any(axis=(1, 3)).sum()
+  assert 13 < tiles < 13 * 14 // 2
+  assert bench_attention.tile_flops(
+      recorded('pallas_gpu'), batch=2, heads=3, head_dim=16) == (
+          3.5 * 4 * tiles * 16**2 * 16 * 2 * 3)
+  assert bench_attention.tile_flops(
+      recorded('xla'), batch=2, heads=3, head_dim=16) is None
 
 
 def test_bench_attention_names_a_bad_argument(tmp_path):

@@ -10,8 +10,10 @@ import pytest
 
 from model import attention, logical_axes, positions
 from model.attention import (alibi_flash, alibi_flash_tpu, cudnn_packed,
-                             fused, fused_kernels)
+                             fused, fused_kernels, patterns, sparse)
 from model.attention.fused import Case
+from tests.helpers.sparse_patterns import (bigbird_pattern, fixed_pattern,
+                                          local_pattern, strided_pattern)
 
 B, N, H = 2, 4, 16
 dense = attention.scaled_dot_product_attention
@@ -99,6 +101,56 @@ def test_splash_local_window_equals_dense(is_causal):
   assert_all_close(ours, value_and_grads(dense, q, k, v, mask=expected))
   if mask is not None:
     np.testing.assert_array_equal(ours[0][1, 30 + window:], 0.0)
+
+
+# --- block-sparse patterns: splash's block masks, the project's kernel ---
+
+SEGMENTS = attention.SegmentMask(jnp.asarray(PACKED))
+SAME_SEGMENT = PACKED[:, None, :, None] == PACKED[:, None, None, :]
+# BigBird's random blocks for 200 positions in blocks of 16 (13 blocks).
+RANDOM_BLOCKS = sparse.bigbird_random_blocks(13, 1, 2, seed=0)
+
+# name: (variant, its options, its pattern [T, T], causal, packed rows, key/
+# value heads, kernels). T = 200: no multiple of the kernels' tiles.
+SPARSE_CASES = {
+    'strided_causal_packed_gqa': (
+        'strided', dict(stride=48), strided_pattern(200, 48, True), True,
+        True, 2, ('pallas_tpu', 'pallas_gpu')),
+    'fixed_bidirectional_mqa': (
+        'fixed', dict(block=32, summary=4), fixed_pattern(200, 32, 4, False),
+        False, False, 1, ('pallas_tpu', 'pallas_gpu')),
+    'bigbird_causal_packed_gqa': (
+        'bigbird', dict(block=16, num_random_blocks=2),
+        bigbird_pattern(200, 16, 1, RANDOM_BLOCKS, True), True, True, 2,
+        ('pallas_tpu', 'pallas_gpu')),
+    'bigbird_bidirectional_mha': (
+        'bigbird', dict(block=16, num_random_blocks=2),
+        bigbird_pattern(200, 16, 1, RANDOM_BLOCKS, False), False, False, 4,
+        ('pallas_tpu', 'pallas_gpu')),
+    # local's window on the GPU (splash's LocalMask is tested above).
+    'local_bidirectional_packed_gqa': (
+        'local', dict(window=40), local_pattern(200, 40, False), False, True,
+        2, ('pallas_gpu',)),
+}
+
+
+@pytest.mark.parametrize('kernel,name', [
+    (kernel, name) for name, case in SPARSE_CASES.items()
+    for kernel in case[-1]])
+def test_block_sparse_kernels_equal_dense_under_the_pattern(kernel, name):
+  """Outputs and q/k/v gradients of a block-sparse variant on a fused
+  kernel equal dense's under the pattern's mask (and the rows' segments)."""
+  variant, options, pattern, is_causal, packed, num_kv_heads, _ = (
+      SPARSE_CASES[name])
+  q, k, v = make_qkv(len(name), 200, num_kv_heads)
+  expected = jnp.asarray(pattern)[None, None]
+  if packed:
+    expected = expected & SAME_SEGMENT
+  assert_all_close(
+      value_and_grads(attention.get(variant), q, k, v, kernel=kernel,
+                      is_causal=is_causal, mask=SEGMENTS if packed else None,
+                      **options),
+      value_and_grads(dense, q, k, v, mask=expected))
 
 
 def test_fused_kernels_split_batch_and_heads_as_the_rules_say():
@@ -208,21 +260,44 @@ def test_alibi_kernels_equal_dense_with_alibis_bias(kernel, name):
     np.testing.assert_array_equal(ours[0][1], 0.0)
 
 
-@pytest.mark.parametrize('backend,module,platform,call', [
-    ('gpu', alibi_flash, 'cuda', '__gpu$xla.gpu.triton'),
-    ('tpu', alibi_flash_tpu, 'tpu', 'tpu_custom_call')])
-def test_alibi_kernels_lower_for_their_accelerator(monkeypatch, backend,
-                                                   module, platform, call):
+def alibi_attention(module):
+  """ALiBi's kernel of `module`, on rows whose positions are their ids."""
+  return lambda q, k, v, ids_BxT: module.attention(
+      q, k, v, ids_BxT, ids_BxT, jnp.ones(4), scale=0.125, is_causal=True,
+      q_ids_BxT=ids_BxT, kv_ids_BxT=ids_BxT)
+
+
+def variant_attention(name, **options):
+  """Variant `name` on packed rows, its kernel 'auto'."""
+  return lambda q, k, v, ids_BxT: attention.get(name)(
+      q, k, v, mask=attention.SegmentMask(ids_BxT), is_causal=True,
+      **options)
+
+
+TRITON, MOSAIC = '__gpu$xla.gpu.triton', 'tpu_custom_call'
+# name: (backend, platform, the kernel's custom call, attention).
+LOWERED = {
+    'alibi_triton': ('gpu', 'cuda', TRITON, alibi_attention(alibi_flash)),
+    'alibi_mosaic': ('tpu', 'tpu', MOSAIC, alibi_attention(alibi_flash_tpu)),
+    # The block-sparse kernel, testing strided's pairs inside tiles.
+    'strided_triton': ('gpu', 'cuda', TRITON,
+                       variant_attention('strided', stride=48)),
+    # Splash with BigBird's pattern as its block mask.
+    'bigbird_splash': ('tpu', 'tpu', MOSAIC,
+                       variant_attention('bigbird', block=64)),
+}
+
+
+@pytest.mark.parametrize('name', LOWERED)
+def test_pallas_kernels_lower_for_their_accelerator(monkeypatch, name):
   """Exported for a GPU (Triton) or a TPU (Mosaic) from this CPU, not
   interpreted: the forward, dq and dk/dv kernels lower to three calls."""
+  backend, platform, call, attend = LOWERED[name]
   monkeypatch.setattr(jax, 'default_backend', lambda: backend)
   shape = lambda *dims, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(dims, dtype)
 
-  def loss(q, k, v, positions_BxT):
-    out = module.attention(
-        q, k, v, positions_BxT, positions_BxT, jnp.ones(4), scale=0.125,
-        is_causal=True, q_ids_BxT=positions_BxT, kv_ids_BxT=positions_BxT)
-    return jnp.sum(out.astype(jnp.float32))
+  def loss(q, k, v, ids_BxT):
+    return jnp.sum(attend(q, k, v, ids_BxT).astype(jnp.float32))
 
   exported = jax.export.export(
       jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=[platform],
@@ -331,6 +406,9 @@ def case(backend, dtype='bfloat16', head_dim=64, q_len=256, kv_len=256,
   return Case(backend, dtype, head_dim, q_len, kv_len, is_causal, **kwargs)
 
 
+STRIDED = patterns.Strided(64)
+bigbird = lambda block: patterns.BigBird(block, 1, ((-1,),) * 4)
+
 # (case, what 'auto' runs).
 AUTO = [
     (case('cpu'), 'xla'),
@@ -351,7 +429,8 @@ AUTO = [
     (case('gpu', dtype='float32'), 'pallas_gpu'),
     (case('gpu', dtype='float32', mask='segments'), 'pallas_gpu'),
     (case('gpu', head_dim=160), 'xla'),
-    (case('gpu', window=128, is_causal=False), 'xla'),
+    # A bidirectional window: the project's block-sparse kernel.
+    (case('gpu', window=128, is_causal=False), 'pallas_gpu'),
     (case('gpu', window=128, mask='key_padding'), 'xla'),
     (case('gpu', q_len=128, kv_len=256), 'xla'),  # Diagonal alignment.
     (case('gpu', is_causal=False, q_len=128, kv_len=256), 'cudnn'),
@@ -383,6 +462,17 @@ AUTO = [
     (case('tpu', bias='alibi', mask='segments'), 'pallas_tpu'),
     (case('tpu', bias='alibi', head_dim=96), 'xla'),
     (case('tpu', bias='alibi', window=64), 'xla'),
+    # Block-sparse patterns: splash's block masks, the project's kernel
+    # (BigBird's block its tile), without key padding.
+    (case('tpu', pattern=STRIDED), 'pallas_tpu'),
+    (case('tpu', pattern=bigbird(64), mask='segments'), 'pallas_tpu'),
+    (case('tpu', pattern=patterns.Fixed(64, 8), mask='key_padding',
+          is_causal=False), 'xla'),
+    (case('gpu', pattern=bigbird(64)), 'pallas_gpu'),
+    (case('gpu', pattern=patterns.Fixed(64, 8), mask='segments'),
+     'pallas_gpu'),
+    (case('gpu', pattern=bigbird(48)), 'xla'),
+    (case('gpu', pattern=STRIDED, mask='key_padding'), 'xla'),
     # A length split over the mesh: no fused kernel (ring computes it).
     (case('tpu', length_shards=2), 'xla'),
     (case('gpu', length_shards=4), 'xla'),
@@ -412,9 +502,18 @@ def test_a_named_kernel_that_cannot_compute_the_case_raises():
     fused.choose('pallas_tpu', case('tpu', length_shards=2))
   with pytest.raises(ValueError, match='must be one of'):
     fused.choose('flash', case('cpu'))
+  with pytest.raises(fused.KernelError, match='no block-sparse pattern'):
+    fused.choose('cudnn', case('gpu', pattern=STRIDED))
+  with pytest.raises(fused.KernelError, match='not a key padding mask'):
+    fused.choose('pallas_tpu', case('tpu', pattern=STRIDED,
+                                    mask='key_padding'))
   q, k, v = make_qkv(9, 8, 2)
   with pytest.raises(fused.KernelError, match='needs a GPU'):
     attention.get('chunked')(q, k, v, kernel='cudnn')
+  with pytest.raises(fused.KernelError,
+                     match="bigbird's block as its tile: 16, 32, 64 or 128, "
+                           'not 2'):
+    attention.get('bigbird')(q, k, v, kernel='pallas_gpu', block=2)
   assert fused.choose('pallas_gpu', case('cpu')) == 'pallas_gpu'
 
 

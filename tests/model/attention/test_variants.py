@@ -10,6 +10,8 @@ import pytest
 
 from model import attention
 from model.attention import chunk_plan, kernel, sparse
+from tests.helpers.sparse_patterns import (bigbird_pattern, fixed_pattern,
+                                          local_pattern, strided_pattern)
 
 B, T, N, H = 2, 10, 4, 8
 dense = attention.scaled_dot_product_attention
@@ -208,7 +210,7 @@ def test_position_biases_give_dense_results_without_a_full_bias(
   make_bias, params = position_biases()[position]
   q, k, v = make_qkv(13)
   allowed = {'chunked': np.ones((T, T), bool),
-             'local': local_pattern(3, causal=True)}.get(name)
+             'local': local_pattern(T, 3, causal=True)}.get(name)
   if name == 'bigbird':
     allowed = bigbird_pattern(T, 2, 1, sparse.bigbird_random_blocks(
         5, 1, 1, seed=0), causal=True)
@@ -230,38 +232,13 @@ def test_position_biases_give_dense_results_without_a_full_bias(
 
 # --- sparse patterns: exact under their masks ---
 
-def grid(length=T):
-  """Query positions [L, 1] and key positions [1, L]."""
-  return np.arange(length)[:, None], np.arange(length)[None, :]
-
-
-def local_pattern(window, causal):
-  i, j = grid()
-  allowed = np.abs(i - j) < window
-  return allowed & (j <= i) if causal else allowed
-
-
-def strided_pattern(stride, causal):
-  # Child et al. 2019: a local window of `stride` plus every stride-th key.
-  i, j = grid()
-  allowed = (np.abs(i - j) < stride) | ((i - j) % stride == 0)
-  return allowed & (j <= i) if causal else allowed
-
-
-def fixed_pattern(block, summary, causal):
-  # Child et al. 2019: one's own block plus the last `summary` of each.
-  i, j = grid()
-  allowed = (i // block == j // block) | (j % block >= block - summary)
-  return allowed & (j <= i) if causal else allowed
-
-
 SPARSE_CASES = [
-    ('local', dict(window=3), lambda c: local_pattern(3, c)),
-    ('local', dict(window=4), lambda c: local_pattern(4, c)),
-    ('strided', dict(stride=3), lambda c: strided_pattern(3, c)),
-    ('strided', dict(stride=4), lambda c: strided_pattern(4, c)),
-    ('fixed', dict(block=3, summary=1), lambda c: fixed_pattern(3, 1, c)),
-    ('fixed', dict(block=4, summary=2), lambda c: fixed_pattern(4, 2, c)),
+    ('local', dict(window=3), lambda c: local_pattern(T, 3, c)),
+    ('local', dict(window=4), lambda c: local_pattern(T, 4, c)),
+    ('strided', dict(stride=3), lambda c: strided_pattern(T, 3, c)),
+    ('strided', dict(stride=4), lambda c: strided_pattern(T, 4, c)),
+    ('fixed', dict(block=3, summary=1), lambda c: fixed_pattern(T, 3, 1, c)),
+    ('fixed', dict(block=4, summary=2), lambda c: fixed_pattern(T, 4, 2, c)),
 ]
 
 
@@ -286,9 +263,9 @@ def test_local_with_a_window_over_the_whole_sequence_is_dense():
 
 
 @pytest.mark.parametrize('name, options, pattern', [
-    ('local', dict(window=3), local_pattern(3, True)),
-    ('strided', dict(stride=3), strided_pattern(3, True)),
-    ('fixed', dict(block=4, summary=1), fixed_pattern(4, 1, True)),
+    ('local', dict(window=3), local_pattern(T, 3, True)),
+    ('strided', dict(stride=3), strided_pattern(T, 3, True)),
+    ('fixed', dict(block=4, summary=1), fixed_pattern(T, 4, 1, True)),
 ])
 @pytest.mark.parametrize('num_kv_heads', [1, 4])
 def test_sparse_bias_and_gradients_match_dense(name, options, pattern,
@@ -302,19 +279,6 @@ def test_sparse_bias_and_gradients_match_dense(name, options, pattern,
                     is_causal=True)
   for a, b in zip(ours, reference):
     assert_close(a, b)
-
-
-def bigbird_pattern(length, block, num_global, random_blocks, causal):
-  """BigBird's mask on blocks: neighbours, global rows and columns, and the
-  given random blocks per query block."""
-  i, j = grid(length)
-  block_i, block_j = i // block, j // block
-  allowed = ((np.abs(block_i - block_j) <= 1) | (block_j < num_global)
-             | (block_i < num_global))
-  for query_block, chosen in enumerate(random_blocks):
-    for key_block in chosen[chosen >= 0]:
-      allowed |= (block_i == query_block) & (block_j == key_block)
-  return allowed & (j <= i) if causal else allowed
 
 
 @pytest.mark.parametrize('causal', [False, True])

@@ -271,9 +271,8 @@ INVALID_ELSEWHERE = [
      "config.model.attention_options.kernel='cudnn' needs a GPU: the "
      "decoder's self-attention is float32, causal, packed rows, window 128 "
      "on cpu; set it to 'auto'"),
-    ('alternating', 'model.attention_options.local.kernel', 'pallas_gpu',
-     "config.model.attention_options.local.kernel='pallas_gpu' takes no "
-     'window'),
+    ('alternating', 'model.attention_options.local.kernel', 'cudnn',
+     "config.model.attention_options.local.kernel='cudnn' needs a GPU"),
     ('local', 'model.attention_options.window', 0,
      "config.model does not build (attention='local', attention_options="
      "{'window': 0}): window=0 must be positive"),
