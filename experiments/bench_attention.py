@@ -155,6 +155,15 @@ def matmul_flops(jaxpr) -> float | None:
   return total
 
 
+def recorded_kernels(fn, args) -> list[fused.Decision]:
+  """The fused kernels' choices of fn(*args), from a trace of its own: a
+  cached trace records nothing, and jit(fn) must not reuse a trace made
+  while recording (where every call runs xla)."""
+  with fused.recording() as decisions:
+    jax.eval_shape(lambda *args: fn(*args), *args)
+  return decisions
+
+
 def tile_flops(decisions: list[fused.Decision], *, batch: int, heads: int,
                head_dim: int) -> float | None:
   """Forward+backward matmul FLOPs of the tiles that the Pallas kernels
@@ -204,10 +213,7 @@ def measure(name: str, kind: str, length: int, *, options: dict,
   programs = {'fwd': jax.jit(fn),
               'fwd_bwd': jax.jit(jax.grad(loss, argnums=(1, 2, 3)))}
   args = (params, q, k, v, mask, bias)
-  # The kernels it runs, traced before anything is compiled (a trace that
-  # is cached records nothing).
-  with fused.recording() as decisions:
-    jax.eval_shape(fn, *args)
+  decisions = recorded_kernels(fn, args)
   exact = attention_cases.parse_variant(name)[0] in attention_cases.EXACT
   compiled = {}
   for key, program in programs.items():

@@ -21,7 +21,10 @@
 
 A kernel takes a case only where it computes it as `dense` does;
 `refusal(kernel, case)` says why it does not. `kernel='auto'` takes the
-first kernel of AUTO_ORDER[backend] that computes the case, else xla. A
+first kernel of AUTO_ORDER[backend] that computes the case, else xla; it
+leaves to xla the patterns whose sparsity is not in tiles (strided's and
+fixed's columns reach nearly every tile, so a kernel would do about dense
+attention's work: name a kernel to run them there). A
 kernel named explicitly that cannot compute the case raises KernelError:
 nothing falls back silently. A `Case` holds only what shapes and types say,
 so the choice is made while tracing; `recording()` collects the choices of
@@ -164,14 +167,14 @@ def _cudnn_refusal(case: Case) -> str | None:
   if case.is_causal and case.q_len != case.kv_len:
     return ('aligns the causal diagonal top-left, and dense bottom-right, '
             'when queries and keys differ in number')
+  if case.pattern:
+    return 'takes no block-sparse pattern (a sliding window only)'
   if case.mask == 'segments':
     return _cudnn_packed_refusal(case)
   if case.mask == 'other':
     return 'takes no mask but right padding (a row it masks whole differs)'
   if case.bias in ('function', 'alibi'):
     return 'takes a bias array, not a position bias computed by blocks'
-  if case.pattern:
-    return 'takes no block-sparse pattern (a sliding window only)'
   if case.window and not case.is_causal:
     return 'takes a window only under a causal mask'
   if case.window and case.mask == 'key_padding':
@@ -238,6 +241,9 @@ def _pallas_gpu_refusal(case: Case) -> str | None:
     return "takes no bias but ALiBi's"
   if case.head_dim > 128:
     return f'takes head dims up to 128, not {case.head_dim}'
+  if (case.window or case.pattern) and case.head_dim not in (16, 32, 64, 128):
+    return (f'takes head dims of 16, 32, 64 or 128 under a window or a '
+            f'block-sparse pattern, not {case.head_dim}')
   tile = getattr(case.pattern, 'tile', None)
   if tile is not None and tile not in (16, 32, 64, 128):
     return (f"takes {pattern_name(case.pattern)}'s block as its tile: 16, "
@@ -334,7 +340,8 @@ def choose(kernel: str, case: Case) -> str:
   reason = None
   if kernel == 'auto':
     chosen = next((name for name in AUTO_ORDER.get(case.backend, ())
-                   if refusal(name, case) is None), 'xla')
+                   if refusal(name, case) is None
+                   and getattr(case.pattern, 'in_tiles', True)), 'xla')
   else:
     reason = refusal(kernel, case)
     chosen = kernel if reason is None else None

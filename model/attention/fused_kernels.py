@@ -64,9 +64,8 @@ def cudnn_attention(query: Array, key: Array, value: Array, bias, mask, *,
   the mask only where rows are padded on the right (as every pipeline of
   train/data pads them): a row padded anywhere else comes out NaN, loudly,
   rather than differing from dense. A row with no key at all comes out 0,
-  as from dense. Packed rows go in as cuDNN's packed layout. (No
-  block-sparse pattern: refused.)"""
-  del pattern
+  as from dense. Packed rows go in as cuDNN's packed layout."""
+  assert pattern is None  # Refused (fused.py).
   if isinstance(mask, core.SegmentMask):
     return cudnn_packed.attention(
         query, key, value, mask.q_segment_ids_BxT, scale=scale,
@@ -124,7 +123,7 @@ def splash_tiles(length: int, pattern) -> tuple[int, int]:
                       and (pattern is None or block == 128))
 
 
-@dataclasses.dataclass(frozen=True, eq=True)
+@dataclasses.dataclass(frozen=True)
 class PatternMask(splash_ops.Mask):
   """A block-sparse pattern (patterns.py), causal or not, as splash's mask of
   `size` (queries, keys): each of its blocks read from the pattern's
@@ -224,7 +223,7 @@ def pallas_gpu(query, key, value, bias, mask, *, scale, is_causal, window,
   ALiBi's bias, the project's own kernel (alibi_flash.py); under a window
   or a block-sparse pattern, the project's block-sparse one
   (sparse_flash.py)."""
-  if window:
+  if window:  # local's: a window or a pattern, never both.
     pattern = patterns.Window(window)
   if bias is not None:
     return _alibi(alibi_flash.attention, query, key, value, bias, mask,

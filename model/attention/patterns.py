@@ -1,9 +1,13 @@
 """The pairs of positions each block-sparse variant allows (sparse.py), as
 the fused kernels read them: a predicate `allowed(q, k)` on query and key
-positions that broadcast, causality aside, and `tile`, the side of the
-tiles a pattern is made of where it is made of whole tiles (None where
-pairs within tiles differ). Frozen and hashable: a kernel's tables are
-cached by pattern.
+positions that broadcast, causality aside; `tile`, the side of the tiles
+a pattern is made of where it is made of whole tiles (None where pairs
+within tiles differ); `by_offset`, whether `allowed` depends on k - q
+alone; and `in_tiles`, whether the pattern's sparsity lies in tiles, so
+that a kernel skipping the tiles it leaves empty saves the work the
+algorithm saves (strided's and fixed's every-stride-th columns reach
+nearly every tile). Frozen and hashable: a kernel's tables are cached by
+pattern.
 """
 
 import dataclasses
@@ -18,6 +22,8 @@ class Window:
 
   window: int
   tile = None  # Pairs within tiles differ: kernels test them.
+  by_offset = True
+  in_tiles = True
 
   def allowed(self, q, k):
     """Whether query positions `q` see key positions `k` (broadcasting;
@@ -31,6 +37,8 @@ class Strided:
 
   stride: int
   tile = None
+  by_offset = True
+  in_tiles = False
 
   def allowed(self, q, k):
     return (abs(q - k) < self.stride) | ((q - k) % self.stride == 0)
@@ -44,6 +52,8 @@ class Fixed:
   block: int
   summary: int
   tile = None
+  by_offset = False
+  in_tiles = False
 
   def allowed(self, q, k):
     return ((q // self.block == k // self.block)
@@ -60,6 +70,8 @@ class BigBird:
   block: int
   num_global: int
   random_blocks: tuple[tuple[int, ...], ...]
+  by_offset = False
+  in_tiles = True
 
   @property
   def tile(self) -> int:

@@ -4,14 +4,14 @@ Each pattern is said twice, for two kinds of implementation. As a
 patterns.Pattern, the pairs it allows as a predicate on positions, which
 the fused kernels read (model/attention/fused.py: splash attention's block
 masks on a TPU, the project's block-sparse kernel, sparse_flash.py, on a
-GPU). And for the JAX code ('xla'), as a list of *parts*. A part splits the padded
-query positions into groups that read one shared, gathered list of keys,
-and says with a predicate which (query, key) pairs among those it allows.
-The parts of a pattern never allow the same pair twice, so joining all
-parts' logits per query under one softmax gives exactly dense attention
-under the pattern's mask, while computing only the gathered pairs: O(T *
-keys per query) work and memory, never O(T^2). Masks and biases are read
-at the gathered pairs only.
+GPU). And for the JAX code ('xla'), as a list of *parts*. A part splits
+the padded query positions into groups that read one shared, gathered list
+of keys, and says with a predicate which (query, key) pairs among those it
+allows. The parts of a pattern never allow the same pair twice, so joining
+all parts' logits per query under one softmax gives exactly dense
+attention under the pattern's mask, while computing only the gathered
+pairs: O(T * keys per query) work and memory, never O(T^2). Masks and
+biases are read at the gathered pairs only.
 """
 
 from collections.abc import Callable
@@ -271,16 +271,17 @@ def bigbird_attention(query: Array, key: Array, value: Array,
   num_blocks = padded // block
   scale = _scale(query, scale)
   num_global = min(num_global_blocks, num_blocks)
+  random_blocks = bigbird_random_blocks(num_blocks, num_global,
+                                        num_random_blocks, seed)
+  pattern = patterns.BigBird(block, num_global,
+                             tuple(map(tuple, random_blocks.tolist())))
+  out = _fused(kernel, query, key, value, bias, mask, scale=scale,
+               is_causal=is_causal, pattern=pattern)
+  if out is not None:
+    return out
   if num_global * block >= length:  # Every row is global: dense attention.
     return core.scaled_dot_product_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal)
-  random_blocks = bigbird_random_blocks(num_blocks, num_global,
-                                        num_random_blocks, seed)
-  out = _fused(kernel, query, key, value, bias, mask, scale=scale,
-               is_causal=is_causal, pattern=patterns.BigBird(
-                   block, num_global, tuple(map(tuple, random_blocks.tolist()))))
-  if out is not None:
-    return out
   not_global = lambda q, k: k // block >= num_global
   parts = [Part(blocks(padded, block),
                 neighbour_blocks(num_blocks, block, (-1, 0, 1)), not_global)]

@@ -13,9 +13,12 @@ dk and dv by a program per key tile looping over its visitors, per query
 head, summed over each key head's group afterwards (the steps of
 alibi_flash.py). Inside a tile the pattern's pairs are tested on indices,
 except for a pattern made of whole tiles (BigBird's blocks), whose block
-is then the tile. Work and memory: the visited tiles, O(T * keys per
-query), never O(T^2); the tables are built on the host, O(T^2 / tile)
-for a pattern tested inside tiles, once per shape.
+is then the tile. Work: the visited tiles; O(T * keys per query) for a
+pattern whose sparsity lies in tiles (local's window, BigBird), about
+half of dense attention's for strided's and fixed's, whose columns reach
+most tiles. Memory: O(T) beside the tables. The tables are built on the
+host once per shape: O(T * tile) for a pattern of k - q alone, O(T^2)
+for fixed's.
 """
 
 import functools
@@ -38,22 +41,37 @@ def tile_size(pattern, length: int) -> int:
   return pattern.tile or alibi_flash.block_size(length)
 
 
+def whole_tiles(pattern, tile: int) -> bool:
+  """Whether every tile of `tile` positions lies inside one of the
+  pattern's own tiles, so that its pairs need no test."""
+  return bool(pattern.tile) and pattern.tile % tile == 0
+
+
+def _pairs(pattern, queries, keys, is_causal: bool) -> np.ndarray:
+  """The allowed pairs of query positions [q, 1] and key positions [1, k]."""
+  pairs = pattern.allowed(queries, keys)
+  return pairs & (keys <= queries) if is_causal else pairs
+
+
 def touched_tiles(pattern, length: int, tile: int,
                   is_causal: bool) -> np.ndarray:
   """[n, n] bool, n = length // tile: whether query tile i and key tile j
   hold a pair that the pattern (and causality) allows."""
   n = length // tile
-  if pattern.tile and pattern.tile % tile == 0:  # Whole tiles: one pair.
+  within = np.arange(tile)
+  if whole_tiles(pattern, tile):  # One pair says a tile's.
     starts = np.arange(n) * tile
-    seen = pattern.allowed(starts[:, None], starts[None, :])
-    return seen & (starts[None, :] <= starts[:, None]) if is_causal else seen
+    return _pairs(pattern, starts[:, None], starts[None, :], is_causal)
+  if pattern.by_offset:  # A tile's pairs depend on j - i alone.
+    offsets = np.arange(1 - n, n)
+    seen = np.array([_pairs(pattern, within[:, None],
+                            within[None, :] + offset * tile, is_causal).any()
+                     for offset in offsets])
+    return seen[np.arange(n)[None, :] - np.arange(n)[:, None] + n - 1]
   keys = np.arange(length)[None, :]
   seen = np.empty((n, n), bool)
   for i in range(n):
-    queries = np.arange(i * tile, (i + 1) * tile)[:, None]
-    pairs = pattern.allowed(queries, keys)
-    if is_causal:
-      pairs = pairs & (keys <= queries)
+    pairs = _pairs(pattern, i * tile + within[:, None], keys, is_causal)
     seen[i] = pairs.reshape(tile, n, tile).any(axis=(0, 2))
   return seen
 
@@ -78,7 +96,7 @@ def tile_tables(pattern, length: int, tile: int, is_causal: bool):
   return (*_lists(seen), *_lists(seen.T))
 
 
-def _logits(q, k, q_ids, k_ids, q_index, k_index, *, pattern, scale,
+def _logits(q, k, q_ids, k_ids, q_index, k_index, *, pattern, tile, scale,
             is_causal):
   """(logits [bq, bk] float32 masked to alibi_flash.MASKED, the bool mask)
   of a query tile and a key tile: ids [bq] and [bk], indices likewise."""
@@ -87,7 +105,7 @@ def _logits(q, k, q_ids, k_ids, q_index, k_index, *, pattern, scale,
   mask = q_ids[:, None] == k_ids[None, :]
   if is_causal:
     mask &= q_index >= k_index
-  if pattern.tile is None:
+  if not whole_tiles(pattern, tile):
     mask &= pattern.allowed(q_index, k_index)
   return jnp.where(mask, s, alibi_flash.MASKED), mask
 
@@ -102,7 +120,7 @@ def _forward_kernel(visits_ref, count_ref, q_ref, k_ref, v_ref, q_ids_ref,
     j = visits_ref[t]
     keys = pl.ds(j * tile, tile)
     s, mask = _logits(q, k_ref[keys, :], q_ids, k_ids_ref[keys], q_index,
-                      j * tile + jnp.arange(tile), **params)
+                      j * tile + jnp.arange(tile), tile=tile, **params)
     return alibi_flash.softmax_step(carry, s, mask, v_ref[keys, :])
 
   carry = lax.fori_loop(0, count_ref[0], visit,
@@ -123,7 +141,7 @@ def _dq_kernel(visits_ref, count_ref, q_ref, k_ref, v_ref, q_ids_ref,
     keys = pl.ds(j * tile, tile)
     k, v = k_ref[keys, :], v_ref[keys, :]
     s, mask = _logits(q, k, q_ids, k_ids_ref[keys], q_index,
-                      j * tile + jnp.arange(tile), **params)
+                      j * tile + jnp.arange(tile), tile=tile, **params)
     return alibi_flash.dq_step(dq, s, mask, lse, delta, do, k, v)
 
   dq = lax.fori_loop(0, count_ref[0], visit,
@@ -143,7 +161,8 @@ def _dkv_kernel(visitors_ref, count_ref, q_ref, k_ref, v_ref, q_ids_ref,
     queries = pl.ds(i * tile, tile)
     q = q_ref[queries, :]
     s, mask = _logits(q, k, q_ids_ref[queries], k_ids,
-                      i * tile + jnp.arange(tile), k_index, **params)
+                      i * tile + jnp.arange(tile), k_index, tile=tile,
+                      **params)
     return alibi_flash.dkv_step(carry, s, mask, lse_ref[queries],
                                 delta_ref[queries], q, do_ref[queries, :], v)
 

@@ -13,7 +13,7 @@ from configs import algorithmic, lm_stdlib
 from experiments import attention_cases, bench_attention, bench_seq2seq
 from experiments import bench_train
 from model import attention
-from model.attention import fused, sparse
+from model.attention import sparse
 from tests.helpers.sparse_patterns import bigbird_pattern
 from train.base.errors import InputError
 
@@ -161,14 +161,20 @@ def test_bench_attention_counts_a_variants_own_work(tmp_path):
 
 def test_tile_flops_count_the_tiles_a_pallas_kernel_visits():
   """BigBird on the GPU's block-sparse kernel: its tiles are its blocks of
-  16, 13 of them over 200 positions; on the JAX code, no tile count."""
+  16, 13 of them over 200 positions; on the JAX code, no tile count. The
+  recording leaves the jitted variant on its kernel."""
   q = jnp.ones((2, 200, 3, 16))
 
   def recorded(kernel):
-    with fused.recording() as decisions:
-      jax.eval_shape(lambda q: attention.get('bigbird')(
-          q, q, q, is_causal=True, block=16, num_random_blocks=2,
-          kernel=kernel), q)
+    fn, params = attention_cases.variant_fn(
+        f'bigbird[{kernel}]', 'plain', 200,
+        {'bigbird': dict(block=16, num_random_blocks=2)}, causal=True,
+        heads=3, head_dim=16, q=q, mask=None, bias=None)
+    args = (params, q, q, q, None, None)
+    decisions = bench_attention.recorded_kernels(fn, args)
+    assert [d.kernel for d in decisions] == [kernel]
+    assert ('pallas_call' in str(jax.make_jaxpr(jax.jit(fn))(*args))) == (
+        kernel != 'xla')
     return decisions
 
   pattern = bigbird_pattern(208, 16, 1, sparse.bigbird_random_blocks(

@@ -10,7 +10,8 @@ import pytest
 
 from model import attention, logical_axes, positions
 from model.attention import (alibi_flash, alibi_flash_tpu, cudnn_packed,
-                             fused, fused_kernels, patterns, sparse)
+                             fused, fused_kernels, patterns, sparse,
+                             sparse_flash)
 from model.attention.fused import Case
 from tests.helpers.sparse_patterns import (bigbird_pattern, fixed_pattern,
                                           local_pattern, strided_pattern)
@@ -203,6 +204,26 @@ def test_cudnn_call_takes_right_padding_and_the_causal_window():
 
 
 @pytest.mark.core
+@pytest.mark.parametrize('is_causal', [True, False])
+def test_touched_tiles_match_brute_force(is_causal):
+  """The tiles a kernel visits: those holding an allowed pair, for a
+  pattern of k - q alone, one of whole tiles, and any other."""
+  random_blocks = sparse.bigbird_random_blocks(12, 1, 2, seed=3)
+  cases = [
+      (patterns.Window(20), local_pattern(96, 20, is_causal)),
+      (patterns.Strided(24), strided_pattern(96, 24, is_causal)),
+      (patterns.Fixed(24, 3), fixed_pattern(96, 24, 3, is_causal)),
+      (patterns.BigBird(16, 1, tuple(map(tuple, random_blocks.tolist()))),
+       bigbird_pattern(96, 16, 1, random_blocks, is_causal))]
+  for pattern, allowed in cases:
+    for tile in (8, 16):
+      np.testing.assert_array_equal(
+          sparse_flash.touched_tiles(pattern, 96, tile, is_causal),
+          allowed.reshape(96 // tile, tile, 96 // tile, tile).any((1, 3)),
+          err_msg=f'{pattern}, tile {tile}')
+
+
+@pytest.mark.core
 def test_rows_with_keys_match_brute_force():
   rng = np.random.default_rng(0)
   valid = rng.random((3, 11)) < 0.3
@@ -268,7 +289,7 @@ def alibi_attention(module):
 
 
 def variant_attention(name, **options):
-  """Variant `name` on packed rows, its kernel 'auto'."""
+  """Variant `name` on packed rows."""
   return lambda q, k, v, ids_BxT: attention.get(name)(
       q, k, v, mask=attention.SegmentMask(ids_BxT), is_causal=True,
       **options)
@@ -281,10 +302,12 @@ LOWERED = {
     'alibi_mosaic': ('tpu', 'tpu', MOSAIC, alibi_attention(alibi_flash_tpu)),
     # The block-sparse kernel, testing strided's pairs inside tiles.
     'strided_triton': ('gpu', 'cuda', TRITON,
-                       variant_attention('strided', stride=48)),
+                       variant_attention('strided', stride=48,
+                                         kernel='pallas_gpu')),
     # Splash with BigBird's pattern as its block mask.
     'bigbird_splash': ('tpu', 'tpu', MOSAIC,
-                       variant_attention('bigbird', block=64)),
+                       variant_attention('bigbird', block=64,
+                                         kernel='pallas_tpu')),
 }
 
 
@@ -431,6 +454,7 @@ AUTO = [
     (case('gpu', head_dim=160), 'xla'),
     # A bidirectional window: the project's block-sparse kernel.
     (case('gpu', window=128, is_causal=False), 'pallas_gpu'),
+    (case('gpu', window=128, is_causal=False, head_dim=96), 'xla'),
     (case('gpu', window=128, mask='key_padding'), 'xla'),
     (case('gpu', q_len=128, kv_len=256), 'xla'),  # Diagonal alignment.
     (case('gpu', is_causal=False, q_len=128, kv_len=256), 'cudnn'),
@@ -463,16 +487,17 @@ AUTO = [
     (case('tpu', bias='alibi', head_dim=96), 'xla'),
     (case('tpu', bias='alibi', window=64), 'xla'),
     # Block-sparse patterns: splash's block masks, the project's kernel
-    # (BigBird's block its tile), without key padding.
-    (case('tpu', pattern=STRIDED), 'pallas_tpu'),
+    # (BigBird's block its tile), never cuDNN; strided's and fixed's, whose
+    # columns reach nearly every tile, on xla.
     (case('tpu', pattern=bigbird(64), mask='segments'), 'pallas_tpu'),
-    (case('tpu', pattern=patterns.Fixed(64, 8), mask='key_padding',
-          is_causal=False), 'xla'),
+    (case('tpu', pattern=bigbird(64), mask='key_padding'), 'xla'),
     (case('gpu', pattern=bigbird(64)), 'pallas_gpu'),
-    (case('gpu', pattern=patterns.Fixed(64, 8), mask='segments'),
-     'pallas_gpu'),
+    (case('gpu', pattern=bigbird(64), mask='segments',
+          compute_capability='9.0', max_segments=33), 'pallas_gpu'),
     (case('gpu', pattern=bigbird(48)), 'xla'),
-    (case('gpu', pattern=STRIDED, mask='key_padding'), 'xla'),
+    (case('gpu', pattern=bigbird(64), head_dim=96), 'xla'),
+    (case('tpu', pattern=STRIDED), 'xla'),
+    (case('gpu', pattern=patterns.Fixed(64, 8), mask='segments'), 'xla'),
     # A length split over the mesh: no fused kernel (ring computes it).
     (case('tpu', length_shards=2), 'xla'),
     (case('gpu', length_shards=4), 'xla'),
@@ -482,6 +507,8 @@ AUTO = [
 @pytest.mark.parametrize('the_case,expected', AUTO)
 def test_auto_chooses_by_backend_and_case(the_case, expected):
   assert fused.choose('auto', the_case) == expected
+  if not getattr(the_case.pattern, 'in_tiles', True):
+    return  # Left to xla, though a kernel named computes it.
   # Every fused kernel it passed over refuses the case.
   for name in fused.AUTO_ORDER.get(the_case.backend, ()):
     if name == expected:
@@ -515,6 +542,8 @@ def test_a_named_kernel_that_cannot_compute_the_case_raises():
                            'not 2'):
     attention.get('bigbird')(q, k, v, kernel='pallas_gpu', block=2)
   assert fused.choose('pallas_gpu', case('cpu')) == 'pallas_gpu'
+  assert fused.choose('pallas_tpu', case('tpu', pattern=STRIDED)) == (
+      'pallas_tpu')
 
 
 @pytest.mark.core
