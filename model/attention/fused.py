@@ -214,15 +214,7 @@ def _pallas_tpu_refusal(case: Case) -> str | None:
     return 'takes segment ids or a key padding mask, not a mask array'
   if case.bias != 'none':
     return "takes no bias but ALiBi's"
-  if case.pattern and case.mask == 'key_padding':
-    return _SPARSE_PADDING
   return None
-
-
-# Why the block-sparse kernels refuse key padding masks.
-_SPARSE_PADDING = ('takes a block-sparse pattern with packed rows or no mask, '
-                   'not a key padding mask (a query may see no key of its '
-                   'pattern, which dense gives zeros)')
 
 
 def _pallas_gpu_refusal(case: Case) -> str | None:
@@ -235,8 +227,12 @@ def _pallas_gpu_refusal(case: Case) -> str | None:
             'queries and keys)')
   if case.bias == 'alibi':
     return _alibi_flash_refusal(case)
-  if case.mask in ('key_padding', 'other'):
-    return 'takes segment ids, not a mask array'
+  if case.mask == 'other':
+    return 'takes segment ids or a key padding mask, not a mask array'
+  if case.mask == 'key_padding' and not (case.window or case.pattern):
+    return ('takes a key padding mask only under a window or a '
+            'block-sparse pattern (its own kernel; the flash kernel takes '
+            'one array of segment ids for queries and keys)')
   if case.bias != 'none':
     return "takes no bias but ALiBi's"
   if case.head_dim > 128:

@@ -193,8 +193,10 @@ def splash(query, key, value, bias, mask, *, scale, is_causal, window,
   out = jnp.transpose(out, (0, 2, 1, 3))[:, :q_len]
   if mask is None or isinstance(mask, core.SegmentMask):
     return out  # Every query sees a key (itself, under segments).
-  return _zero_rows(out, rows_with_keys(_key_valid(mask, batch), q_len,
-                                        is_causal=is_causal, window=window))
+  valid = _key_valid(mask, batch)
+  return _zero_rows(out, rows_with_keys(
+      valid, q_len, is_causal=is_causal, window=window) if pattern is None
+                    else pattern.sees_keys(valid, is_causal))
 
 
 def _pallas_gpu_length(length: int) -> int:

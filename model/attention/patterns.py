@@ -3,17 +3,43 @@ the fused kernels read them: a predicate `allowed(q, k)` on query and key
 positions that broadcast, causality aside; `tile`, the side of the tiles
 a pattern is made of where it is made of whole tiles (None where pairs
 within tiles differ); `by_offset`, whether `allowed` depends on k - q
-alone; and `in_tiles`, whether the pattern's sparsity lies in tiles, so
+alone; `in_tiles`, whether the pattern's sparsity lies in tiles, so
 that a kernel skipping the tiles it leaves empty saves the work the
 algorithm saves (strided's and fixed's every-stride-th columns reach
-nearly every tile). Frozen and hashable: a kernel's tables are cached by
-pattern.
+nearly every tile); and, but for local's window (whose fused kernels find
+such queries themselves), `sees_keys(valid_BxT, is_causal)`: which
+queries see a key that a key padding mask leaves, which dense gives zeros
+where none. Frozen and hashable: a kernel's tables are cached by pattern.
 """
 
 import dataclasses
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+Array = jax.Array
+
+
+def _any_between(valid_BxT: Array, first, last) -> Array:
+  """[B, T] bool: whether query t has a valid key in [first[t], last[t]]
+  (int arrays [T], clipped to the row), from prefix counts: O(B * T)."""
+  length = valid_BxT.shape[1]
+  counts = jnp.pad(jnp.cumsum(valid_BxT, axis=1, dtype=jnp.int32),
+                   ((0, 0), (1, 0)))
+  first = np.clip(first, 0, length)
+  stop = np.maximum(np.clip(last, -1, length - 1) + 1, first)
+  return counts[:, stop] - counts[:, first] > 0
+
+
+def _any_before(valid_BxT: Array, is_causal: bool) -> Array:
+  """[B, T] bool: whether any valid key comes at or before t (causal), or
+  anywhere in the row."""
+  if is_causal:
+    return jnp.cumsum(valid_BxT, axis=1, dtype=jnp.int32) > 0
+  return jnp.broadcast_to(jnp.any(valid_BxT, axis=1, keepdims=True),
+                          valid_BxT.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +69,19 @@ class Strided:
   def allowed(self, q, k):
     return (abs(q - k) < self.stride) | ((q - k) % self.stride == 0)
 
+  def sees_keys(self, valid_BxT: Array, is_causal: bool) -> Array:
+    batch, length = valid_BxT.shape
+    t = np.arange(length)
+    near = _any_between(valid_BxT, t - self.stride + 1,
+                        t if is_causal else t + self.stride - 1)
+    # The keys congruent to t: a column of the [rows, stride] grid.
+    rows = -(-length // self.stride)
+    grid = jnp.pad(valid_BxT, ((0, 0), (0, rows * self.stride - length)))
+    grid = jnp.swapaxes(grid.reshape(batch, rows, self.stride), 1, 2)
+    column = _any_before(grid.reshape(batch * self.stride, rows), is_causal)
+    column = jnp.swapaxes(column.reshape(batch, self.stride, rows), 1, 2)
+    return near | column.reshape(batch, -1)[:, :length]
+
 
 @dataclasses.dataclass(frozen=True)
 class Fixed:
@@ -58,6 +97,14 @@ class Fixed:
   def allowed(self, q, k):
     return ((q // self.block == k // self.block)
             | (k % self.block >= self.block - self.summary))
+
+  def sees_keys(self, valid_BxT: Array, is_causal: bool) -> Array:
+    t = np.arange(valid_BxT.shape[1])
+    start = t // self.block * self.block
+    own = _any_between(valid_BxT, start,
+                       t if is_causal else start + self.block - 1)
+    summaries = valid_BxT & (t % self.block >= self.block - self.summary)
+    return own | _any_before(summaries, is_causal)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +144,26 @@ class BigBird:
     q_block, k_block = q // self.block, k // self.block
     return (self._blocks[np.minimum(q_block, last), np.minimum(k_block, last)]
             & (q_block <= last) & (k_block <= last))
+
+  def sees_keys(self, valid_BxT: Array, is_causal: bool) -> Array:
+    """By blocks: the key blocks holding a valid key, through the blocks
+    each query block sees (before it, when causal, and its own up to the
+    query)."""
+    batch, length = valid_BxT.shape
+    num_blocks = len(self.random_blocks)
+    by_block = jnp.pad(valid_BxT, ((0, 0), (0, num_blocks * self.block
+                                            - length)))
+    by_block = jnp.any(by_block.reshape(batch, num_blocks, self.block), -1)
+    seen = self._blocks
+    if is_causal:
+      seen = np.tril(seen, -1)
+    blocks_seen = jnp.einsum('bk,qk->bq', by_block.astype(jnp.int32),
+                             seen.astype(np.int32)) > 0
+    rows = jnp.repeat(blocks_seen, self.block, axis=1)[:, :length]
+    if not is_causal:
+      return rows
+    t = np.arange(length)
+    return rows | _any_between(valid_BxT, t // self.block * self.block, t)
 
 
 Pattern = Window | Strided | Fixed | BigBird

@@ -111,27 +111,37 @@ SAME_SEGMENT = PACKED[:, None, :, None] == PACKED[:, None, None, :]
 # BigBird's random blocks for 200 positions in blocks of 16 (13 blocks).
 RANDOM_BLOCKS = sparse.bigbird_random_blocks(13, 1, 2, seed=0)
 
-# name: (variant, its options, its pattern [T, T], causal, packed rows, key/
-# value heads, kernels). T = 200: no multiple of the kernels' tiles.
+# A key padding mask with holes: example 0 keeps keys 77 and 150 only,
+# which many queries' patterns miss (dense gives those zeros), example 1
+# a quarter of its keys.
+HOLES = np.stack([np.isin(np.arange(200), [77, 150]),
+                  np.random.default_rng(1).random(200) < 0.25])
+# The rows' masks: (the variant's, dense's beside the pattern).
+ROWS = {'plain': (None, True),
+        'packed': (SEGMENTS, SAME_SEGMENT),
+        'holes': (jnp.asarray(HOLES)[:, None, None], HOLES[:, None, None])}
+
+# name: (variant, its options, its pattern [T, T], causal, rows, key/value
+# heads, kernels). T = 200: no multiple of the kernels' tiles.
 SPARSE_CASES = {
     'strided_causal_packed_gqa': (
         'strided', dict(stride=48), strided_pattern(200, 48, True), True,
-        True, 2, ('pallas_tpu', 'pallas_gpu')),
-    'fixed_bidirectional_mqa': (
+        'packed', 2, ('pallas_tpu', 'pallas_gpu')),
+    'fixed_bidirectional_holes_mqa': (
         'fixed', dict(block=32, summary=4), fixed_pattern(200, 32, 4, False),
-        False, False, 1, ('pallas_tpu', 'pallas_gpu')),
+        False, 'holes', 1, ('pallas_tpu', 'pallas_gpu')),
     'bigbird_causal_packed_gqa': (
         'bigbird', dict(block=16, num_random_blocks=2),
-        bigbird_pattern(200, 16, 1, RANDOM_BLOCKS, True), True, True, 2,
+        bigbird_pattern(200, 16, 1, RANDOM_BLOCKS, True), True, 'packed', 2,
         ('pallas_tpu', 'pallas_gpu')),
-    'bigbird_bidirectional_mha': (
+    'bigbird_bidirectional_holes_mha': (
         'bigbird', dict(block=16, num_random_blocks=2),
-        bigbird_pattern(200, 16, 1, RANDOM_BLOCKS, False), False, False, 4,
+        bigbird_pattern(200, 16, 1, RANDOM_BLOCKS, False), False, 'holes', 4,
         ('pallas_tpu', 'pallas_gpu')),
     # local's window on the GPU (splash's LocalMask is tested above).
     'local_bidirectional_packed_gqa': (
-        'local', dict(window=40), local_pattern(200, 40, False), False, True,
-        2, ('pallas_gpu',)),
+        'local', dict(window=40), local_pattern(200, 40, False), False,
+        'packed', 2, ('pallas_gpu',)),
 }
 
 
@@ -140,18 +150,18 @@ SPARSE_CASES = {
     for kernel in case[-1]])
 def test_block_sparse_kernels_equal_dense_under_the_pattern(kernel, name):
   """Outputs and q/k/v gradients of a block-sparse variant on a fused
-  kernel equal dense's under the pattern's mask (and the rows' segments)."""
-  variant, options, pattern, is_causal, packed, num_kv_heads, _ = (
+  kernel equal dense's under the pattern's mask (and the rows' segments or
+  key padding: a query that sees no key comes out 0, as from dense)."""
+  variant, options, pattern, is_causal, rows, num_kv_heads, _ = (
       SPARSE_CASES[name])
+  mask, rows_mask = ROWS[rows]
   q, k, v = make_qkv(len(name), 200, num_kv_heads)
-  expected = jnp.asarray(pattern)[None, None]
-  if packed:
-    expected = expected & SAME_SEGMENT
-  assert_all_close(
-      value_and_grads(attention.get(variant), q, k, v, kernel=kernel,
-                      is_causal=is_causal, mask=SEGMENTS if packed else None,
-                      **options),
-      value_and_grads(dense, q, k, v, mask=expected))
+  expected = jnp.asarray(pattern[None, None] & rows_mask)
+  ours = value_and_grads(attention.get(variant), q, k, v, kernel=kernel,
+                         is_causal=is_causal, mask=mask, **options)
+  assert_all_close(ours, value_and_grads(dense, q, k, v, mask=expected))
+  if rows == 'holes':  # Some queries of example 0 see no key.
+    assert 0 < (~expected[0, 0].any(-1)).sum() < 200
 
 
 def test_fused_kernels_split_batch_and_heads_as_the_rules_say():
@@ -221,6 +231,24 @@ def test_touched_tiles_match_brute_force(is_causal):
           sparse_flash.touched_tiles(pattern, 96, tile, is_causal),
           allowed.reshape(96 // tile, tile, 96 // tile, tile).any((1, 3)),
           err_msg=f'{pattern}, tile {tile}')
+
+
+@pytest.mark.core
+def test_patterns_find_the_queries_that_see_a_key_under_padding():
+  """sees_keys against the patterns written out, on rows with holes."""
+  random_blocks = sparse.bigbird_random_blocks(7, 1, 1, seed=2)
+  valid = np.random.default_rng(4).random((3, 100)) < 0.04
+  for is_causal in (True, False):
+    for pattern, allowed in [
+        (patterns.Strided(12), strided_pattern(100, 12, is_causal)),
+        (patterns.Fixed(16, 2), fixed_pattern(100, 16, 2, is_causal)),
+        (patterns.BigBird(16, 1, tuple(map(tuple, random_blocks.tolist()))),
+         bigbird_pattern(100, 16, 1, random_blocks, is_causal))]:
+      expected = (allowed[None] & valid[:, None, :]).any(-1)
+      assert 0 < expected.sum() < expected.size
+      np.testing.assert_array_equal(
+          pattern.sees_keys(jnp.asarray(valid), is_causal), expected,
+          err_msg=f'{pattern}, causal {is_causal}')
 
 
 @pytest.mark.core
@@ -455,7 +483,7 @@ AUTO = [
     # A bidirectional window: the project's block-sparse kernel.
     (case('gpu', window=128, is_causal=False), 'pallas_gpu'),
     (case('gpu', window=128, is_causal=False, head_dim=96), 'xla'),
-    (case('gpu', window=128, mask='key_padding'), 'xla'),
+    (case('gpu', window=128, mask='key_padding'), 'pallas_gpu'),
     (case('gpu', q_len=128, kv_len=256), 'xla'),  # Diagonal alignment.
     (case('gpu', is_causal=False, q_len=128, kv_len=256), 'cudnn'),
     (case('gpu', mask='other'), 'xla'),
@@ -490,7 +518,9 @@ AUTO = [
     # (BigBird's block its tile), never cuDNN; strided's and fixed's, whose
     # columns reach nearly every tile, on xla.
     (case('tpu', pattern=bigbird(64), mask='segments'), 'pallas_tpu'),
-    (case('tpu', pattern=bigbird(64), mask='key_padding'), 'xla'),
+    (case('tpu', pattern=bigbird(64), mask='key_padding'), 'pallas_tpu'),
+    (case('gpu', pattern=bigbird(64), mask='key_padding'), 'pallas_gpu'),
+    (case('gpu', pattern=bigbird(64), mask='other'), 'xla'),
     (case('gpu', pattern=bigbird(64)), 'pallas_gpu'),
     (case('gpu', pattern=bigbird(64), mask='segments',
           compute_capability='9.0', max_segments=33), 'pallas_gpu'),
@@ -531,9 +561,8 @@ def test_a_named_kernel_that_cannot_compute_the_case_raises():
     fused.choose('flash', case('cpu'))
   with pytest.raises(fused.KernelError, match='no block-sparse pattern'):
     fused.choose('cudnn', case('gpu', pattern=STRIDED))
-  with pytest.raises(fused.KernelError, match='not a key padding mask'):
-    fused.choose('pallas_tpu', case('tpu', pattern=STRIDED,
-                                    mask='key_padding'))
+  with pytest.raises(fused.KernelError, match='key padding mask only'):
+    fused.choose('pallas_gpu', case('gpu', mask='key_padding'))
   q, k, v = make_qkv(9, 8, 2)
   with pytest.raises(fused.KernelError, match='needs a GPU'):
     attention.get('chunked')(q, k, v, kernel='cudnn')
