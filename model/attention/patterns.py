@@ -6,10 +6,9 @@ within tiles differ); `by_offset`, whether `allowed` depends on k - q
 alone; `in_tiles`, whether the pattern's sparsity lies in tiles, so
 that a kernel skipping the tiles it leaves empty saves the work the
 algorithm saves (strided's and fixed's every-stride-th columns reach
-nearly every tile); and, but for local's window (whose fused kernels find
-such queries themselves), `sees_keys(valid_BxT, is_causal)`: which
-queries see a key that a key padding mask leaves, which dense gives zeros
-where none. Frozen and hashable: a kernel's tables are cached by pattern.
+nearly every tile); and, but for local's window (fused_kernels.py's
+rows_with_keys), `sees_keys(valid_BxT, is_causal)`: which queries see a
+key that a key padding mask leaves, which dense gives zeros where none. Frozen and hashable: a kernel's tables are cached by pattern.
 """
 
 import dataclasses
@@ -151,19 +150,22 @@ class BigBird:
     query)."""
     batch, length = valid_BxT.shape
     num_blocks = len(self.random_blocks)
-    by_block = jnp.pad(valid_BxT, ((0, 0), (0, num_blocks * self.block
-                                            - length)))
+    covered = num_blocks * self.block  # Positions past it see nothing.
+    by_block = jnp.pad(valid_BxT[:, :covered],
+                       ((0, 0), (0, max(covered - length, 0))))
     by_block = jnp.any(by_block.reshape(batch, num_blocks, self.block), -1)
     seen = self._blocks
     if is_causal:
       seen = np.tril(seen, -1)
     blocks_seen = jnp.einsum('bk,qk->bq', by_block.astype(jnp.int32),
                              seen.astype(np.int32)) > 0
-    rows = jnp.repeat(blocks_seen, self.block, axis=1)[:, :length]
+    rows = jnp.pad(jnp.repeat(blocks_seen, self.block, axis=1)[:, :length],
+                   ((0, 0), (0, max(length - covered, 0))))
     if not is_causal:
       return rows
     t = np.arange(length)
-    return rows | _any_between(valid_BxT, t // self.block * self.block, t)
+    return rows | (_any_between(valid_BxT, t // self.block * self.block, t)
+                   & (t < covered))
 
 
 Pattern = Window | Strided | Fixed | BigBird

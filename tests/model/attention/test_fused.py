@@ -124,9 +124,9 @@ ROWS = {'plain': (None, True),
 # name: (variant, its options, its pattern [T, T], causal, rows, key/value
 # heads, kernels). T = 200: no multiple of the kernels' tiles.
 SPARSE_CASES = {
-    'strided_causal_packed_gqa': (
+    'strided_causal_holes_gqa': (
         'strided', dict(stride=48), strided_pattern(200, 48, True), True,
-        'packed', 2, ('pallas_tpu', 'pallas_gpu')),
+        'holes', 2, ('pallas_tpu', 'pallas_gpu')),
     'fixed_bidirectional_holes_mqa': (
         'fixed', dict(block=32, summary=4), fixed_pattern(200, 32, 4, False),
         False, 'holes', 1, ('pallas_tpu', 'pallas_gpu')),
@@ -142,6 +142,9 @@ SPARSE_CASES = {
     'local_bidirectional_packed_gqa': (
         'local', dict(window=40), local_pattern(200, 40, False), False,
         'packed', 2, ('pallas_gpu',)),
+    'local_causal_holes_mqa': (
+        'local', dict(window=40), local_pattern(200, 40, True), True,
+        'holes', 1, ('pallas_gpu',)),
 }
 
 
