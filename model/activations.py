@@ -6,8 +6,14 @@ import dataclasses
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 Array = jax.Array
+
+
+def squared_relu(x: Array) -> Array:
+  """relu(x)^2 (So et al. 2021, Primer)."""
+  return jnp.square(nn.relu(x))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +28,7 @@ class Activation:
 
 ACTIVATIONS = {
     'relu': Activation(nn.relu),
+    'relu2': Activation(squared_relu),
     'gelu': Activation(nn.gelu),
     'swiglu': Activation(nn.silu, gated=True),
 }

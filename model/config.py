@@ -115,7 +115,8 @@ class ModelConfig:
   num_layers: int = 2
   # Hidden width of the feed-forward layer.
   mlp_dim: int = 512
-  # Feed-forward nonlinearity: relu, gelu, or swiglu (Shazeer 2020).
+  # Feed-forward nonlinearity: relu, relu2 (relu squared; So et al. 2021),
+  # gelu, or swiglu (Shazeer 2020).
   mlp_activation: str = 'gelu'
   # Normalisation layer: layernorm or rmsnorm (Zhang & Sennrich 2019).
   norm: str = 'layernorm'
