@@ -120,6 +120,12 @@ class ModelConfig:
   mlp_activation: str = 'gelu'
   # Normalisation layer: layernorm or rmsnorm (Zhang & Sennrich 2019).
   norm: str = 'layernorm'
+  # QK-norm: each head's queries and keys normalised (layernorm or rmsnorm,
+  # a scale per head dim) after their projections and before any rotation
+  # by position, so that logits stay bounded (Dehghani et al. 2023; Wortsman
+  # et al. 2023). For attention whose scores are dot products q . k; none:
+  # off.
+  qk_norm: str = 'none'
   # pre: x + f(norm(x)) with a final norm (GPT-2); post: norm(x + f(x))
   # (Vaswani et al. 2017).
   norm_position: str = 'pre'
@@ -227,6 +233,7 @@ class ModelConfig:
       check_positive(name)
     check_choice('mlp_activation', ACTIVATIONS)
     check_choice('norm', NORMS)
+    check_choice('qk_norm', ('none',) + NORMS)
     check_choice('norm_position', NORM_POSITIONS)
     check_choice('position', POSITIONS)
     scheme = SCHEMES[self.position]
@@ -244,6 +251,10 @@ class ModelConfig:
       if not isinstance(getattr(self, name), bool):
         fail(f'config.model.{name}={getattr(self, name)!r} must be True or '
              'False.')
+    if not self.attention_projections and self.qk_norm != 'none':
+      fail(f'config.model.qk_norm={self.qk_norm!r} scales queries and keys '
+           'by parameters, and config.model.attention_projections=False '
+           "wants none: set it to 'none'.")
     if not self.attention_projections and scheme.bias:
       unbiased = [name for name, s in SCHEMES.items() if not s.bias]
       fail(f'config.model.position={self.position!r} biases each head, and '

@@ -109,6 +109,9 @@ class MultiHeadAttention(nn.Module):
                           'value')
       self.out = _dense(config.d_model, (heads_axis, 'kv', 'embed'), config,
                         'out', num_in=2)
+      if config.qk_norm != 'none':  # Over each head's dims: a scale per dim.
+        self.query_norm = make_norm(config, config.qk_norm, 'kv')
+        self.key_norm = make_norm(config, config.qk_norm, 'kv')
     if self.cross:
       self.variant, self.options = attention.spec('dense'), {}
       return
@@ -208,7 +211,9 @@ class MultiHeadAttention(nn.Module):
     """Queries [B, T, N, H] of the inputs ([B, T, 1, D] parameter-free)."""
     if self._parameter_free:
       return inputs_q_BxTxD[:, :, None]
-    return self.query(inputs_q_BxTxD)
+    q_BxTxNxH = self.query(inputs_q_BxTxD)
+    return (self.query_norm(q_BxTxNxH) if self.config.qk_norm != 'none'
+            else q_BxTxNxH)
 
   def _out(self, x_BxTxNxH: Array) -> Array:
     if self._parameter_free:
@@ -221,7 +226,10 @@ class MultiHeadAttention(nn.Module):
     if self._parameter_free:
       return KeysValues(inputs_kv_BxSxD[:, :, None],
                         inputs_kv_BxSxD[:, :, None])
-    return KeysValues(self.key(inputs_kv_BxSxD), self.value(inputs_kv_BxSxD))
+    k_BxSxKxH = self.key(inputs_kv_BxSxD)
+    if self.config.qk_norm != 'none':
+      k_BxSxKxH = self.key_norm(k_BxSxKxH)
+    return KeysValues(k_BxSxKxH, self.value(inputs_kv_BxSxD))
 
   def _cached_cross(self, q_BxTxNxH: Array, mask: Array | None,
                     source: KeysValues) -> Array:
@@ -265,13 +273,14 @@ class Mlp(nn.Module):
         hidden_BxTxM)
 
 
-def make_norm(config: ModelConfig) -> nn.Module:
-  """LayerNorm or RMSNorm as `config.norm` says, statistics in float32."""
-  scale_init = undecayed(nn.initializers.ones, ('embed',))
+def make_norm(config: ModelConfig, kind: str | None = None,
+              axis: str = 'embed') -> nn.Module:
+  """LayerNorm or RMSNorm as `kind` (default: `config.norm`) says, over
+  the last dim (logical axis `axis`), statistics in float32."""
+  scale_init = undecayed(nn.initializers.ones, (axis,))
   common = dict(dtype=config.compute_dtype, param_dtype=config.weight_dtype,
                 scale_init=scale_init)
-  if config.norm == 'rmsnorm':
+  if (kind or config.norm) == 'rmsnorm':
     return nn.RMSNorm(**common)
   return nn.LayerNorm(
-      bias_init=undecayed(nn.initializers.zeros, ('embed',)),
-      **common)
+      bias_init=undecayed(nn.initializers.zeros, (axis,)), **common)

@@ -61,6 +61,11 @@ def check(config: ModelConfig) -> None:
     raise ValueError(
         f'config.model.memory_length is for {others(lambda f: f.memory)}, '
         f'not {config.family!r}.')
+  if config.qk_norm != 'none' and not family.multi_head:
+    raise ValueError(
+        f'config.model.qk_norm is for {others(lambda f: f.multi_head)}, '
+        f'not {config.family!r}, whose attention projects no queries and '
+        'keys per head.')
   for index, layer in enumerate(config.layer_configs()):
     entry = (f'config.model.attention[{index}]: '
              if config.num_attentions > 1 else '')
@@ -89,6 +94,10 @@ def _attention_problem(config: ModelConfig, family: Family) -> str | None:
   if scheme.rotation and not variant.dot_product:
     return (f'config.model.position={config.position!r} makes scores '
             'relative only when they are dot products q . k, which those of '
+            f'{named} are not.')
+  if config.qk_norm != 'none' and not variant.dot_product:
+    return (f'config.model.qk_norm={config.qk_norm!r} normalises the queries '
+            'and keys of scores that are dot products q . k, which those of '
             f'{named} are not.')
   if scheme.bias and not variant.bias:
     return (f'config.model.position={config.position!r} adds a bias to the '

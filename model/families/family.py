@@ -34,6 +34,9 @@ class Family:
   feed_forward: bool = True
   # It can keep a Transformer-XL memory (config.model.memory_length).
   memory: bool = False
+  # Its attention is multi-head attention over projected queries and keys
+  # (config.model.qk_norm).
+  multi_head: bool = True
   # It has a causal decoder, which a bidirectional-only attention cannot be.
   decoder: bool = True
   # It draws a randomized position scheme's positions in training

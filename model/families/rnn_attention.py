@@ -181,4 +181,4 @@ FAMILY = Family(
     # One attention a target step, scored over D and reading values of 2D.
     attention_layers=lambda config: 3,
     sequential_steps=lambda config, length: 2 * length,
-    inputs_method=None, feed_forward=False)
+    inputs_method=None, feed_forward=False, multi_head=False)

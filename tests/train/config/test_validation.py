@@ -175,6 +175,7 @@ INVALID = [
     ('model.mlp_dim', -1, 'config.model.mlp_dim=-1'),
     ('model.mlp_activation', 'tanh', "config.model.mlp_activation='tanh'"),
     ('model.norm', 'batchnorm', "config.model.norm='batchnorm'"),
+    ('model.qk_norm', 'l2', "config.model.qk_norm='l2' must be one of"),
     ('model.norm_position', 'middle', "config.model.norm_position='middle'"),
     ('model.position', 'rotary', "config.model.position='rotary'"),
     ('model.max_len', 100, 'config.seq_len=256 needs 256 positions, more '

@@ -54,13 +54,15 @@ def cached_logits(step, positions_to_read: int) -> np.ndarray:
   return tokens, got
 
 
-@pytest.mark.parametrize('position', ['learned', 'sinusoidal', 'rope',
-                                      'alibi', 'relative', 't5_bias',
-                                      'deberta', 'rope_parameter_free'])
-def test_decoder_lm_cached_logits_equal_a_full_pass(position):
-  # Parameter-free self-attention caches the inputs themselves.
-  config = tiny('decoder_lm', position.removesuffix('_parameter_free'),
-                attention_projections=not position.endswith('_free'))
+@pytest.mark.parametrize('position,overrides', [
+    (position, {}) for position in ('learned', 'sinusoidal', 'rope', 'alibi',
+                                    'relative', 't5_bias', 'deberta')] + [
+    # Parameter-free self-attention caches the inputs themselves.
+    ('rope', dict(attention_projections=False)),
+    # Under QK-norm the cache holds keys normalised, then rotated.
+    ('rope', dict(qk_norm='rmsnorm'))])
+def test_decoder_lm_cached_logits_equal_a_full_pass(position, overrides):
+  config = tiny('decoder_lm', position, **overrides)
   model = build(config)
   params = {'params': model.init(jax.random.key(1),
                                  jnp.zeros((1, T), jnp.int32))['params']}
