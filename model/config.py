@@ -120,6 +120,9 @@ class ModelConfig:
   mlp_activation: str = 'gelu'
   # Normalisation layer: layernorm or rmsnorm (Zhang & Sennrich 2019).
   norm: str = 'layernorm'
+  # A tanh cap on the output logits, cap * tanh(logits / cap) (Gemma 2;
+  # the modded-nanogpt records): a positive number, or 0 for none.
+  logit_softcap: float = 0.0
   # QK-norm: each head's queries and keys normalised (layernorm or rmsnorm,
   # a scale per head dim) after their projections and before any rotation
   # by position, so that logits stay bounded (Dehghani et al. 2023; Wortsman
@@ -243,6 +246,10 @@ class ModelConfig:
     check_choice('remat', REMAT_POLICIES)
     check_choice('rnn_cell', RNN_CELLS)
     check_choice('rnn_score', RNN_SCORES)
+    cap = self.logit_softcap
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0:
+      fail(f'config.model.logit_softcap={cap!r} must be a number >= 0 (0: '
+           'no cap).')
     for name in ('dropout_rate', 'attention_dropout_rate'):
       rate = getattr(self, name)
       if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:

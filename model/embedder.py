@@ -90,7 +90,8 @@ class Embedder(nn.Module):
       return Readout(x_BxTxD, self.token_embedding.embedding,
                      weights_spec='vd',
                      divisor=float(np.sqrt(self.config.d_model)),
-                     compute_dtype=self.config.compute_dtype)
+                     compute_dtype=self.config.compute_dtype,
+                     cap=self.config.logit_softcap)
     return self.output_projection(x_BxTxD)
 
   def logits(self, x_BxTxD: Array) -> Array:
@@ -114,7 +115,8 @@ class OutputProjection(nn.Module):
     bias_V = self.param('bias', undecayed(nn.initializers.zeros, ('vocab',)),
                         (config.vocab_size,), config.weight_dtype)
     return Readout(x_BxTxD, kernel_DxV, bias_V,
-                   compute_dtype=config.compute_dtype)
+                   compute_dtype=config.compute_dtype,
+                   cap=config.logit_softcap)
 
 
 def output(embedder: Embedder, x_BxTxD: Array,

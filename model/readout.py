@@ -70,14 +70,23 @@ def project(x_BxTxD: Array, weights: Array, weights_spec: str,
   return _project(x_BxTxD, weights, weights_spec, jnp.dtype(compute_dtype))
 
 
+def softcap(logits: Array, cap: float) -> Array:
+  """cap * tanh(logits / cap): logits bounded by +-cap, unchanged near 0
+  (Gemma 2; the modded-nanogpt records); `logits` themselves where cap is
+  0."""
+  return cap * jnp.tanh(logits / cap) if cap else logits
+
+
 @flax.struct.dataclass
 class Readout:
-  """logits = project(hidden, weights) / divisor + bias, float32 [B, T, V].
+  """logits = softcap(project(hidden, weights) / divisor + bias, cap),
+  float32 [B, T, V].
 
   `weights` and `bias_V` are the parameters as stored (float32 when the
   weights are): a token embedding [V, D] (`weights_spec` 'vd') or a
   kernel [D, V] ('dv'); `divisor` is sqrt(d_model) for an output
-  projection tied to unit-variance embeddings, else 1.
+  projection tied to unit-variance embeddings, else 1; `cap` the logits'
+  tanh cap (config.model.logit_softcap), 0 for none.
   """
 
   hidden_BxTxD: Array
@@ -87,6 +96,7 @@ class Readout:
   divisor: float = flax.struct.field(pytree_node=False, default=1.0)
   compute_dtype: jnp.dtype = flax.struct.field(pytree_node=False,
                                                default=jnp.float32)
+  cap: float = flax.struct.field(pytree_node=False, default=0.0)
 
   @property
   def vocab_size(self) -> int:
@@ -102,4 +112,4 @@ class Readout:
       logits_BxTxV = logits_BxTxV / self.divisor
     if self.bias_V is not None:
       logits_BxTxV = logits_BxTxV + self.bias_V.astype(jnp.float32)
-    return logits_BxTxV
+    return softcap(logits_BxTxV, self.cap)

@@ -9,6 +9,7 @@ from model.blocks import BlockInputs, TransformerStack
 from model.config import PAD_ID, ModelConfig
 from model.embedder import Embedder, default_positions
 from model.families.family import Family
+from model.readout import softcap
 from model.weight_decay import undecayed
 
 Array = jax.Array
@@ -63,7 +64,7 @@ class EncoderClassifier(nn.Module):
         kernel_init=nn.with_logical_partitioning(
             nn.initializers.xavier_uniform(), ('embed', None)),
         bias_init=undecayed(nn.initializers.zeros, (None,)))
-    return classifier(pooled_BxD), None
+    return softcap(classifier(pooled_BxD), config.logit_softcap), None
 
 
 FAMILY = Family(

@@ -149,7 +149,8 @@ class RnnAttention(nn.Module):
                                  deterministic=deterministic)
     # The output projection is the embedding transposed.
     out = Readout(readout_BxTxD, self.embedder.embedding, weights_spec='vd',
-                  compute_dtype=self.config.compute_dtype)
+                  compute_dtype=self.config.compute_dtype,
+                  cap=self.config.logit_softcap)
     return (out if readout else out.logits()), state
 
   def __call__(self, inputs_BxS: Array, decoder_inputs_BxT: Array, *,

@@ -240,6 +240,9 @@ class TrainConfig:
   steps_per_call: int = key(1, integer(1))
   # Probability mass spread uniformly over the vocabulary (or classes).
   label_smoothing: float = key(0.0, number(0.0, 1.0))
+  # z-loss: each token's training loss adds z_loss * (log Z)^2, Z the
+  # output softmax's normaliser (PaLM, Chowdhery et al. 2022); 0: none.
+  z_loss: float = key(0.0, number(0.0, 1.0))
 
   # --- Loop ---
   # Seeds initialisation, data order and dropout.

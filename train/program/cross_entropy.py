@@ -11,7 +11,11 @@ vocabulary a step, where recomputing the logits in the backward pass
 would take four (fused linear cross-entropy kernels, such as Liger's, do
 the same). Forward-mode differentiation (jax.jvp) of the loss is not
 defined. With label smoothing s the target distribution is (1 - s) on the
-label plus s spread uniformly over the vocabulary (Szegedy et al. 2016).
+label plus s spread uniformly over the vocabulary (Szegedy et al. 2016);
+with a z-loss z each token's loss adds z log^2 Z, Z the softmax's
+normaliser (PaLM, Chowdhery et al. 2022), which keeps log Z near 0. Under
+the readout's tanh cap (Readout.cap) the gradient passes through the cap's
+derivative, 1 - (capped / cap)^2.
 """
 
 import functools
@@ -39,27 +43,30 @@ class TokenLosses:
 
 
 def token_losses(logits_xV: Array, targets_x: Array,
-                 label_smoothing: float = 0.0) -> TokenLosses:
+                 label_smoothing: float = 0.0,
+                 z_loss: float = 0.0) -> TokenLosses:
   """The losses of float32 logits [..., V] for integer targets [...]."""
   logits_xV = logits_xV.astype(jnp.float32)
   return _losses(logits_xV, jax.nn.log_softmax(logits_xV, axis=-1),
-                 targets_x, label_smoothing)
+                 targets_x, label_smoothing, z_loss)
 
 
 def _losses(logits_xV: Array, log_probs_xV: Array, targets_x: Array,
-            label_smoothing: float) -> TokenLosses:
+            label_smoothing: float, z_loss: float) -> TokenLosses:
   """`token_losses` of float32 logits [..., V] and their log_softmax."""
   label_x = jnp.take_along_axis(log_probs_xV, targets_x[..., None],
                                 axis=-1)[..., 0]
+  label_logit_x = jnp.take_along_axis(logits_xV, targets_x[..., None],
+                                      axis=-1)[..., 0]
   nll_x = -label_x
   loss_x = nll_x
   if label_smoothing:
     loss_x = (1.0 - label_smoothing) * nll_x - label_smoothing * jnp.mean(
         log_probs_xV, axis=-1)
+  if z_loss:  # log Z: any logit less its log-probability.
+    loss_x = loss_x + z_loss * jnp.square(label_logit_x - label_x)
   # No logit above the label's: the maximum log_softmax takes already
   # (XLA computes it once), where an argmax would be another pass over V.
-  label_logit_x = jnp.take_along_axis(logits_xV, targets_x[..., None],
-                                      axis=-1)[..., 0]
   correct_x = (label_logit_x >= jnp.max(logits_xV, axis=-1)).astype(
       jnp.float32)
   return TokenLosses(nll=nll_x, loss=loss_x, correct=correct_x)
@@ -92,7 +99,7 @@ def _join(x_NxBxCx: Array) -> Array:
 
 
 def _blockwise(readout: Readout, targets_BxT: Array, weights_BxT: Array,
-               label_smoothing: float, gradients: bool):
+               label_smoothing: float, z_loss: float, gradients: bool):
   """(sum of loss x weight [], TokenLosses [B, T]) of the readout's
   logits for targets [B, T] weighted [B, T], a block of positions at a
   time; with `gradients`, also the sum's gradient with respect to the
@@ -110,15 +117,22 @@ def _blockwise(readout: Readout, targets_BxT: Array, weights_BxT: Array,
     logits_BxCxV = readout.logits(hidden_BxCxD)
     log_probs_BxCxV = jax.nn.log_softmax(logits_BxCxV, axis=-1)
     losses = _losses(logits_BxCxV, log_probs_BxCxV, targets_BxC,
-                     label_smoothing)
+                     label_smoothing, z_loss)
     total = carry[0] + jnp.sum(losses.loss * weights_BxC)
     if not gradients:
       return (total,), losses
-    # d loss / d logits: softmax less the target distribution.
+    # d loss / d logits: softmax less the target distribution; the z-loss
+    # adds 2 z log Z softmax.
     target_BxCxV = (1.0 - label_smoothing) * jax.nn.one_hot(
         targets_BxC, vocab, dtype=jnp.float32) + label_smoothing / vocab
-    d_logits_BxCxV = (jnp.exp(log_probs_BxCxV)
-                      - target_BxCxV) * weights_BxC[..., None]
+    probs_BxCxV = jnp.exp(log_probs_BxCxV)
+    if z_loss:
+      log_z_BxC = logits_BxCxV[..., 0] - log_probs_BxCxV[..., 0]
+      probs_BxCxV = probs_BxCxV * (1.0 + 2.0 * z_loss * log_z_BxC)[..., None]
+    d_logits_BxCxV = (probs_BxCxV - target_BxCxV) * weights_BxC[..., None]
+    if readout.cap:  # Through the cap: logits here are capped ones.
+      d_logits_BxCxV = d_logits_BxCxV * (
+          1.0 - jnp.square(logits_BxCxV / readout.cap))
     d_hidden_BxCxD, d_weights = project_gradients(
         hidden_BxCxD, readout.weights, readout.weights_spec,
         readout.compute_dtype, d_logits_BxCxV / readout.divisor)
@@ -153,23 +167,25 @@ def _blockwise(readout: Readout, targets_BxT: Array, weights_BxT: Array,
   return carry[0], jax.tree.map(_join, losses), grads
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _loss_sum(readout: Readout, targets_BxT: Array, weights_BxT: Array,
-              label_smoothing: float) -> tuple[Array, TokenLosses]:
+              label_smoothing: float, z_loss: float
+              ) -> tuple[Array, TokenLosses]:
   """`readout_loss_sum` without stopping the losses' gradient; its
   gradient is `_loss_sum_forward`'s, scaled."""
   return _blockwise(readout, targets_BxT, weights_BxT, label_smoothing,
-                    gradients=False)
+                    z_loss, gradients=False)
 
 
-def _loss_sum_forward(readout, targets_BxT, weights_BxT, label_smoothing):
+def _loss_sum_forward(readout, targets_BxT, weights_BxT, label_smoothing,
+                      z_loss):
   """The values, and the sum's gradient as the residual."""
   total, losses, grads = _blockwise(readout, targets_BxT, weights_BxT,
-                                    label_smoothing, gradients=True)
+                                    label_smoothing, z_loss, gradients=True)
   return (total, losses), grads
 
 
-def _loss_sum_backward(_, grads, cotangents):
+def _loss_sum_backward(_, __, grads, cotangents):
   """The readout's gradient times the sum's cotangent; none for the
   targets and weights. The per-token losses' cotangents are zero:
   `readout_loss_sum` stops their gradient."""
@@ -182,10 +198,10 @@ _loss_sum.defvjp(_loss_sum_forward, _loss_sum_backward)
 
 
 def readout_loss_sum(readout: Readout, targets_BxT: Array,
-                     weights_BxT: Array, label_smoothing: float = 0.0
-                     ) -> tuple[Array, TokenLosses]:
+                     weights_BxT: Array, label_smoothing: float = 0.0,
+                     z_loss: float = 0.0) -> tuple[Array, TokenLosses]:
   """(sum over tokens of loss x weight, the TokenLosses [B, T]) of
-  `token_losses(readout.logits(), targets_BxT, label_smoothing)`,
+  `token_losses(readout.logits(), targets_BxT, label_smoothing, z_loss)`,
   computed a block of positions at a time: float32 logits of one block at
   most. The sum is differentiable with respect to the readout (its
   gradient taken with the forward pass where the logits take several
@@ -194,9 +210,10 @@ def readout_loss_sum(readout: Readout, targets_BxT: Array,
   through them)."""
   weights_BxT = weights_BxT.astype(jnp.float32)
   if num_blocks(*targets_BxT.shape, readout.vocab_size) == 1:
-    losses = token_losses(readout.logits(), targets_BxT, label_smoothing)
+    losses = token_losses(readout.logits(), targets_BxT, label_smoothing,
+                          z_loss)
     total = jnp.sum(losses.loss * weights_BxT)
   else:
     total, losses = _loss_sum(readout, targets_BxT, weights_BxT,
-                              label_smoothing)
+                              label_smoothing, z_loss)
   return total, jax.lax.stop_gradient(losses)

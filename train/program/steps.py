@@ -85,7 +85,7 @@ def _moe_statistics(sown) -> dict[str, Array]:
 
 
 def metric_sums(out: Array | Readout, batch: dict[str, Array], *,
-                label_smoothing: float = 0.0,
+                label_smoothing: float = 0.0, z_loss: float = 0.0,
                 exact_match: bool = False) -> dict[str, Array]:
   """Weighted sums: loss (nats), plain nll, correct predictions, weight,
   of the model's output: logits [..., V] or a language model's `Readout`
@@ -100,9 +100,10 @@ def metric_sums(out: Array | Readout, batch: dict[str, Array], *,
   targets, weights = batch['targets'], batch['weights']
   if isinstance(out, Readout):
     loss_sum, losses = cross_entropy.readout_loss_sum(
-        out, targets, weights, label_smoothing)
+        out, targets, weights, label_smoothing, z_loss)
   else:
-    losses = cross_entropy.token_losses(out, targets, label_smoothing)
+    losses = cross_entropy.token_losses(out, targets, label_smoothing,
+                                        z_loss)
     loss_sum = jnp.sum(losses.loss * weights)
   sums = {'loss_sum': loss_sum,
           'nll_sum': jnp.sum(losses.nll * weights),
@@ -129,7 +130,7 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
                model: nn.Module, task: Task,
                optimizer: optax.GradientTransformation,
                schedule: optax.Schedule, label_smoothing: float = 0.0,
-               grad_accum_steps: int = 1, skip_nonfinite: bool = False,
+               z_loss: float = 0.0, grad_accum_steps: int = 1, skip_nonfinite: bool = False,
                device_axes: tuple[str, ...] | None = None
                ) -> tuple[TrainState, dict]:
   """One optimizer update on `batch`, accumulated over micro-batches.
@@ -163,7 +164,7 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
           dropout_rng=jax.random.fold_in(step_rng, index))
       with jax.named_scope(LOSS_SCOPE):
         sums = metric_sums(out, micro_batch,
-                           label_smoothing=label_smoothing)
+                           label_smoothing=label_smoothing, z_loss=z_loss)
       loss = sums['loss_sum']
       if experts is not None:
         # Weighted like the loss, so that its mean over the batch is

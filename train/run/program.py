@@ -181,6 +181,7 @@ def compile_program(config: TrainConfig, task: Task, mesh: Mesh, *,
   step_options = dict(model=model, task=task, optimizer=optimizer,
                       schedule=schedule,
                       label_smoothing=config.label_smoothing,
+                      z_loss=config.z_loss,
                       grad_accum_steps=config.grad_accum_steps,
                       skip_nonfinite=config.nan_policy == 'skip')
   train_step = jit_train_step(

@@ -1,5 +1,6 @@
 """The model families: shapes, dtypes, parameter counts, and properties."""
 
+import dataclasses
 import math
 import re
 
@@ -108,6 +109,23 @@ def test_output_shape_and_dtype(name):
               'encoder_classifier': (B, config.num_classes)}[config.family]
   assert out.shape == expected and out.dtype == jnp.float32
   assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize('name', ['decoder_lm_untied_learned_swiglu_rms',
+                                  'encoder_decoder_post_norm',
+                                  'classifier_cls'])
+def test_logit_softcap_caps_every_familys_logits(name):
+  """cap * tanh(logits / cap) of the uncapped model's logits, with the same
+  parameters (the cap has none)."""
+  config = FAMILY_CONFIGS[name]
+  variables = init(config)
+  logits = lambda config: build(config).apply(variables,
+                                              *model_inputs(config))[0]
+  uncapped = logits(config)
+  capped = logits(dataclasses.replace(config, logit_softcap=0.05))
+  assert np.abs(uncapped).max() > 0.05 >= np.abs(capped).max()
+  np.testing.assert_allclose(capped, 0.05 * np.tanh(uncapped / 0.05),
+                             rtol=1e-5, atol=1e-7)
 
 
 def test_every_parameter_has_logical_axis_names():

@@ -128,6 +128,7 @@ INVALID = [
      'config.steps_per_call=16: 48 or 64.\nerror: config.eval_every=275 '
      'must be a multiple of config.steps_per_call=16: 272 or 288.'),
     ('label_smoothing', 1.0, 'config.label_smoothing=1.0'),
+    ('z_loss', -0.1, 'config.z_loss=-0.1 must be a number in [0.0, 1.0)'),
     ('seed', -1, 'config.seed=-1'),
     ('log_every', 0, 'config.log_every=0'),
     ('eval_every', -1, 'config.eval_every=-1'),
@@ -176,6 +177,8 @@ INVALID = [
     ('model.mlp_activation', 'tanh', "config.model.mlp_activation='tanh'"),
     ('model.norm', 'batchnorm', "config.model.norm='batchnorm'"),
     ('model.qk_norm', 'l2', "config.model.qk_norm='l2' must be one of"),
+    ('model.logit_softcap', -1.0,
+     'config.model.logit_softcap=-1.0 must be a number >= 0'),
     ('model.norm_position', 'middle', "config.model.norm_position='middle'"),
     ('model.position', 'rotary', "config.model.position='rotary'"),
     ('model.max_len', 100, 'config.seq_len=256 needs 256 positions, more '

@@ -19,11 +19,14 @@ from train.program import cross_entropy, steps
 VOCAB = 37
 
 
-def _reference_sum(logits_BxTxV, targets_BxT, weights_BxT, smoothing):
-  """optax's weighted cross-entropy of float32 logits."""
+def _reference_sum(logits_BxTxV, targets_BxT, weights_BxT, smoothing,
+                   z_loss=0.0):
+  """optax's weighted cross-entropy of float32 logits, plus z_loss times
+  each token's squared log-sum-exp."""
   labels = optax.smooth_labels(jax.nn.one_hot(targets_BxT, VOCAB), smoothing)
-  return jnp.sum(optax.softmax_cross_entropy(logits_BxTxV, labels)
-                 * weights_BxT)
+  losses = optax.softmax_cross_entropy(logits_BxTxV, labels) + z_loss * (
+      jax.scipy.special.logsumexp(logits_BxTxV, axis=-1) ** 2)
+  return jnp.sum(losses * weights_BxT)
 
 
 @pytest.mark.core
@@ -42,8 +45,12 @@ def test_token_losses_match_optax():
                                 jnp.argmax(logits, -1) == targets)
 
 
-@pytest.mark.parametrize('smoothing', [0.0, 0.1])
-def test_blockwise_loss_and_gradients_equal_optax(monkeypatch, smoothing):
+@pytest.mark.parametrize('smoothing,z_loss,cap', [
+    (0.0, 0.0, 0.0), (0.1, 0.0, 0.0),
+    # A z-loss and a tanh cap of the logits (which reach about 10 here).
+    (0.1, 0.05, 3.0)])
+def test_blockwise_loss_and_gradients_equal_optax(monkeypatch, smoothing,
+                                                  z_loss, cap):
   batch, length, width = 2, 12, 8
   keys = jax.random.split(jax.random.key(1), 4)
   hidden = jax.random.normal(keys[0], (batch, length, width))
@@ -58,13 +65,15 @@ def test_blockwise_loss_and_gradients_equal_optax(monkeypatch, smoothing):
 
   def blockwise(hidden, kernel, bias):
     return cross_entropy.readout_loss_sum(
-        Readout(hidden, kernel, bias, divisor=2.0), targets, weights,
-        smoothing)
+        Readout(hidden, kernel, bias, divisor=2.0, cap=cap), targets,
+        weights, smoothing, z_loss)
 
   def reference(hidden, kernel, bias):
     logits = jnp.einsum('btd,dv->btv', hidden, kernel,
                         precision='highest') / 2.0 + bias
-    return _reference_sum(logits, targets, weights, smoothing)
+    if cap:
+      logits = cap * jnp.tanh(logits / cap)
+    return _reference_sum(logits, targets, weights, smoothing, z_loss)
 
   (value, losses), grads = jax.value_and_grad(
       blockwise, argnums=(0, 1, 2), has_aux=True)(hidden, kernel, bias)
@@ -73,7 +82,10 @@ def test_blockwise_loss_and_gradients_equal_optax(monkeypatch, smoothing):
   np.testing.assert_allclose(value, expected, rtol=1e-5)
   for grad, expected_grad in zip(grads, expected_grads):
     np.testing.assert_allclose(grad, expected_grad, rtol=1e-4, atol=1e-5)
-  logits = Readout(hidden, kernel, bias, divisor=2.0).logits()
+  logits = Readout(hidden, kernel, bias, divisor=2.0, cap=cap).logits()
+  if cap:  # The cap binds: raw logits pass it, capped ones stay under.
+    raw = Readout(hidden, kernel, bias, divisor=2.0).logits()
+    assert jnp.abs(logits).max() < cap < jnp.abs(raw).max()
   np.testing.assert_array_equal(losses.correct,
                                 jnp.argmax(logits, -1) == targets)
   # Without differentiation: the same values (the pass that takes no
@@ -82,7 +94,8 @@ def test_blockwise_loss_and_gradients_equal_optax(monkeypatch, smoothing):
   np.testing.assert_allclose(undifferentiated, value, rtol=1e-6)
   labels = optax.smooth_labels(jax.nn.one_hot(targets, VOCAB), smoothing)
   np.testing.assert_allclose(
-      plain_losses.loss, optax.softmax_cross_entropy(logits, labels),
+      plain_losses.loss, optax.softmax_cross_entropy(logits, labels)
+      + z_loss * jax.scipy.special.logsumexp(logits, axis=-1) ** 2,
       rtol=1e-5)
   # A scaled loss scales the gradient: the backward pass multiplies the
   # forward's gradient by the cotangent.
@@ -136,12 +149,14 @@ def _matmuls_over(jaxpr, size: int) -> list[set]:
 def test_bfloat16_train_step_runs_three_bfloat16_matmuls_over_the_vocabulary(
     monkeypatch, tie_embeddings):
   """The logits, and the two gradient matmuls taken with them: no
-  recomputation in the backward pass, and no float32 operand."""
+  recomputation in the backward pass, and no float32 operand; also under a
+  z-loss and a tanh cap of the logits."""
   # Two blocks of positions: the gradients are taken inside the scan.
   monkeypatch.setattr(cross_entropy, 'MAX_BLOCK_LOGITS', 2 * 4 * VOCAB)
   config = ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2,
                        num_layers=1, mlp_dim=32, max_len=8,
-                       tie_embeddings=tie_embeddings, dtype='bfloat16')
+                       tie_embeddings=tie_embeddings, dtype='bfloat16',
+                       logit_softcap=30.0)
   optimizer = optax.adamw(1e-3)
   row = jnp.ones((2, 8), jnp.int32)
   batch = {'inputs': row, 'targets': row, 'weights': row.astype(float),
@@ -155,7 +170,7 @@ def test_bfloat16_train_step_runs_three_bfloat16_matmuls_over_the_vocabulary(
     return _matmuls_over(jax.make_jaxpr(
         lambda state, batch: steps.train_step(
             state, batch, jax.random.key(0), model=model, task=tasks.LM,
-            optimizer=optimizer, schedule=lambda step: 1e-3))(
+            optimizer=optimizer, schedule=lambda step: 1e-3, z_loss=1e-4))(
                 state, batch).jaxpr, VOCAB)
 
   assert vocabulary_matmuls(config) == [{jnp.dtype(jnp.bfloat16)}] * 3
