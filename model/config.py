@@ -120,6 +120,10 @@ class ModelConfig:
   mlp_activation: str = 'gelu'
   # Normalisation layer: layernorm or rmsnorm (Zhang & Sennrich 2019).
   norm: str = 'layernorm'
+  # Whether the projections that write to the residual stream (attention's
+  # output, the MLP's and each expert's second layer) start at zero, so
+  # that every block starts as the identity (modded-nanogpt's records).
+  zero_init_outputs: bool = False
   # A tanh cap on the output logits, cap * tanh(logits / cap) (Gemma 2;
   # the modded-nanogpt records): a positive number, or 0 for none.
   logit_softcap: float = 0.0
@@ -254,7 +258,8 @@ class ModelConfig:
       rate = getattr(self, name)
       if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
         fail(f'config.model.{name}={rate!r} must be in [0, 1).')
-    for name in ('tie_embeddings', 'attention_projections'):
+    for name in ('tie_embeddings', 'attention_projections',
+                 'zero_init_outputs'):
       if not isinstance(getattr(self, name), bool):
         fail(f'config.model.{name}={getattr(self, name)!r} must be True or '
              'False.')

@@ -40,12 +40,16 @@ class Projection(nn.Module):
   axes: tuple[str, ...]
   num_in: int
   config: ModelConfig
+  # The kernel starts at zero (config.model.zero_init_outputs).
+  zero_init: bool = False
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     in_shape = x.shape[x.ndim - self.num_in:]
 
     def kernel_init(rng, shape, dtype):
+      if self.zero_init:
+        return jnp.zeros(shape, dtype)
       flat = (math.prod(in_shape), math.prod(self.features))
       return _KERNEL_INIT(rng, flat, dtype).reshape(shape)
 
@@ -63,11 +67,12 @@ class Projection(nn.Module):
 
 
 def _dense(features, axes, config: ModelConfig, name: str,
-           num_in: int = 1) -> Projection:
+           num_in: int = 1, zero_init: bool = False) -> Projection:
   """A Projection of the last `num_in` dims into `features` (an int or a
-  tuple), its kernel carrying the logical axes `axes`."""
+  tuple), its kernel carrying the logical axes `axes` (zeros at first with
+  `zero_init`)."""
   features = features if isinstance(features, tuple) else (features,)
-  return Projection(features, axes, num_in, config, name=name)
+  return Projection(features, axes, num_in, config, zero_init, name=name)
 
 
 class MultiHeadAttention(nn.Module):
@@ -108,7 +113,7 @@ class MultiHeadAttention(nn.Module):
       self.value = _dense(kv_heads, ('embed', kv_heads_axis, 'kv'), config,
                           'value')
       self.out = _dense(config.d_model, (heads_axis, 'kv', 'embed'), config,
-                        'out', num_in=2)
+                        'out', num_in=2, zero_init=config.zero_init_outputs)
       if config.qk_norm != 'none':  # Over each head's dims: a scale per dim.
         self.query_norm = make_norm(config, config.qk_norm, 'kv')
         self.key_norm = make_norm(config, config.qk_norm, 'kv')
@@ -269,8 +274,8 @@ class Mlp(nn.Module):
         config.mlp_activation,
         lambda name: _dense(config.mlp_dim, ('embed', 'mlp'), config, name)(
             x_BxTxD))
-    return _dense(x_BxTxD.shape[-1], ('mlp', 'embed'), config, 'wo')(
-        hidden_BxTxM)
+    return _dense(x_BxTxD.shape[-1], ('mlp', 'embed'), config, 'wo',
+                  zero_init=config.zero_init_outputs)(hidden_BxTxM)
 
 
 def make_norm(config: ModelConfig, kind: str | None = None,

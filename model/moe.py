@@ -142,7 +142,9 @@ class MoeMlp(nn.Module):
 
     hidden = activations.hidden(config.mlp_activation, up)
     wo = param('wo', (num_experts, config.mlp_dim, width),
-               ('expert', 'mlp', 'embed'), expert_init)
+               ('expert', 'mlp', 'embed'),
+               nn.initializers.zeros if config.zero_init_outputs
+               else expert_init)
     wo_bias = param('wo_bias', (num_experts, width), ('expert', 'embed'),
                     nn.initializers.zeros, undecayed)
     outputs_ExRxCxD = (jnp.einsum('ercm,emd->ercd', hidden, wo.astype(dtype))

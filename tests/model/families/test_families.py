@@ -4,6 +4,7 @@ import dataclasses
 import math
 import re
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -126,6 +127,28 @@ def test_logit_softcap_caps_every_familys_logits(name):
   assert np.abs(uncapped).max() > 0.05 >= np.abs(capped).max()
   np.testing.assert_allclose(capped, 0.05 * np.tanh(uncapped / 0.05),
                              rtol=1e-5, atol=1e-7)
+
+
+def test_zero_init_outputs_starts_every_block_as_the_identity():
+  """Attention's output projection, the MLP's and the experts' second
+  layers start at zero, the rest as before; their gradients do not."""
+  config = small_config(zero_init_outputs=True,
+                        moe={'num_experts': 2, 'every_n_layers': 2})
+  params = nn.meta.unbox(init(config))['params']
+  zero = {path: bool(np.all(np.asarray(value) == 0)) for path, value in
+          flax.traverse_util.flatten_dict(params, sep='/').items()}
+  outputs = {path for path in zero
+             if re.search(r'/(out/kernel|wo/kernel|wo)$', path)}
+  assert len(outputs) == 2 * LAYERS  # An attention and a feed-forward each.
+  assert all(zero[path] for path in outputs)
+  assert not any(zero[path] for path in zero
+                 if 'kernel' in path or 'embedding' in path
+                 if path not in outputs)
+  model = build(config)
+  grads = jax.grad(lambda p: jnp.sum(model.apply(
+      {'params': p}, *model_inputs(config))[0] ** 2))(params)
+  flat = flax.traverse_util.flatten_dict(grads, sep='/')
+  assert all(np.any(np.asarray(flat[path]) != 0) for path in outputs)
 
 
 def test_every_parameter_has_logical_axis_names():

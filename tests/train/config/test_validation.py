@@ -292,7 +292,8 @@ INVALID_ELSEWHERE = [
 # ml_collections refuses a value of another type for these, at the command
 # line (exit status 2, see tests/train/run/test_trainer.py) as in code.
 TYPE_CHECKED = {'pack_sequences', 'vocab_path', 'distributed',
-                'model.tie_embeddings', 'model.attention_projections'}
+                'model.tie_embeddings', 'model.attention_projections',
+                'model.zero_init_outputs'}
 
 
 # The cases on lm_stdlib start from its baseline, whose sinusoidal positions
