@@ -8,6 +8,7 @@ anything is traced or compiled.
 
 from collections.abc import Mapping
 import dataclasses
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -122,14 +123,15 @@ class ModelConfig:
   norm: str = 'layernorm'
   # Whether the projections that write to the residual stream (attention's
   # output, the MLP's and each expert's second layer) start at zero, so
-  # that every block starts as the identity (modded-nanogpt's records).
+  # that a pre-norm block with attention projections starts as the
+  # identity (modded-nanogpt's records). Transformer families only.
   zero_init_outputs: bool = False
   # A tanh cap on the output logits, cap * tanh(logits / cap) (Gemma 2;
   # the modded-nanogpt records): a positive number, or 0 for none.
   logit_softcap: float = 0.0
   # QK-norm: each head's queries and keys normalised (layernorm or rmsnorm,
   # a scale per head dim) after their projections and before any rotation
-  # by position, so that logits stay bounded (Dehghani et al. 2023; Wortsman
+  # by position, so that q . k stays bounded (Dehghani et al. 2023; Wortsman
   # et al. 2023). For attention whose scores are dot products q . k; none:
   # off.
   qk_norm: str = 'none'
@@ -251,9 +253,10 @@ class ModelConfig:
     check_choice('rnn_cell', RNN_CELLS)
     check_choice('rnn_score', RNN_SCORES)
     cap = self.logit_softcap
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0:
-      fail(f'config.model.logit_softcap={cap!r} must be a number >= 0 (0: '
-           'no cap).')
+    if (isinstance(cap, bool) or not isinstance(cap, (int, float))
+        or not 0 <= cap < math.inf):
+      fail(f'config.model.logit_softcap={cap!r} must be a finite number >= '
+           '0 (0: no cap).')
     for name in ('dropout_rate', 'attention_dropout_rate'):
       rate = getattr(self, name)
       if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:

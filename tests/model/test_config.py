@@ -68,7 +68,11 @@ def test_every_model_field_has_a_comment():
     (dict(zero_init_outputs=0), 'config.model.zero_init_outputs=0 must be '
      'True or False'),
     (dict(logit_softcap=-1.0),
-     'config.model.logit_softcap=-1.0 must be a number >= 0'),
+     'config.model.logit_softcap=-1.0 must be a finite number >= 0'),
+    (dict(logit_softcap=float('inf')),
+     'config.model.logit_softcap=inf must be a finite number >= 0'),
+    (dict(zero_init_outputs=True, family='rnn_attention'),
+     'config.model.zero_init_outputs is for the Transformer families'),
     (dict(moe={'num_experts': 4, 'top_k': 3}),
      'config.model.moe.top_k=3 must be 1 or 2, and at most'),
     (dict(moe={'experts': 4}), 'unknown key config.model.moe.experts'),

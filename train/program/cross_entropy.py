@@ -38,7 +38,7 @@ class TokenLosses:
   """Per-target values, float32, the shape of the targets."""
 
   nll: Array  # -log p(label), nats.
-  loss: Array  # The training loss: nll with label smoothing applied.
+  loss: Array  # The training loss: nll with label smoothing and z-loss.
   correct: Array  # 1.0 where no logit exceeds the label's (ties count).
 
 
@@ -51,13 +51,16 @@ def token_losses(logits_xV: Array, targets_x: Array,
                  targets_x, label_smoothing, z_loss)
 
 
+def _at_labels(x_xV: Array, targets_x: Array) -> Array:
+  """x [..., V] at each target's index: [...]."""
+  return jnp.take_along_axis(x_xV, targets_x[..., None], axis=-1)[..., 0]
+
+
 def _losses(logits_xV: Array, log_probs_xV: Array, targets_x: Array,
             label_smoothing: float, z_loss: float) -> TokenLosses:
   """`token_losses` of float32 logits [..., V] and their log_softmax."""
-  label_x = jnp.take_along_axis(log_probs_xV, targets_x[..., None],
-                                axis=-1)[..., 0]
-  label_logit_x = jnp.take_along_axis(logits_xV, targets_x[..., None],
-                                      axis=-1)[..., 0]
+  label_x = _at_labels(log_probs_xV, targets_x)
+  label_logit_x = _at_labels(logits_xV, targets_x)
   nll_x = -label_x
   loss_x = nll_x
   if label_smoothing:
@@ -126,8 +129,8 @@ def _blockwise(readout: Readout, targets_BxT: Array, weights_BxT: Array,
     target_BxCxV = (1.0 - label_smoothing) * jax.nn.one_hot(
         targets_BxC, vocab, dtype=jnp.float32) + label_smoothing / vocab
     probs_BxCxV = jnp.exp(log_probs_BxCxV)
-    if z_loss:
-      log_z_BxC = logits_BxCxV[..., 0] - log_probs_BxCxV[..., 0]
+    if z_loss:  # As in _losses: the label's logit less its log-probability.
+      log_z_BxC = _at_labels(logits_BxCxV, targets_BxC) + losses.nll
       probs_BxCxV = probs_BxCxV * (1.0 + 2.0 * z_loss * log_z_BxC)[..., None]
     d_logits_BxCxV = (probs_BxCxV - target_BxCxV) * weights_BxC[..., None]
     if readout.cap:  # Through the cap: logits here are capped ones.

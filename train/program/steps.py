@@ -130,7 +130,8 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
                model: nn.Module, task: Task,
                optimizer: optax.GradientTransformation,
                schedule: optax.Schedule, label_smoothing: float = 0.0,
-               z_loss: float = 0.0, grad_accum_steps: int = 1, skip_nonfinite: bool = False,
+               z_loss: float = 0.0, grad_accum_steps: int = 1,
+               skip_nonfinite: bool = False,
                device_axes: tuple[str, ...] | None = None
                ) -> tuple[TrainState, dict]:
   """One optimizer update on `batch`, accumulated over micro-batches.
@@ -242,7 +243,7 @@ def train_steps(state: TrainState, batches: dict[str, Array], rng: Array,
 
 def eval_step(params, batch: dict[str, Array], memory=None, *,
               model: nn.Module, task: Task) -> tuple[dict[str, Array], Any]:
-  """Metric sums of `batch` without dropout or label smoothing, and the
-  Transformer-XL memory after it (None without one)."""
+  """Metric sums of `batch` without dropout, label smoothing or z-loss, and
+  the Transformer-XL memory after it (None without one)."""
   out, memory, _ = forward(model, task, params, batch, memory=memory)
   return metric_sums(out, batch, exact_match=task.exact_match), memory

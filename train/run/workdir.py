@@ -25,10 +25,14 @@ import os
 import socket
 from typing import Any
 
+import dataclasses
+import functools
+
 import jax
 import ml_collections
 
-from train.base import hosts
+from model.config import ModelConfig
+from train.base import hosts, train_config
 from train.base.errors import InputError
 from train.program import optim
 
@@ -106,14 +110,28 @@ def recorded_config(workdir: str) -> dict[str, Any]:
   return _flat(run_config(workdir))
 
 
+@functools.cache
+def _defaults() -> dict[str, Any]:
+  """Each key's default, flat: the training keys' and config.model's
+  fields' (those with a plain default)."""
+  model = {f'model.{field.name}': field.default
+           for field in dataclasses.fields(ModelConfig)
+           if field.default is not dataclasses.MISSING}
+  return _flat(train_config.defaults().to_dict()) | model
+
+
 def differences(old: dict[str, Any], new: dict[str, Any]
                 ) -> dict[str, tuple[Any, Any]]:
   """{key: (old value, new value)} of the keys whose values differ. A key
-  absent from one is None there: a key added since, left unset (such as
-  an attention option), is no change."""
+  absent from the old config (added since) holds its default there, and
+  one with no default (an attention option) None; a key absent from the
+  new config is None there. So a key added since and left at its default
+  is no change."""
+  defaults = _defaults()
+  before = lambda key: old[key] if key in old else defaults.get(key)
   return {key: (old.get(key, _ABSENT), new.get(key, _ABSENT))
           for key in sorted(old.keys() | new.keys())
-          if old.get(key) != new.get(key)}
+          if before(key) != new.get(key)}
 
 
 def check_resume(old: dict[str, Any], new: dict[str, Any],

@@ -178,7 +178,7 @@ INVALID = [
     ('model.norm', 'batchnorm', "config.model.norm='batchnorm'"),
     ('model.qk_norm', 'l2', "config.model.qk_norm='l2' must be one of"),
     ('model.logit_softcap', -1.0,
-     'config.model.logit_softcap=-1.0 must be a number >= 0'),
+     'config.model.logit_softcap=-1.0 must be a finite number >= 0'),
     ('model.norm_position', 'middle', "config.model.norm_position='middle'"),
     ('model.position', 'rotary', "config.model.position='rotary'"),
     ('model.max_len', 100, 'config.seq_len=256 needs 256 positions, more '

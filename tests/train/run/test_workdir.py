@@ -127,6 +127,17 @@ def test_a_key_added_since_and_left_unset_is_no_change():
     workdir.check_resume(old, new | {'model.attention_options.window': 32})
 
 
+def test_a_key_added_since_at_its_default_is_no_change():
+  """A workdir recorded before config.model.qk_norm and config.z_loss
+  existed resumes with them at their defaults, and not with others."""
+  old = {'model.d_model': 32}
+  new = old | {'model.qk_norm': 'none', 'z_loss': 0.0}
+  assert workdir.check_resume(old, new) == {}
+  with pytest.raises(InputError, match=r"config.model.qk_norm: '\(absent\)' "
+                     r"-> 'rmsnorm'"):
+    workdir.check_resume(old, new | {'model.qk_norm': 'rmsnorm'})
+
+
 def test_a_cut_history_line_is_named_not_a_traceback(data_dir, tmp_path):
   config = a_recorded_run(data_dir, tmp_path)
   (tmp_path / 'config_history.jsonl').write_text('{"changes": {"log_ev')
