@@ -32,7 +32,6 @@ def rows_with_keys(valid_BxS: Array, q_len: int, *, is_causal: bool,
   under causality (bottom-right, as `core.causal_mask`) and the window.
   From prefix sums: O(B * (T + S))."""
   kv_len = valid_BxS.shape[1]
-  counts = jnp.pad(jnp.cumsum(valid_BxS, axis=1), ((0, 0), (1, 0)))
   diagonal = np.arange(q_len) + kv_len - q_len
   last = diagonal if is_causal else np.full(q_len, kv_len - 1)
   first = np.zeros(q_len, np.int64)
@@ -40,10 +39,7 @@ def rows_with_keys(valid_BxS: Array, q_len: int, *, is_causal: bool,
     first = diagonal - window + 1
     if not is_causal:
       last = np.minimum(last, diagonal + window - 1)
-  first = np.clip(first, 0, kv_len)
-  last = np.clip(last, -1, kv_len - 1)
-  seen = counts[:, np.maximum(last + 1, first)] - counts[:, first]
-  return seen > 0
+  return patterns.any_between(valid_BxS, first, last)
 
 
 def _zero_rows(out_BxTxNxH: Array, rows_BxT: Array) -> Array:

@@ -21,11 +21,12 @@ import numpy as np
 Array = jax.Array
 
 
-def _any_between(valid_BxT: Array, first, last) -> Array:
+def any_between(valid_BxS: Array, first, last) -> Array:
   """[B, T] bool: whether query t has a valid key in [first[t], last[t]]
-  (int arrays [T], clipped to the row), from prefix counts: O(B * T)."""
-  length = valid_BxT.shape[1]
-  counts = jnp.pad(jnp.cumsum(valid_BxT, axis=1, dtype=jnp.int32),
+  (int arrays [T], clipped to the S keys), from prefix counts: O(B * (T +
+  S))."""
+  length = valid_BxS.shape[1]
+  counts = jnp.pad(jnp.cumsum(valid_BxS, axis=1, dtype=jnp.int32),
                    ((0, 0), (1, 0)))
   first = np.clip(first, 0, length)
   stop = np.maximum(np.clip(last, -1, length - 1) + 1, first)
@@ -71,7 +72,7 @@ class Strided:
   def sees_keys(self, valid_BxT: Array, is_causal: bool) -> Array:
     batch, length = valid_BxT.shape
     t = np.arange(length)
-    near = _any_between(valid_BxT, t - self.stride + 1,
+    near = any_between(valid_BxT, t - self.stride + 1,
                         t if is_causal else t + self.stride - 1)
     # The keys congruent to t: a column of the [rows, stride] grid.
     rows = -(-length // self.stride)
@@ -100,7 +101,7 @@ class Fixed:
   def sees_keys(self, valid_BxT: Array, is_causal: bool) -> Array:
     t = np.arange(valid_BxT.shape[1])
     start = t // self.block * self.block
-    own = _any_between(valid_BxT, start,
+    own = any_between(valid_BxT, start,
                        t if is_causal else start + self.block - 1)
     summaries = valid_BxT & (t % self.block >= self.block - self.summary)
     return own | _any_before(summaries, is_causal)
@@ -164,7 +165,7 @@ class BigBird:
     if not is_causal:
       return rows
     t = np.arange(length)
-    return rows | (_any_between(valid_BxT, t // self.block * self.block, t)
+    return rows | (any_between(valid_BxT, t // self.block * self.block, t)
                    & (t < covered))
 
 
