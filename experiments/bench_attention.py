@@ -213,7 +213,6 @@ def measure(name: str, kind: str, length: int, *, options: dict,
   programs = {'fwd': jax.jit(fn),
               'fwd_bwd': jax.jit(jax.grad(loss, argnums=(1, 2, 3)))}
   args = (params, q, k, v, mask, bias)
-  decisions = recorded_kernels(fn, args)
   exact = attention_cases.parse_variant(name)[0] in attention_cases.EXACT
   compiled = {}
   for key, program in programs.items():
@@ -244,7 +243,8 @@ def measure(name: str, kind: str, length: int, *, options: dict,
          if exact else matmul_flops(
              jax.make_jaxpr(programs['fwd_bwd'])(*args).jaxpr))
   if own is None:
-    own = tile_flops(decisions, batch=batch, heads=heads, head_dim=head_dim)
+    own = tile_flops(recorded_kernels(fn, args), batch=batch, heads=heads,
+                     head_dim=head_dim)
   if own is not None:
     row['own_gflop'] = own / 1e9
     row['own_gflop_per_s'] = own / row['fwd_bwd_s'] / 1e9
