@@ -7,8 +7,8 @@ from these fields, then each experiment changes what it needs); once
 train/config/validation.py has checked it, `TrainConfig.from_config` makes
 it this frozen dataclass, and everything after validation reads that.
 A key without a rule here is checked against what it names: the dataset
-(and its options) by train/data/datasets.py, the schedule by
-train/program/optim.py's SCHEDULES, the mesh's sizes by
+(and its options) by train/data/datasets.py, the schedule and the optimizer by
+train/program/optim.py's SCHEDULES and OPTIMIZERS, the mesh's sizes by
 train/program/mesh.py.
 """
 
@@ -194,8 +194,11 @@ class TrainConfig:
   # --- Optimization ---
   # Optimizer updates in the whole run.
   num_train_steps: int = key(1000, integer(1))
-  # adamw (Loshchilov & Hutter 2019) or sgd (with sgd_momentum).
-  optimizer: str = key('adamw', one_of(('adamw', 'sgd')))
+  # adamw (Loshchilov & Hutter 2019), sgd (with sgd_momentum), or muon
+  # (Jordan et al. 2024): Muon on the hidden matrices (model/matrices.py)
+  # at muon_learning_rate, AdamW at learning_rate on every other parameter
+  # (OPTIMIZERS in train/program/optim.py).
+  optimizer: str = key('adamw')
   # Peak learning rate, reached at the end of warmup.
   learning_rate: float = key(1e-3, number(0.0, INF, include_low=False))
   # Steps of linear warmup from 0.
@@ -216,6 +219,10 @@ class TrainConfig:
   adam_b2: float = key(0.98, number(0.0, 1.0))
   # Added to adamw's denominator for numerical stability.
   adam_eps: float = key(1e-9, number(0.0, INF, include_low=False))
+  # Muon's peak learning rate, on the same schedule as learning_rate.
+  muon_learning_rate: float = key(0.02, number(0.0, INF, include_low=False))
+  # Muon's (Nesterov) momentum.
+  muon_momentum: float = key(0.95, number(0.0, 1.0))
   # Momentum of sgd; 0 for none.
   sgd_momentum: float = key(0.9, number(0.0, 1.0))
   # Decoupled weight decay of every weight, not of biases or

@@ -69,7 +69,8 @@ def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
       problems.append(str(error))
 
   problems += train_config.problems(
-      config, {'schedule': train_config.one_of(optim.SCHEDULES)})
+      config, {'schedule': train_config.one_of(optim.SCHEDULES),
+               'optimizer': train_config.one_of(optim.OPTIMIZERS)})
   if 'model' not in config or 'dataset' not in config:
     raise InputError('\n'.join(problems))
   task = collect(datasets.task_of, config.dataset)

@@ -2,10 +2,15 @@
 
 from collections.abc import Callable
 import dataclasses
+import math
 
+import jax
 import jax.numpy as jnp
 import optax
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
+from model.matrices import Matrix, hidden_matrices
+from model.weight_decay import decay_mask
 from train.base.train_config import TrainConfig
 
 
@@ -117,20 +122,83 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
   return SCHEDULES[config.schedule].build(config)
 
 
-def make_optimizer(config: TrainConfig, decay_mask
+def _adamw(config: TrainConfig, schedule: optax.Schedule, boxed_params
+           ) -> optax.GradientTransformation:
+  return optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2,
+                     eps=config.adam_eps, weight_decay=config.weight_decay,
+                     mask=decay_mask(boxed_params))
+
+
+def _sgd(config: TrainConfig, schedule: optax.Schedule, boxed_params
+         ) -> optax.GradientTransformation:
+  return optax.chain(
+      optax.add_decayed_weights(config.weight_decay,
+                                mask=decay_mask(boxed_params)),
+      optax.sgd(schedule, momentum=config.sgd_momentum or None))
+
+
+def _is_matrix(leaf) -> bool:
+  return leaf is None or isinstance(leaf, Matrix)
+
+
+def scale_by_width(matrices) -> optax.GradientTransformation:
+  """Each matrix's update times sqrt(max(1, outputs / inputs)) (Jordan et
+  al. 2024), so that a wide layer's update moves its outputs as much as a
+  square one's. `matrices`: the Matrix of each leaf the updates hold."""
+  def scale(update, matrix: Matrix):
+    inputs = math.prod(update.shape[axis] for axis in matrix.reduction_axis)
+    outputs = math.prod(update.shape[axis] for axis in matrix.output_axis)
+    return update * max(1.0, outputs / inputs) ** 0.5
+
+  def update_fn(updates, state, params=None):
+    del params
+    return jax.tree.map(scale, updates, matrices,
+                        is_leaf=lambda leaf: isinstance(leaf, Matrix)), state
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def _muon(config: TrainConfig, schedule: optax.Schedule, boxed_params
+          ) -> optax.GradientTransformation:
+  """Muon (Jordan et al. 2024) on the hidden matrices (model/matrices.py),
+  AdamW on every other parameter. A matrix's update is its Nesterov
+  momentum orthogonalised by five Newton-Schulz steps (optax's), times
+  sqrt(max(1, outputs / inputs)), plus weight decay, times the schedule
+  scaled to peak at `muon_learning_rate`."""
+  matrices = hidden_matrices(boxed_params)
+  labels = jax.tree.map(lambda matrix: 'adamw' if matrix is None else 'muon',
+                        matrices, is_leaf=_is_matrix)
+  # The tree of Muon's own leaves: optax.partition hands it the updates
+  # with every other leaf masked.
+  muon_leaves = jax.tree.map(
+      lambda matrix: optax.MaskedNode() if matrix is None else matrix,
+      matrices, is_leaf=_is_matrix)
+  dimension_numbers = jax.tree.map(
+      lambda matrix: MuonDimensionNumbers(*matrix), muon_leaves,
+      is_leaf=lambda leaf: isinstance(leaf, Matrix))
+  ratio = config.muon_learning_rate / config.learning_rate
+  return optax.partition({
+      'muon': optax.chain(
+          scale_by_muon(beta=config.muon_momentum, nesterov=True,
+                        weight_dimension_numbers=dimension_numbers),
+          scale_by_width(muon_leaves),
+          optax.add_decayed_weights(config.weight_decay),
+          optax.scale_by_learning_rate(lambda count: ratio * schedule(count))),
+      'adamw': _adamw(config, schedule, boxed_params),
+  }, labels)
+
+
+# config.optimizer: (config, the schedule, the parameters as declared) ->
+# the update, with weight decay (model/weight_decay.py) on what it reaches.
+OPTIMIZERS = {'adamw': _adamw, 'sgd': _sgd, 'muon': _muon}
+
+
+def make_optimizer(config: TrainConfig, boxed_params
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """Clipping by global norm, then `config.optimizer` on the schedule,
-  with weight decay on the parameters `decay_mask` marks (a tree of bools
-  like the parameters': see model/weight_decay.py)."""
+  """Clipping by global norm, then `config.optimizer` (OPTIMIZERS) on the
+  schedule. `boxed_params`: the parameters (or their shapes) as `init`
+  made them, before nn.meta.unbox."""
   schedule = learning_rate_schedule(config)
-  if config.optimizer == 'adamw':
-    optimizer = optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2,
-                            eps=config.adam_eps,
-                            weight_decay=config.weight_decay, mask=decay_mask)
-  else:
-    optimizer = optax.chain(
-        optax.add_decayed_weights(config.weight_decay, mask=decay_mask),
-        optax.sgd(schedule, momentum=config.sgd_momentum or None))
+  optimizer = OPTIMIZERS[config.optimizer](config, schedule, boxed_params)
   if config.grad_clip_norm > 0:
     optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm),
                             optimizer)

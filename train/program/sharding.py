@@ -25,6 +25,7 @@ The programs that use them are built in train/run/program.py.
 
 import flax.linen as nn
 import jax
+import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model.state import Memory
@@ -44,8 +45,8 @@ def state_shardings(abstract_state: TrainState, boxed_params, mesh: Mesh,
   """Shardings of every leaf of the train state.
 
   Parameters follow their logical names (or are replicated, for pmap); the
-  optimizer's per-parameter statistics (Adam's moments) follow the
-  parameters; a Transformer-XL memory is split by example like the batch.
+  optimizer's per-parameter statistics (Adam's moments, Muon's momentum)
+  follow the parameters; a Transformer-XL memory is split by example like the batch.
   """
   replicated = NamedSharding(mesh, P())
   if replicate_params:
@@ -55,11 +56,21 @@ def state_shardings(abstract_state: TrainState, boxed_params, mesh: Mesh,
         nn.get_partition_spec(boxed_params), mesh, rules)
   structure = jax.tree.structure(abstract_state.params)
 
+  def masked(leaf) -> bool:
+    return isinstance(leaf, optax.MaskedNode)
+
   def like_params(subtree) -> bool:
-    return jax.tree.structure(subtree) == structure
+    """Per-parameter statistics, of every parameter or (optax.partition's
+    and optax.masked's) of some, the others masked."""
+    return jax.tree.structure(subtree, is_leaf=masked) == structure
+
+  def placed_like_params(subtree):
+    return jax.tree.map(lambda leaf, placed: leaf if masked(leaf) else placed,
+                        subtree, params, is_leaf=masked)
 
   opt_state = jax.tree.map(
-      lambda subtree: params if like_params(subtree) else replicated,
+      lambda subtree: (placed_like_params(subtree) if like_params(subtree)
+                       else replicated),
       abstract_state.opt_state, is_leaf=like_params)
   memory = None
   if abstract_state.memory is not None:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 
-from model import ModelConfig, build, weight_decay
+from model import ModelConfig, build
 from model.attention import fused
 from model.state import Memory
 from train.base.train_config import TrainConfig
@@ -158,8 +158,7 @@ def compile_program(config: TrainConfig, task: Task, mesh: Mesh, *,
     param_shapes = jax.eval_shape(functools.partial(
         steps.init_params, model, task, seq_len=config.seq_len, boxed=True),
         jax.random.key(config.seed))
-  optimizer, schedule = optim.make_optimizer(
-      config, weight_decay.decay_mask(param_shapes))
+  optimizer, schedule = optim.make_optimizer(config, param_shapes)
   rules = config.logical_axis_rules
   replicated = NamedSharding(mesh, P())
 

@@ -11,6 +11,7 @@ import sys
 
 import grain
 import jax
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -133,6 +134,30 @@ def test_experts_spread_over_devices_by_a_logical_axis_rule():
   np.testing.assert_allclose(got, want, rtol=1e-5)
   experts = state.params['decoder']['block_0']['moe']['wi']  # [4, 32, 64]
   assert {s.data.shape for s in experts.addressable_shards} == {(1, 32, 64)}
+
+
+def test_the_optimizers_statistics_are_split_like_their_parameters():
+  """Muon's momentum and AdamW's moments, each held for some parameters
+  (the others masked by optax.partition), are placed as those parameters
+  are under FSDP, not replicated."""
+  config = small_config(data=1, fsdp=8)
+  config.optimizer = 'muon'
+  state = program_for(config, jax.devices()).state_sharding
+  placed = {jax.tree_util.keystr(path): sharding for path, sharding
+            in jax.tree_util.tree_leaves_with_path(state.params)}
+  statistics = {}
+  for path, sharding in jax.tree_util.tree_leaves_with_path(state.opt_state):
+    name = jax.tree_util.keystr(path)
+    of = [param for param in placed if name.endswith('.mu' + param)]
+    if of:
+      [param] = of
+      assert sharding == placed[param], name
+      statistics[param] = sharding.spec
+  query = "['decoder']['block_0']['self_attention']['query']['kernel']"
+  embedding = "['embedder']['token_embedding']['embedding']"
+  assert set(statistics) == set(placed)
+  assert statistics[query] == P('fsdp', 'tensor', None)
+  assert 'fsdp' in statistics[embedding]
 
 
 def compiled_step(kernel: str, model: dict, **parallelism):

@@ -1,0 +1,185 @@
+"""The optimizers and learning-rate schedules (train/program/optim.py):
+each schedule's course, and Muon's update against an SVD in float64."""
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from configs import lm_stdlib
+from model.matrices import Matrix, hidden_matrices
+from tests.helpers.declared_params import boxed_params, small
+from train.base.train_config import TrainConfig
+from train.program import optim
+
+
+def _config(**overrides):
+  return TrainConfig(**overrides)
+
+
+@pytest.mark.core
+def test_cosine_schedule_warms_up_then_decays_to_the_final_fraction():
+  schedule = optim.learning_rate_schedule(_config(
+      learning_rate=1.0, warmup_steps=10, num_train_steps=110,
+      schedule='cosine', final_learning_rate_fraction=0.1))
+  np.testing.assert_allclose([schedule(0), schedule(5), schedule(10)],
+                             [0.0, 0.5, 1.0], atol=1e-6)
+  np.testing.assert_allclose(schedule(60), 0.1 + 0.9 * 0.5, atol=1e-6)
+  np.testing.assert_allclose(schedule(110), 0.1, atol=1e-6)
+
+
+def test_rsqrt_schedule_is_inverse_square_root_after_warmup():
+  schedule = optim.learning_rate_schedule(_config(
+      learning_rate=2.0, warmup_steps=100, num_train_steps=10_000,
+      schedule='rsqrt'))
+  np.testing.assert_allclose(schedule(100), 2.0, rtol=1e-6)
+  np.testing.assert_allclose(schedule(400), 2.0 * np.sqrt(100 / 400),
+                             rtol=1e-6)
+
+
+def test_linear_and_constant_schedules():
+  config = _config(learning_rate=1.0, warmup_steps=0, num_train_steps=100,
+                   final_learning_rate_fraction=0.0)
+  config = dataclasses.replace(config, schedule='linear')
+  np.testing.assert_allclose(optim.learning_rate_schedule(config)(50), 0.5)
+  config = dataclasses.replace(config, schedule='constant')
+  np.testing.assert_allclose(optim.learning_rate_schedule(config)(50), 1.0)
+
+
+@pytest.mark.core
+def test_wsd_schedule_holds_the_peak_then_decays_over_the_last_fraction():
+  schedule = optim.learning_rate_schedule(_config(
+      learning_rate=1.0, warmup_steps=10, num_train_steps=110,
+      schedule='wsd', decay_fraction=0.2, final_learning_rate_fraction=0.0))
+  np.testing.assert_allclose(
+      [schedule(s) for s in (5, 10, 50, 88, 99, 110)],
+      [0.5, 1.0, 1.0, 1.0, 0.5, 0.0], atol=1e-6)
+
+
+def _stdlib_wsd(num_train_steps: int, **overrides):
+  """The default experiment's wsd schedule (50 warmup steps, the last 0.2
+  of the run decaying to 0.1 of the peak), over a run of that length."""
+  config = lm_stdlib.get_config()
+  config.update(num_train_steps=num_train_steps, **overrides)
+  config = TrainConfig.from_config(config)
+  return config, optim.learning_rate_schedule(config)
+
+
+@pytest.mark.parametrize('num_train_steps, warmup_steps',
+                         [(20, 50), (60, 50), (100, 90)])
+def test_wsd_too_short_for_its_warmup_and_cooldown_still_ends_at_the_final_rate(
+    num_train_steps, warmup_steps):
+  config, schedule = _stdlib_wsd(num_train_steps, warmup_steps=warmup_steps)
+  assert warmup_steps + optim.wsd_cooldown_steps(config) > num_train_steps
+  rates = np.asarray(schedule(jnp.arange(num_train_steps + 1)))
+  peak = config.learning_rate
+  assert rates[-1] == np.float32(peak * config.final_learning_rate_fraction)
+  top = int(rates.argmax())
+  assert (np.diff(rates[:top + 1]) >= 0).all()
+  assert (np.diff(rates[top:]) <= 0).all()  # Monotone after the warmup.
+  ramp = peak * np.arange(num_train_steps + 1) / warmup_steps
+  assert (rates <= ramp + 1e-6 * peak).all()  # Never above the warmup's.
+
+
+@pytest.mark.parametrize('learning_rate', [3.3e-3, 0.03, 0.7])
+@pytest.mark.parametrize('num_train_steps, warmup_steps, decay_fraction',
+                         [(70, 50, 0.2), (1000, 50, 0.2), (20, 1, 0.1)])
+def test_wsd_with_room_for_warmup_and_cooldown_is_the_trapezoid_bitwise(
+    learning_rate, num_train_steps, warmup_steps, decay_fraction):
+  """Against the trapezoid as optax composes it: warmup, then the peak
+  held, then the linear cooldown (whose first value may round above the
+  peak)."""
+  config, schedule = _stdlib_wsd(
+      num_train_steps, learning_rate=learning_rate,
+      warmup_steps=warmup_steps, decay_fraction=decay_fraction)
+  cooldown = round(decay_fraction * num_train_steps)
+  trapezoid = optax.join_schedules(
+      [optax.linear_schedule(0.0, learning_rate, warmup_steps),
+       optax.join_schedules(
+           [optax.constant_schedule(learning_rate),
+            optax.linear_schedule(
+                learning_rate,
+                learning_rate * config.final_learning_rate_fraction,
+                cooldown)],
+           [num_train_steps - warmup_steps - cooldown])], [warmup_steps])
+  counts = jnp.arange(num_train_steps + 2)
+  np.testing.assert_array_equal(schedule(counts), trapezoid(counts))
+
+
+# optax's quintic Newton-Schulz coefficients (Jordan et al. 2024).
+_QUINTIC = (3.4445, -4.775, 2.0315)
+
+
+def _muon_reference(gradient, matrix: Matrix, learning_rate: float):
+  """Muon's first update of a parameter with this gradient, in float64:
+  each matrix G = U S V^T (the parameter's axes flattened as `matrix`
+  says, one per stacked index) becomes U p(S / |G|_F) V^T, p the quintic
+  applied five times, times -learning_rate * sqrt(max(1, outputs /
+  inputs)). (The first momentum is a positive multiple of the gradient,
+  which the normalisation by |G|_F removes.) Returns (the update, p's
+  values)."""
+  gradient = np.asarray(gradient, np.float64)
+  stacks = [axis for axis in range(gradient.ndim)
+            if axis not in matrix.reduction_axis + matrix.output_axis]
+  order = stacks + list(matrix.reduction_axis) + list(matrix.output_axis)
+  inputs = math.prod(gradient.shape[a] for a in matrix.reduction_axis)
+  outputs = math.prod(gradient.shape[a] for a in matrix.output_axis)
+  matrices = gradient.transpose(order).reshape(-1, inputs, outputs)
+  u, s, vt = np.linalg.svd(matrices, full_matrices=False)
+  s = s / np.linalg.norm(matrices, axis=(1, 2))[:, None]
+  a, b, c = _QUINTIC
+  for _ in range(5):
+    s = a * s + b * s ** 3 + c * s ** 5
+  update = -learning_rate * max(1.0, outputs / inputs) ** 0.5 * (
+      u * s[:, None, :]) @ vt
+  unflat = [gradient.shape[axis] for axis in order]
+  return update.reshape(unflat).transpose(np.argsort(order)), s
+
+
+@pytest.mark.core
+def test_muon_orthogonalises_each_matrix_and_adamw_the_rest_elementwise():
+  """Attention's per-head projections as [D, H * K] and [H * K, D], the
+  MLP's as they are, each expert's alone; every other parameter takes
+  AdamW's first step, -lr * g / |g|, at its own rate."""
+  boxed = boxed_params(small(num_layers=2, mlp_activation='swiglu', moe=dict(
+      num_experts=2, top_k=1, every_n_layers=2)))
+  params = nn.meta.unbox(boxed)
+  leaves, structure = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(0), len(leaves))
+  gradients = structure.unflatten(
+      [jax.random.normal(key, leaf.shape) for key, leaf in zip(keys, leaves)])
+  config = TrainConfig(optimizer='muon', learning_rate=0.01,
+                       muon_learning_rate=0.1, warmup_steps=0,
+                       schedule='constant', weight_decay=0.0,
+                       grad_clip_norm=0.0)
+  optimizer, _ = optim.make_optimizer(config, boxed)
+  params = jax.tree.map(jnp.ones_like, gradients)
+  updates = jax.jit(optimizer.update)(gradients, optimizer.init(params),
+                                      params)[0]
+  matrices = jax.tree.leaves(hidden_matrices(boxed), is_leaf=lambda leaf: (
+      leaf is None or isinstance(leaf, Matrix)))
+  kinds = set()
+  for (path, update), gradient, matrix in zip(
+      jax.tree_util.tree_leaves_with_path(updates),
+      jax.tree.leaves(gradients), matrices):
+    name = jax.tree_util.keystr(path)
+    if matrix is None:
+      want = -config.learning_rate * gradient / (
+          jnp.abs(gradient) + config.adam_eps)
+      np.testing.assert_allclose(update, want, rtol=1e-5, err_msg=name)
+      continue
+    kinds.add(matrix)
+    want, singular_values = _muon_reference(
+        gradient, matrix, config.muon_learning_rate)
+    np.testing.assert_allclose(update, want, rtol=2e-4, atol=1e-6,
+                               err_msg=name)
+    # The quintic trades exactness for speed: U V^T's singular values of
+    # one come out between about 0.68 and 1.2.
+    assert np.abs(singular_values - 1).max() < 0.35, name
+  assert kinds == {Matrix((0,), (1, 2)), Matrix((0, 1), (2,)),
+                   Matrix((0,), (1,)), Matrix((1,), (2,))}
