@@ -68,4 +68,4 @@ def get_sweep():
       {'learning_rate': search.log_uniform(2e-4, 5e-3),
        'warmup_steps': search.int_range(0, 400, step=50),
        'model.dropout_rate': search.uniform(0.0, 0.2)},
-      trials=10, metric='eval_accuracy', mode='max')
+      trials=10, metric='eval_accuracy', mode='max', prune_after=0.25)

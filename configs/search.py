@@ -20,9 +20,13 @@ it runs in a fixed time):
 The trials are drawn by a sampler ('tpe', Optuna's tree-structured Parzen
 estimator, or 'random') and a pruner stops those whose metric, reported at
 every evaluation, is worse than the median of the finished trials at the
-same step ('median'), or outside the best third at a rung of asynchronous
-successive halving ('asha', rungs at the prune_after-th evaluation's step
-times 1, 3, 9, ...), or none ('none'). Nothing here needs Optuna: the
+same fraction of their own num_train_steps ('median'), or outside the best
+third at a rung of asynchronous successive halving ('asha', rungs at
+prune_after's fraction times 1, 3, 9, ...), or none ('none'). Trials that
+evaluate at the same fractions of their steps (presets whose eval_every is
+the same share of their num_train_steps) are compared with each other;
+a trial's evaluation at a fraction no other trial evaluates at is judged
+by none. Nothing here needs Optuna: the
 sweep turns these into its distributions (experiments/study.py).
 """
 
@@ -130,8 +134,8 @@ class Space:
   `metric` (a key of the final evaluation; None: the task's quality
   metric) with `mode` 'min' or 'max' (None: known for the metric).
 
-  The pruner judges a trial only from its `prune_after`th evaluation on,
-  and only once `startup_trials` trials have finished; the sampler draws
+  The pruner judges a trial only from `prune_after` (a fraction of its
+  num_train_steps) on, and only once `startup_trials` trials have finished; the sampler draws
   at random for the first `startup_trials` trials (TPE).
   `seed`: with the trial's number, seeds its draw.
   """
@@ -141,7 +145,7 @@ class Space:
   mode: str | None = None
   sampler: str = 'tpe'
   pruner: str = 'median'
-  prune_after: int = 1
+  prune_after: float = 0.5
   startup_trials: int = 3
   seed: int = 0
 
@@ -167,8 +171,8 @@ class Space:
         if both:
           raise ValueError(f'{key}: its presets set {sorted(both)}, which '
                            'the space also draws.')
-    if self.prune_after < 1 or self.startup_trials < 0:
-      raise ValueError('prune_after >= 1 and startup_trials >= 0.')
+    if not 0 < self.prune_after <= 1 or self.startup_trials < 0:
+      raise ValueError('prune_after in (0, 1] and startup_trials >= 0.')
 
   def overrides(self, values: dict[str, Any]) -> dict[str, Any]:
     """The config overrides of a trial's `values` (a preset's name

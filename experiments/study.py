@@ -141,10 +141,32 @@ def sampler(space: search.Space, seed: int) -> optuna.samplers.BaseSampler:
                                     constant_liar=True)
 
 
-def pruner(space: search.Space, eval_every: int
-           ) -> optuna.pruners.BasePruner:
-  """The space's pruner, for trials that report every `eval_every` steps."""
-  first = space.prune_after * eval_every  # The first step it may prune at.
+def budget_percent(step: int, num_train_steps: int) -> int:
+  """Where a trial's evaluation at `step` stands in its own run, in percent
+  of `num_train_steps`: the step it reports its metric at, so that the
+  pruner compares trials of different lengths (shapes with the steps each
+  trains in a fixed time) at the same fraction of theirs, never a long
+  trial midway, its learning rate still high, with short ones' ends."""
+  return round(100 * step / num_train_steps)
+
+
+def reporter(trial: optuna.Trial, metric: str, num_train_steps: int):
+  """The trainer's evaluation hook: reports `metric` at the step's percent
+  of the trial's `num_train_steps` (study.budget_percent) and answers
+  whether the pruner stops the trial."""
+  def on_evaluation(step: int, summary: dict[str, float]) -> bool:
+    if metric not in summary:  # eval_bits_per_byte of a tokenized LM.
+      raise InputError(f'--metric={metric}: the evaluation does not log it; '
+                       f'it logs {", ".join(sorted(summary))}.')
+    trial.report(summary[metric],
+                 budget_percent(step, num_train_steps))
+    return trial.should_prune()
+  return on_evaluation
+
+
+def pruner(space: search.Space) -> optuna.pruners.BasePruner:
+  """The space's pruner, for trials that report at budget_percent()."""
+  first = round(100 * space.prune_after)  # The first percent it may prune at.
   if space.pruner == 'median':
     return optuna.pruners.MedianPruner(n_startup_trials=space.startup_trials,
                                        n_warmup_steps=first)

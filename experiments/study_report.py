@@ -52,8 +52,10 @@ def rows(trials: dict[str, optuna.trial.FrozenTrial], space: search.Space,
     if status == 'finished':
       value, step = trial.value, record.get('metrics', {}).get('step')
     elif status == 'pruned' and trial.intermediate_values:
-      step = max(trial.intermediate_values)
-      value = trial.intermediate_values[step]
+      # Reported at percents of the trial's steps (study.budget_percent);
+      # its log has the step.
+      value = trial.intermediate_values[max(trial.intermediate_values)]
+      step = record.get('metrics', {}).get('step')
     rows.append({'trial': name, 'status': status, metric: value,
                  # A trial waiting to resume has its values fixed only.
                  'step': step, **{key: (trial.params or trial.system_attrs.get(

@@ -1,6 +1,6 @@
 r"""One trial of a search sweep: train.train's run, reporting its metric to
-the study at every evaluation, and stopped there if the study's pruner says
-so. The sweep's workers start it (experiments/study.py):
+the study at every evaluation (at its percent of the trial's steps), and
+stopped there if the study's pruner says so. The sweep's workers start it (experiments/study.py):
 
   python -m experiments.trial --config=FILE --workdir=DIR \
       --study=URL --study_name=NAME --trial_id=ID --metric=NAME \
@@ -25,7 +25,7 @@ import optuna
 from experiments import study as study_lib
 from experiments import trials
 from train import cli
-from train.base.errors import InputError, Pruned
+from train.base.errors import Pruned
 from train.run.trainer import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -50,18 +50,6 @@ def _die_with_parent() -> None:
       os.kill(os.getpid(), signal.SIGTERM)
 
 
-def reporter(trial: optuna.Trial, metric: str):
-  """The trainer's evaluation hook: reports `metric` at the step and
-  answers whether the pruner stops the trial."""
-  def on_evaluation(step: int, summary: dict[str, float]) -> bool:
-    if metric not in summary:  # eval_bits_per_byte of a tokenized LM.
-      raise InputError(f'--metric={metric}: the evaluation does not log it; '
-                       f'it logs {", ".join(sorted(summary))}.')
-    trial.report(summary[metric], step)
-    return trial.should_prune()
-  return on_evaluation
-
-
 def main(argv: list[str]) -> None:
   def work():
     _die_with_parent()
@@ -70,11 +58,12 @@ def main(argv: list[str]) -> None:
         config_flags.get_config_filename(flags.FLAGS['config']))
     study = optuna.load_study(
         study_name=_STUDY_NAME.value, storage=study_lib.storage(_STUDY.value),
-        pruner=study_lib.pruner(space, config.eval_every))
+        pruner=study_lib.pruner(space))
     trial = optuna.Trial(study, _TRIAL_ID.value)
     try:
-      train_and_evaluate(config, _WORKDIR.value,
-                         on_evaluation=reporter(trial, _METRIC.value))
+      train_and_evaluate(
+          config, _WORKDIR.value, on_evaluation=study_lib.reporter(
+              trial, _METRIC.value, config.num_train_steps))
     except Pruned:
       sys.exit(trials.PRUNED)
   cli.run_main(argv, work)

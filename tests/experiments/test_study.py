@@ -122,38 +122,60 @@ def completed(values: dict[int, float]) -> optuna.trial.FrozenTrial:
       intermediate_values=values)
 
 
+def evaluated(trial: optuna.Trial, num_train_steps: int, values: dict):
+  """The pruner's answers as `trial`, a run of `num_train_steps`, reports
+  `values` ({step: eval_loss}) through the trial's evaluation hook."""
+  on_evaluation = study.reporter(trial, 'eval_loss', num_train_steps)
+  return [on_evaluation(step, {'eval_loss': value})
+          for step, value in values.items()]
+
+
 @pytest.mark.core
 def test_the_pruner_stops_a_trial_worse_than_the_median():
   for name in ('median', 'asha', 'none'):
     space = search.Space({'x': search.uniform(0, 1)}, trials=9, pruner=name,
-                         prune_after=2, startup_trials=3)
-    synthetic = optuna.create_study(pruner=study.pruner(space, eval_every=10))
+                         prune_after=0.5, startup_trials=3)
+    synthetic = optuna.create_study(pruner=study.pruner(space))
     for value in (1.0, 2.0, 3.0):  # As trials report: ASHA keeps rungs.
       finished = synthetic.ask()
-      for step in (10, 20, 30):
-        finished.report(value, step)
-        finished.should_prune()
+      evaluated(finished, 30, {10: value, 20: value, 30: value})
       synthetic.tell(finished, value)
     bad = synthetic.ask()
-    bad.report(9.0, 10)
-    assert not bad.should_prune(), name  # Before its 2nd evaluation.
-    bad.report(9.0, 20)
-    assert bad.should_prune() == (name != 'none'), name
+    # A third of its steps, before prune_after: not judged yet.
+    assert evaluated(bad, 30, {10: 9.0, 20: 9.0}) == [
+        False, name != 'none'], name
     good = synthetic.ask()
-    good.report(0.5, 20)
-    assert not good.should_prune(), name
+    assert evaluated(good, 30, {20: 0.5}) == [False], name
   # Fewer finished trials than startup_trials: neither prunes yet.
   for name in ('median', 'asha'):
     space = search.Space({'x': search.uniform(0, 1)}, trials=9, pruner=name)
-    early = optuna.create_study(pruner=study.pruner(space, eval_every=10))
+    early = optuna.create_study(pruner=study.pruner(space))
     for value in (1.0, 2.0):
       finished = early.ask()
-      finished.report(value, 10)
-      finished.should_prune()
+      evaluated(finished, 20, {10: value})
       early.tell(finished, value)
-    bad = early.ask()
-    bad.report(9.0, 10)
-    assert not bad.should_prune(), name
+    assert evaluated(early.ask(), 20, {10: 9.0}) == [False], name
+
+
+@pytest.mark.core
+def test_the_pruner_compares_trials_at_the_same_fraction_of_their_steps():
+  """Trials of 500 steps, evaluated at 250 and 500, and one of 1000 steps
+  evaluated every 250: the long one is compared at its step 500 with the
+  short ones' step 250 (half of each run), not with their final values."""
+  space = search.Space({'x': search.uniform(0, 1)}, trials=9,
+                       pruner='median', prune_after=0.25, startup_trials=3)
+  synthetic = optuna.create_study(pruner=study.pruner(space))
+  for halfway in (2.0, 2.1, 2.2):
+    short = synthetic.ask()
+    evaluated(short, 500, {250: halfway, 500: halfway - 0.5})
+    synthetic.tell(short, halfway - 0.5)
+  long = synthetic.ask()
+  # At a quarter of its steps no other trial evaluated: judged by none.
+  # At half, 1.9 is ahead of the short trials' 2.0 to 2.2 there, though
+  # behind their final 1.5 to 1.7: it goes on.
+  assert evaluated(long, 1000, {250: 3.0, 500: 1.9}) == [False, False]
+  behind = synthetic.ask()
+  assert evaluated(behind, 1000, {500: 2.15}) == [True]
 
 
 def test_workers_asking_at_once_do_not_pass_the_budget(tmp_path):
