@@ -3,6 +3,8 @@ r"""Byte-level DecoderLM on the Python standard library (`make train`).
   python -m train.train --config=configs/lm_stdlib.py --workdir=workdirs/lm_stdlib
   python -m train.train --config=configs/lm_stdlib.py:baseline \
       --workdir=workdirs/lm_stdlib_baseline
+  python -m experiments.sweep --config=configs/lm_stdlib.py:round1 \
+      --workdir=workdirs/lm_speedrun2 --set=eval_every=250 --parallel=2
 
 A first look in under a minute (dataset built; 20 evaluation batches, not
 the whole split; the warmup and the wsd cooldown overlap, with a warning):
@@ -13,7 +15,7 @@ the whole split; the warmup and the wsd cooldown overlap, with a warning):
 The default is the best configuration its search found (get_sweep();
 experiments/results/lm_speedrun/) among those that train in 10 minutes on
 2 CPU cores, evaluations and closing sample included: the baseline with
-the overrides of SPEEDRUN.
+the overrides of ROUND_ONE.
 
 Results: docs/configs.md, `lm_stdlib.py`.
 """
@@ -46,20 +48,23 @@ def _preset(shape: str, activation: str) -> dict:
           'eval_every': steps // 2, 'checkpoint_every': steps // 2}
 
 
-# The best trial of get_sweep()'s search (trial-002), as overrides of the
-# baseline: its shape preset and the values drawn beside it.
-SPEEDRUN = _preset('d128-b16', 'gelu') | {
+# The best trial of the first search (trial-002;
+# experiments/results/lm_speedrun/), as overrides of the baseline: its shape
+# preset and the values drawn beside it.
+ROUND_ONE = _preset('d128-b16', 'gelu') | {
     'learning_rate': 3.3e-3, 'warmup_steps': 50, 'schedule': 'wsd',
     'weight_decay': 0.1, 'model.position': 'alibi',
     'model.norm': 'layernorm', 'model.tie_embeddings': False,
 }
+ARGS = ('', 'round1', 'baseline')
 
 
 def get_config(arg: str = ''):
-  """`arg` is '' (the speedrun's winner) or 'baseline'."""
-  if arg not in ('', 'baseline'):
+  """`arg` is '' (the speedrun's winner), 'round1' (the first search's
+  winner, the default before the second) or 'baseline'."""
+  if arg not in ARGS:
     raise ValueError(
-        f"configs/lm_stdlib.py takes '' or 'baseline', got {arg!r}.")
+        f'configs/lm_stdlib.py takes one of {ARGS}, got {arg!r}.')
   config = default.get_config()
   config.dataset = 'python_stdlib_bytes'
   config.seq_len = 256
@@ -79,8 +84,8 @@ def get_config(arg: str = ''):
   config.model.num_layers = 4
   config.model.mlp_dim = 512
   config.model.max_len = config.seq_len
-  if arg == '':
-    config.update_from_flattened_dict(SPEEDRUN)
+  if arg in ('', 'round1'):
+    config.update_from_flattened_dict(ROUND_ONE)
     # Chunked attention, on the backend's fused kernel where one computes
     # the case; 1.22 times dense's steps on 2 CPU cores.
     config.model.attention = 'auto'
@@ -88,21 +93,20 @@ def get_config(arg: str = ''):
 
 
 def get_sweep():
-  """The speedrun's search, from `:baseline`: four-layer shapes at the
-  steps each trains in a fixed time, MLP, position scheme, normalisation,
-  embeddings, learning rate, schedule and weight decay, ranked by
-  validation bits per byte. Sinusoidal positions are left out: at the
-  baseline's 550 steps, RoPE reached 1.67 bits per byte where they reach
-  2.24."""
+  """The speedrun's second search, from `:round1` (its shape, batch 16 for
+  1000 steps, kept): the training techniques of today's speedrun records
+  (Muon, QK normalisation, z-loss, soft-capped logits, ReLU^2, output
+  projections starting at zero) with the learning rates, ranked by
+  validation bits per byte. The first search (experiments/results/
+  lm_speedrun/leaderboard.md holds its space) drew shapes, positions,
+  norm, tying, schedule and weight decay from `:baseline`."""
   return search.Space(
-      {'shape': search.presets({
-          f'{shape}-{activation}': _preset(shape, activation)
-          for shape in SHAPES for activation in ('gelu', 'swiglu')}),
-       'model.position': search.choice(['rope', 'alibi', 't5_bias']),
-       'model.norm': search.choice(['layernorm', 'rmsnorm']),
-       'model.tie_embeddings': search.choice([True, False]),
-       'learning_rate': search.log_uniform(1.5e-3, 1e-2),
-       'warmup_steps': search.int_range(0, 100, step=50),
-       'schedule': search.choice(['cosine', 'wsd']),
-       'weight_decay': search.choice([0.0, 0.1])},
-      trials=16, metric='eval_bits_per_byte', mode='min', startup_trials=4)
+      {'optimizer': search.choice(['adamw', 'muon']),
+       'muon_learning_rate': search.log_uniform(0.008, 0.08),
+       'learning_rate': search.log_uniform(2e-3, 1e-2),
+       'model.qk_norm': search.choice(['none', 'rmsnorm']),
+       'model.mlp_activation': search.choice(['gelu', 'relu2']),
+       'model.zero_init_outputs': search.choice([False, True]),
+       'z_loss': search.choice([0.0, 1e-4]),
+       'model.logit_softcap': search.choice([0.0, 30.0])},
+      trials=12, metric='eval_bits_per_byte', mode='min', startup_trials=4)
