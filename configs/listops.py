@@ -63,7 +63,7 @@ def get_config(arg: str = ''):
 def get_sweep():
   """A search of the learning rate, warmup and dropout, for `python -m
   experiments.sweep`: 10 trials, those behind the median at an evaluation
-  (from the 500th step on, once 3 trials finished) pruned."""
+  (from a quarter of their steps on, once 3 trials finished) pruned."""
   return search.Space(
       {'learning_rate': search.log_uniform(2e-4, 5e-3),
        'warmup_steps': search.int_range(0, 400, step=50),

@@ -19,14 +19,14 @@ it runs in a fixed time):
 
 The trials are drawn by a sampler ('tpe', Optuna's tree-structured Parzen
 estimator, or 'random') and a pruner stops those whose metric, reported at
-every evaluation, is worse than the median of the finished trials at the
-same fraction of their own num_train_steps ('median'), or outside the best
-third at a rung of asynchronous successive halving ('asha', rungs at
-prune_after's fraction times 1, 3, 9, ...), or none ('none'). Trials that
-evaluate at the same fractions of their steps (presets whose eval_every is
-the same share of their num_train_steps) are compared with each other;
-a trial's evaluation at a fraction no other trial evaluates at is judged
-by none. Nothing here needs Optuna: the
+every evaluation at its fraction of the trial's own num_train_steps, is
+worse than the median of the finished trials at the same fraction
+('median'; a fraction no other trial evaluated at is judged by none), or
+outside the best third at a rung of asynchronous successive halving
+('asha', rungs at prune_after's fraction times 1, 3, 9, ..., each taking
+a trial's first report at or past it), or none ('none'). Presets whose
+eval_every is the same share of their num_train_steps are compared like
+with like. Nothing here needs Optuna: the
 sweep turns these into its distributions (experiments/study.py).
 """
 
@@ -135,7 +135,8 @@ class Space:
   metric) with `mode` 'min' or 'max' (None: known for the metric).
 
   The pruner judges a trial only from `prune_after` (a fraction of its
-  num_train_steps) on, and only once `startup_trials` trials have finished; the sampler draws
+  num_train_steps, below 1: the final evaluation is not reported) on, and
+  only once `startup_trials` trials have finished; the sampler draws
   at random for the first `startup_trials` trials (TPE).
   `seed`: with the trial's number, seeds its draw.
   """
@@ -171,8 +172,8 @@ class Space:
         if both:
           raise ValueError(f'{key}: its presets set {sorted(both)}, which '
                            'the space also draws.')
-    if not 0 < self.prune_after <= 1 or self.startup_trials < 0:
-      raise ValueError('prune_after in (0, 1] and startup_trials >= 0.')
+    if not 1e-4 <= self.prune_after < 1 or self.startup_trials < 0:
+      raise ValueError('prune_after in [1e-4, 1) and startup_trials >= 0.')
 
   def overrides(self, values: dict[str, Any]) -> dict[str, Any]:
     """The config overrides of a trial's `values` (a preset's name

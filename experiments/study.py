@@ -141,32 +141,36 @@ def sampler(space: search.Space, seed: int) -> optuna.samplers.BaseSampler:
                                     constant_liar=True)
 
 
-def budget_percent(step: int, num_train_steps: int) -> int:
-  """Where a trial's evaluation at `step` stands in its own run, in percent
-  of `num_train_steps`: the step it reports its metric at, so that the
-  pruner compares trials of different lengths (shapes with the steps each
-  trains in a fixed time) at the same fraction of theirs, never a long
-  trial midway, its learning rate still high, with short ones' ends."""
-  return round(100 * step / num_train_steps)
+# A trial reports its metric at where the evaluation stands in its own run,
+# in hundredths of a percent of its num_train_steps (5000: halfway): fine
+# enough that no two evaluations of a run share a point.
+BUDGET_POINTS = 10_000
+
+
+def budget_point(step: int, num_train_steps: int) -> int:
+  """The step a trial reports its evaluation at `step` at: so the pruner
+  compares trials of different lengths (shapes with the steps each trains
+  in a fixed time) at the same fraction of theirs, never a long trial
+  midway, its learning rate still high, with short ones' ends."""
+  return round(BUDGET_POINTS * step / num_train_steps)
 
 
 def reporter(trial: optuna.Trial, metric: str, num_train_steps: int):
-  """The trainer's evaluation hook: reports `metric` at the step's percent
-  of the trial's `num_train_steps` (study.budget_percent) and answers
-  whether the pruner stops the trial."""
+  """The trainer's evaluation hook: reports `metric` at budget_point() of
+  the trial's `num_train_steps` and answers whether the pruner stops the
+  trial."""
   def on_evaluation(step: int, summary: dict[str, float]) -> bool:
     if metric not in summary:  # eval_bits_per_byte of a tokenized LM.
       raise InputError(f'--metric={metric}: the evaluation does not log it; '
                        f'it logs {", ".join(sorted(summary))}.')
-    trial.report(summary[metric],
-                 budget_percent(step, num_train_steps))
+    trial.report(summary[metric], budget_point(step, num_train_steps))
     return trial.should_prune()
   return on_evaluation
 
 
 def pruner(space: search.Space) -> optuna.pruners.BasePruner:
-  """The space's pruner, for trials that report at budget_percent()."""
-  first = round(100 * space.prune_after)  # The first percent it may prune at.
+  """The space's pruner, for trials that report at budget_point()."""
+  first = round(BUDGET_POINTS * space.prune_after)  # Where it may first prune.
   if space.pruner == 'median':
     return optuna.pruners.MedianPruner(n_startup_trials=space.startup_trials,
                                        n_warmup_steps=first)
@@ -213,7 +217,9 @@ def identity(config_arg: str, space: search.Space, common_overrides: dict,
     path = os.path.relpath(os.path.abspath(path), trials.REPO)
   return {'config': path + sep + argument, 'space': space.describe(),
           'trials': space.trials, 'overrides': common_overrides,
-          'metric': metric, 'mode': mode}
+          'metric': metric, 'mode': mode,
+          'pruner': [space.pruner, space.prune_after, space.startup_trials],
+          'reported_at': f'1/{BUDGET_POINTS} of num_train_steps'}
 
 
 def open_study(url: str, name: str, sweep: dict,

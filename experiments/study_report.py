@@ -52,9 +52,10 @@ def rows(trials: dict[str, optuna.trial.FrozenTrial], space: search.Space,
     if status == 'finished':
       value, step = trial.value, record.get('metrics', {}).get('step')
     elif status == 'pruned' and trial.intermediate_values:
-      # Reported at percents of the trial's steps (study.budget_percent);
-      # its log has the step.
-      value = trial.intermediate_values[max(trial.intermediate_values)]
+      # Reported at fractions of the trial's steps (study.budget_point):
+      # its last evaluation's step and value are in its record.
+      value = record.get('metrics', {}).get(
+          metric, trial.intermediate_values[max(trial.intermediate_values)])
       step = record.get('metrics', {}).get('step')
     rows.append({'trial': name, 'status': status, metric: value,
                  # A trial waiting to resume has its values fixed only.

@@ -1,5 +1,5 @@
 r"""One trial of a search sweep: train.train's run, reporting its metric to
-the study at every evaluation (at its percent of the trial's steps), and
+the study at every evaluation (at its fraction of the trial's steps), and
 stopped there if the study's pruner says so. The sweep's workers start it (experiments/study.py):
 
   python -m experiments.trial --config=FILE --workdir=DIR \

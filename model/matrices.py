@@ -12,9 +12,9 @@ The rule, read from each parameter's declaration:
   Attention's per-head projections are the matrices [D, H * K] and
   [H * K, D] they are; each expert's MLP is its own.
 - Its inputs are `embed` when that is its first matrix axis (it reads such
-  a vector: queries, keys, values, the MLP's first layer), else the axes
-  before `embed` (it writes one: attention's output, the MLP's second
-  layer).
+  a vector: queries, keys, values, the MLP's first layer), else its other
+  matrix axes, `embed` being its output (it writes one: attention's output,
+  the MLP's second layer).
 - Everything else is not: embeddings and the output head (vocab), position
   tables and attention variants' own parameters (axes no hidden feature
   names, or none), routers and classifiers (an unnamed output axis), biases,

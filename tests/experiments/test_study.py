@@ -116,7 +116,8 @@ def test_a_search_space_is_checked_before_anything_runs(tmp_path, data_dir):
 
 
 def completed(values: dict[int, float]) -> optuna.trial.FrozenTrial:
-  """A finished trial that reported `values` ({step: value})."""
+  """A finished trial that reported `values` ({budget point: value},
+  study.budget_point)."""
   return optuna.trial.create_trial(
       params={}, distributions={}, value=values[max(values)],
       intermediate_values=values)
@@ -138,7 +139,7 @@ def test_the_pruner_stops_a_trial_worse_than_the_median():
     synthetic = optuna.create_study(pruner=study.pruner(space))
     for value in (1.0, 2.0, 3.0):  # As trials report: ASHA keeps rungs.
       finished = synthetic.ask()
-      evaluated(finished, 30, {10: value, 20: value, 30: value})
+      evaluated(finished, 30, {10: value, 20: value})
       synthetic.tell(finished, value)
     bad = synthetic.ask()
     # A third of its steps, before prune_after: not judged yet.
@@ -307,7 +308,7 @@ def test_a_trial_worse_than_the_median_is_pruned_and_keeps_its_checkpoint(
   url = f'sqlite:///{tmp_path}/study.db'
   shared = study.open_study(url, 'pruned', {'mode': 'min'})
   for value in (0.1, 0.2, 0.3):  # Far better than any tiny trial.
-    shared.add_trial(completed({50: value, 100: value}))
+    shared.add_trial(completed({5000: value}))  # Halfway through theirs.
   trial = shared.ask()
   record = trials.run_trial(
       str(config), str(tmp_path / 'trial'), {'seed': 7}, {},
@@ -316,7 +317,7 @@ def test_a_trial_worse_than_the_median_is_pruned_and_keeps_its_checkpoint(
              f'--trial_id={trial._trial_id}', '--metric=eval_loss'])
   assert record['status'] == 'pruned', record
   assert record['metrics']['step'] == 50
-  assert shared.trials[3].intermediate_values.keys() == {50}
+  assert shared.trials[3].intermediate_values.keys() == {5000}
   assert (tmp_path / 'trial' / 'checkpoints' / '50').is_dir()
   assert 'Pruned at step 50' in (tmp_path / 'trial' / 'log.txt').read_text()
 

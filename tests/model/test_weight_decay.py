@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from model import weight_decay
+from model.matrices import Matrix, hidden_matrices
 from tests.helpers.declared_params import CONFIGS, boxed_params
 from train.base.train_config import TrainConfig
 from train.data import tasks
@@ -35,27 +36,32 @@ def test_every_weight_is_decayed_and_no_bias_or_scale(name):
 
 
 @pytest.mark.core
-@pytest.mark.parametrize('optimizer', ['adamw', 'muon'])
-def test_the_optimizer_decays_what_the_mask_marks(optimizer):
-  """With zero gradients, the update is -lr * decay * parameter on the
-  weights (Muon's matrices as AdamW's other weights) and zero on the biases
-  and scales."""
+@pytest.mark.parametrize('name', ['adamw', 'muon'])
+def test_the_optimizer_decays_what_the_mask_marks(name):
+  """With zero gradients, the update is -rate * decay * parameter on the
+  weights, at Muon's rate on its matrices (decoupled weight decay scaled
+  by each one's learning rate, as AdamW's), and zero on the biases and
+  scales."""
   config = CONFIGS['decoder_lm_moe_swiglu_rmsnorm']
   boxed = boxed_params(config)
   params = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype),
                         nn.meta.unbox(boxed))
-  train_config = TrainConfig(optimizer=optimizer, learning_rate=0.1,
-                             muon_learning_rate=0.1, warmup_steps=0,
+  train_config = TrainConfig(optimizer=name, learning_rate=0.1,
+                             muon_learning_rate=0.2, warmup_steps=0,
                              weight_decay=0.5, schedule='constant')
   optimizer, _ = optim.make_optimizer(train_config, boxed)
   updates = jax.jit(lambda params: optimizer.update(
       jax.tree.map(jnp.zeros_like, params), optimizer.init(params),
       params)[0])(params)
-  for (path, update), decayed in zip(
+  matrices = jax.tree.leaves(hidden_matrices(boxed), is_leaf=lambda leaf: (
+      leaf is None or isinstance(leaf, Matrix)))
+  for (path, update), decayed, matrix in zip(
       jax.tree_util.tree_leaves_with_path(updates),
-      jax.tree.leaves(weight_decay.decay_mask(boxed))):
-    np.testing.assert_allclose(update, -0.05 if decayed else 0.0, rtol=1e-6,
-                               err_msg=jax.tree_util.keystr(path))
+      jax.tree.leaves(weight_decay.decay_mask(boxed)), matrices):
+    rate = 0.2 if name == 'muon' and matrix is not None else 0.1
+    np.testing.assert_allclose(update, -rate * 0.5 if decayed else 0.0,
+                               rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+  assert any(matrices)
 
 
 def test_a_training_program_decays_by_its_models_declarations(monkeypatch):

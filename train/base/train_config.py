@@ -219,7 +219,11 @@ class TrainConfig:
   adam_b2: float = key(0.98, number(0.0, 1.0))
   # Added to adamw's denominator for numerical stability.
   adam_eps: float = key(1e-9, number(0.0, INF, include_low=False))
-  # Muon's peak learning rate, on the same schedule as learning_rate.
+  # Muon's peak learning rate, on the same schedule as learning_rate. Its
+  # matrices' weight decay is decoupled and scaled by it (each step takes
+  # muon_learning_rate * weight_decay of a matrix, as in Muon's reference
+  # code), so the same weight_decay is muon_learning_rate / learning_rate
+  # times stronger on them than on AdamW's weights.
   muon_learning_rate: float = key(0.02, number(0.0, INF, include_low=False))
   # Muon's (Nesterov) momentum.
   muon_momentum: float = key(0.95, number(0.0, 1.0))

@@ -115,71 +115,85 @@ def test_wsd_with_room_for_warmup_and_cooldown_is_the_trapezoid_bitwise(
 _QUINTIC = (3.4445, -4.775, 2.0315)
 
 
-def _muon_reference(gradient, matrix: Matrix, learning_rate: float):
-  """Muon's first update of a parameter with this gradient, in float64:
-  each matrix G = U S V^T (the parameter's axes flattened as `matrix`
-  says, one per stacked index) becomes U p(S / |G|_F) V^T, p the quintic
-  applied five times, times -learning_rate * sqrt(max(1, outputs /
-  inputs)). (The first momentum is a positive multiple of the gradient,
-  which the normalisation by |G|_F removes.) Returns (the update, p's
-  values)."""
-  gradient = np.asarray(gradient, np.float64)
-  stacks = [axis for axis in range(gradient.ndim)
+def _orthogonalised(momentum, matrix: Matrix):
+  """Muon's direction for a parameter's (Nesterov) momentum, in float64:
+  each matrix M = U S V^T (the parameter's axes flattened as `matrix`
+  says, one per stacked index) becomes U p(S / |M|_F) V^T, p the quintic
+  applied five times, times sqrt(max(1, outputs / inputs)). Returns (the
+  direction, S / |M|_F, p's values)."""
+  momentum = np.asarray(momentum, np.float64)
+  stacks = [axis for axis in range(momentum.ndim)
             if axis not in matrix.reduction_axis + matrix.output_axis]
   order = stacks + list(matrix.reduction_axis) + list(matrix.output_axis)
-  inputs = math.prod(gradient.shape[a] for a in matrix.reduction_axis)
-  outputs = math.prod(gradient.shape[a] for a in matrix.output_axis)
-  matrices = gradient.transpose(order).reshape(-1, inputs, outputs)
+  inputs = math.prod(momentum.shape[a] for a in matrix.reduction_axis)
+  outputs = math.prod(momentum.shape[a] for a in matrix.output_axis)
+  matrices = momentum.transpose(order).reshape(-1, inputs, outputs)
   u, s, vt = np.linalg.svd(matrices, full_matrices=False)
-  s = s / np.linalg.norm(matrices, axis=(1, 2))[:, None]
+  normalised = s = s / np.linalg.norm(matrices, axis=(1, 2))[:, None]
   a, b, c = _QUINTIC
   for _ in range(5):
     s = a * s + b * s ** 3 + c * s ** 5
-  update = -learning_rate * max(1.0, outputs / inputs) ** 0.5 * (
-      u * s[:, None, :]) @ vt
-  unflat = [gradient.shape[axis] for axis in order]
-  return update.reshape(unflat).transpose(np.argsort(order)), s
+  direction = max(1.0, outputs / inputs) ** 0.5 * (u * s[:, None, :]) @ vt
+  unflat = [momentum.shape[axis] for axis in order]
+  return (direction.reshape(unflat).transpose(np.argsort(order)), normalised,
+          s)
 
 
 @pytest.mark.core
 def test_muon_orthogonalises_each_matrix_and_adamw_the_rest_elementwise():
-  """Attention's per-head projections as [D, H * K] and [H * K, D], the
-  MLP's as they are, each expert's alone; every other parameter takes
-  AdamW's first step, -lr * g / |g|, at its own rate."""
+  """Three steps on a warmup: attention's per-head projections as
+  [D, H * K] and [H * K, D], the MLP's as they are, each expert's alone,
+  each along its Nesterov momentum (optax's bias-corrected form) at
+  muon_learning_rate on the schedule; every other parameter by Adam at
+  learning_rate. References in float64 from the definitions."""
   boxed = boxed_params(small(num_layers=2, mlp_activation='swiglu', moe=dict(
       num_experts=2, top_k=1, every_n_layers=2)))
   params = nn.meta.unbox(boxed)
   leaves, structure = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(0), len(leaves))
-  gradients = structure.unflatten(
-      [jax.random.normal(key, leaf.shape) for key, leaf in zip(keys, leaves)])
   config = TrainConfig(optimizer='muon', learning_rate=0.01,
-                       muon_learning_rate=0.1, warmup_steps=0,
-                       schedule='constant', weight_decay=0.0,
+                       muon_learning_rate=0.1, muon_momentum=0.9,
+                       warmup_steps=4, schedule='constant', weight_decay=0.0,
                        grad_clip_norm=0.0)
   optimizer, _ = optim.make_optimizer(config, boxed)
-  params = jax.tree.map(jnp.ones_like, gradients)
-  updates = jax.jit(optimizer.update)(gradients, optimizer.init(params),
-                                      params)[0]
+  params = jax.tree.map(jnp.ones_like, params)
+  state = optimizer.init(params)
+  update = jax.jit(optimizer.update)
   matrices = jax.tree.leaves(hidden_matrices(boxed), is_leaf=lambda leaf: (
       leaf is None or isinstance(leaf, Matrix)))
+  beta, (b1, b2) = config.muon_momentum, (config.adam_b1, config.adam_b2)
+  first = [np.zeros(leaf.shape) for leaf in leaves]  # Momenta, Adam's m.
+  second = [np.zeros(leaf.shape) for leaf in leaves]  # Adam's v.
   kinds = set()
-  for (path, update), gradient, matrix in zip(
-      jax.tree_util.tree_leaves_with_path(updates),
-      jax.tree.leaves(gradients), matrices):
-    name = jax.tree_util.keystr(path)
-    if matrix is None:
-      want = -config.learning_rate * gradient / (
-          jnp.abs(gradient) + config.adam_eps)
-      np.testing.assert_allclose(update, want, rtol=1e-5, err_msg=name)
-      continue
-    kinds.add(matrix)
-    want, singular_values = _muon_reference(
-        gradient, matrix, config.muon_learning_rate)
-    np.testing.assert_allclose(update, want, rtol=2e-4, atol=1e-6,
-                               err_msg=name)
-    # The quintic trades exactness for speed: U V^T's singular values of
-    # one come out between about 0.68 and 1.2.
-    assert np.abs(singular_values - 1).max() < 0.35, name
+  for step in range(1, 4):
+    keys = jax.random.split(jax.random.key(step), len(leaves))
+    gradients = [jax.random.normal(key, leaf.shape)
+                 for key, leaf in zip(keys, leaves)]
+    updates, state = update(structure.unflatten(gradients), state, params)
+    fraction = (step - 1) / config.warmup_steps  # The schedule at its count.
+    for index, (path, got) in enumerate(
+        jax.tree_util.tree_leaves_with_path(updates)):
+      name, matrix = jax.tree_util.keystr(path), matrices[index]
+      g = np.asarray(gradients[index], np.float64)
+      if matrix is None:
+        first[index] = b1 * first[index] + (1 - b1) * g
+        second[index] = b2 * second[index] + (1 - b2) * g ** 2
+        want = -config.learning_rate * fraction * (
+            first[index] / (1 - b1 ** step)) / (
+                np.sqrt(second[index] / (1 - b2 ** step)) + config.adam_eps)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-9,
+                                   err_msg=f'{name} at step {step}')
+        continue
+      kinds.add(matrix)
+      first[index] = beta * first[index] + (1 - beta) * g
+      nesterov = (beta * first[index] / (1 - beta ** (step + 1))
+                  + (1 - beta) * g / (1 - beta ** step))
+      direction, before, after = _orthogonalised(nesterov, matrix)
+      np.testing.assert_allclose(
+          got, -config.muon_learning_rate * fraction * direction,
+          rtol=2e-4, atol=1e-7, err_msg=f'{name} at step {step}')
+      # The quintic trades exactness for speed: U V^T's singular values
+      # of one come out between about 0.68 and 1.2 (five steps lift no
+      # more than about 3.4^5 times: those far below |M|_F stay small).
+      assert np.abs(after[before > 0.02] - 1).max() < 0.35, name
   assert kinds == {Matrix((0,), (1, 2)), Matrix((0, 1), (2,)),
                    Matrix((0,), (1,)), Matrix((1,), (2,))}
