@@ -55,11 +55,15 @@ class TransformerBlock(nn.Module):
   cross: bool
   # The feed-forward sublayer is a mixture of experts (config.moe).
   moe: bool = False
+  # Self-attention mixes its values with the first block's
+  # (config.value_residual).
+  mixes_values: bool = False
 
   def setup(self):
     config = self.config
     self.self_attention_norm = make_norm(config)
-    self.self_attention = MultiHeadAttention(config, causal=self.causal)
+    self.self_attention = MultiHeadAttention(config, causal=self.causal,
+                                             mixes_values=self.mixes_values)
     if self.cross:
       self.cross_attention_norm = make_norm(config)
       self.cross_attention = MultiHeadAttention(config, cross=True)
@@ -86,15 +90,19 @@ class TransformerBlock(nn.Module):
   def __call__(self, x_BxTxD: Array, inputs: BlockInputs,
                memory_BxMxD: Array | None = None,
                cache: KeysValues | None = None,
-               source: KeysValues | None = None
-               ) -> tuple[Array, KeysValues | None]:
-    """(output [B, T, D], self-attention's cache after it or None).
+               source: KeysValues | None = None,
+               first_values_BxSxKxH: Array | None = None
+               ) -> tuple[Array, KeysValues | None, Array]:
+    """(output [B, T, D], self-attention's cache after it or None, the
+    values self-attention attended with for this call's positions).
 
     With `memory_BxMxD` (earlier hidden states entering this block, at
     `inputs.memory_positions_BxM`), self-attention reads them as keys and
     values before the current positions. With a `cache` (see
     MultiHeadAttention) self-attention reads and writes it, and
-    cross-attention reads the source's keys and values from `source`.
+    cross-attention reads the source's keys and values from `source`. A
+    block that `mixes_values` mixes its values with `first_values_BxSxKxH`
+    (the first block's).
     """
     norm = self.self_attention_norm
     queries_BxTxD = self._normed(x_BxTxD, norm)
@@ -104,16 +112,17 @@ class TransformerBlock(nn.Module):
           [memory_BxMxD.astype(x_BxTxD.dtype), x_BxTxD], axis=1), norm)
       kv_positions_BxS = jnp.concatenate(
           [inputs.memory_positions_BxM, inputs.positions_BxT], axis=1)
-    update, cache = self.self_attention(
+    update, cache, values_BxSxKxH = self.self_attention(
         queries_BxTxD, context_BxSxD, mask=inputs.self_mask,
         q_positions_BxT=inputs.positions_BxT,
         kv_positions_BxS=kv_positions_BxS, cache=cache,
+        first_values_BxSxKxH=first_values_BxSxKxH,
         deterministic=inputs.deterministic)
     x_BxTxD = self._add(x_BxTxD, update, norm, self.dropouts[0],
                         inputs.deterministic)
     if self.cross:
       norm = self.cross_attention_norm
-      update, _ = self.cross_attention(
+      update, _, _ = self.cross_attention(
           self._normed(x_BxTxD, norm), inputs.encoded_BxSxD,
           mask=inputs.cross_mask, cache=source,
           deterministic=inputs.deterministic)
@@ -121,7 +130,7 @@ class TransformerBlock(nn.Module):
                           inputs.deterministic)
     update = self.feed_forward(self._normed(x_BxTxD, self.mlp_norm))
     return self._add(x_BxTxD, update, self.mlp_norm, self.dropouts[-1],
-                     inputs.deterministic), cache
+                     inputs.deterministic), cache, values_BxSxKxH
 
   def source_keys_values(self, encoded_BxSxD: Array) -> KeysValues:
     """Cross-attention's keys and values of the encoder output."""
@@ -145,7 +154,9 @@ class TransformerStack(nn.Module):
       block_cls = nn.remat(TransformerBlock,
                            policy=REMAT_POLICY[config.remat])
     self.blocks = [block_cls(config.for_layer(layer), self.causal, self.cross,
-                             config.has_moe(layer), name=f'block_{layer}')
+                             config.has_moe(layer),
+                             config.value_residual and layer > 0,
+                             name=f'block_{layer}')
                    for layer in range(config.num_layers)]
     if config.norm_position == 'pre':
       self.final_norm = make_norm(config)
@@ -157,7 +168,7 @@ class TransformerStack(nn.Module):
     input [L, B, T, D], from which the caller forms the next memory; with a
     `cache` (see model.state.Cache), the cache after this call; else None.
     """
-    block_inputs, self_caches = [], []
+    block_inputs, self_caches, first_values_BxSxKxH = [], [], None
     for layer, block in enumerate(self.blocks):
       # Under a mesh with logical axis rules, each block's input is laid out
       # as the rules say (e.g. split by example and along the length);
@@ -165,13 +176,15 @@ class TransformerStack(nn.Module):
       x_BxTxD = nn.with_logical_constraint(x_BxTxD,
                                            logical_axes.ACTIVATIONS)
       block_inputs.append(x_BxTxD)
-      x_BxTxD, layer_cache = block(
+      x_BxTxD, layer_cache, values_BxSxKxH = block(
           x_BxTxD, inputs,
           None if memory_LxBxMxD is None else memory_LxBxMxD[layer],
           None if cache is None else cache.self_attention[layer],
           None if cache is None or cache.cross_attention is None
-          else cache.cross_attention[layer])
+          else cache.cross_attention[layer], first_values_BxSxKxH)
       self_caches.append(layer_cache)
+      if layer == 0:
+        first_values_BxSxKxH = values_BxSxKxH
     if self.config.norm_position == 'pre':
       x_BxTxD = self.final_norm(x_BxTxD)
     if cache is not None:

@@ -126,6 +126,12 @@ class ModelConfig:
   # that a pre-norm block with attention projections starts as the
   # identity (modded-nanogpt's records). Transformer families only.
   zero_init_outputs: bool = False
+  # Value residual learning (Zhou et al. 2024; the modded-nanogpt records):
+  # self-attention in each layer of a stack after its first attends with
+  # a * v + b * v_first, v_first the first layer's values and a, b learned
+  # per layer (both 0.5 at first). Transformer families with attention
+  # projections only.
+  value_residual: bool = False
   # A tanh cap on the output logits, cap * tanh(logits / cap) (Gemma 2;
   # the modded-nanogpt records): a positive number, or 0 for none.
   logit_softcap: float = 0.0
@@ -262,10 +268,13 @@ class ModelConfig:
       if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
         fail(f'config.model.{name}={rate!r} must be in [0, 1).')
     for name in ('tie_embeddings', 'attention_projections',
-                 'zero_init_outputs'):
+                 'zero_init_outputs', 'value_residual'):
       if not isinstance(getattr(self, name), bool):
         fail(f'config.model.{name}={getattr(self, name)!r} must be True or '
              'False.')
+    if not self.attention_projections and self.value_residual:
+      fail('config.model.value_residual mixes projected values; '
+           'config.model.attention_projections=False projects none.')
     if not self.attention_projections and self.qk_norm != 'none':
       fail(f'config.model.qk_norm={self.qk_norm!r} scales queries and keys '
            'by parameters, and config.model.attention_projections=False '

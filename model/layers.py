@@ -93,6 +93,8 @@ class MultiHeadAttention(nn.Module):
   # Each query attends to keys at its position and before (self-attention
   # of a decoder).
   causal: bool = False
+  # Its values are mixed with a first layer's (config.value_residual).
+  mixes_values: bool = False
 
   def setup(self):
     config = self.config
@@ -117,6 +119,10 @@ class MultiHeadAttention(nn.Module):
       if config.qk_norm != 'none':  # Over each head's dims: a scale per dim.
         self.query_norm = make_norm(config, config.qk_norm, 'kv')
         self.key_norm = make_norm(config, config.qk_norm, 'kv')
+      if self.mixes_values:  # (a, b) of a * v + b * v_first.
+        self.value_mix = self.param(
+            'value_mix', undecayed(nn.initializers.constant(0.5), (None,)),
+            (2,), config.weight_dtype)
     if self.cross:
       self.variant, self.options = attention.spec('dense'), {}
       return
@@ -139,10 +145,13 @@ class MultiHeadAttention(nn.Module):
                q_positions_BxT: Array | None = None,
                kv_positions_BxS: Array | None = None,
                cache: KeysValues | None = None,
+               first_values_BxSxKxH: Array | None = None,
                deterministic: bool = True
-               ) -> tuple[Array, KeysValues | None]:
-    """(attention output [B, T, D], the cache after it or None); positions
-    are needed by relative schemes (self-attention only).
+               ) -> tuple[Array, KeysValues | None, Array]:
+    """(attention output [B, T, D], the cache after it or None, the values
+    [B, S, K, H] of this call's keys); positions are needed by relative
+    schemes (self-attention only). A layer that `mixes_values` attends with
+    a * v + b * `first_values_BxSxKxH`, and returns those.
 
     With a `cache` (self-attention; see model.state.Cache): the keys and
     values of positions 0..C-1 written so far. This call's keys and values
@@ -157,10 +166,14 @@ class MultiHeadAttention(nn.Module):
     """
     q_BxTxNxH = self._queries(inputs_q_BxTxD)
     if self.cross and cache is not None:
-      return self._cached_cross(q_BxTxNxH, mask, cache), cache
+      return self._cached_cross(q_BxTxNxH, mask, cache), cache, cache.value
     config = self.config
     source = self.source_keys_values(inputs_kv_BxSxD)
     k_BxSxKxH, v_BxSxKxH = source.key, source.value
+    if self.mixes_values:
+      mix = self.value_mix.astype(v_BxSxKxH.dtype)
+      v_BxSxKxH = mix[0] * v_BxSxKxH + mix[1] * first_values_BxSxKxH
+    new_values_BxSxKxH = v_BxSxKxH
     kwargs = dict(self.options)
     if not self.cross:
       if self._parameter_free:
@@ -205,7 +218,7 @@ class MultiHeadAttention(nn.Module):
     with fused.caller(self.path), jax.named_scope(ATTENTION_SCOPE):
       out_BxTxNxH = self.variant.fn(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias,
                                     mask, is_causal=causal, **kwargs)
-    return self._out(out_BxTxNxH), cache
+    return self._out(out_BxTxNxH), cache, new_values_BxSxKxH
 
   @property
   def _parameter_free(self) -> bool:

@@ -61,10 +61,12 @@ def check(config: ModelConfig) -> None:
     raise ValueError(
         f'config.model.memory_length is for {others(lambda f: f.memory)}, '
         f'not {config.family!r}.')
-  if config.zero_init_outputs and not family.feed_forward:
-    raise ValueError(
-        'config.model.zero_init_outputs is for the Transformer families; '
-        f'config.model.family={config.family!r} has no Transformer blocks.')
+  for name in ('zero_init_outputs', 'value_residual'):
+    if getattr(config, name) and not family.feed_forward:
+      raise ValueError(
+          f'config.model.{name} is for the Transformer families; '
+          f'config.model.family={config.family!r} has no Transformer '
+          'blocks.')
   if config.qk_norm != 'none' and not family.multi_head:
     raise ValueError(
         f'config.model.qk_norm is for {others(lambda f: f.multi_head)}, '

@@ -73,6 +73,12 @@ def test_every_model_field_has_a_comment():
      'config.model.logit_softcap=inf must be a finite number >= 0'),
     (dict(zero_init_outputs=True, family='rnn_attention'),
      'config.model.zero_init_outputs is for the Transformer families'),
+    (dict(value_residual=1), 'config.model.value_residual=1 must be True '
+     'or False'),
+    (dict(value_residual=True, family='rnn_attention'),
+     'config.model.value_residual is for the Transformer families'),
+    (dict(value_residual=True, attention_projections=False),
+     'config.model.value_residual mixes projected values'),
     (dict(moe={'num_experts': 4, 'top_k': 3}),
      'config.model.moe.top_k=3 must be 1 or 2, and at most'),
     (dict(moe={'experts': 4}), 'unknown key config.model.moe.experts'),

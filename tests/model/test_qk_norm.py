@@ -57,6 +57,6 @@ def test_qk_norm_equals_the_layer_written_out(attention, kind):
       lambda p: jax.random.normal(jax.random.key(p.size), p.shape), params)
   assert set(params['query_norm']) == (
       {'scale', 'bias'} if kind == 'layernorm' else {'scale'})
-  out, _ = layer.apply({'params': params}, x, x, **call)
+  out, _, _ = layer.apply({'params': params}, x, x, **call)
   np.testing.assert_allclose(out, by_hand(params, config, x, positions_BxT),
                              atol=2e-5, rtol=2e-5)

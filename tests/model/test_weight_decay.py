@@ -22,7 +22,8 @@ def role(path) -> str:
   name = path[-1].key
   if name == 'bias' or name.endswith('_bias'):
     return 'bias'
-  return 'scale' if name == 'scale' else 'weight'
+  # Gains: a norm's, and value residual's mix of values.
+  return 'scale' if name in ('scale', 'value_mix') else 'weight'
 
 
 @pytest.mark.parametrize('name', CONFIGS)

@@ -178,7 +178,7 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
   params = nn.meta.unbox(variables['params'])
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
   assert logits.dtype == jnp.float32
-  block_out, _ = state['intermediates']['decoder']['block_0']['__call__'][0]
+  block_out = state['intermediates']['decoder']['block_0']['__call__'][0][0]
   assert block_out.dtype == jnp.bfloat16
   reference, _ = build(small_config()).apply(variables, tokens())
   np.testing.assert_allclose(logits, reference, atol=0.1)
@@ -289,7 +289,7 @@ def test_only_post_norm_blocks_end_in_a_norm(norm_position):
   config = small_config(norm_position=norm_position)
   _, state = build(config).apply(init(config), tokens(),
                                  capture_intermediates=True)
-  out_BxTxD, _ = state['intermediates']['decoder']['block_0']['__call__'][0]
+  out_BxTxD = state['intermediates']['decoder']['block_0']['__call__'][0][0]
   # A fresh LayerNorm (scale 1, bias 0) leaves each position at mean 0 and
   # variance 1; a pre-norm block returns the residual sum, which is not.
   normalized = (np.allclose(out_BxTxD.mean(-1), 0.0, atol=1e-4)

@@ -60,7 +60,9 @@ def cached_logits(step, positions_to_read: int) -> np.ndarray:
     # Parameter-free self-attention caches the inputs themselves.
     ('rope', dict(attention_projections=False)),
     # Under QK-norm the cache holds keys normalised, then rotated.
-    ('rope', dict(qk_norm='rmsnorm'))])
+    ('rope', dict(qk_norm='rmsnorm')),
+    # Each layer caches its values mixed with the first layer's.
+    ('rope', dict(value_residual=True))])
 def test_decoder_lm_cached_logits_equal_a_full_pass(position, overrides):
   config = tiny('decoder_lm', position, **overrides)
   model = build(config)
