@@ -58,6 +58,19 @@ ROUND_ONE = _preset('d128-b16', 'gelu') | {
 }
 ARGS = ('', 'round1', 'baseline')
 
+# The training techniques of today's speedrun records, each one key: its
+# value off and on. The second search draws them; configs/lm_ablation.py
+# turns each one alone to the other value from the default.
+OPTIONS = {
+    'optimizer': ('adamw', 'muon'),
+    'model.qk_norm': ('none', 'rmsnorm'),
+    'model.mlp_activation': ('gelu', 'relu2'),
+    'model.zero_init_outputs': (False, True),
+    'z_loss': (0.0, 1e-4),
+    'model.logit_softcap': (0.0, 30.0),
+    'model.value_residual': (False, True),
+}
+
 
 def get_config(arg: str = ''):
   """`arg` is '' (the speedrun's winner), 'round1' (the first search's
@@ -100,13 +113,10 @@ def get_sweep():
   validation bits per byte. The first search (experiments/results/
   lm_speedrun/leaderboard.md holds its space) drew shapes, positions,
   norm, tying, schedule and weight decay from `:baseline`."""
+  searched = {key: search.choice(list(values))
+              for key, values in OPTIONS.items()
+              if key != 'model.value_residual'}  # Added after the search.
   return search.Space(
-      {'optimizer': search.choice(['adamw', 'muon']),
-       'muon_learning_rate': search.log_uniform(0.008, 0.08),
-       'learning_rate': search.log_uniform(2e-3, 1e-2),
-       'model.qk_norm': search.choice(['none', 'rmsnorm']),
-       'model.mlp_activation': search.choice(['gelu', 'relu2']),
-       'model.zero_init_outputs': search.choice([False, True]),
-       'z_loss': search.choice([0.0, 1e-4]),
-       'model.logit_softcap': search.choice([0.0, 30.0])},
+      searched | {'muon_learning_rate': search.log_uniform(0.008, 0.08),
+                  'learning_rate': search.log_uniform(2e-3, 1e-2)},
       trials=12, metric='eval_bits_per_byte', mode='min', startup_trials=4)

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from configs import grid
+from configs import grid, lm_stdlib
 from experiments import common, study, sweep, trials
 from tests.helpers import REPO
 from tests.helpers.tiny_runs import TINY_LISTOPS
@@ -150,3 +150,18 @@ def test_listops_config_defines_a_search_valid_at_every_bound():
                               'model.dropout_rate'}
   assert study.check(config, space, {}, None, None) == ('eval_accuracy',
                                                         'max')
+
+
+def test_the_speedrun_search_and_its_ablation_are_valid():
+  """The second search at every bound, from `:round1`; the ablation: the
+  default, then each option alone at its other value."""
+  config = str(REPO / 'configs' / 'lm_stdlib.py') + ':round1'
+  space = trials.load_sweep(config)
+  assert study.check(config, space, {}, None, None) == (
+      'eval_bits_per_byte', 'min')
+  ablation = str(REPO / 'configs' / 'lm_ablation.py')
+  rows = trials.load_sweep(ablation)
+  assert rows[0] == {} and [len(row) for row in rows[1:]] == [1] * len(
+      lm_stdlib.OPTIONS)
+  assert [key for row in rows[1:] for key in row] == list(lm_stdlib.OPTIONS)
+  trials.check_trials(ablation, rows, {}, None, None)
