@@ -207,9 +207,10 @@ class MultiHeadAttention(nn.Module):
       # For pictures (experiments/attention_maps.py): the softmax weights
       # [B, N, T, S] of exact attention under this layer's mask.
       self.sow('intermediates', 'attention_weights',
-               attention.attention_weights(q_BxTxNxH, k_BxSxKxH, bias, mask,
-                                           scale=kwargs.get('scale'),
-                                           is_causal=causal))
+               attention.attention_weights(
+                   q_BxTxNxH, k_BxSxKxH, bias, mask, scale=kwargs.get('scale'),
+                   is_causal=causal,
+                   logit_cap=kwargs.get('logit_cap', 0.0)))
     if self.variant.dropout and not deterministic and (
         config.attention_dropout_rate > 0.0):
       kwargs |= {'dropout_rate': config.attention_dropout_rate,

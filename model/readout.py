@@ -13,6 +13,8 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from model.attention.core import softcap
+
 Array = jax.Array
 
 
@@ -68,13 +70,6 @@ def project(x_BxTxD: Array, weights: Array, weights_spec: str,
                       x_BxTxD.astype(jnp.float32),
                       weights.astype(jnp.float32))
   return _project(x_BxTxD, weights, weights_spec, jnp.dtype(compute_dtype))
-
-
-def softcap(logits: Array, cap: float) -> Array:
-  """cap * tanh(logits / cap): logits bounded by +-cap, unchanged near 0
-  (Gemma 2; the modded-nanogpt records); `logits` themselves where cap is
-  0."""
-  return cap * jnp.tanh(logits / cap) if cap else logits
 
 
 @flax.struct.dataclass

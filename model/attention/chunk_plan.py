@@ -78,6 +78,8 @@ class Plan:
   is_causal: bool
   q_chunk: int
   kv_chunk: int
+  # cap * tanh(scores / cap) on q . k * scale, before bias and mask; 0: none.
+  logit_cap: float = 0.0
 
   @property
   def group(self) -> int:
@@ -169,12 +171,22 @@ class Plan:
                                           self.kv_chunk, axis=1)
     return (q_ids[:, :, None] == kv_ids[:, None, :])[:, None, None]
 
+  def scores(self, q_BxKxGxQxH, k_BxCxKxH):
+    """q . k * scale of a block, capped by `logit_cap`: [B, K, G, Q, C]."""
+    scores = jnp.einsum('bkgqh,bckh->bkgqc', q_BxKxGxQxH,
+                        k_BxCxKxH.astype(jnp.float32)) * self.scale
+    return core.softcap(scores, self.logit_cap)
+
   def logits(self, q_BxKxGxQxH, k_BxCxKxH, bias_block, mask, q_index,
              kv_index):
     """Masked logits of block (q_index, kv_index), [B, K, G, Q, C], -inf
     where excluded."""
-    logits = jnp.einsum('bkgqh,bckh->bkgqc', q_BxKxGxQxH,
-                        k_BxCxKxH.astype(jnp.float32)) * self.scale
+    return self.masked(self.scores(q_BxKxGxQxH, k_BxCxKxH), bias_block, mask,
+                       q_index, kv_index)
+
+  def masked(self, scores, bias_block, mask, q_index, kv_index):
+    """The block's `scores` plus its bias, -inf where excluded."""
+    logits = scores
     if bias_block is not None:
       logits = logits + bias_block.astype(jnp.float32)
     queries = q_index * self.q_chunk + jnp.arange(self.q_chunk)

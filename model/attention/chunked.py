@@ -151,7 +151,8 @@ def _attend_bwd(plan, residuals, d_out):
                                          q_index, kv_index), bias.data)
       else:
         bias_block = plan.bias_block(bias, q_index, kv_index)
-      logits = plan.logits(q_block, k_c, bias_block, mask, q_index, kv_index)
+      scores = plan.scores(q_block, k_c)
+      logits = plan.masked(scores, bias_block, mask, q_index, kv_index)
       weights = jnp.exp(logits - plan.query_block(log_sum_exp, q_index)[
           ..., None])
       d_value = d_value + jnp.einsum('bkgqc,bkgqh->bckh', weights,
@@ -159,11 +160,14 @@ def _attend_bwd(plan, residuals, d_out):
       d_weights = jnp.einsum('bkgqh,bckh->bkgqc', d_out_block, v_c)
       d_logits = weights * (d_weights - plan.query_block(
           correction, q_index)[..., None])
+      d_scores = d_logits
+      if plan.logit_cap:  # Through cap * tanh(s / cap): 1 - tanh^2.
+        d_scores = d_logits * (1 - (scores / plan.logit_cap) ** 2)
       d_query = jax.lax.dynamic_update_slice_in_dim(
           d_query, plan.query_block(d_query, q_index) + plan.scale
-          * jnp.einsum('bkgqc,bckh->bkgqh', d_logits, k_c),
+          * jnp.einsum('bkgqc,bckh->bkgqh', d_scores, k_c),
           q_index * plan.q_chunk, axis=3)
-      d_key = d_key + plan.scale * jnp.einsum('bkgqc,bkgqh->bckh', d_logits,
+      d_key = d_key + plan.scale * jnp.einsum('bkgqc,bkgqh->bckh', d_scores,
                                               q_block)
       if position_bias:
         d_bias = _add_inexact(
@@ -227,7 +231,7 @@ def chunked_attention(query: Array, key: Array, value: Array,
                       scale: float | None = None, is_causal: bool = False,
                       chunk_size: int | None = None,
                       query_chunk_size: int | None = None,
-                      kernel: str = 'auto') -> Array:
+                      kernel: str = 'auto', logit_cap: float = 0.0) -> Array:
   """`scaled_dot_product_attention`, exactly, in O(T * H) memory besides a
   block of logits: by the blocked JAX code here, or by a fused kernel that
   computes the same blocked algorithm (model/attention/fused.py).
@@ -239,8 +243,10 @@ def chunked_attention(query: Array, key: Array, value: Array,
     kernel: one of fused.KERNELS: 'xla' for the JAX code, a fused kernel
       by name (KernelError where it cannot compute the case), or 'auto'
       for the fastest that can on this backend.
+    logit_cap: as `scaled_dot_product_attention`'s (the JAX code only).
   """
   core.check_inputs(query, key, value, bias, mask)
+  core.check_logit_cap(logit_cap)
   for name, size in (('chunk_size', chunk_size),
                      ('query_chunk_size', query_chunk_size)):
     if size is not None and size < 1:
@@ -248,7 +254,8 @@ def chunked_attention(query: Array, key: Array, value: Array,
   batch, q_len, num_heads, head_dim = query.shape
   scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
   kernel = fused.choose(kernel, fused.case_of(query, key, bias, mask,
-                                              is_causal=is_causal))
+                                              is_causal=is_causal,
+                                              logit_cap=logit_cap))
   if kernel != 'xla':
     return fused.run(kernel, query, key, value, bias, mask, scale=scale,
                      is_causal=is_causal)
@@ -257,7 +264,7 @@ def chunked_attention(query: Array, key: Array, value: Array,
   plan = chunk_plan.Plan(batch, q_len, num_heads, head_dim, kv_len=key.shape[1],
                num_kv_heads=key.shape[2], scale=scale, is_causal=is_causal,
                q_chunk=min(query_chunk_size or chunk_size, q_len),
-               kv_chunk=min(chunk_size, key.shape[1]))
+               kv_chunk=min(chunk_size, key.shape[1]), logit_cap=logit_cap)
   pad, split = chunk_plan.pad, online_softmax.split_heads
   key = pad(key, 1, plan.padded_kv_len)
   value = pad(value, 1, plan.padded_kv_len)

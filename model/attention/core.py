@@ -239,7 +239,19 @@ def weighted_values(weights_BxNxTxS: Array, value: Array, dtype) -> Array:
       batch, q_len, num_heads, head_dim).astype(dtype)
 
 
-def _weights(query, key, bias, mask, scale, is_causal) -> Array:
+def softcap(logits: Array, cap: float) -> Array:
+  """cap * tanh(logits / cap): logits bounded by +-cap, unchanged near 0
+  (Gemma 2; the modded-nanogpt records); `logits` themselves where cap is
+  0."""
+  return cap * jnp.tanh(logits / cap) if cap else logits
+
+
+def check_logit_cap(logit_cap: float) -> None:
+  if not logit_cap >= 0:
+    raise ValueError(f'logit_cap={logit_cap} must be >= 0 (0: no cap).')
+
+
+def _weights(query, key, bias, mask, scale, is_causal, logit_cap) -> Array:
   """`attention_weights` without the input checks."""
   batch, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
@@ -255,21 +267,23 @@ def _weights(query, key, bias, mask, scale, is_causal) -> Array:
       (0, 3, 1, 2, 4)).reshape(batch, group * q_len, num_kv_heads, head_dim)
   logits_BxKxGTxS = jnp.einsum('brkh,bskh->bkrs', q_BxGTxKxH, key,
                                preferred_element_type=jnp.float32)
-  logits_BxNxTxS = logits_BxKxGTxS.reshape(
-      batch, num_heads, q_len, kv_len) * scale
+  logits_BxNxTxS = softcap(logits_BxKxGTxS.reshape(
+      batch, num_heads, q_len, kv_len) * scale, logit_cap)
   return weights_from_logits(logits_BxNxTxS, bias, mask, is_causal)
 
 
 def attention_weights(query: Array, key: Array, bias: Array | None = None,
                       mask: Array | None = None, *, scale: float | None = None,
-                      is_causal: bool = False) -> Array:
+                      is_causal: bool = False, logit_cap: float = 0.0
+                      ) -> Array:
   """Attention probabilities, float32 [B, N, T, S].
 
   Each row sums to 1 over the keys it may attend, or is all zeros when it
   may attend none. Arguments as in `scaled_dot_product_attention`.
   """
   check_inputs(query, key, key, bias, mask)
-  return _weights(query, key, bias, mask, scale, is_causal)
+  check_logit_cap(logit_cap)
+  return _weights(query, key, bias, mask, scale, is_causal, logit_cap)
 
 
 def _dropout(weights: Array, rate: float, rng: Array) -> Array:
@@ -281,7 +295,7 @@ def scaled_dot_product_attention(
     query: Array, key: Array, value: Array, bias: Array | None = None,
     mask: Array | None = None, *, scale: float | None = None,
     is_causal: bool = False, dropout_rate: float = 0.0,
-    dropout_rng: Array | None = None) -> Array:
+    dropout_rng: Array | None = None, logit_cap: float = 0.0) -> Array:
   """softmax(q k^T * scale + bias, masked) v (Vaswani et al. 2017), [B, T, N, H].
 
   Args:
@@ -295,11 +309,15 @@ def scaled_dot_product_attention(
     dropout_rate: dropout on the attention weights, applied only when
       `dropout_rng` is given.
     dropout_rng: PRNG key for dropout.
+    logit_cap: softcap(q k^T * scale, logit_cap) before the bias and the
+      mask (Gemma 2's attention logits); 0 for none.
   """
   if not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f'dropout_rate={dropout_rate} must be in [0, 1).')
   check_inputs(query, key, value, bias, mask)
-  weights_BxNxTxS = _weights(query, key, bias, mask, scale, is_causal)
+  check_logit_cap(logit_cap)
+  weights_BxNxTxS = _weights(query, key, bias, mask, scale, is_causal,
+                             logit_cap)
   if dropout_rate > 0.0 and dropout_rng is not None:
     weights_BxNxTxS = _dropout(weights_BxNxTxS, dropout_rate, dropout_rng)
   return weighted_values(weights_BxNxTxS, value, query.dtype)

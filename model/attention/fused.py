@@ -80,6 +80,8 @@ class Case:
     (SegmentMask.max_segments), where the data bounds it.
   pattern: a block-sparse variant's pattern (patterns.py: Strided, Fixed,
     BigBird); None for none.
+  logit_cap: a tanh cap on the scores (core.softcap), which no fused
+    kernel computes; 0 for none.
   """
 
   backend: str
@@ -95,6 +97,7 @@ class Case:
   compute_capability: str | None = None
   max_segments: int | None = None
   pattern: patterns.Pattern | None = None
+  logit_cap: float = 0.0
 
   def describe(self) -> str:
     """e.g. 'bfloat16, causal, packed rows'."""
@@ -109,6 +112,8 @@ class Case:
       parts.append(f"{pattern_name(self.pattern)}'s pattern")
     if self.length_shards > 1:
       parts.append(f'length split over {self.length_shards} devices')
+    if self.logit_cap:
+      parts.append(f'logits capped at {self.logit_cap:g}')
     return ', '.join(parts)
 
 
@@ -137,7 +142,8 @@ def device_description() -> tuple[str, str | None]:
 
 def case_of(query: Array, key: Array, bias, mask, *, is_causal: bool,
             window: int | None = None,
-            pattern: patterns.Pattern | None = None) -> Case:
+            pattern: patterns.Pattern | None = None,
+            logit_cap: float = 0.0) -> Case:
   """The Case of a call on the default backend."""
   if bias is None:
     bias_kind = 'none'
@@ -153,7 +159,7 @@ def case_of(query: Array, key: Array, bias, mask, *, is_causal: bool,
               is_causal, _mask_kind(mask), bias_kind, window,
               math.prod(jax.sharding.get_abstract_mesh().shape[axis]
                         for axis in length_axes), capability,
-              getattr(mask, 'max_segments', None), pattern)
+              getattr(mask, 'max_segments', None), pattern, logit_cap)
 
 
 def _cudnn_refusal(case: Case) -> str | None:
@@ -272,6 +278,8 @@ def refusal(kernel: str, case: Case) -> str | None:
   if kernel != 'xla' and case.length_shards > 1:
     return (f'cannot split the length over {case.length_shards} devices '
             "(sequence parallelism; the 'ring' attention computes that)")
+  if kernel != 'xla' and case.logit_cap:
+    return 'computes no cap on the attention logits (logit_cap)'
   return _REFUSALS[kernel](case)
 
 

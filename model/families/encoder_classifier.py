@@ -9,7 +9,7 @@ from model.blocks import BlockInputs, TransformerStack
 from model.config import PAD_ID, ModelConfig
 from model.embedder import Embedder, default_positions
 from model.families.family import Family
-from model.readout import softcap
+from model.attention.core import softcap
 from model.weight_decay import undecayed
 
 Array = jax.Array

@@ -10,7 +10,8 @@ from model import attention
 B, T, N, H = 2, 8, 4, 16
 
 
-def numpy_attention(q, k, v, bias=None, mask=None, scale=None, causal=False):
+def numpy_attention(q, k, v, bias=None, mask=None, scale=None, causal=False,
+                    logit_cap=0.0):
   """Float64 reference with heads repeated explicitly; returns (out, probs).
 
   Query head n reads key head n // (N // K); rows with no key are zero.
@@ -21,6 +22,8 @@ def numpy_attention(q, k, v, bias=None, mask=None, scale=None, causal=False):
   v = np.repeat(v, num_heads // num_kv_heads, axis=2)
   scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
   logits = np.einsum('btnh,bsnh->bnts', q, k) * scale
+  if logit_cap:
+    logits = logit_cap * np.tanh(logits / logit_cap)
   if bias is not None:
     logits = logits + np.asarray(bias, np.float64)
   allowed = np.ones(logits.shape, bool)
@@ -105,6 +108,43 @@ def test_output_and_gradients_match_jax_nn(name):
   np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5)
   for ours_grad, their_grad in zip(ours[1], theirs[1]):
     np.testing.assert_allclose(ours_grad, their_grad, atol=1e-5, rtol=1e-5)
+
+
+def capped_reference(q, k, v, bias, mask, logit_cap):
+  """Causal attention with capped scores, written in jnp with heads
+  repeated: what autodiff differentiates for the gradients' reference."""
+  group = q.shape[2] // k.shape[2]
+  k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+  scores = jnp.einsum('btnh,bsnh->bnts', q, k) / np.sqrt(q.shape[-1])
+  logits = logit_cap * jnp.tanh(scores / logit_cap) + bias
+  allowed = mask & np.tril(np.ones((T, T), bool))
+  weights = jax.nn.softmax(jnp.where(allowed, logits, -jnp.inf), axis=-1)
+  return jnp.einsum('bnts,bsnh->btnh', weights, v)
+
+
+@pytest.mark.parametrize('name, options', [
+    ('dense', {}), ('chunked', dict(chunk_size=4, kernel='xla'))])
+def test_a_logit_cap_matches_the_references_with_gradients(name, options):
+  """cap * tanh(q . k * scale / cap) before the bias and mask: GQA, causal,
+  a padding mask and a bias; the cap (0.5) bites on most scores. chunked's
+  own backward pass against autodiff of the reference."""
+  q, k, v = make_qkv(3, num_kv_heads=2)
+  bias, mask = random_bias(9), padding()
+  fn = attention.get(name)
+  out = fn(q, k, v, bias, mask, is_causal=True, logit_cap=0.5, **options)
+  np.testing.assert_allclose(
+      out, numpy_attention(q, k, v, bias, mask, causal=True,
+                           logit_cap=0.5)[0], atol=2e-6, rtol=2e-6)
+  cotangent = jax.random.normal(jax.random.key(4), (B, T, N, H))
+  ours = jax.grad(lambda *x: jnp.sum(fn(*x, mask, is_causal=True,
+                                        logit_cap=0.5, **options)
+                                     * cotangent), argnums=(0, 1, 2, 3))(
+                                         q, k, v, bias)
+  want = jax.grad(lambda *x: jnp.sum(capped_reference(*x, mask, 0.5)
+                                     * cotangent), argnums=(0, 1, 2, 3))(
+                                         q, k, v, bias)
+  for got, expected in zip(ours, want):
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.core

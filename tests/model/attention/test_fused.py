@@ -534,6 +534,9 @@ AUTO = [
     # A length split over the mesh: no fused kernel (ring computes it).
     (case('tpu', length_shards=2), 'xla'),
     (case('gpu', length_shards=4), 'xla'),
+    # Capped attention logits: the JAX code only.
+    (case('tpu', logit_cap=30.0), 'xla'),
+    (case('gpu', logit_cap=30.0), 'xla'),
 ]
 
 
@@ -560,6 +563,8 @@ def test_a_named_kernel_that_cannot_compute_the_case_raises():
                                compute_capability='8.6', max_segments=9))
   with pytest.raises(fused.KernelError, match='sequence parallelism'):
     fused.choose('pallas_tpu', case('tpu', length_shards=2))
+  with pytest.raises(fused.KernelError, match='no cap on the attention'):
+    fused.choose('pallas_gpu', case('gpu', logit_cap=30.0))
   with pytest.raises(ValueError, match='must be one of'):
     fused.choose('flash', case('cpu'))
   with pytest.raises(fused.KernelError, match='no block-sparse pattern'):
