@@ -1,6 +1,8 @@
 r"""The default byte LM of configs/lm_stdlib.py with each training
 technique of its second search turned, alone, to its other value
-(lm_stdlib.OPTIONS): one row per option, at the default's budget.
+(lm_stdlib.OPTIONS): one row per option, at the default's budget. Nothing
+else changes: the row of the other optimizer runs at the default's
+learning rates, not ones tuned for it.
 
   python -m experiments.sweep --config=configs/lm_ablation.py \
       --workdir=workdirs/lm_ablation --parallel=2

@@ -42,7 +42,7 @@ def _preset(shape: str, activation: str) -> dict:
   d_model, heads, layers, mlp_dim, batch_size, steps = SHAPES[shape]
   return {'model.d_model': d_model, 'model.num_heads': heads,
           'model.num_layers': layers, 'model.mlp_activation': activation,
-          'model.mlp_dim': mlp_dim if activation == 'gelu'
+          'model.mlp_dim': mlp_dim if activation != 'swiglu'
                            else mlp_dim * 2 // 3 // 8 * 8,
           'batch_size': batch_size, 'num_train_steps': steps,
           'eval_every': steps // 2, 'checkpoint_every': steps // 2}
@@ -113,10 +113,13 @@ def get_sweep():
   validation bits per byte. The first search (experiments/results/
   lm_speedrun/leaderboard.md holds its space) drew shapes, positions,
   norm, tying, schedule and weight decay from `:baseline`."""
-  searched = {key: search.choice(list(values))
-              for key, values in OPTIONS.items()
-              if key != 'model.value_residual'}  # Added after the search.
+  # In the order the search drew them (a seed's draws follow it);
+  # value_residual came after the search.
+  options = {key: search.choice(list(values))
+             for key, values in OPTIONS.items()
+             if key not in ('optimizer', 'model.value_residual')}
   return search.Space(
-      searched | {'muon_learning_rate': search.log_uniform(0.008, 0.08),
-                  'learning_rate': search.log_uniform(2e-3, 1e-2)},
+      {'optimizer': search.choice(list(OPTIONS['optimizer'])),
+       'muon_learning_rate': search.log_uniform(0.008, 0.08),
+       'learning_rate': search.log_uniform(2e-3, 1e-2)} | options,
       trials=12, metric='eval_bits_per_byte', mode='min', startup_trials=4)

@@ -272,6 +272,9 @@ class ModelConfig:
       if not isinstance(getattr(self, name), bool):
         fail(f'config.model.{name}={getattr(self, name)!r} must be True or '
              'False.')
+    if self.value_residual and self.num_layers < 2:
+      fail('config.model.value_residual mixes the first layer\'s values into '
+           f'later ones; config.model.num_layers={self.num_layers} has none.')
     if not self.attention_projections and self.value_residual:
       fail('config.model.value_residual mixes projected values; '
            'config.model.attention_projections=False projects none.')

@@ -171,6 +171,9 @@ class MultiHeadAttention(nn.Module):
     source = self.source_keys_values(inputs_kv_BxSxD)
     k_BxSxKxH, v_BxSxKxH = source.key, source.value
     if self.mixes_values:
+      if first_values_BxSxKxH is None:
+        raise ValueError('a layer that mixes values (config.model.'
+                         'value_residual) needs the first layer\'s values.')
       mix = self.value_mix.astype(v_BxSxKxH.dtype)
       v_BxSxKxH = mix[0] * v_BxSxKxH + mix[1] * first_values_BxSxKxH
     new_values_BxSxKxH = v_BxSxKxH

@@ -247,8 +247,10 @@ def softcap(logits: Array, cap: float) -> Array:
 
 
 def check_logit_cap(logit_cap: float) -> None:
-  if not logit_cap >= 0:
-    raise ValueError(f'logit_cap={logit_cap} must be >= 0 (0: no cap).')
+  if isinstance(logit_cap, bool) or not (
+      math.isfinite(logit_cap) and logit_cap >= 0):
+    raise ValueError(f'logit_cap={logit_cap} must be a finite number >= 0 '
+                     '(0: no cap).')
 
 
 def _weights(query, key, bias, mask, scale, is_causal, logit_cap) -> Array:
@@ -310,7 +312,8 @@ def scaled_dot_product_attention(
       `dropout_rng` is given.
     dropout_rng: PRNG key for dropout.
     logit_cap: softcap(q k^T * scale, logit_cap) before the bias and the
-      mask (Gemma 2's attention logits); 0 for none.
+      mask (Gemma 2's attention logits); 0 for none. What the bias adds
+      (ALiBi's, T5's, the relative schemes' position terms) is not capped.
   """
   if not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f'dropout_rate={dropout_rate} must be in [0, 1).')

@@ -79,6 +79,8 @@ def test_every_model_field_has_a_comment():
      'config.model.value_residual is for the Transformer families'),
     (dict(value_residual=True, attention_projections=False),
      'config.model.value_residual mixes projected values'),
+    (dict(value_residual=True, num_layers=1),
+     'config.model.num_layers=1 has none'),
     (dict(moe={'num_experts': 4, 'top_k': 3}),
      'config.model.moe.top_k=3 must be 1 or 2, and at most'),
     (dict(moe={'experts': 4}), 'unknown key config.model.moe.experts'),

@@ -166,20 +166,22 @@ def test_a_variant_is_refused_what_it_cannot_honour():
 
 
 TRANSFORMER_XL_CASES = (
-    [('dense', position, length) for position in
+    [('dense', position, length, {}) for position in
      ('rope', 'alibi', 't5_bias', 'relative') for length in (T, T + 3)]
-    + [('chunked', 'rope', T), ('chunked', 'alibi', T + 3),
-       ('additive', 'alibi', T)])
+    + [('chunked', 'rope', T, {}), ('chunked', 'alibi', T + 3, {}),
+       ('additive', 'alibi', T, {}),
+       # The first layer's values over the memory are its own memory's.
+       ('dense', 'rope', T, dict(value_residual=True))])
 
 
-@pytest.mark.parametrize('name, position, memory_length',
+@pytest.mark.parametrize('name, position, memory_length, overrides',
                          TRANSFORMER_XL_CASES)
 def test_transformer_xl_memory_equals_one_long_causal_pass(
-    name, position, memory_length):
+    name, position, memory_length, overrides):
   """Segment 2 read with the memory of segment 1 gives the logits of one
   pass over both, when the memory holds all of segment 1."""
   config = config_for(attention_name=name, position=position,
-                      memory_length=memory_length, num_layers=2)
+                      memory_length=memory_length, num_layers=2, **overrides)
   model = build(config)
   ids = jnp.asarray(np.random.default_rng(3).integers(1, V, (B, 2 * T)))
   params = {'params': model.init(jax.random.key(0), ids[:, :T])['params']}

@@ -82,11 +82,13 @@ def test_decoder_lm_cached_logits_equal_a_full_pass(position, overrides):
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize('position', ['sinusoidal', 'relative'])
-def test_encoder_decoder_cached_logits_equal_a_full_pass(position):
+@pytest.mark.parametrize('position,overrides', [
+    ('sinusoidal', {}), ('relative', {}),
+    ('sinusoidal', dict(value_residual=True))])
+def test_encoder_decoder_cached_logits_equal_a_full_pass(position, overrides):
   """The sources' cross-attention keys and values are projected once; rows
   decoded in two copies each (beam search's layout) read them alike."""
-  config = tiny('encoder_decoder', position)
+  config = tiny('encoder_decoder', position, **overrides)
   model = build(config)
   source = jnp.asarray(np.array([[3, 4, 5, 1, 0, 0], [6, 7, 8, 9, 2, 1]]))
   params = model.init(jax.random.key(1), source,
