@@ -12,10 +12,12 @@ the whole split; the warmup and the wsd cooldown overlap, with a warning):
   make train WORKDIR=/tmp/smoke \
       ARGS='--config.num_train_steps=20 --config.num_eval_steps=20'
 
-The default is the best configuration its search found (get_sweep();
-experiments/results/lm_speedrun/) among those that train in 10 minutes on
-2 CPU cores, evaluations and closing sample included: the baseline with
-the overrides of ROUND_ONE.
+The default is the best configuration two searches found among those
+that train in 10 minutes on 2 CPU cores, evaluations and closing sample
+included: the baseline with the overrides of ROUND_ONE (shape, positions,
+schedule; experiments/results/lm_speedrun/) and ROUND_TWO (Muon, QK-norm,
+output projections starting at zero: get_sweep();
+experiments/results/lm_speedrun2/).
 
 Results: docs/configs.md, `lm_stdlib.py`.
 """
@@ -56,6 +58,14 @@ ROUND_ONE = _preset('d128-b16', 'gelu') | {
     'weight_decay': 0.1, 'model.position': 'alibi',
     'model.norm': 'layernorm', 'model.tie_embeddings': False,
 }
+# The best trial of the second search (trial-003;
+# experiments/results/lm_speedrun2/), as overrides of ROUND_ONE: Muon on the
+# hidden matrices, QK-norm, output projections starting at zero.
+ROUND_TWO = {
+    'optimizer': 'muon', 'muon_learning_rate': 0.017,
+    'learning_rate': 5.4e-3, 'model.qk_norm': 'rmsnorm',
+    'model.zero_init_outputs': True,
+}
 ARGS = ('', 'round1', 'baseline')
 
 # The training techniques of today's speedrun records, each one key: its
@@ -73,8 +83,9 @@ OPTIONS = {
 
 
 def get_config(arg: str = ''):
-  """`arg` is '' (the speedrun's winner), 'round1' (the first search's
-  winner, the default before the second) or 'baseline'."""
+  """`arg` is '' (the second search's winner), 'round1' (the first
+  search's, the default before the second) or 'baseline' (the default
+  before the first)."""
   if arg not in ARGS:
     raise ValueError(
         f'configs/lm_stdlib.py takes one of {ARGS}, got {arg!r}.')
@@ -102,6 +113,8 @@ def get_config(arg: str = ''):
     # Chunked attention, on the backend's fused kernel where one computes
     # the case; 1.22 times dense's steps on 2 CPU cores.
     config.model.attention = 'auto'
+  if arg == '':
+    config.update_from_flattened_dict(ROUND_TWO)
   return config
 
 
