@@ -111,9 +111,12 @@ def size_overrides(size: str, *, attention: str, dtype: str, remat: str,
                mlp_dim=mlp, vocab_size=vocab, max_len=seq_len,
                position='learned', norm='layernorm', norm_position='pre',
                mlp_activation='gelu', tie_embeddings=True, dropout_rate=0.0,
-               attention=attention, dtype=dtype, remat=remat)
-  return dict(seq_len=seq_len, batch_size=batch, pack_sequences=False) | {
-      f'model.{key}': value for key, value in model.items()}
+               qk_norm='none', zero_init_outputs=False, value_residual=False,
+               logit_softcap=0.0, attention=attention, dtype=dtype,
+               remat=remat)
+  return dict(seq_len=seq_len, batch_size=batch, pack_sequences=False,
+              optimizer='adamw', z_loss=0.0) | {
+                  f'model.{key}': value for key, value in model.items()}
 
 
 def our_config(base: ml_collections.ConfigDict, size: str, *, attention: str,

@@ -55,13 +55,13 @@ def test_a_wsd_run_too_short_for_its_warmup_and_cooldown_is_warned_of():
       'config.warmup_steps=50 and the wsd cooldown of 4 steps (config.'
       'decay_fraction=0.2 of config.num_train_steps=20) overlap: the '
       'learning rate rises on the warmup until it meets the cooldown, '
-      'reaching at most 0.36 of config.learning_rate=0.0033, and ends at '
+      'reaching at most 0.36 of config.learning_rate=0.0054, and ends at '
       '0.1 of it.')
   config.num_train_steps = 4  # The ramp is below the final rate at the end.
   assert warnings_of(config) == [
       'config.warmup_steps=50 exceeds config.num_train_steps=4: the '
       'learning rate never leaves its warmup, reaching 0.08 of '
-      'config.learning_rate=0.0033.']
+      'config.learning_rate=0.0054.']
 
 
 def test_every_default_key_has_a_comment():
@@ -198,7 +198,7 @@ INVALID = [
      'of'),
     ('model.attention_options.window', 16, 'unknown key config.model.'
      "attention_options.window for config.model.attention='dense'; it takes "
-     "['scale']"),
+     "['logit_cap', 'scale']"),
     ('model.num_classes', 0, 'config.model.num_classes=0'),
     ('model.pooling', 'max', "config.model.pooling='max'"),
     ('model.dtype', 'int8', "config.model.dtype='int8'"),
@@ -364,18 +364,19 @@ def test_the_attention_options_are_those_of_the_registered_attentions():
 
 
 def test_an_attention_option_set_for_an_attention_without_it_is_refused():
-  """Every option on dense (which takes scale alone), by its flat key."""
+  """Every option on dense (which takes scale and logit_cap alone), by its
+  flat key."""
   types = {}
   for name in attention.names():
     types |= variant_options.option_types(name)
   for option, kind in sorted(types.items()):
-    if option == 'scale':
+    if option in ('scale', 'logit_cap'):
       continue
     config = BASELINE()
     config.model.attention_options[option] = kind(1)
     with pytest.raises(InputError, match=(
         f'unknown key config.model.attention_options.{option} for '
-        "config.model.attention='dense'; it takes \\['scale'\\]")):
+        "config.model.attention='dense'; it takes \\['logit_cap', 'scale'\\]")):
       config_validation.validate(config)
 
 
