@@ -75,6 +75,12 @@ def _of_leaf(path, leaf) -> Matrix | None:
   return None
 
 
+def is_entry(leaf) -> bool:
+  """Whether `leaf` is an entry of hidden_matrices' tree (a Matrix or
+  None): the `is_leaf` of tree functions that read that tree."""
+  return leaf is None or isinstance(leaf, Matrix)
+
+
 def hidden_matrices(boxed_params) -> Any:
   """A Matrix for each hidden matrix and None for every other parameter,
   in the tree of the unboxed parameters. `boxed_params`: the parameters (or

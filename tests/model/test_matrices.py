@@ -7,7 +7,7 @@ import jax
 import optax
 import pytest
 
-from model.matrices import Matrix, hidden_matrices
+from model.matrices import Matrix, hidden_matrices, is_entry
 from tests.helpers.declared_params import CONFIGS, boxed_params
 from train.base.train_config import TrainConfig
 from train.program import optim
@@ -39,17 +39,13 @@ def expected(path: tuple[str, ...], family: str) -> Matrix | None:
   return None
 
 
-def _is_matrix(leaf) -> bool:
-  return leaf is None or isinstance(leaf, Matrix)
-
-
 @pytest.mark.parametrize('name', CONFIGS)
 def test_hidden_matrices_are_the_projections_of_attention_and_mlps(name):
   config = CONFIGS[name]
   matrices = hidden_matrices(boxed_params(config))
   found = set()
   for path, matrix in jax.tree_util.tree_leaves_with_path(
-      matrices, is_leaf=_is_matrix):
+      matrices, is_leaf=is_entry):
     keys = tuple(entry.key for entry in path)
     assert matrix == expected(keys, config.family), keys
     found.add(matrix is not None)
@@ -83,6 +79,6 @@ def test_muon_and_adamw_each_update_their_own_parameters(name):
   matrices = {
       jax.tree_util.keystr(path) for path, matrix
       in jax.tree_util.tree_leaves_with_path(hidden_matrices(boxed),
-                                             is_leaf=_is_matrix)
+                                             is_leaf=is_entry)
       if matrix is not None}
   assert updated['muon'] == matrices

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from model import weight_decay
-from model.matrices import Matrix, hidden_matrices
+from model.matrices import hidden_matrices, is_entry
 from tests.helpers.declared_params import CONFIGS, boxed_params
 from train.base.train_config import TrainConfig
 from train.data import tasks
@@ -54,8 +54,7 @@ def test_the_optimizer_decays_what_the_mask_marks(name):
   updates = jax.jit(lambda params: optimizer.update(
       jax.tree.map(jnp.zeros_like, params), optimizer.init(params),
       params)[0])(params)
-  matrices = jax.tree.leaves(hidden_matrices(boxed), is_leaf=lambda leaf: (
-      leaf is None or isinstance(leaf, Matrix)))
+  matrices = jax.tree.leaves(hidden_matrices(boxed), is_leaf=is_entry)
   for (path, update), decayed, matrix in zip(
       jax.tree_util.tree_leaves_with_path(updates),
       jax.tree.leaves(weight_decay.decay_mask(boxed)), matrices):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-from model.matrices import Matrix, hidden_matrices
+from model.matrices import Matrix, hidden_matrices, is_entry
 from model.weight_decay import decay_mask
 from train.base.train_config import TrainConfig
 
@@ -137,10 +137,6 @@ def _sgd(config: TrainConfig, schedule: optax.Schedule, boxed_params
       optax.sgd(schedule, momentum=config.sgd_momentum or None))
 
 
-def _is_matrix(leaf) -> bool:
-  return leaf is None or isinstance(leaf, Matrix)
-
-
 def scale_by_width(matrices) -> optax.GradientTransformation:
   """Each matrix's update times sqrt(max(1, outputs / inputs)) (Jordan et
   al. 2024), so that a wide layer's update moves its outputs as much as a
@@ -166,12 +162,12 @@ def _muon(config: TrainConfig, schedule: optax.Schedule, boxed_params
   scaled to peak at `muon_learning_rate`."""
   matrices = hidden_matrices(boxed_params)
   labels = jax.tree.map(lambda matrix: 'adamw' if matrix is None else 'muon',
-                        matrices, is_leaf=_is_matrix)
+                        matrices, is_leaf=is_entry)
   # The tree of Muon's own leaves: optax.partition hands it the updates
   # with every other leaf masked.
   muon_leaves = jax.tree.map(
       lambda matrix: optax.MaskedNode() if matrix is None else matrix,
-      matrices, is_leaf=_is_matrix)
+      matrices, is_leaf=is_entry)
   dimension_numbers = jax.tree.map(
       lambda matrix: MuonDimensionNumbers(*matrix), muon_leaves,
       is_leaf=lambda leaf: isinstance(leaf, Matrix))

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from configs import lm_stdlib
-from model.matrices import Matrix, hidden_matrices
+from model.matrices import Matrix, hidden_matrices, is_entry
 from tests.helpers.declared_params import boxed_params, small
 from train.base.train_config import TrainConfig
 from train.program import optim
@@ -158,8 +158,7 @@ def test_muon_orthogonalises_each_matrix_and_adamw_the_rest_elementwise():
   params = jax.tree.map(jnp.ones_like, params)
   state = optimizer.init(params)
   update = jax.jit(optimizer.update)
-  matrices = jax.tree.leaves(hidden_matrices(boxed), is_leaf=lambda leaf: (
-      leaf is None or isinstance(leaf, Matrix)))
+  matrices = jax.tree.leaves(hidden_matrices(boxed), is_leaf=is_entry)
   beta, (b1, b2) = config.muon_momentum, (config.adam_b1, config.adam_b2)
   first = [np.zeros(leaf.shape) for leaf in leaves]  # Momenta, Adam's m.
   second = [np.zeros(leaf.shape) for leaf in leaves]  # Adam's v.
