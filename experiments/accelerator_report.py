@@ -6,7 +6,7 @@ elementwise), training throughput against stock Flax (GPT-2 small at
 batch 8 and 32 on an accelerator), and attention against sequence length.
 
   python -m experiments.accelerator_report --out=DIR [--budget_s=450] \
-      [--data_dir=~/tensorflow_datasets]
+      [--data_dir=~/tensorflow_datasets] [--parts=main_job,profile]
 
 Each part runs in a process of its own, bounded in time, so that a hang, a
 crash or an out-of-memory loses only that one; it writes under DIR/<part>/
@@ -23,7 +23,7 @@ its status (with the end of its stderr if it failed or timed out) and the
 tables it wrote. Prints its path.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 import functools
 import glob
 import importlib.metadata
@@ -296,21 +296,36 @@ def _section(part: Part, status: str) -> str:
           f'Status: {status}\n\n{markdown}\n')
 
 
+def chosen(parts: list[Part], names: Sequence[str]) -> list[Part]:
+  """The parts named in `names` (all of them if it is empty), in their
+  order; a name that is not a part's is refused."""
+  known = [part.name for part in parts]
+  unknown = [name for name in names if name not in known]
+  if unknown:
+    raise InputError(f'--parts: no part {", ".join(unknown)} on this '
+                     f'backend; its parts are {", ".join(known)}.')
+  return [part for part in parts if not names or part.name in names]
+
+
 def run(out: str, *, budget_s: float, data_dir: str,
-        parts: list[Part] | None = None, probe_argv: list[str] = PROBE) -> str:
-  """Runs the parts (default_parts for the backend present, unless given)
-  within `budget_s`; writes OUT/report.md and returns its path."""
+        names: Sequence[str] = (), parts: list[Part] | None = None,
+        probe_argv: list[str] = PROBE) -> str:
+  """Runs the parts named in `names` (all if none) of `parts`
+  (default_parts for the backend present, unless given) within `budget_s`;
+  writes OUT/report.md and returns its path."""
   if budget_s <= RESERVE_S:
     raise InputError(f'--budget_s={budget_s:g} must be more than the '
                      f'{RESERVE_S} s kept for ending a part and writing.')
   start = time.monotonic()
   deadline = start + budget_s - RESERVE_S
-  os.makedirs(out, exist_ok=True)
   machine = probe(probe_argv, min(PROBE_TIMEOUT_S, deadline - start))
   if parts is None:
     parts = default_parts(out, machine['backend'], data_dir)
+  parts = chosen(parts, names)
+  os.makedirs(out, exist_ok=True)
   header = _header(machine, 'python -m experiments.accelerator_report '
-                   f'--out={out} --budget_s={budget_s:g} --data_dir={data_dir}')
+                   f'--out={out} --budget_s={budget_s:g} --data_dir={data_dir}'
+                   + (f' --parts={",".join(names)}' if names else ''))
   path, sections = os.path.join(out, 'report.md'), []
 
   def write(*footer: str) -> None:
@@ -332,7 +347,8 @@ def run(out: str, *, budget_s: float, data_dir: str,
 
 def main(argv: list[str]) -> None:
   cli.run_main(argv, lambda: print(run(
-      FLAGS.out, budget_s=FLAGS.budget_s, data_dir=FLAGS.data_dir)))
+      FLAGS.out, budget_s=FLAGS.budget_s, data_dir=FLAGS.data_dir,
+      names=FLAGS.parts)))
 
 
 def _define_flags() -> None:
@@ -343,6 +359,8 @@ def _define_flags() -> None:
   flags.DEFINE_string('data_dir', lm_stdlib.get_config().data_dir,
                       'The dataset\'s directory, forwarded as '
                       '--config.data_dir.')
+  flags.DEFINE_list('parts', [], 'The parts to run, by name (e.g. '
+                    'main_job,profile); all of them if none.')
   flags.mark_flag_as_required('out')
 
 

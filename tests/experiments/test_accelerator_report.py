@@ -112,6 +112,25 @@ def test_a_budget_without_time_for_parts_is_refused(tmp_path):
                            parts=[], probe_argv=PROBE)
 
 
+def test_parts_run_by_name_and_an_unknown_one_is_refused(tmp_path):
+  out = str(tmp_path / 'out')
+  with pytest.raises(InputError, match='--parts: no part nap, profile on '
+                     'this backend; its parts are writer, sleeper, failer'):
+    accelerator_report.run(out, budget_s=BUDGET_S, data_dir='/data',
+                           names=['writer', 'nap', 'profile'],
+                           parts=stand_in_parts(out), probe_argv=PROBE)
+  assert not os.path.exists(out)
+  path = accelerator_report.run(out, budget_s=BUDGET_S, data_dir='/data',
+                                names=['failer', 'writer'],
+                                parts=stand_in_parts(out), probe_argv=PROBE)
+  with open(path) as f:
+    text = f.read()
+  assert '--parts=failer,writer`' in text
+  # In the parts' own order, the others not run.
+  assert text.index('## writer') < text.index('## failer')
+  assert '## sleeper' not in text
+
+
 @pytest.mark.core
 def test_throughput_leaves_out_the_first_interval(tmp_path):
   lines = [{'step': 50, 'steps_per_s': 1.0, 'tokens_per_s': 100.0},
