@@ -27,17 +27,19 @@ wait for the other devices' threads.
 
 Writes DIR/profile.md (the command, the machine, the config, then the
 tables), the tables alone in DIR/kinds.{md,csv}, DIR/kernels.{md,csv} and
-DIR/host.{md,csv}, and prints the report:
+DIR/host.{md,csv}, the compiled programs' text in DIR/hlo/<module>.txt, and
+prints the report:
   - step time: the window over the measured steps;
   - device busy: the union of each device's op intervals in the window over
     the window (ops overlapping on several streams or threads counted
     once), averaged over the devices;
   - kinds: device time by what the ops do (attention, matmuls, readout and
-    loss, optimizer, collectives, elementwise, outside the step), per step
-    and per device, self time; each op's kind is read from the compiled
-    train step's text (its opcode, what a fusion holds, and the name scope
-    its op name passes through: see `op_kinds`), which the trainer hands
-    over as it compiles;
+    loss, optimizer, collectives, elementwise, in the step but
+    unidentified, outside the step), per step and per device, self time;
+    each op's kind is read from the compiled train step's text (its
+    opcode, what a fusion holds, and the name scope its op name passes
+    through: see `op_kinds`), which the trainer hands over as it compiles;
+    a library's kernel in a GPU command buffer names no instruction;
   - kernels: device time by kernel, numeric suffixes stripped so that
     fusion.1 and fusion.2 are one row, per step and per device, self time
     (an op inside another, as a loop body inside its while, counts once);
@@ -79,8 +81,11 @@ HOST_COLUMNS = ('name', 'count_per_step', 'ms_per_step', 'self_ms_per_step')
 KIND_COLUMNS = ('kind', 'count_per_step', 'ms_per_step', 'share')
 # What a device op does, by its HLO instruction in the compiled train step
 # (see `op_kinds`), in the order the table lists them.
+# A kernel of the step that no instruction is named after: a library's
+# (cuBLAS's, a Pallas kernel's) inside a GPU command buffer.
+UNIDENTIFIED = 'in the step, unidentified'
 KINDS = ('attention', 'matmuls', 'readout and loss', 'optimizer',
-         'collectives', 'elementwise', 'outside the step')
+         'collectives', 'elementwise', UNIDENTIFIED, 'outside the step')
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
                'ragged-all-to-all', 'collective-permute',
                'collective-broadcast')
@@ -295,8 +300,7 @@ def op_kinds(text: str) -> dict[tuple[str, str], str]:
   module, computations = _parse_hlo(text)
   # A fusion's computation runs inside its op. Every other computation's
   # instructions may run as ops: a while loop's body, and on a GPU a
-  # command buffer's (`call`) which XLA runs op by op while profiling
-  # (--xla_enable_command_buffers_during_profiling is off by default).
+  # command buffer's (`call`), where XLA writes one into the program.
   inside = {instruction.calls for body in computations.values()
             for instruction in body.values()
             if instruction.opcode == 'fusion'}
@@ -382,16 +386,18 @@ def kind_rows(ops: Iterable[Op], window: tuple[float, float],
   op whose trace names no program is looked up in the one program, if
   only one was compiled."""
   programs = {program for program, _ in kinds}
-  alone = programs.pop() if len(programs) == 1 else None
+  alone = next(iter(programs)) if len(programs) == 1 else None
 
   def kind(op: Op) -> str:
     program = op.program or alone
-    # A GPU kernel without an hlo_op stat is named after its instruction,
-    # fusion.12 as fusion_12.
-    for name in (op.instruction, re.sub(r'_(\d+)$', r'.\1', op.instruction)):
+    # A GPU kernel is named after its instruction (fusion.12 as fusion_12);
+    # its hlo_op stat names the instruction too, except in a command
+    # buffer (a CUDA graph), where it names the buffer (command_buffer_1).
+    for name in (op.instruction, op.name,
+                 re.sub(r'_(\d+)$', r'.\1', op.name)):
       if (program, name) in kinds:
         return kinds[program, name]
-    return 'outside the step'
+    return UNIDENTIFIED if op.program in programs else 'outside the step'
 
   counts, times = _self_time_by(ops, window, kind)
   total = sum(times.values()) or 1.0
@@ -453,6 +459,17 @@ def trace_file(directory: str) -> str:
   return paths[0]
 
 
+def _save_hlo(text: str, workdir: str) -> str:
+  """Writes a compiled program's text to workdir/hlo/<its module>.txt
+  (where a kernel's instruction is looked up); returns the text."""
+  os.makedirs(os.path.join(workdir, 'hlo'), exist_ok=True)
+  header = _HEADER.search(text)
+  module = header.group(1) if header else 'program'
+  with open(os.path.join(workdir, 'hlo', f'{module}.txt'), 'w') as f:
+    f.write(text)
+  return text
+
+
 def run(config: ml_collections.ConfigDict, workdir: str, *, steps: int,
         warmup: int, config_path: str = '', command: str = '') -> dict:
   """Profiles `steps` training steps of `config` after `warmup` in
@@ -471,7 +488,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, steps: int,
           f'{per_call}: the window starts and ends with a call.')
   run_dir = os.path.join(workdir, 'run')
   trace_dir = os.path.join(workdir, 'trace')
-  for directory in (run_dir, trace_dir):
+  for directory in (run_dir, trace_dir, os.path.join(workdir, 'hlo')):
     shutil.rmtree(directory, ignore_errors=True)
   # The Python tracer (on by default) records every Python call: a trace
   # hundreds of times larger, and steps it slows down.
@@ -485,7 +502,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, steps: int,
         common.timed_run_config(config, num_train_steps=total,
                                 log_every=total), run_dir,
         on_compiled=lambda compiled: kinds.update(
-            op_kinds(compiled.as_text())))
+            op_kinds(_save_hlo(compiled.as_text(), workdir))))
   path = trace_file(trace_dir)
   result = summarize(read_trace(jax.profiler.ProfileData.from_file(path)),
                      warmup=warmup, num_steps=steps, kinds=kinds)

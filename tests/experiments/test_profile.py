@@ -214,14 +214,21 @@ def test_kind_rows_add_self_time_by_kind():
          profile.Op('d1', 'u', 'fusion_12', 'jit_step', 0, 2, 'fusion_12'),
          profile.Op('d1', 'u', 'all-reduce.3', 'jit_step', 2, 3,
                     'all-reduce.3'),
-         profile.Op('d1', 'v', 'MemcpyH2D', '', 0, 4, 'MemcpyH2D')]
+         profile.Op('d1', 'v', 'MemcpyH2D', '', 0, 4, 'MemcpyH2D'),
+         # In a command buffer, hlo_op names the buffer: the kernel's name
+         # says the instruction, unless it is a library's.
+         profile.Op('d1', 'w', 'fusion_12', 'jit_step', 0, 1,
+                    'command_buffer_1'),
+         profile.Op('d1', 'w', 'sm90_xmma_gemm_f32f32', 'jit_step', 1, 4,
+                    'command_buffer_1')]
   rows = profile.kind_rows(ops, (0, 10), num_steps=1, num_devices=2,
                            kinds=kinds)
   assert [(row['kind'], row['count_per_step'], row['ms_per_step'])
           for row in rows] == [
-              ('matmuls', 1.0, pytest.approx(6e-6 / 2)),
+              ('matmuls', 1.5, pytest.approx(7e-6 / 2)),
               ('collectives', 0.5, pytest.approx(1e-6 / 2)),
               ('elementwise', 0.5, pytest.approx(6e-6 / 2)),
+              (profile.UNIDENTIFIED, 0.5, pytest.approx(3e-6 / 2)),
               ('outside the step', 0.5, pytest.approx(4e-6 / 2))]
   assert sum(row['share'] for row in rows) == pytest.approx(1.0)
 

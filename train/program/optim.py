@@ -7,10 +7,10 @@ import math
 import jax
 import jax.numpy as jnp
 import optax
-from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from model.matrices import Matrix, hidden_matrices, is_entry
 from model.weight_decay import decay_mask
+from train.program.muon import scale_by_muon
 from train.base.train_config import TrainConfig
 
 
@@ -157,7 +157,8 @@ def _muon(config: TrainConfig, schedule: optax.Schedule, boxed_params
           ) -> optax.GradientTransformation:
   """Muon (Jordan et al. 2024) on the hidden matrices (model/matrices.py),
   AdamW on every other parameter. A matrix's update is its Nesterov
-  momentum orthogonalised by five Newton-Schulz steps (optax's), times
+  momentum orthogonalised by five Newton-Schulz steps (train/program/
+  muon.py: optax's arithmetic, each shape's matrices batched), times
   sqrt(max(1, outputs / inputs)), plus weight decay, times the schedule
   scaled to peak at `muon_learning_rate`."""
   matrices = hidden_matrices(boxed_params)
@@ -168,14 +169,10 @@ def _muon(config: TrainConfig, schedule: optax.Schedule, boxed_params
   muon_leaves = jax.tree.map(
       lambda matrix: optax.MaskedNode() if matrix is None else matrix,
       matrices, is_leaf=is_entry)
-  dimension_numbers = jax.tree.map(
-      lambda matrix: MuonDimensionNumbers(*matrix), muon_leaves,
-      is_leaf=lambda leaf: isinstance(leaf, Matrix))
   ratio = config.muon_learning_rate / config.learning_rate
   return optax.partition({
       'muon': optax.chain(
-          scale_by_muon(beta=config.muon_momentum, nesterov=True,
-                        weight_dimension_numbers=dimension_numbers),
+          scale_by_muon(muon_leaves, beta=config.muon_momentum),
           scale_by_width(muon_leaves),
           optax.add_decayed_weights(config.weight_decay),
           optax.scale_by_learning_rate(lambda count: ratio * schedule(count))),

@@ -15,7 +15,7 @@ from configs import lm_stdlib
 from model.matrices import Matrix, hidden_matrices, is_entry
 from tests.helpers.declared_params import boxed_params, small
 from train.base.train_config import TrainConfig
-from train.program import optim
+from train.program import muon, optim
 
 
 def _config(**overrides):
@@ -196,3 +196,21 @@ def test_muon_orthogonalises_each_matrix_and_adamw_the_rest_elementwise():
       assert np.abs(after[before > 0.02] - 1).max() < 0.35, name
   assert kinds == {Matrix((0,), (1, 2)), Matrix((0, 1), (2,)),
                    Matrix((0,), (1,)), Matrix((1,), (2,))}
+
+
+def test_muon_orthogonalises_the_matrices_of_one_shape_in_one_batch():
+  """A matmul count independent of depth: each Newton-Schulz step is three
+  matmuls per shape of matrix (turned to no more rows than columns), not
+  per matrix, so that a GPU runs a few batched kernels, not hundreds."""
+  config = TrainConfig(optimizer='muon', grad_clip_norm=0.0)
+  for layers in (1, 3):
+    boxed = boxed_params(small(num_layers=layers))
+    params = nn.meta.unbox(boxed)
+    optimizer, _ = optim.make_optimizer(config, boxed)
+    hlo = jax.jit(optimizer.update).lower(
+        params, optimizer.init(params), params).as_text()
+    shapes = {tuple(sorted((math.prod(leaf.shape[a] for a in m.reduction_axis),
+                            math.prod(leaf.shape[a] for a in m.output_axis))))
+              for leaf, m in zip(jax.tree.leaves(params), jax.tree.leaves(
+                  hidden_matrices(boxed), is_leaf=is_entry)) if m}
+    assert hlo.count('dot_general') == 3 * muon.NS_STEPS * len(shapes), layers

@@ -1,0 +1,122 @@
+"""Muon's direction (Jordan et al. 2024) for the hidden matrices: Nesterov
+momentum, orthogonalised by Newton-Schulz steps, with every matrix of one
+shape orthogonalised in one batched iteration.
+
+A model's hidden matrices come in a few shapes (attention's [D, H * K] and
+[H * K, D], the MLP's [D, F] and [F, D], each expert's). Orthogonalised
+one by one, as optax's scale_by_muon does, each costs its own fifteen
+small matmuls: about 400 kernels a step for a 4-layer model, which on a
+GPU leave it waiting on launches (the H200 report under
+experiments/results/accelerator_report/). Here each matrix is flattened to
+[inputs, outputs] (model/matrices.py's Matrix) and turned to have no more
+rows than columns (the iteration commutes with transposition), those of
+one shape are stacked, and the iteration (optax's arithmetic) runs once
+per shape on the stack: a handful of batched matmuls.
+"""
+
+from collections import defaultdict
+import itertools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from model.matrices import Matrix
+
+# The quintic's coefficients (a, b, c) and step count of optax's
+# scale_by_muon: X <- a X + b (X X^T) X + c (X X^T)^2 X.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+
+
+class MuonState(NamedTuple):
+  """The step count and each matrix's momentum."""
+  count: jax.Array  # int32 [].
+  mu: optax.Updates
+
+
+def _order(ndim: int, matrix: Matrix) -> list[int]:
+  """A parameter's axes as [stacking axes, inputs, outputs]."""
+  flat = matrix.reduction_axis + matrix.output_axis
+  return ([axis for axis in range(ndim) if axis not in flat]
+          + list(matrix.reduction_axis) + list(matrix.output_axis))
+
+
+def _flatten(x: jax.Array, matrix: Matrix) -> jax.Array:
+  """`x` as [stacked matrices, inputs, outputs]."""
+  inputs = math.prod(x.shape[axis] for axis in matrix.reduction_axis)
+  outputs = math.prod(x.shape[axis] for axis in matrix.output_axis)
+  return x.transpose(_order(x.ndim, matrix)).reshape(-1, inputs, outputs)
+
+
+def _unflatten(y: jax.Array, like: jax.Array, matrix: Matrix) -> jax.Array:
+  """`_flatten`'s inverse: `y` [stacked, inputs, outputs] in the layout of
+  `like`."""
+  order = _order(like.ndim, matrix)
+  return y.reshape([like.shape[axis] for axis in order]).transpose(
+      [order.index(axis) for axis in range(like.ndim)])
+
+
+def newton_schulz(x: jax.Array, *, steps: int = NS_STEPS,
+                  eps: float = 1e-8) -> jax.Array:
+  """x [matrices, rows, columns] (rows <= columns), each matrix divided
+  by its Frobenius norm, then `steps` quintic Newton-Schulz steps: an
+  approximation of U V^T for X = U S V^T whose singular values land
+  roughly in [0.7, 1.2] (Jordan et al. 2024)."""
+  a, b, c = NS_COEFFICIENTS
+  x = x / (jnp.sqrt(jnp.sum(x * x, axis=(1, 2), keepdims=True)) + eps)
+  for _ in range(steps):
+    gram = x @ x.mT
+    x = a * x + (b * gram + c * gram @ gram) @ x
+  return x
+
+
+def orthogonalise(updates: list[jax.Array], matrices: list[Matrix]
+                  ) -> list[jax.Array]:
+  """Each update's matrices (as `matrices` says) replaced by
+  `newton_schulz` of them, all matrices of one shape and dtype in one
+  batched iteration."""
+  # (rows, columns, dtype): [(index, wide, whether it was turned)].
+  groups = defaultdict(list)
+  for index, (update, matrix) in enumerate(zip(updates, matrices)):
+    flat = _flatten(update, matrix)
+    # No more rows than columns, so that X X^T is the smaller Gram matrix;
+    # the iteration commutes with transposition.
+    tall = flat.shape[1] > flat.shape[2]
+    wide = flat.mT if tall else flat
+    groups[wide.shape[1:] + (wide.dtype,)].append((index, wide, tall))
+  result = [None] * len(updates)
+  for members in groups.values():
+    done = newton_schulz(jnp.concatenate([wide for _, wide, _ in members]))
+    ends = list(itertools.accumulate(wide.shape[0] for _, wide, _ in members))
+    for (index, _, tall), part in zip(members, jnp.split(done, ends[:-1])):
+      result[index] = _unflatten(part.mT if tall else part, updates[index],
+                                 matrices[index])
+  return result
+
+
+def scale_by_muon(matrices, *, beta: float) -> optax.GradientTransformation:
+  """Muon's direction for each update: its Nesterov momentum (optax's
+  bias-corrected form) orthogonalised (`orthogonalise`). `matrices`: the
+  Matrix of each leaf the updates hold (optax.MaskedNode elsewhere)."""
+  is_matrix = lambda leaf: isinstance(leaf, Matrix)
+
+  def init_fn(params):
+    return MuonState(jnp.zeros([], jnp.int32), optax.tree.zeros_like(params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+    count = optax.safe_increment(state.count)
+    nesterov = jax.tree.map(
+        lambda m, g: beta * m + (1 - beta) * g,
+        optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+        optax.tree.bias_correction(updates, beta, count))
+    leaves, structure = jax.tree.flatten(nesterov)
+    directions = orthogonalise(
+        leaves, jax.tree.leaves(matrices, is_leaf=is_matrix))
+    return structure.unflatten(directions), MuonState(count, mu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
