@@ -382,9 +382,11 @@ def kind_rows(ops: Iterable[Op], window: tuple[float, float],
   """Device self time by kind (KINDS) in the window, in KINDS' order: count
   and ms per step and per device, and share of all the ops' time. `kinds`:
   {(program, instruction): kind} of the train step's programs (`op_kinds`);
-  any other op (a transfer, another program's) is 'outside the step'. An
-  op whose trace names no program is looked up in the one program, if
-  only one was compiled."""
+  an op of one of them that names no instruction of it (a library's
+  kernel in a command buffer: cuBLAS's, a Pallas kernel's, a memset) is
+  UNIDENTIFIED, and any other op (a transfer, another program's) 'outside
+  the step'. An op whose trace names no program is looked up in the one
+  program, if only one was compiled."""
   programs = {program for program, _ in kinds}
   alone = next(iter(programs)) if len(programs) == 1 else None
 

@@ -173,6 +173,8 @@ def test_profile_of_a_tiny_run(data_dir, tmp_path):
   assert '2 steps measured after 1' in report
   assert '| kernel | program |' in report and '| name |' in report
   assert '| kind | count_per_step |' in report
+  with open(os.path.join(workdir, 'hlo', 'jit_train_step.txt')) as f:
+    assert f.readline().startswith('HloModule jit_train_step')
 
 
 @pytest.mark.core
@@ -234,7 +236,7 @@ def test_kind_rows_add_self_time_by_kind():
 
 
 # A GPU program's text, cut down: a command buffer called from the entry
-# (XLA runs its kernels one by one while profiling), an async all-reduce
+# (as XLA versions that write one into the program do), an async all-reduce
 # with its reducer, a fusion in the optimizer's scope, and names with and
 # without XLA's '%'.
 GPU_HLO = '''HloModule jit_train_step, entry_computation_layout={(bf16[8,8]{1,0})->(f32[8,8]{1,0}, /*index=1*/f32[8,8]{1,0})}

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from configs import grid, lm_stdlib
+from configs import grid, lm_ablation, lm_stdlib
 from experiments import common, study, sweep, trials
 from tests.helpers import REPO
 from tests.helpers.tiny_runs import TINY_LISTOPS
@@ -161,7 +161,9 @@ def test_the_speedrun_search_and_its_ablation_are_valid():
       'eval_bits_per_byte', 'min')
   ablation = str(REPO / 'configs' / 'lm_ablation.py')
   rows = trials.load_sweep(ablation)
-  assert rows[0] == {} and [len(row) for row in rows[1:]] == [1] * len(
+  options = rows[1:-len(lm_ablation.SEEDS)]
+  assert rows[0] == {} and [len(row) for row in options] == [1] * len(
       lm_stdlib.OPTIONS)
-  assert [key for row in rows[1:] for key in row] == list(lm_stdlib.OPTIONS)
+  assert [key for row in options for key in row] == list(lm_stdlib.OPTIONS)
+  assert rows[len(options) + 1:] == [{'seed': s} for s in lm_ablation.SEEDS]
   trials.check_trials(ablation, rows, {}, None, None)

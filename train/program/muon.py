@@ -32,9 +32,11 @@ NS_STEPS = 5
 
 
 class MuonState(NamedTuple):
-  """The step count and each matrix's momentum."""
+  """The step count, each matrix's momentum and the quintic's coefficients
+  (the fields of optax's MuonState, whose checkpoints therefore restore)."""
   count: jax.Array  # int32 [].
   mu: optax.Updates
+  ns_coeffs: jax.Array  # float32 [3]: NS_COEFFICIENTS.
 
 
 def _order(ndim: int, matrix: Matrix) -> list[int]:
@@ -59,13 +61,14 @@ def _unflatten(y: jax.Array, like: jax.Array, matrix: Matrix) -> jax.Array:
       [order.index(axis) for axis in range(like.ndim)])
 
 
-def newton_schulz(x: jax.Array, *, steps: int = NS_STEPS,
-                  eps: float = 1e-8) -> jax.Array:
+def newton_schulz(x: jax.Array, coefficients: jax.Array, *,
+                  steps: int = NS_STEPS, eps: float = 1e-8) -> jax.Array:
   """x [matrices, rows, columns] (rows <= columns), each matrix divided
-  by its Frobenius norm, then `steps` quintic Newton-Schulz steps: an
-  approximation of U V^T for X = U S V^T whose singular values land
-  roughly in [0.7, 1.2] (Jordan et al. 2024)."""
-  a, b, c = NS_COEFFICIENTS
+  by its Frobenius norm, then `steps` quintic Newton-Schulz steps with
+  `coefficients` [3] (a, b, c): an approximation of U V^T for
+  X = U S V^T whose singular values land roughly in [0.7, 1.2] (Jordan
+  et al. 2024)."""
+  a, b, c = coefficients.astype(x.dtype)
   x = x / (jnp.sqrt(jnp.sum(x * x, axis=(1, 2), keepdims=True)) + eps)
   for _ in range(steps):
     gram = x @ x.mT
@@ -73,14 +76,15 @@ def newton_schulz(x: jax.Array, *, steps: int = NS_STEPS,
   return x
 
 
-def orthogonalise(updates: list[jax.Array], matrices: list[Matrix]
-                  ) -> list[jax.Array]:
+def orthogonalise(updates: list[jax.Array], matrices: list[Matrix],
+                  coefficients: jax.Array) -> list[jax.Array]:
   """Each update's matrices (as `matrices` says) replaced by
   `newton_schulz` of them, all matrices of one shape and dtype in one
   batched iteration."""
   # (rows, columns, dtype): [(index, wide, whether it was turned)].
   groups = defaultdict(list)
-  for index, (update, matrix) in enumerate(zip(updates, matrices)):
+  for index, (update, matrix) in enumerate(zip(updates, matrices,
+                                               strict=True)):
     flat = _flatten(update, matrix)
     # No more rows than columns, so that X X^T is the smaller Gram matrix;
     # the iteration commutes with transposition.
@@ -89,7 +93,8 @@ def orthogonalise(updates: list[jax.Array], matrices: list[Matrix]
     groups[wide.shape[1:] + (wide.dtype,)].append((index, wide, tall))
   result = [None] * len(updates)
   for members in groups.values():
-    done = newton_schulz(jnp.concatenate([wide for _, wide, _ in members]))
+    done = newton_schulz(jnp.concatenate([wide for _, wide, _ in members]),
+                         coefficients)
     ends = list(itertools.accumulate(wide.shape[0] for _, wide, _ in members))
     for (index, _, tall), part in zip(members, jnp.split(done, ends[:-1])):
       result[index] = _unflatten(part.mT if tall else part, updates[index],
@@ -104,7 +109,8 @@ def scale_by_muon(matrices, *, beta: float) -> optax.GradientTransformation:
   is_matrix = lambda leaf: isinstance(leaf, Matrix)
 
   def init_fn(params):
-    return MuonState(jnp.zeros([], jnp.int32), optax.tree.zeros_like(params))
+    return MuonState(jnp.zeros([], jnp.int32), optax.tree.zeros_like(params),
+                     jnp.asarray(NS_COEFFICIENTS))
 
   def update_fn(updates, state, params=None):
     del params
@@ -116,7 +122,8 @@ def scale_by_muon(matrices, *, beta: float) -> optax.GradientTransformation:
         optax.tree.bias_correction(updates, beta, count))
     leaves, structure = jax.tree.flatten(nesterov)
     directions = orthogonalise(
-        leaves, jax.tree.leaves(matrices, is_leaf=is_matrix))
-    return structure.unflatten(directions), MuonState(count, mu)
+        leaves, jax.tree.leaves(matrices, is_leaf=is_matrix), state.ns_coeffs)
+    return (structure.unflatten(directions),
+            MuonState(count, mu, state.ns_coeffs))
 
   return optax.GradientTransformation(init_fn, update_fn)
