@@ -18,7 +18,8 @@ best so far.
 
 Writes DIR/leaderboard.md and DIR/leaderboard.csv (trials sorted by the
 metric of their final evaluation, failures last) and DIR/sweep.png (the
-metric against each swept value).
+metric against each swept value, or, when the trials do not all set the
+same keys, as an ablation's do, each trial's metric by name).
 
 A `get_sweep()` that returns a search space (configs/search.py) runs as a
 study instead (experiments/study.py):
@@ -73,13 +74,35 @@ def leaderboard(records: list[dict], metric: str, mode: str) -> list[dict]:
   return rows
 
 
+def plot_by_trial(points: list[dict], metric: str, path: str) -> None:
+  """Each ranked trial's metric, by name, best at the top; a line at the
+  trial without overrides ('default'), if it ranked."""
+  names = [row['trial'] for row in points][::-1]
+  values = [row[metric] for row in points][::-1]
+  figure, ax = plt.subplots(figsize=(7, 0.8 + 0.35 * len(points)))
+  ax.scatter(values, names)
+  if 'default' in names:
+    ax.axvline(values[names.index('default')], color='tab:gray',
+               linestyle='--', linewidth=1, label='default')
+    ax.legend(fontsize=8)
+  ax.set(xlabel=metric)
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+  plt.close(figure)
+
+
 def plot(rows: list[dict], keys: list[str], metric: str, path: str) -> None:
   """The metric against each swept key, one panel per key, the best trial
   marked; a log axis for values spread over a decade or more, ticks at the
-  values swept (up to 8 of them; integer keys at every value)."""
+  values swept (up to 8 of them; integer keys at every value). Trials that
+  do not all set the same keys (an ablation: each row its own key) are
+  drawn by name instead (`plot_by_trial`)."""
+  points = [row for row in rows if 'rank' in row]
+  if any(key not in row for row in points for key in keys):
+    plot_by_trial(points, metric, path)
+    return
   figure, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.5),
                               squeeze=False)
-  points = [row for row in rows if 'rank' in row]
   for ax, key in zip(axes[0], keys):
     values = [row[key] for row in points]
     ax.scatter(values, [row[metric] for row in points])

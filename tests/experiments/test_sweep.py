@@ -57,6 +57,20 @@ def test_sweep_records_a_failure_and_skips_finished_trials(data_dir,
                                               'failed']
 
 
+@pytest.mark.core
+def test_an_ablations_trials_are_plotted_by_name(tmp_path):
+  """Rows that set different keys (the default, then one key each): no
+  key has a value in every row."""
+  rows = [{'rank': 1, 'trial': 'b=2', 'loss': 1.2, 'b': 2},
+          {'rank': 2, 'trial': 'default', 'loss': 1.3},
+          {'rank': 3, 'trial': 'a=1', 'loss': 1.4, 'a': 1},
+          {'trial': 'a=3', 'status': 'failed', 'a': 3}]
+  path = str(tmp_path / 'sweep.png')
+  sweep.plot(rows, ['a', 'b'], 'loss', path)
+  with open(path, 'rb') as f:
+    assert f.read(4) == PNG
+
+
 def failed_run(command, **kwargs):
   """What a trial's train.train leaves when it fails at once."""
   kwargs['stdout'].write('error: boom\n')
