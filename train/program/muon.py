@@ -5,9 +5,9 @@ shape orthogonalised in one batched iteration.
 A model's hidden matrices come in a few shapes (attention's [D, H * K] and
 [H * K, D], the MLP's [D, F] and [F, D], each expert's). Orthogonalised
 one by one, as optax's scale_by_muon does, each costs its own fifteen
-small matmuls: about 400 kernels a step for a 4-layer model, which on a
-GPU leave it waiting on launches (the H200 report under
-experiments/results/accelerator_report/). Here each matrix is flattened to
+small matmuls: about 360 GEMM kernels a step for `make train`'s 4-layer
+model, which a GPU runs one after another (experiments/results/
+accelerator_report/h200_round_two/). Here each matrix is flattened to
 [inputs, outputs] (model/matrices.py's Matrix) and turned to have no more
 rows than columns (the iteration commutes with transposition), those of
 one shape are stacked, and the iteration (optax's arithmetic) runs once

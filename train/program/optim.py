@@ -10,8 +10,8 @@ import optax
 
 from model.matrices import Matrix, hidden_matrices, is_entry
 from model.weight_decay import decay_mask
-from train.program.muon import scale_by_muon
 from train.base.train_config import TrainConfig
+from train.program.muon import scale_by_muon
 
 
 def wsd_cooldown_steps(config: TrainConfig) -> int:
