@@ -79,11 +79,11 @@ KERNEL_COLUMNS = ('kernel', 'program', 'count_per_step', 'ms_per_step',
                   'share')
 HOST_COLUMNS = ('name', 'count_per_step', 'ms_per_step', 'self_ms_per_step')
 KIND_COLUMNS = ('kind', 'count_per_step', 'ms_per_step', 'share')
-# What a device op does, by its HLO instruction in the compiled train step
-# (see `op_kinds`), in the order the table lists them.
 # A kernel of the step that no instruction is named after: a library's
 # (cuBLAS's, a Pallas kernel's) inside a GPU command buffer.
 UNIDENTIFIED = 'in the step, unidentified'
+# What a device op does, by its HLO instruction in the compiled train step
+# (see `op_kinds`), in the order the table lists them.
 KINDS = ('attention', 'matmuls', 'readout and loss', 'optimizer',
          'collectives', 'elementwise', UNIDENTIFIED, 'outside the step')
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',

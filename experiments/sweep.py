@@ -76,14 +76,15 @@ def leaderboard(records: list[dict], metric: str, mode: str) -> list[dict]:
 
 def plot_by_trial(points: list[dict], metric: str, path: str) -> None:
   """Each ranked trial's metric, by name, best at the top; a line at the
-  trial without overrides ('default'), if it ranked."""
+  trial without overrides, if it ranked."""
   names = [row['trial'] for row in points][::-1]
   values = [row[metric] for row in points][::-1]
   figure, ax = plt.subplots(figsize=(7, 0.8 + 0.35 * len(points)))
   ax.scatter(values, names)
-  if 'default' in names:
-    ax.axvline(values[names.index('default')], color='tab:gray',
-               linestyle='--', linewidth=1, label='default')
+  base = trial_name({})
+  if base in names:
+    ax.axvline(values[names.index(base)], color='tab:gray',
+               linestyle='--', linewidth=1, label=base)
     ax.legend(fontsize=8)
   ax.set(xlabel=metric)
   figure.tight_layout()
