@@ -25,6 +25,7 @@ The rule, read from each parameter's declaration:
   table, vectors) is not.
 """
 
+import math
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -47,6 +48,12 @@ class Matrix(NamedTuple):
 
   reduction_axis: tuple[int, ...]
   output_axis: tuple[int, ...]
+
+  def sizes(self, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(inputs, outputs): the rows and columns of each matrix that a
+    parameter of `shape` stacks."""
+    return (math.prod(shape[axis] for axis in self.reduction_axis),
+            math.prod(shape[axis] for axis in self.output_axis))
 
 
 def _of_names(names: tuple[str | None, ...]) -> Matrix | None:

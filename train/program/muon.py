@@ -16,7 +16,6 @@ per shape on the stack: a handful of batched matmuls.
 
 from collections import defaultdict
 import itertools
-import math
 from typing import NamedTuple
 
 import jax
@@ -48,9 +47,8 @@ def _order(ndim: int, matrix: Matrix) -> list[int]:
 
 def _flatten(x: jax.Array, matrix: Matrix) -> jax.Array:
   """`x` as [stacked matrices, inputs, outputs]."""
-  inputs = math.prod(x.shape[axis] for axis in matrix.reduction_axis)
-  outputs = math.prod(x.shape[axis] for axis in matrix.output_axis)
-  return x.transpose(_order(x.ndim, matrix)).reshape(-1, inputs, outputs)
+  return x.transpose(_order(x.ndim, matrix)).reshape(-1, *matrix.sizes(
+      x.shape))
 
 
 def _unflatten(y: jax.Array, like: jax.Array, matrix: Matrix) -> jax.Array:

@@ -2,7 +2,6 @@
 
 from collections.abc import Callable
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -142,8 +141,7 @@ def scale_by_width(matrices) -> optax.GradientTransformation:
   al. 2024), so that a wide layer's update moves its outputs as much as a
   square one's. `matrices`: the Matrix of each leaf the updates hold."""
   def scale(update, matrix: Matrix):
-    inputs = math.prod(update.shape[axis] for axis in matrix.reduction_axis)
-    outputs = math.prod(update.shape[axis] for axis in matrix.output_axis)
+    inputs, outputs = matrix.sizes(update.shape)
     return update * max(1.0, outputs / inputs) ** 0.5
 
   def update_fn(updates, state, params=None):

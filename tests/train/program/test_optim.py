@@ -210,8 +210,7 @@ def test_muon_orthogonalises_the_matrices_of_one_shape_in_one_batch():
     optimizer, _ = optim.make_optimizer(config, boxed)
     hlo = jax.jit(optimizer.update).lower(
         params, optimizer.init(params), params).as_text()
-    shapes = {tuple(sorted((math.prod(leaf.shape[a] for a in m.reduction_axis),
-                            math.prod(leaf.shape[a] for a in m.output_axis))))
+    shapes = {tuple(sorted(m.sizes(leaf.shape)))
               for leaf, m in zip(jax.tree.leaves(params), jax.tree.leaves(
                   hidden_matrices(boxed), is_leaf=is_entry)) if m}
     counts.append(hlo.count('dot_general'))
