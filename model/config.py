@@ -121,6 +121,9 @@ class ModelConfig:
   mlp_activation: str = 'gelu'
   # Normalisation layer: layernorm or rmsnorm (Zhang & Sennrich 2019).
   norm: str = 'layernorm'
+  # Added to the variance in every normalisation layer (QK-norm's too):
+  # flax's 1e-6 by default; GPT-2 uses 1e-5, Llama 1e-5 or 1e-6.
+  norm_epsilon: float = 1e-6
   # Whether the projections that write to the residual stream (attention's
   # output, the MLP's and each expert's second layer) start at zero, so
   # that a pre-norm block with attention projections starts as the
@@ -167,6 +170,10 @@ class ModelConfig:
   relative_buckets: int = 32
   # rope: the longest wavelength of the rotation frequencies.
   rope_max_wavelength: float = 10_000.0
+  # rope: the fraction of each head's channels that rotate (the first
+  # rope_fraction * head_dim, an even number; GPT-NeoX's rotary_pct); the
+  # others carry no position.
+  rope_fraction: float = 1.0
   # Dropout on the embeddings and on every sublayer's output.
   dropout_rate: float = 0.0
   # Dropout on the attention weights.
@@ -191,6 +198,16 @@ class ModelConfig:
   attention_options: tuple = ()
   # Output projection shares the token embedding matrix (Press & Wolf 2017).
   tie_embeddings: bool = True
+  # Standard deviation of the token embeddings at initialisation: 1 (unit
+  # variance, which scale_tied_readout suits) or, as GPT-2's, 0.02.
+  embedding_init_stddev: float = 1.0
+  # A tied output projection divides the logits by sqrt(d_model), keeping
+  # those of unit-variance embeddings of order one; False reads out x E^T
+  # as GPT-2 does.
+  scale_tied_readout: bool = True
+  # Biases in the attention projections, the MLP's (and experts') layers
+  # and an untied output projection: GPT-2 has them, Llama none.
+  use_bias: bool = True
   # encoder_classifier only: number of classes of the head.
   num_classes: int = 2
   # encoder_classifier only: cls (a learned token prepended to the input)
@@ -268,7 +285,8 @@ class ModelConfig:
       if not isinstance(rate, (int, float)) or not 0.0 <= rate < 1.0:
         fail(f'config.model.{name}={rate!r} must be in [0, 1).')
     for name in ('tie_embeddings', 'attention_projections',
-                 'zero_init_outputs', 'value_residual'):
+                 'zero_init_outputs', 'value_residual', 'scale_tied_readout',
+                 'use_bias'):
       if not isinstance(getattr(self, name), bool):
         fail(f'config.model.{name}={getattr(self, name)!r} must be True or '
              'False.')
@@ -307,6 +325,19 @@ class ModelConfig:
         or self.rope_max_wavelength <= 1):
       fail(f'config.model.rope_max_wavelength={self.rope_max_wavelength!r} '
            'must be a number > 1.')
+    for name in ('norm_epsilon', 'embedding_init_stddev'):
+      value = getattr(self, name)
+      if (isinstance(value, bool) or not isinstance(value, (int, float))
+          or not 0 < value < math.inf):
+        fail(f'config.model.{name}={value!r} must be a finite number > 0.')
+    fraction = self.rope_fraction
+    if (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+        or not 0 < fraction <= 1):
+      fail(f'config.model.rope_fraction={fraction!r} must be in (0, 1].')
+    if fraction != 1 and not scheme.rotation:
+      fail(f'config.model.rope_fraction={fraction!r} is the share of each '
+           'head that rope rotates, and config.model.position='
+           f'{self.position!r} rotates none.')
     if self.head_dim is None:
       if self.d_model % self.num_heads:
         fail(f'config.model.num_heads={self.num_heads} does not divide '
@@ -320,9 +351,12 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       fail(f'config.model.num_kv_heads={self.num_kv_heads} does not divide '
            f'config.model.num_heads={self.num_heads}.')
-    if scheme.rotation and self.head_dim % 2:
+    rotated = self.head_dim * fraction
+    if scheme.rotation and (rotated != round(rotated) or rotated < 2
+                            or round(rotated) % 2):
       fail(f'config.model.position={self.position!r} rotates pairs of '
-           f'channels: config.model.head_dim={self.head_dim} must be even.')
+           'channels: config.model.rope_fraction * config.model.head_dim '
+           f'= {fraction} * {self.head_dim} must be an even whole number.')
     if isinstance(self.attention, str) and ',' in self.attention:
       object.__setattr__(self, 'attention', tuple(
           name.strip() for name in self.attention.split(',')))

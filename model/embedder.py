@@ -42,7 +42,8 @@ class Embedder(nn.Module):
         config.vocab_size, config.d_model, dtype=config.compute_dtype,
         param_dtype=config.weight_dtype,
         embedding_init=nn.with_logical_partitioning(
-            nn.initializers.normal(stddev=1.0), ('vocab', 'embed')))
+            nn.initializers.normal(stddev=config.embedding_init_stddev),
+            ('vocab', 'embed')))
     self.scheme = positions_lib.SCHEMES[config.position]
     self.position_embedding = (self.scheme.embedding(config)
                                if self.scheme.embedding else None)
@@ -85,13 +86,15 @@ class Embedder(nn.Module):
 
   def readout(self, x_BxTxD: Array) -> Readout:
     """The logits of hidden states [B, T, D], not yet computed."""
-    if self.config.tie_embeddings:
-      # x E^T / sqrt(d): the embeddings are initialised with unit variance.
+    config = self.config
+    if config.tie_embeddings:
+      # x E^T, over sqrt(d) for config.scale_tied_readout.
       return Readout(x_BxTxD, self.token_embedding.embedding,
                      weights_spec='vd',
-                     divisor=float(np.sqrt(self.config.d_model)),
-                     compute_dtype=self.config.compute_dtype,
-                     cap=self.config.logit_softcap)
+                     divisor=(float(np.sqrt(config.d_model))
+                              if config.scale_tied_readout else 1.0),
+                     compute_dtype=config.compute_dtype,
+                     cap=config.logit_softcap)
     return self.output_projection(x_BxTxD)
 
   def logits(self, x_BxTxD: Array) -> Array:
@@ -100,8 +103,8 @@ class Embedder(nn.Module):
 
 
 class OutputProjection(nn.Module):
-  """An output projection of its own (untied embeddings): a kernel and a
-  bias, read out as a `Readout`."""
+  """An output projection of its own (untied embeddings): a kernel and,
+  where config.use_bias, a bias, read out as a `Readout`."""
 
   config: ModelConfig
 
@@ -112,8 +115,10 @@ class OutputProjection(nn.Module):
         nn.initializers.xavier_uniform(), ('embed', 'vocab')),
                             (config.d_model, config.vocab_size),
                             config.weight_dtype)
-    bias_V = self.param('bias', undecayed(nn.initializers.zeros, ('vocab',)),
-                        (config.vocab_size,), config.weight_dtype)
+    bias_V = (self.param('bias', undecayed(nn.initializers.zeros,
+                                           ('vocab',)),
+                         (config.vocab_size,), config.weight_dtype)
+              if config.use_bias else None)
     return Readout(x_BxTxD, kernel_DxV, bias_V,
                    compute_dtype=config.compute_dtype,
                    cap=config.logit_softcap)

@@ -27,9 +27,10 @@ ATTENTION_SCOPE = 'attention_core'
 
 
 class Projection(nn.Module):
-  """x @ kernel + bias, contracting the last `num_in` dims of x into the
-  dims `features`; the kernel's dims carry the logical names `axes` (input
-  dims, then output dims) and the bias the output ones.
+  """x @ kernel (+ bias, where config.use_bias), contracting the last
+  `num_in` dims of x into the dims `features`; the kernel's dims carry the
+  logical names `axes` (input dims, then output dims) and the bias the
+  output ones.
 
   Like nn.DenseGeneral, and initialised identically (Xavier over the
   flattened kernel), but its parameters are created at their full shape, so
@@ -56,14 +57,17 @@ class Projection(nn.Module):
     kernel = self.param('kernel', nn.with_logical_partitioning(
         kernel_init, self.axes), in_shape + self.features,
                         self.config.weight_dtype)
+    x, kernel = nn.dtypes.promote_dtype(
+        x, kernel, dtype=self.config.compute_dtype)
+    contract = (tuple(range(x.ndim - self.num_in, x.ndim)),
+                tuple(range(self.num_in)))
+    y = jax.lax.dot_general(x, kernel, (contract, ((), ())))
+    if not self.config.use_bias:
+      return y
     bias = self.param('bias', undecayed(
         nn.initializers.zeros, self.axes[self.num_in:]), self.features,
                       self.config.weight_dtype)
-    x, kernel, bias = nn.dtypes.promote_dtype(
-        x, kernel, bias, dtype=self.config.compute_dtype)
-    contract = (tuple(range(x.ndim - self.num_in, x.ndim)),
-                tuple(range(self.num_in)))
-    return jax.lax.dot_general(x, kernel, (contract, ((), ()))) + bias
+    return y + bias.astype(y.dtype)
 
 
 def _dense(features, axes, config: ModelConfig, name: str,
@@ -138,7 +142,7 @@ class MultiHeadAttention(nn.Module):
     if not self.scheme.rotation:
       return x
     return positions.rotate(x, positions_BxT,
-                            self.scheme.rotation(self.config))
+                            **self.scheme.rotation(self.config))
 
   def __call__(self, inputs_q_BxTxD: Array, inputs_kv_BxSxD: Array | None,
                *, mask: Array | None = None,
@@ -301,7 +305,7 @@ def make_norm(config: ModelConfig, kind: str | None = None,
   the last dim (logical axis `axis`), statistics in float32."""
   scale_init = undecayed(nn.initializers.ones, (axis,))
   common = dict(dtype=config.compute_dtype, param_dtype=config.weight_dtype,
-                scale_init=scale_init)
+                scale_init=scale_init, epsilon=config.norm_epsilon)
   if (kind or config.norm) == 'rmsnorm':
     return nn.RMSNorm(**common)
   return nn.LayerNorm(

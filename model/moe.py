@@ -134,21 +134,24 @@ class MoeMlp(nn.Module):
     def up(name):
       kernel = param(name, (num_experts, width, config.mlp_dim),
                      ('expert', 'embed', 'mlp'), expert_init)
+      hidden_ExRxCxM = jnp.einsum('ercd,edm->ercm', inputs_ExRxCxD,
+                                  kernel.astype(dtype))
+      if not config.use_bias:
+        return hidden_ExRxCxM
       bias = param(f'{name}_bias', (num_experts, config.mlp_dim),
                    ('expert', 'mlp'), nn.initializers.zeros, undecayed)
-      return (jnp.einsum('ercd,edm->ercm', inputs_ExRxCxD,
-                         kernel.astype(dtype))
-              + bias.astype(dtype)[:, None, None])
+      return hidden_ExRxCxM + bias.astype(dtype)[:, None, None]
 
     hidden = activations.hidden(config.mlp_activation, up)
     wo = param('wo', (num_experts, config.mlp_dim, width),
                ('expert', 'mlp', 'embed'),
                nn.initializers.zeros if config.zero_init_outputs
                else expert_init)
-    wo_bias = param('wo_bias', (num_experts, width), ('expert', 'embed'),
-                    nn.initializers.zeros, undecayed)
-    outputs_ExRxCxD = (jnp.einsum('ercm,emd->ercd', hidden, wo.astype(dtype))
-                       + wo_bias.astype(dtype)[:, None, None])
+    outputs_ExRxCxD = jnp.einsum('ercm,emd->ercd', hidden, wo.astype(dtype))
+    if config.use_bias:
+      wo_bias = param('wo_bias', (num_experts, width), ('expert', 'embed'),
+                      nn.initializers.zeros, undecayed)
+      outputs_ExRxCxD = outputs_ExRxCxD + wo_bias.astype(dtype)[:, None, None]
     # Padding tokens of the batch are routed too, and counted in the
     # balance (the groups' padding is not).
     self.sow('moe', 'aux_loss', load_balancing_loss(probs_BxTxE))

@@ -61,24 +61,34 @@ class LearnedPositions(nn.Module):
 
 
 def rotate(x_BxTxNxH: Array, positions_BxT: Array,
-           max_wavelength: float = 10_000.0) -> Array:
-  """Rotary position embedding (Su et al. 2021).
+           max_wavelength: float = 10_000.0, fraction: float = 1.0) -> Array:
+  """Rotary position embedding (Su et al. 2021) of the first R = fraction *
+  H channels of each head; the others pass unchanged (GPT-NeoX's partial
+  rotation).
 
-  Channel pairs (i, i + H/2) rotate by the angle position * max_wavelength
-  ^ (-2i / H), so the dot product of a rotated query and key depends on
+  Channel pairs (i, i + R/2) rotate by the angle position * max_wavelength
+  ^ (-2i / R), so the dot product of a rotated query and key depends on
   their positions only through the difference.
   """
-  half = x_BxTxNxH.shape[-1] // 2
+  rotated_dims = rotated_width(x_BxTxNxH.shape[-1], fraction)
+  half = rotated_dims // 2
   frequencies_F = max_wavelength ** (-jnp.arange(half, dtype=jnp.float32)
                                      / half)
   angles_BxTx1xF = (positions_BxT[..., None, None].astype(jnp.float32)
                     * frequencies_F)
   cos, sin = jnp.cos(angles_BxTx1xF), jnp.sin(angles_BxTx1xF)
   x = x_BxTxNxH.astype(jnp.float32)
-  first, second = x[..., :half], x[..., half:]
+  first, second = x[..., :half], x[..., half:rotated_dims]
   rotated = jnp.concatenate([first * cos - second * sin,
-                             first * sin + second * cos], axis=-1)
+                             first * sin + second * cos,
+                             x[..., rotated_dims:]], axis=-1)
   return rotated.astype(x_BxTxNxH.dtype)
+
+
+def rotated_width(head_dim: int, fraction: float) -> int:
+  """The channels of a head that rope rotates (config.model.rope_fraction
+  of them; ModelConfig checks that this is an even whole number)."""
+  return round(head_dim * fraction)
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -308,7 +318,8 @@ class PositionScheme:
   # The `kind` of its PositionBias: 'alibi' where a fused kernel computes it.
   bias_kind: str = 'function'
   # Rotates self-attention's queries and keys by position (config -> the
-  # largest wavelength).
+  # keyword arguments of `rotate`: the largest wavelength, the fraction of
+  # each head rotated).
   rotation: Callable[[Any], float] | None = None
   # config -> the scale of self-attention's logits, in place of the
   # attention's own.
@@ -392,7 +403,9 @@ SCHEMES: dict[str, PositionScheme] = {scheme.name: scheme for scheme in (
     PositionScheme('relative', bias_layer=_shaw_layer, bias=_shaw_bias),
     PositionScheme('t5_bias', bias_layer=_t5_layer, bias=_t5_bias),
     PositionScheme('rope',
-                   rotation=lambda config: config.rope_max_wavelength),
+                   rotation=lambda config: dict(
+                       max_wavelength=config.rope_max_wavelength,
+                       fraction=config.rope_fraction)),
     PositionScheme('alibi', bias=_alibi_bias, bias_kind='alibi'),
     # Content logits take DeBERTa's scale too.
     PositionScheme('deberta', bias_layer=_deberta_layer, bias=_deberta_bias,

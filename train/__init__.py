@@ -15,7 +15,8 @@ Each room imports only from the rooms listed before it (and from model/):
              compiles, and made a TrainConfig
   run/       a training run: the Program compiled from a checked config,
              the loop, its workdir, checkpoints, preemption and metrics;
-             a finished run reopened
+             a finished run reopened; parameters taken from another run
+             (init_from) or from a published checkpoint (pretrained)
 
 The modules here are the command lines (`python -m train.train`,
 `train.generate`, `train.translate`) and what they share (cli).

@@ -30,6 +30,9 @@ from model.families.encoder_decoder import EncoderDecoder
 from model.families.rnn_attention import RnnAttention
 from model.positions import SCHEMES
 
+# What a key holds when it is not set.
+_DEFAULTS = ModelConfig()
+
 FAMILIES: dict[str, Family] = {family.name: family for family in (
     decoder_lm.FAMILY, encoder_decoder.FAMILY, encoder_classifier.FAMILY,
     rnn_attention.FAMILY)}
@@ -61,8 +64,10 @@ def check(config: ModelConfig) -> None:
     raise ValueError(
         f'config.model.memory_length is for {others(lambda f: f.memory)}, '
         f'not {config.family!r}.')
-  for name in ('zero_init_outputs', 'value_residual'):
-    if getattr(config, name) and not family.feed_forward:
+  for name in ('zero_init_outputs', 'value_residual', 'norm_epsilon',
+               'embedding_init_stddev', 'scale_tied_readout', 'use_bias'):
+    if (getattr(config, name) != getattr(_DEFAULTS, name)
+        and not family.feed_forward):
       raise ValueError(
           f'config.model.{name} is for the Transformer families; '
           f'config.model.family={config.family!r} has no Transformer '

@@ -31,7 +31,7 @@ def by_hand(params, config, x, positions_BxT):
   rotation = positions.SCHEMES['rope'].rotation(config)
   q, k = (positions.rotate(normalised(project(name), params[f'{name}_norm'],
                                       config.qk_norm),
-                           positions_BxT, rotation)
+                           positions_BxT, **rotation)
           for name in ('query', 'key'))
   out = jax.nn.dot_product_attention(q, k, project('value'), is_causal=True)
   return (np.einsum('btnh,nhd->btd', out, params['out']['kernel'])

@@ -54,7 +54,7 @@ def test_a_mixing_layer_attends_with_its_values_mixed_with_the_first_layers():
   want_values = a * project(X_BxTxD, params['value']) + b * first_BxTxKxH
   rotation = positions.SCHEMES['rope'].rotation(CONFIG)
   rotated = lambda name: positions.rotate(
-      project(X_BxTxD, params[name]), POSITIONS_BxT, rotation)
+      project(X_BxTxD, params[name]), POSITIONS_BxT, **rotation)
   attended = jax.nn.dot_product_attention(
       rotated('query'), rotated('key'), want_values, is_causal=True)
   want = (np.einsum('btnh,nhd->btd', attended, params['out']['kernel'])

@@ -82,6 +82,9 @@ class Program:
   batch_sharding: NamedSharding
   # () -> TrainState: fresh, laid out on the mesh.
   init: Callable[[], TrainState]
+  # params -> TrainState: step 0 and a fresh optimizer state with these
+  # parameters (shaped as abstract_state's), laid out on the mesh.
+  start_from: Callable[[Any], TrainState]
   # (state, batch, rng) -> (state, metric sums); the state is donated.
   train_step: Callable[..., tuple[TrainState, dict]]
   # config.steps_per_call > 1: (state, batches [K, B, ...], rng) -> (state,
@@ -211,6 +214,7 @@ def compile_program(config: TrainConfig, task: Task, mesh: Mesh, *,
               leaf.shape, leaf.dtype, sharding=leaf_sharding),
           abstract_state, state_sharding),
       state_sharding=state_sharding, batch_sharding=batch, init=init,
+      start_from=jax.jit(fresh_state, out_shardings=state_sharding),
       train_step=train_step, train_steps=train_steps, stack=stack,
       eval_step=eval_step,
       fresh_memory=jax.jit(empty_memory,

@@ -25,7 +25,7 @@ from train.data import datasets, pipeline
 from train.data.tasks import Task
 from train.decode import decoding, seq2seq_eval, text
 from train.program import flops, optim
-from train.run import checkpointing, metrics, preemption
+from train.run import checkpointing, init_from, metrics, preemption
 from train.run import workdir as workdir_lib
 from train.run.program import Program
 
@@ -258,7 +258,15 @@ def _restore_or_init(program: Program,
   restored = checkpointer.restore_latest(program.abstract_state,
                                         train_iterator)
   if restored is None:
-    return program.init()
+    state = program.init()
+    source = program.config.init_from
+    if source is None:
+      return state
+    transferred, step = init_from.load(source, state.params,
+                                       program.model_config)
+    _say(f'Starting from the parameters of {source} at step {step}: '
+         f'{transferred.summary()}.')
+    return program.start_from(transferred.params)
   latest, state = restored
   _say(f'Resumed from the checkpoint at step {latest}.')
   return state

@@ -8,7 +8,7 @@ import ml_collections
 import pytest
 
 from configs import algorithmic, default, listops, lm1b, lm_stdlib
-from configs import lm_systems, rnn_attention, wmt14_ende
+from configs import lm_systems, published, rnn_attention, wmt14_ende
 from model import attention, families
 from model.attention import options as variant_options
 from tests.helpers import config_overrides
@@ -132,6 +132,8 @@ INVALID = [
     ('label_smoothing', 1.0, 'config.label_smoothing=1.0'),
     ('z_loss', -0.1, 'config.z_loss=-0.1 must be a number in [0.0, 1.0)'),
     ('seed', -1, 'config.seed=-1'),
+    ('init_from', '/nonexistent', "config.init_from='/nonexistent' is not a "
+     "training run's workdir (it has no config.json)"),
     ('log_every', 0, 'config.log_every=0'),
     ('eval_every', -1, 'config.eval_every=-1'),
     ('checkpoint_every', -2, 'config.checkpoint_every=-2'),
@@ -191,6 +193,12 @@ INVALID = [
      'config.model.max_segments_per_row=0 must be a positive integer'),
     ('model.rope_max_wavelength', 1.0, 'config.model.rope_max_wavelength=1.0 '
      'must be a number > 1'),
+    ('model.rope_fraction', 0.5, 'config.model.rope_fraction=0.5 is the '
+     "share of each head that rope rotates, and config.model.position="),
+    ('model.norm_epsilon', 0.0, 'config.model.norm_epsilon=0.0 must be a '
+     'finite number > 0'),
+    ('model.embedding_init_stddev', -1.0, 'config.model.embedding_init_stddev'
+     '=-1.0 must be a finite number > 0'),
     ('model.dropout_rate', 1.0, 'config.model.dropout_rate=1.0'),
     ('model.attention_dropout_rate', -0.1,
      'config.model.attention_dropout_rate=-0.1'),
@@ -295,7 +303,8 @@ INVALID_ELSEWHERE = [
 # line (exit status 2, see tests/train/run/test_trainer.py) as in code.
 TYPE_CHECKED = {'pack_sequences', 'vocab_path', 'distributed',
                 'model.tie_embeddings', 'model.attention_projections',
-                'model.zero_init_outputs', 'model.value_residual'}
+                'model.zero_init_outputs', 'model.value_residual',
+                'model.scale_tied_readout', 'model.use_bias'}
 
 
 # The cases on lm_stdlib start from its baseline, whose sinusoidal positions
@@ -309,7 +318,9 @@ SHIPPED = {'lm_stdlib': lm_stdlib.get_config,
               for system in lm_systems.SYSTEMS},
            'algorithmic': lambda: algorithmic.get_config('task=sort'),
            'listops': listops.get_config, 'lm1b': lm1b.get_config,
-           'wmt14_ende': wmt14_ende.get_config}
+           'wmt14_ende': wmt14_ende.get_config,
+           **{preset: functools.partial(published.get_config, preset)
+              for preset in published.PRESETS}}
 
 
 def base_config(name: str, data_dir: str):

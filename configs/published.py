@@ -1,0 +1,80 @@
+r"""Published architectures, exactly: GPT-2 (Radford et al. 2019) and Llama
+(Touvron et al. 2023), and fine-tuning a checkpoint imported from either.
+
+  python -m train.train --config=configs/published.py:gpt2 --workdir=W
+  python -m train.train --config=configs/published.py:from=workdirs/gpt2 \
+      --config.model.attention=local --workdir=workdirs/gpt2_local
+
+Arguments:
+  gpt2         GPT-2 small's shape (124M parameters with its 50257-token
+               vocabulary): 12 pre-LayerNorm blocks of width 768, 12 heads,
+               learned positions over 1024 tokens, tanh-GELU MLPs of width
+               3072 with biases, LayerNorm epsilon 1e-5, the readout tied to
+               embeddings drawn from N(0, 0.02) without the sqrt(d_model)
+               divisor.
+  llama        a small Llama-2/3 shape: 8 pre-RMSNorm blocks of width 512, 8
+               query and 4 key/value heads (grouped-query), RoPE (theta
+               500000) on whole heads, SwiGLU MLPs of width 1408, no biases,
+               RMSNorm epsilon 1e-5, an untied readout.
+  from=DIR     the config of a run in DIR (one experiments.import_checkpoint wrote,
+               or any training run), starting from its latest checkpoint's
+               parameters (config.init_from=DIR); change what you fine-tune
+               with --config overrides, the attention included.
+
+Both presets train on the config's dataset (python_stdlib_bytes: the
+vocabulary holds its 258 byte ids). Their training keys are those of
+nanoGPT's GPT-2 runs (AdamW at 6e-4, beta2 0.95, weight decay 0.1, cosine
+to a tenth); dropout is 0.
+"""
+
+from configs import default
+from train.run import workdir
+
+PRESETS = {
+    'gpt2': dict(
+        vocab_size=50257, d_model=768, num_layers=12, num_heads=12,
+        mlp_dim=3072, mlp_activation='gelu', norm='layernorm',
+        norm_epsilon=1e-5, norm_position='pre', position='learned',
+        max_len=1024, tie_embeddings=True, embedding_init_stddev=0.02,
+        scale_tied_readout=False, use_bias=True),
+    'llama': dict(
+        vocab_size=32000, d_model=512, num_layers=8, num_heads=8,
+        num_kv_heads=4, mlp_dim=1408, mlp_activation='swiglu',
+        norm='rmsnorm', norm_epsilon=1e-5, norm_position='pre',
+        position='rope', rope_max_wavelength=500_000.0, rope_fraction=1.0,
+        max_len=2048, tie_embeddings=False, embedding_init_stddev=0.02,
+        use_bias=False),
+}
+
+
+def get_config(arg: str = 'gpt2'):
+  """`arg`: a name in PRESETS, or from=DIR (see the module docstring)."""
+  if arg.startswith('from='):
+    run = arg[len('from='):]
+    config = default.get_config()
+    config.update_from_flattened_dict({
+        key: _tuples(value)
+        for key, value in workdir.recorded_config(run).items()})
+    config.init_from = run
+    return config
+  if arg not in PRESETS:
+    raise ValueError(f'configs/published.py takes one of {list(PRESETS)} '
+                     f'or from=DIR, got {arg!r}.')
+  config = default.get_config()
+  config.model.family = 'decoder_lm'
+  config.model.update(PRESETS[arg])
+  config.model.dropout_rate = 0.0
+  config.dataset = 'python_stdlib_bytes'
+  config.seq_len = 1024 if arg == 'gpt2' else 2048
+  config.batch_size = 32
+  config.learning_rate = 6e-4
+  config.adam_b2 = 0.95
+  config.weight_decay = 0.1
+  config.warmup_steps = 100
+  config.schedule = 'cosine'
+  return config
+
+
+def _tuples(value):
+  """JSON's lists (the logical axis rules) as the config's tuples."""
+  return tuple(map(_tuples, value)) if isinstance(value, list) else value

@@ -1,0 +1,120 @@
+r"""Command line: a published checkpoint as a training run's workdir.
+
+  python -m experiments.import_checkpoint --from=DIR --format=hf_gpt2 \
+      --workdir=workdirs/gpt2 [--config=configs/published.py:gpt2 \
+      --config.key=value ...]
+
+Reads a Hugging Face model directory from disk (config.json and
+*.safetensors, as PyTorch's or Flax's save_pretrained wrote them; no
+network): config.json gives config.model's architecture keys
+(train/run/pretrained.py, by --format: hf_gpt2 or hf_llama), the tensors
+its parameters, each shape checked. The config is --config (default: the
+format's preset in configs/published.py) with those keys; the workdir gets
+its config.json and a verified checkpoint of step 0. Then
+
+  python -m train.generate --workdir=workdirs/gpt2 --prompt="def "
+  python -m train.train --config=configs/published.py:from=workdirs/gpt2 \
+      --config.model.attention=local --workdir=workdirs/gpt2_local
+
+sample from it and fine-tune it (with any compatible change: see
+config.init_from). The tokenizer is not imported: the model reads the
+token ids of the config's dataset (python_stdlib_bytes: bytes, ids 2-257),
+which must fit its vocabulary; to read text as the model was trained to,
+prepare a dataset with the model's own tokenizer.
+
+A directory that cannot be read as the format (a file missing, an
+architecture the model cannot express, a tensor of another shape) is one
+line naming it, exit status 2.
+"""
+
+from absl import flags
+import jax
+from ml_collections import config_flags
+import numpy as np
+
+from configs import published
+from train import cli
+from train.base.errors import InputError
+from train.config import validation as config_validation
+from train.data import datasets, pipeline
+from train.run import checkpointing, pretrained
+from train.run import workdir as workdir_lib
+from train.run.program import Program
+
+FLAGS = flags.FLAGS
+
+
+def _check_tree(params, abstract) -> None:
+  """InputError unless `params` has `abstract`'s paths and shapes (what the
+  format's mapping gives is what the model declares)."""
+  flat = lambda tree: {jax.tree_util.keystr(path): leaf for path, leaf in
+                       jax.tree_util.tree_leaves_with_path(tree)}
+  have, want = flat(params), flat(abstract)
+  for path in sorted(have.keys() | want.keys()):
+    if path not in have or path not in want:
+      raise InputError(f'the checkpoint gives no parameter {path}' if
+                       path in want else
+                       f'the model has no parameter {path}')
+    if have[path].shape != want[path].shape:
+      raise InputError(f'parameter {path}: the checkpoint gives '
+                       f'{list(have[path].shape)}, the model declares '
+                       f'{list(want[path].shape)}')
+
+
+def import_checkpoint(source: str, format_name: str, workdir: str,
+                      config=None) -> str:
+  """Writes `workdir` (config.json and the checkpoint of step 0) from the
+  checkpoint in `source`; returns a line saying what it wrote."""
+  keys = pretrained.model_keys(source, format_name)
+  if config is None:
+    config = published.get_config(pretrained.FORMATS[format_name].preset)
+  config.model.update(keys)
+  config.seq_len = min(config.seq_len, keys['max_len'])
+  program = Program.from_config(config, jax.devices()[:1])
+  checked = program.config
+  with workdir_lib.claim(config, workdir):
+    # The dataset's token ids (its tokenizer's) must fit the vocabulary.
+    dataset = datasets.load(checked, workdir)
+    config_validation.check_dataset_fits(checked, dataset)
+    params = pretrained.params(source, format_name, keys)
+    _check_tree(params, program.abstract_state.params)
+    state = program.start_from(jax.tree.map(
+        lambda array, want: np.asarray(array, want.dtype), params,
+        program.abstract_state.params))
+    iterator = pipeline.train_iterator(
+        dataset, seq_len=checked.seq_len, batch_size=checked.batch_size,
+        seed=checked.seed, layout='packed' if checked.pack_sequences
+        else 'padded', max_segments=checked.model.max_segments_per_row,
+        place=program.batch)
+    checkpointer = checkpointing.Checkpointer(
+        workdir, keep=checked.keep_checkpoints)
+    try:
+      checkpointer.save(0, state, iterator)
+    finally:
+      iterator.close()
+      checkpointer.close()
+  return (f'Imported {program.num_params:,} parameters from {source} '
+          f'({format_name}) into {workdir}: its config.json and the '
+          'checkpoint of step 0.')
+
+
+def main(argv: list[str]) -> None:
+  print(cli.run_main(argv, lambda: import_checkpoint(
+      FLAGS['from'].value, FLAGS.format, FLAGS.workdir, FLAGS.config)))
+
+
+def _define_flags() -> None:
+  flags.DEFINE_string('from', None, 'A Hugging Face model directory: '
+                      'config.json and *.safetensors.')
+  flags.DEFINE_enum('format', None, list(pretrained.FORMATS),
+                    'The architecture of the checkpoint.')
+  flags.DEFINE_string('workdir', None, 'The new run\'s workdir.')
+  config_flags.DEFINE_config_file(
+      'config', None, 'The config the run gets (default: the format\'s '
+      'preset in configs/published.py); the checkpoint sets its '
+      'architecture keys.', lock_config=False)
+  flags.mark_flags_as_required(['from', 'format', 'workdir'])
+
+
+if __name__ == '__main__':
+  cli.run(main, _define_flags)

@@ -1,0 +1,243 @@
+"""experiments.import_checkpoint against Hugging Face's own implementations
+(transformers' Flax GPT-2 and Llama, tiny and with random weights, saved
+with save_pretrained to safetensors): logits, greedy text through
+train.generate, cached decoding; bad checkpoints; fine-tuning an import
+with another attention and fewer key/value heads."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+import transformers
+
+from configs import published
+from model.state import Cache
+from train import generate
+from train.base.errors import InputError
+from train.config import validation as config_validation
+from train.data.tokenizers import ByteTokenizer, EOS_ID
+from experiments.import_checkpoint import import_checkpoint
+from train.run import pretrained, trained_run
+from train.run.trainer import train_and_evaluate
+
+# The byte dataset's ids (padding, end of sequence, 256 bytes) are the
+# tiny models' vocabulary.
+VOCAB = 258
+PROMPT = 'def f'
+TOKENS_BxT = jnp.asarray(np.random.RandomState(0).randint(2, VOCAB, (2, 24)))
+
+
+def _reference(name: str):
+  """A tiny Hugging Face model of architecture `name`, every parameter
+  random (biases and norm gains too)."""
+  if name == 'gpt2':
+    model = transformers.FlaxGPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64),
+                                             seed=0)
+  else:
+    # rope_theta stays at 10000: the Flax Llama ignores any other.
+    model = transformers.FlaxLlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
+        max_position_embeddings=64, rms_norm_eps=1e-5), seed=0)
+  leaves, tree = jax.tree.flatten(model.params)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  model.params = jax.tree.unflatten(tree, [
+      leaf + 0.1 * jax.random.normal(key, leaf.shape)
+      for leaf, key in zip(leaves, keys)])
+  return model
+
+
+def _import(name: str, tmp_path, data_dir: str):
+  """(the reference, the directory it was saved in, the imported workdir)."""
+  reference = _reference(name)
+  saved = str(tmp_path / f'hf_{name}')
+  reference.save_pretrained(saved, safe_serialization=True)
+  config = published.get_config(name)
+  config.update(data_dir=data_dir, seq_len=32, batch_size=4)
+  workdir = str(tmp_path / name)
+  import_checkpoint(saved, f'hf_{name}', workdir, config)
+  return reference, saved, workdir
+
+
+@pytest.fixture(scope='module')
+def gpt2(tmp_path_factory, data_dir):
+  return _import('gpt2', tmp_path_factory.mktemp('gpt2'), data_dir)
+
+
+def _relative_error(got, want) -> float:
+  return float(np.abs(np.asarray(got) - np.asarray(want)).max()
+               / np.abs(np.asarray(want)).max())
+
+
+def _check_parity(reference, workdir: str) -> None:
+  """Logits within 1e-5 relative, cached decoding equal to the full pass,
+  and train.generate's greedy text the reference's."""
+  run = trained_run.load(workdir)
+  variables = {'params': run.params}
+  logits, _ = run.model.apply(variables, TOKENS_BxT)
+  assert _relative_error(logits, reference(TOKENS_BxT).logits) < 1e-5
+
+  # The prompt in one call, then one token a call.
+  length = TOKENS_BxT.shape[1]
+  cache = Cache.empty(run.model_config, TOKENS_BxT.shape[0], length)
+  positions = jnp.broadcast_to(jnp.arange(length), TOKENS_BxT.shape)
+  cached, cache = run.model.apply(variables, TOKENS_BxT[:, :8],
+                                  positions[:, :8], cache=cache)
+  steps = [cached]
+  for t in range(8, length):
+    step, cache = run.model.apply(variables, TOKENS_BxT[:, t:t + 1],
+                                  positions[:, t:t + 1], cache=cache)
+    steps.append(step)
+  assert _relative_error(jnp.concatenate(steps, 1), logits) < 1e-5
+
+  [text] = generate.generate(workdir, PROMPT, max_new_tokens=16,
+                             temperature=0.0)
+  prompt_ids = [EOS_ID, *ByteTokenizer().encode(PROMPT)]
+  greedy = np.asarray(reference.generate(
+      jnp.asarray([prompt_ids]), max_new_tokens=16, do_sample=False,
+      eos_token_id=EOS_ID, pad_token_id=0).sequences[0, len(prompt_ids):])
+  ended = np.flatnonzero(greedy == EOS_ID)
+  greedy = greedy[:ended[0]] if ended.size else greedy
+  assert text == ByteTokenizer().decode([*prompt_ids, *greedy])
+
+
+@pytest.mark.slow
+def test_gpt2_equals_the_reference(gpt2):
+  reference, _, workdir = gpt2
+  _check_parity(reference, workdir)
+
+
+@pytest.mark.slow
+def test_llama_equals_the_reference(tmp_path, data_dir):
+  """Grouped-query attention, RoPE, RMSNorm, SwiGLU, no biases, an untied
+  readout."""
+  reference, _, workdir = _import('llama', tmp_path, data_dir)
+  _check_parity(reference, workdir)
+
+
+def test_pytorch_names_read_alike(gpt2, tmp_path):
+  """A checkpoint as PyTorch writes GPT-2 (no 'transformer.' prefix,
+  `.weight` in Conv1D's [in, out] layout, the causal-mask buffers) reads
+  as the same parameters."""
+  _, saved, _ = gpt2
+  renamed = {}
+  for name, array in load_file(os.path.join(saved,
+                                            'model.safetensors')).items():
+    name = name.removeprefix('transformer.')
+    if name.endswith('.kernel'):
+      name, array = name[:-len('kernel')] + 'weight', array.T
+    name = name.replace('.embedding', '.weight').replace('.scale', '.weight')
+    renamed[name] = np.ascontiguousarray(array)
+  renamed['h.0.attn.bias'] = np.tril(np.ones((64, 64), np.float32))
+  torch_dir = tmp_path / 'torch'
+  torch_dir.mkdir()
+  save_file(renamed, str(torch_dir / 'model.safetensors'))
+  shutil.copy(os.path.join(saved, 'config.json'), torch_dir)
+  keys = pretrained.model_keys(saved, 'hf_gpt2')
+  jax.tree.map(np.testing.assert_array_equal,
+               pretrained.params(str(torch_dir), 'hf_gpt2', keys),
+               pretrained.params(saved, 'hf_gpt2', keys))
+
+
+def _damaged(saved: str, target, change: str) -> str:
+  """A copy of the checkpoint in `saved` with one thing wrong."""
+  shutil.copytree(saved, target)
+  config_path = os.path.join(target, 'config.json')
+  with open(config_path) as f:
+    values = json.load(f)
+  tensors_path = os.path.join(target, 'model.safetensors')
+  if change == 'no config.json':
+    os.remove(config_path)
+  elif change == 'no tensors':
+    os.remove(tensors_path)
+  elif change in ('model_type', 'activation_function', 'vocab_size'):
+    values[change] = {'model_type': 'bert', 'vocab_size': 100,
+                      'activation_function': 'relu'}[change]
+  else:
+    tensors = load_file(tensors_path)
+    name = 'transformer.h.1.mlp.c_fc.bias'
+    if change == 'shape':
+      tensors[name] = tensors[name][:-1]
+    elif change == 'missing':
+      del tensors[name]
+    else:
+      tensors['transformer.h.2.mlp.c_fc.bias'] = tensors[name]
+    save_file(tensors, tensors_path)
+  if change != 'no config.json':
+    with open(config_path, 'w') as f:
+      json.dump(values, f)
+  return target
+
+
+BAD = {
+    'no config.json': 'has no config.json',
+    'no tensors': 'holds no *.safetensors file',
+    'model_type': "model_type='bert' is not the architecture",
+    'activation_function': "activation_function='relu' is not supported",
+    'shape': 'h.1.mlp.c_fc.bias has shape [127]; its config.json gives [128]',
+    'missing': 'has no tensor h.1.mlp.c_fc.bias',
+    'extra': 'holds tensors this format does not read (1: h.2.mlp.c_fc.bias)',
+    # The tokenizer's ids (the dataset's) must fit the vocabulary.
+    'vocab_size': 'config.model.vocab_size=100 is smaller than the 258 token',
+}
+
+
+@pytest.mark.parametrize('change', list(BAD))
+def test_bad_checkpoints_are_refused(gpt2, tmp_path, data_dir, change):
+  _, saved, _ = gpt2
+  damaged = _damaged(saved, tmp_path / 'damaged', change)
+  config = published.get_config('gpt2')
+  config.update(data_dir=data_dir, seq_len=32, batch_size=4)
+  with pytest.raises(InputError, match=re.escape(BAD[change])):
+    import_checkpoint(str(damaged), 'hf_gpt2', str(tmp_path / 'w'), config)
+  assert not os.path.exists(tmp_path / 'w' / 'checkpoints')
+
+
+def test_the_command_exits_2_with_one_line(tmp_path):
+  result = subprocess.run(
+      [sys.executable, '-m', 'experiments.import_checkpoint', f'--from={tmp_path}',
+       '--format=hf_llama', f'--workdir={tmp_path / "w"}'],
+      capture_output=True, text=True, check=False)
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.splitlines() == [
+      f'error: --from={tmp_path} has no config.json: it must be a Hugging '
+      'Face model directory.']
+
+
+@pytest.mark.slow
+def test_fine_tuning_with_local_attention_and_fewer_kv_heads(gpt2, tmp_path):
+  """The imported GPT-2 fine-tuned with a banded attention and half its
+  key/value heads (mean-pooled): the loss is finite and falls."""
+  _, _, workdir = gpt2
+  config = published.get_config(f'from={workdir}')
+  config.model.attention = 'local'
+  config.model.attention_options.local.window = 8
+  config.model.num_kv_heads = 2
+  config.update(num_train_steps=8, batch_size=8, log_every=2, eval_every=0,
+                checkpoint_every=0, num_eval_steps=1, learning_rate=3e-3,
+                warmup_steps=1)
+  train_and_evaluate(config, str(tmp_path / 'tuned'))
+  with open(tmp_path / 'tuned' / 'metrics.jsonl') as f:
+    losses = [json.loads(line)['loss'] for line in f
+              if '"loss"' in line]
+  assert np.all(np.isfinite(losses)) and len(losses) == 4
+  assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_the_gpt2_preset_is_gpt2_small():
+  """configs/published.py:gpt2 holds GPT-2 small's 124,439,808 parameters
+  (its published count, learned positions included)."""
+  checked = config_validation.check(published.get_config('gpt2'),
+                                    jax.devices()[:1])
+  sizes = [leaf.value.size for leaf in jax.tree.leaves(
+      checked.param_shapes, is_leaf=lambda leaf: hasattr(leaf, 'value'))]
+  assert sum(sizes) == 124_439_808

@@ -1,0 +1,70 @@
+"""config.init_from's transfer of parameters between model configs."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from model import ModelConfig
+from train.base import train_config
+from train.base.errors import InputError
+from train.run import init_from
+
+SOURCE = ModelConfig(d_model=8, num_heads=4, head_dim=2, num_layers=1,
+                     mlp_dim=16)
+
+
+def _params(kv_heads: int, mlp_dim: int = 16, extra: bool = False):
+  rng = np.random.RandomState(kv_heads)
+  attention = {name: {'kernel': rng.normal(size=(8, kv_heads, 2)),
+                      'bias': rng.normal(size=(kv_heads, 2))}
+               for name in ('key', 'value')}
+  attention['query'] = {'kernel': rng.normal(size=(8, 4, 2))}
+  tree = {'block_0': {'self_attention': attention,
+                      'mlp': {'wi': {'kernel': rng.normal(size=(8, mlp_dim))}}}}
+  if extra:
+    tree['block_0']['self_attention']['relative'] = {
+        'embedding': np.zeros((5, 2))}
+  return jax.tree.map(lambda x: x.astype(np.float32), tree)
+
+
+def test_fewer_kv_heads_are_mean_pooled_groups():
+  """4 -> 2 key/value heads: head j of the target is the mean of source
+  heads 2j and 2j + 1 (the query heads it serves); the rest is copied."""
+  source = _params(4)
+  target = dataclasses.replace(SOURCE, num_kv_heads=2)
+  got = init_from.transfer(source, _params(2, extra=True), SOURCE, target,
+                           'W')
+  for name in ('key', 'value'):
+    kernel = source['block_0']['self_attention'][name]['kernel']
+    expected = np.stack([kernel[:, 0:2].mean(1), kernel[:, 2:4].mean(1)], 1)
+    np.testing.assert_allclose(
+        got.params['block_0']['self_attention'][name]['kernel'], expected,
+        rtol=1e-6)
+    bias = source['block_0']['self_attention'][name]['bias']
+    np.testing.assert_allclose(
+        got.params['block_0']['self_attention'][name]['bias'],
+        np.stack([bias[0:2].mean(0), bias[2:4].mean(0)]), rtol=1e-6)
+  np.testing.assert_array_equal(
+      got.params['block_0']['mlp']['wi']['kernel'],
+      source['block_0']['mlp']['wi']['kernel'])
+  assert len(got.pooled) == 4 and len(got.taken) == 2
+  assert got.fresh == ('block_0/self_attention/relative/embedding',)
+  assert '4 key/value projections mean-pooled' in got.summary()
+
+
+def test_a_change_of_shape_is_refused_by_key():
+  target = dataclasses.replace(SOURCE, mlp_dim=12)
+  with pytest.raises(InputError, match=(
+      r'config.init_from=W: 1 parameters do not fit this model '
+      r'\(block_0/mlp/wi/kernel \[8, 16\] there, \[8, 12\] here\); '
+      r'config.model differs in mlp_dim \(16 -> 12\)')):
+    init_from.transfer(_params(4), _params(4, mlp_dim=12), SOURCE, target,
+                       'W')
+
+
+def test_source_of_a_checkpoint_or_a_workdir(tmp_path):
+  assert train_config.run_source(str(tmp_path / 'run' / 'checkpoints' / '40')
+                                 ) == (str(tmp_path / 'run'), 40)
+  assert train_config.run_source(str(tmp_path)) == (str(tmp_path), None)

@@ -1,0 +1,161 @@
+"""config.init_from: a run that starts from another run's parameters.
+
+`transfer` maps a source model's parameters onto a target model's shapes:
+a parameter of the same path and shape is taken as it is; the key and
+value projections of a source with more key/value heads are mean-pooled
+over each group of heads (the uptraining of multi-head checkpoints to
+grouped-query attention, Ainslie et al. 2023); a parameter the source
+lacks (one an attention variant or position scheme adds) starts fresh,
+and one the target lacks is left out. Any other change of shape is
+refused, naming the parameters and the config.model keys that differ.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from model import ModelConfig
+from train.base import train_config
+from train.base.errors import InputError
+from train.run import checkpointing, trained_run
+from train.run.program import Program
+
+# The key/value projections, which pooling may shrink to fewer heads.
+_POOLED = ('key', 'value')
+
+
+@dataclasses.dataclass(frozen=True)
+class Transferred:
+  """The target's parameters, and how each was obtained (paths as
+  'decoder/block_0/mlp/wi/kernel')."""
+
+  params: Any
+  taken: tuple[str, ...]
+  pooled: tuple[str, ...]
+  fresh: tuple[str, ...]
+  left_out: tuple[str, ...]
+
+  def summary(self) -> str:
+    """One line: how many parameters came from where."""
+    parts = [f'{len(self.taken)} taken']
+    if self.pooled:
+      parts.append(f'{len(self.pooled)} key/value projections mean-pooled '
+                   'to fewer heads')
+    for name, paths in (('new, initialised fresh', self.fresh),
+                        ('left out', self.left_out)):
+      if paths:
+        shown = ', '.join(paths[:3]) + (', ...' if len(paths) > 3 else '')
+        parts.append(f'{len(paths)} {name} ({shown})')
+    return '; '.join(parts)
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+  return {'/'.join(str(getattr(key, 'key', key)) for key in path): leaf
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _pooled(path: str, array: np.ndarray, shape: tuple[int, ...]
+            ) -> np.ndarray | None:
+  """`array` of a key/value projection pooled to `shape`'s fewer heads
+  (the heads axis: a kernel's [D, K, H] second, a bias's [K, H] first),
+  or None where that is not what differs."""
+  parts = path.split('/')
+  if len(parts) < 2 or parts[-2] not in _POOLED or array.ndim != len(shape):
+    return None
+  axis = array.ndim - 2
+  heads, target = array.shape[axis], shape[axis]
+  same_elsewhere = all(a == b for i, (a, b) in enumerate(zip(array.shape,
+                                                              shape))
+                       if i != axis)
+  if not same_elsewhere or target >= heads or heads % target:
+    return None
+  # Key/value head j serves query heads j*N/K .. (j+1)*N/K - 1: the source
+  # heads of a group are consecutive.
+  grouped = array.reshape(*array.shape[:axis], target, heads // target,
+                          *array.shape[axis + 1:])
+  return grouped.mean(axis=axis + 1)
+
+
+def config_differences(source: ModelConfig, target: ModelConfig) -> str:
+  """'mlp_dim (512 -> 256), ...': the config.model keys that differ."""
+  changed = [
+      f'{field.name} ({getattr(source, field.name)!r} -> '
+      f'{getattr(target, field.name)!r})'
+      for field in dataclasses.fields(ModelConfig)
+      if getattr(source, field.name) != getattr(target, field.name)]
+  return ', '.join(changed) or 'no key'
+
+
+def transfer(source_params: Any, fresh_params: Any, source: ModelConfig,
+             target: ModelConfig, origin: str) -> Transferred:
+  """The target's parameters (`fresh_params`' tree and dtypes) from
+  `source_params`; InputError naming the parameters that do not fit and
+  the config.model keys that differ. `origin` names the source in
+  messages."""
+  have = {path: np.asarray(leaf) for path, leaf in
+          _flat(source_params).items()}
+  want = _flat(fresh_params)
+  values, taken, pooled, fresh, misfits = {}, [], [], [], []
+  for path, leaf in want.items():
+    if path not in have:
+      values[path] = leaf
+      fresh.append(path)
+      continue
+    array = have[path]
+    if array.shape == leaf.shape:
+      values[path] = array.astype(leaf.dtype)
+      taken.append(path)
+      continue
+    pooled_array = _pooled(path, array, leaf.shape)
+    if pooled_array is None:
+      misfits.append(f'{path} {list(array.shape)} there, '
+                     f'{list(leaf.shape)} here')
+      continue
+    values[path] = pooled_array.astype(leaf.dtype)
+    pooled.append(path)
+  differing = config_differences(source, target)
+  if misfits:
+    shown = '; '.join(misfits[:3]) + ('; ...' if len(misfits) > 3 else '')
+    raise InputError(
+        f'config.init_from={origin}: {len(misfits)} parameters do not fit '
+        f'this model ({shown}); config.model differs in {differing}.')
+  if not taken and not pooled:
+    raise InputError(
+        f'config.init_from={origin}: no parameter of it has a place in this '
+        f'model; config.model differs in {differing}.')
+  paths = list(want)
+  params = jax.tree.unflatten(jax.tree.structure(fresh_params),
+                              [values[path] for path in paths])
+  return Transferred(params, tuple(taken), tuple(pooled), tuple(fresh),
+                     tuple(sorted(set(have) - set(want))))
+
+
+def load(init_from: str, fresh_params: Any, target: ModelConfig
+         ) -> tuple[Transferred, int]:
+  """(the parameters of this run from the source's checkpoint, the
+  source's step), on one device; InputError when it has none that
+  verifies, or when its parameters do not fit."""
+  run, step = train_config.run_source(init_from)
+  config = trained_run.load_config(run)
+  program = Program.from_config(config, jax.devices()[:1])
+  checkpointer = checkpointing.Checkpointer(
+      run, keep=program.config.keep_checkpoints, read_only=True)
+  try:
+    if step is None:
+      restored = checkpointer.restore_latest(program.abstract_state)
+      if restored is None:
+        raise InputError(f'config.init_from={init_from}: {run} has no '
+                         'checkpoint yet.')
+      step, state = restored
+    else:
+      try:
+        state = checkpointer.restore(step, program.abstract_state)
+      except checkpointing.Damaged as damage:
+        raise InputError(f'config.init_from={init_from}: the checkpoint '
+                         f'does not verify: {damage}') from None
+  finally:
+    checkpointer.close()
+  return transfer(state.params, fresh_params, program.model_config, target,
+                  init_from), step
