@@ -4,15 +4,16 @@ size written with stock Flax layers, in one run.
   python -m experiments.bench_train --out=experiments/results/bench_train \
       [--sizes=small,medium] [--batch_sizes=8,32] [--steps=10 --warmup=2] \
       [--attention=auto] [--dtype=float32] [--remat=none] [--noloop] \
-      [--config.key=value ...]
+      [--config=configs/published.py:gpt2] [--config.key=value ...]
 
 Both models: learned positions, pre-LayerNorm blocks, a GELU MLP, a tied
 output projection, AdamW with global-norm clipping, float32 parameters,
 `--dtype` computation, synthetic rows of random tokens (one sequence a row,
 causal), data parallel over every device; each size at its own batch, or
-at each of --batch_sizes. Ours is `train.train`'s own step
-(configs/lm_stdlib.py with the size's keys and any --config overrides;
-metrics included); the baseline is `nn.MultiHeadDotProductAttention` with
+at each of --batch_sizes. Ours is `train.train`'s own step (--config:
+configs/lm_stdlib.py, or configs/published.py:gpt2 for GPT-2's exact
+LayerNorm epsilon, embedding scale and readout; with the size's keys and
+any --config overrides; metrics included); the baseline is `nn.MultiHeadDotProductAttention` with
 `nn.make_causal_mask`, written out below. For each: step time, tokens/s,
 model FLOPs per token (train/program/flops.py), MFU against the device's peak (a
 jitted matmul on CPU, the published bfloat16 peak of a GPU or TPU chip),
@@ -37,7 +38,6 @@ from ml_collections import config_flags
 import numpy as np
 import optax
 
-from configs import lm_stdlib
 from experiments import common
 from train import cli
 from train.base.errors import InputError
@@ -313,9 +313,11 @@ def main(argv: list[str]) -> None:
 
 def _define_flags() -> None:
   """The command line, defined only when this runs as a script."""
-  config_flags.DEFINE_config_dict('config', lm_stdlib.get_config(),
-                                  'Training config of ours (optimizer and '
-                                  'the rest); sizes override its model.')
+  config_flags.DEFINE_config_file(
+      'config', 'configs/lm_stdlib.py', 'Training config file of ours '
+      '(optimizer and the rest; e.g. configs/published.py:gpt2 for GPT-2\'s '
+      'exact architecture); sizes override its shape and what StockLM '
+      'builds.', lock_config=True)
   flags.DEFINE_string('out', 'experiments/results/bench_train',
                       'Results go to OUT/<backend>/.')
   flags.DEFINE_list('sizes', ['small', 'medium'],

@@ -27,6 +27,8 @@ architecture the model cannot express, a tensor of another shape) is one
 line naming it, exit status 2.
 """
 
+import os
+
 from absl import flags
 import jax
 from ml_collections import config_flags
@@ -65,6 +67,7 @@ def import_checkpoint(source: str, format_name: str, workdir: str,
                       config=None) -> str:
   """Writes `workdir` (config.json and the checkpoint of step 0) from the
   checkpoint in `source`; returns a line saying what it wrote."""
+  source = os.path.expanduser(source)
   keys = pretrained.model_keys(source, format_name)
   if config is None:
     config = published.get_config(pretrained.FORMATS[format_name].preset)
