@@ -25,8 +25,9 @@ train: $(STAMP)
 	$(BIN)/python -m train.train --config=configs/lm_stdlib.py --workdir=$(WORKDIR) $(ARGS)
 
 # Compilation dominates the suite: one worker per core (up to 4) halves it.
+# The slowest tests are listed at the end, for the suite's time budget.
 test: $(STAMP)
-	$(BIN)/python -m pytest -n auto --maxprocesses=4
+	$(BIN)/python -m pytest -n auto --maxprocesses=4 --durations=15
 
 # The quick tier for the edit-test loop: the tests marked `core`.
 test-fast: $(STAMP)

@@ -16,10 +16,11 @@ Arguments:
                query and 4 key/value heads (grouped-query), RoPE (theta
                500000) on whole heads, SwiGLU MLPs of width 1408, no biases,
                RMSNorm epsilon 1e-5, an untied readout.
-  from=DIR     the config of a run in DIR (one experiments.import_checkpoint wrote,
-               or any training run), starting from its latest checkpoint's
-               parameters (config.init_from=DIR); change what you fine-tune
-               with --config overrides, the attention included.
+  from=DIR     the config of the run in DIR (an import, or any training
+               run), starting from its latest checkpoint's parameters
+               (config.init_from=DIR; DIR/checkpoints/STEP for another);
+               change what you fine-tune with --config overrides, the
+               attention included.
 
 Both presets train on the config's dataset (python_stdlib_bytes: the
 vocabulary holds its 258 byte ids). Their training keys are those of
@@ -27,43 +28,53 @@ nanoGPT's GPT-2 runs (AdamW at 6e-4, beta2 0.95, weight decay 0.1, cosine
 to a tenth); dropout is 0.
 """
 
+import os
+
 from configs import default
+from train.run import init_from
 from train.run import workdir
 
+# What both are: plain pre-norm decoders with dense attention projections,
+# the readout h E^T when tied.
+_DECODER = dict(
+    family='decoder_lm', norm_position='pre', attention_projections=True,
+    qk_norm='none', logit_softcap=0.0, value_residual=False,
+    memory_length=0, embedding_init_stddev=0.02, scale_tied_readout=False,
+    dropout_rate=0.0, attention_dropout_rate=0.0)
+# The architecture of each: every config.model key it sets (an import
+# takes these, the checkpoint's sizes over them; head_dim is d_model /
+# num_heads, and GPT-2's key/value heads its query heads).
 PRESETS = {
-    'gpt2': dict(
+    'gpt2': _DECODER | dict(
         vocab_size=50257, d_model=768, num_layers=12, num_heads=12,
-        mlp_dim=3072, mlp_activation='gelu', norm='layernorm',
-        norm_epsilon=1e-5, norm_position='pre', position='learned',
-        max_len=1024, tie_embeddings=True, embedding_init_stddev=0.02,
-        scale_tied_readout=False, use_bias=True),
-    'llama': dict(
+        mlp_dim=3072, mlp_activation='gelu',
+        norm='layernorm', norm_epsilon=1e-5, position='learned',
+        max_len=1024, tie_embeddings=True, use_bias=True),
+    'llama': _DECODER | dict(
         vocab_size=32000, d_model=512, num_layers=8, num_heads=8,
         num_kv_heads=4, mlp_dim=1408, mlp_activation='swiglu',
-        norm='rmsnorm', norm_epsilon=1e-5, norm_position='pre',
-        position='rope', rope_max_wavelength=500_000.0, rope_fraction=1.0,
-        max_len=2048, tie_embeddings=False, embedding_init_stddev=0.02,
-        use_bias=False),
+        norm='rmsnorm', norm_epsilon=1e-5, position='rope',
+        rope_max_wavelength=500_000.0, rope_fraction=1.0, max_len=2048,
+        tie_embeddings=False, use_bias=False),
 }
 
 
 def get_config(arg: str = 'gpt2'):
   """`arg`: a name in PRESETS, or from=DIR (see the module docstring)."""
   if arg.startswith('from='):
-    run = arg[len('from='):]
+    source = os.path.abspath(os.path.expanduser(arg[len('from='):]))
+    run, _ = init_from.run_source(source)
     config = default.get_config()
     config.update_from_flattened_dict({
         key: _tuples(value)
         for key, value in workdir.recorded_config(run).items()})
-    config.init_from = run
+    config.init_from = source
     return config
   if arg not in PRESETS:
     raise ValueError(f'configs/published.py takes one of {list(PRESETS)} '
                      f'or from=DIR, got {arg!r}.')
   config = default.get_config()
-  config.model.family = 'decoder_lm'
   config.model.update(PRESETS[arg])
-  config.model.dropout_rate = 0.0
   config.dataset = 'python_stdlib_bytes'
   config.seq_len = 1024 if arg == 'gpt2' else 2048
   config.batch_size = 32

@@ -38,6 +38,7 @@ from ml_collections import config_flags
 import numpy as np
 import optax
 
+from configs import lm_stdlib
 from experiments import common
 from train import cli
 from train.base.errors import InputError
@@ -314,7 +315,7 @@ def main(argv: list[str]) -> None:
 def _define_flags() -> None:
   """The command line, defined only when this runs as a script."""
   config_flags.DEFINE_config_file(
-      'config', 'configs/lm_stdlib.py', 'Training config file of ours '
+      'config', lm_stdlib.__file__, 'Training config file of ours '
       '(optimizer and the rest; e.g. configs/published.py:gpt2 for GPT-2\'s '
       'exact architecture); sizes override its shape and what StockLM '
       'builds.', lock_config=True)

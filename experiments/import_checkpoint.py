@@ -30,6 +30,7 @@ line naming it, exit status 2.
 import os
 
 from absl import flags
+from flax import traverse_util
 import jax
 from ml_collections import config_flags
 import numpy as np
@@ -46,44 +47,48 @@ from train.run.program import Program
 FLAGS = flags.FLAGS
 
 
-def _check_tree(params, abstract) -> None:
-  """InputError unless `params` has `abstract`'s paths and shapes (what the
-  format's mapping gives is what the model declares)."""
-  flat = lambda tree: {jax.tree_util.keystr(path): leaf for path, leaf in
-                       jax.tree_util.tree_leaves_with_path(tree)}
-  have, want = flat(params), flat(abstract)
+def _check_tree(params, abstract, source: str) -> None:
+  """InputError unless `params` has `abstract`'s paths and shapes: what the
+  format gives is what the model declares."""
+  have = traverse_util.flatten_dict(params, sep='/')
+  want = traverse_util.flatten_dict(abstract, sep='/')
   for path in sorted(have.keys() | want.keys()):
     if path not in have or path not in want:
-      raise InputError(f'the checkpoint gives no parameter {path}' if
-                       path in want else
-                       f'the model has no parameter {path}')
+      raise InputError(
+          f'--from={source}: the model built from it has a parameter {path} '
+          'that it does not give' if path in want else
+          f'--from={source} gives a parameter {path} the model lacks')
     if have[path].shape != want[path].shape:
-      raise InputError(f'parameter {path}: the checkpoint gives '
-                       f'{list(have[path].shape)}, the model declares '
-                       f'{list(want[path].shape)}')
+      raise InputError(
+          f'--from={source}: parameter {path} is {list(have[path].shape)}; '
+          f'the model built from its config.json declares '
+          f'{list(want[path].shape)}.')
 
 
 def import_checkpoint(source: str, format_name: str, workdir: str,
                       config=None) -> str:
   """Writes `workdir` (config.json and the checkpoint of step 0) from the
-  checkpoint in `source`; returns a line saying what it wrote."""
+  checkpoint in `source`, nothing when it cannot be read; returns a line
+  saying what it wrote."""
   source = os.path.expanduser(source)
   keys = pretrained.model_keys(source, format_name)
+  preset = pretrained.FORMATS[format_name].preset
   if config is None:
-    config = published.get_config(pretrained.FORMATS[format_name].preset)
-  config.model.update(keys)
+    config = published.get_config(preset)
+  # The architecture is the format's, whatever --config says.
+  config.model.update(published.PRESETS[preset] | keys)
   config.seq_len = min(config.seq_len, keys['max_len'])
   program = Program.from_config(config, jax.devices()[:1])
   checked = program.config
+  abstract = program.abstract_state.params
+  params = pretrained.params(source, format_name, keys)
+  _check_tree(params, abstract, source)
+  # The dataset's token ids (its tokenizer's) must fit the vocabulary.
+  dataset = datasets.load(checked, workdir)
+  config_validation.check_dataset_fits(checked, dataset)
+  state = program.start_from(jax.tree.map(
+      lambda array, want: np.asarray(array, want.dtype), params, abstract))
   with workdir_lib.claim(config, workdir):
-    # The dataset's token ids (its tokenizer's) must fit the vocabulary.
-    dataset = datasets.load(checked, workdir)
-    config_validation.check_dataset_fits(checked, dataset)
-    params = pretrained.params(source, format_name, keys)
-    _check_tree(params, program.abstract_state.params)
-    state = program.start_from(jax.tree.map(
-        lambda array, want: np.asarray(array, want.dtype), params,
-        program.abstract_state.params))
     iterator = pipeline.train_iterator(
         dataset, seq_len=checked.seq_len, batch_size=checked.batch_size,
         seed=checked.seed, layout='packed' if checked.pack_sequences

@@ -320,7 +320,7 @@ class PositionScheme:
   # Rotates self-attention's queries and keys by position (config -> the
   # keyword arguments of `rotate`: the largest wavelength, the fraction of
   # each head rotated).
-  rotation: Callable[[Any], float] | None = None
+  rotation: Callable[[Any], dict[str, float]] | None = None
   # config -> the scale of self-attention's logits, in place of the
   # attention's own.
   logit_scale: Callable[[Any], float] | None = None

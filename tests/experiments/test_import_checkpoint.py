@@ -19,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 import transformers
 
 from configs import published
+from model import ModelConfig, build
 from model.state import Cache
 from train import generate
 from train.base.errors import InputError
@@ -124,10 +125,11 @@ def test_llama_equals_the_reference(tmp_path, data_dir):
   _check_parity(reference, workdir)
 
 
-def test_pytorch_names_read_alike(gpt2, tmp_path):
+def test_pytorch_names_in_bfloat16_and_two_files_read_alike(gpt2, tmp_path):
   """A checkpoint as PyTorch writes GPT-2 (no 'transformer.' prefix,
-  `.weight` in Conv1D's [in, out] layout, the causal-mask buffers) reads
-  as the same parameters."""
+  `.weight` in Conv1D's [in, out] layout, the causal-mask buffers), in
+  bfloat16 and split over two files, reads as the same parameters rounded
+  to bfloat16."""
   _, saved, _ = gpt2
   renamed = {}
   for name, array in load_file(os.path.join(saved,
@@ -136,16 +138,47 @@ def test_pytorch_names_read_alike(gpt2, tmp_path):
     if name.endswith('.kernel'):
       name, array = name[:-len('kernel')] + 'weight', array.T
     name = name.replace('.embedding', '.weight').replace('.scale', '.weight')
-    renamed[name] = np.ascontiguousarray(array)
-  renamed['h.0.attn.bias'] = np.tril(np.ones((64, 64), np.float32))
+    renamed[name] = np.ascontiguousarray(array).astype(jnp.bfloat16)
+  renamed['h.0.attn.bias'] = np.tril(np.ones((64, 64), jnp.bfloat16))
   torch_dir = tmp_path / 'torch'
   torch_dir.mkdir()
-  save_file(renamed, str(torch_dir / 'model.safetensors'))
+  names = sorted(renamed)
+  for part, chosen in enumerate((names[::2], names[1::2])):
+    save_file({name: renamed[name] for name in chosen},
+              str(torch_dir / f'model-0000{part + 1}-of-00002.safetensors'))
   shutil.copy(os.path.join(saved, 'config.json'), torch_dir)
   keys = pretrained.model_keys(saved, 'hf_gpt2')
+  rounded = jax.tree.map(
+      lambda x: np.asarray(x.astype(jnp.bfloat16), np.float32),
+      pretrained.params(saved, 'hf_gpt2', keys))
   jax.tree.map(np.testing.assert_array_equal,
-               pretrained.params(str(torch_dir), 'hf_gpt2', keys),
-               pretrained.params(saved, 'hf_gpt2', keys))
+               pretrained.params(str(torch_dir), 'hf_gpt2', keys), rounded)
+
+
+def test_a_tied_llama_reads_out_through_its_embedding(tmp_path):
+  """tie_word_embeddings: the logits are h E^T, as the reference's with
+  its head set to the embedding (the Flax Llama has no tying of its
+  own)."""
+  reference = _reference('llama')
+  params = reference.params
+  embedding = params['model']['embed_tokens']['embedding']
+  params['lm_head']['kernel'] = embedding.T
+  reference.params = params
+  saved = tmp_path / 'tied'
+  reference.save_pretrained(str(saved), safe_serialization=True)
+  tensors = load_file(str(saved / 'model.safetensors'))
+  del tensors['lm_head.kernel']
+  save_file(tensors, str(saved / 'model.safetensors'))
+  with open(saved / 'config.json') as f:
+    values = json.load(f)
+  with open(saved / 'config.json', 'w') as f:
+    json.dump(values | {'tie_word_embeddings': True}, f)
+  keys = pretrained.model_keys(str(saved), 'hf_llama')
+  model = build(ModelConfig.from_mapping(published.PRESETS['llama'] | keys))
+  logits, _ = model.apply(
+      {'params': pretrained.params(str(saved), 'hf_llama', keys)},
+      TOKENS_BxT)
+  assert _relative_error(logits, reference(TOKENS_BxT).logits) < 1e-5
 
 
 def _damaged(saved: str, target, change: str) -> str:
@@ -159,13 +192,17 @@ def _damaged(saved: str, target, change: str) -> str:
     os.remove(config_path)
   elif change == 'no tensors':
     os.remove(tensors_path)
-  elif change in ('model_type', 'activation_function', 'vocab_size'):
-    values[change] = {'model_type': 'bert', 'vocab_size': 100,
+  elif change in ('model_type', 'activation_function'):
+    values[change] = {'model_type': 'bert',
                       'activation_function': 'relu'}[change]
   else:
     tensors = load_file(tensors_path)
     name = 'transformer.h.1.mlp.c_fc.bias'
-    if change == 'shape':
+    if change == 'vocab_size':  # A consistent checkpoint of 100 tokens.
+      values['vocab_size'] = 100
+      name = 'transformer.wte.embedding'
+      tensors[name] = tensors[name][:100]
+    elif change == 'shape':
       tensors[name] = tensors[name][:-1]
     elif change == 'missing':
       del tensors[name]
@@ -216,9 +253,10 @@ def test_the_command_exits_2_with_one_line(tmp_path):
 @pytest.mark.slow
 def test_fine_tuning_with_local_attention_and_fewer_kv_heads(gpt2, tmp_path):
   """The imported GPT-2 fine-tuned with a banded attention and half its
-  key/value heads (mean-pooled): the loss is finite and falls."""
+  key/value heads (mean-pooled), from its checkpoint named by step: the
+  loss is finite and falls."""
   _, _, workdir = gpt2
-  config = published.get_config(f'from={workdir}')
+  config = published.get_config(f'from={workdir}/checkpoints/0')
   config.model.attention = 'local'
   config.model.attention_options.local.window = 8
   config.model.num_kv_heads = 2

@@ -14,7 +14,6 @@ train/program/mesh.py.
 
 from collections.abc import Callable, Mapping
 import dataclasses
-import os
 import typing
 from typing import Any
 
@@ -68,34 +67,6 @@ def text(*, empty: bool = False, optional: bool = False) -> Rule:
     return (f'config.{key}={value!r} must be a'
             f'{"" if empty else " non-empty"} string.')
   return rule
-
-
-def run_source(path: str) -> tuple[str, int | None]:
-  """(a training run's workdir, a checkpoint step or None for its latest)
-  that `path` names: WORKDIR or WORKDIR/checkpoints/STEP."""
-  path = os.path.abspath(os.path.expanduser(path))
-  parent, name = os.path.split(path)
-  if name.isdigit() and os.path.basename(parent) == 'checkpoints':
-    return os.path.dirname(parent), int(name)
-  return path, None
-
-
-def training_run(key: str, value) -> str | None:
-  """None, or the path of a training run's workdir or of one of its
-  checkpoints (`run_source`)."""
-  if value is None:
-    return None
-  if not isinstance(value, str) or not value:
-    return f'config.{key}={value!r} must be a path or None.'
-  run, step = run_source(value)
-  if not os.path.isfile(os.path.join(run, 'config.json')):
-    return (f'config.{key}={value!r} is not a training run\'s workdir (it '
-            'has no config.json) nor one of its checkpoints '
-            '(WORKDIR/checkpoints/STEP).')
-  if step is not None and not os.path.isdir(
-      os.path.join(run, 'checkpoints', str(step))):
-    return f'config.{key}={value!r}: {run} has no checkpoint of step {step}.'
-  return None
 
 
 def one_of(choices) -> Rule:
@@ -293,7 +264,7 @@ class TrainConfig:
   # config.model change that keeps the parameters' shapes, plus fewer key/
   # value heads (mean-pooled, Ainslie et al. 2023); parameters new to the
   # model start fresh (train/run/init_from.py). None: a fresh start.
-  init_from: str | None = key(None, training_run)
+  init_from: str | None = key(None, text(optional=True))
   # Steps between training-metric summaries.
   log_every: int = key(50, integer(1))
   # Steps between evaluations (and after the last step); 0: only at the

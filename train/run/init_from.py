@@ -11,15 +11,18 @@ refused, naming the parameters and the config.model keys that differ.
 """
 
 import dataclasses
+import os
 from typing import Any
 
+import flax
+from flax import traverse_util
 import jax
 import numpy as np
 
 from model import ModelConfig
-from train.base import train_config
-from train.base.errors import InputError
-from train.run import checkpointing, trained_run
+from train.base.errors import InputError, TrainingError
+from train.base.train_config import TrainConfig
+from train.run import trained_run
 from train.run.program import Program
 
 # The key/value projections, which pooling may shrink to fewer heads.
@@ -52,8 +55,8 @@ class Transferred:
 
 
 def _flat(tree: Any) -> dict[str, Any]:
-  return {'/'.join(str(getattr(key, 'key', key)) for key in path): leaf
-          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+  """{'decoder/block_0/mlp/wi/kernel': leaf, ...} of a parameter tree."""
+  return traverse_util.flatten_dict(flax.core.unfreeze(tree), sep='/')
 
 
 def _pooled(path: str, array: np.ndarray, shape: tuple[int, ...]
@@ -119,43 +122,63 @@ def transfer(source_params: Any, fresh_params: Any, source: ModelConfig,
   if misfits:
     shown = '; '.join(misfits[:3]) + ('; ...' if len(misfits) > 3 else '')
     raise InputError(
-        f'config.init_from={origin}: {len(misfits)} parameters do not fit '
-        f'this model ({shown}); config.model differs in {differing}.')
+        f'config.init_from={origin}: parameters of it do not fit this model '
+        f'({shown}; {len(misfits)} in all); config.model differs in '
+        f'{differing}.')
   if not taken and not pooled:
     raise InputError(
         f'config.init_from={origin}: no parameter of it has a place in this '
         f'model; config.model differs in {differing}.')
-  paths = list(want)
-  params = jax.tree.unflatten(jax.tree.structure(fresh_params),
-                              [values[path] for path in paths])
+  params = traverse_util.unflatten_dict(values, sep='/')
   return Transferred(params, tuple(taken), tuple(pooled), tuple(fresh),
                      tuple(sorted(set(have) - set(want))))
 
 
-def load(init_from: str, fresh_params: Any, target: ModelConfig
-         ) -> tuple[Transferred, int]:
-  """(the parameters of this run from the source's checkpoint, the
-  source's step), on one device; InputError when it has none that
-  verifies, or when its parameters do not fit."""
-  run, step = train_config.run_source(init_from)
-  config = trained_run.load_config(run)
-  program = Program.from_config(config, jax.devices()[:1])
-  checkpointer = checkpointing.Checkpointer(
-      run, keep=program.config.keep_checkpoints, read_only=True)
+def run_source(path: str) -> tuple[str, int | None]:
+  """(a training run's workdir, a checkpoint step or None for its latest)
+  that `path` names: WORKDIR or WORKDIR/checkpoints/STEP."""
+  path = os.path.abspath(os.path.expanduser(path))
+  parent, name = os.path.split(path)
+  if name.isdigit() and os.path.basename(parent) == 'checkpoints':
+    return os.path.dirname(parent), int(name)
+  return path, None
+
+
+def check(init_from: str, workdir: str) -> str | None:
+  """What is wrong with config.init_from for a run in `workdir`, before
+  anything is built: nothing once the workdir holds a checkpoint (the run
+  resumes from its own), else the source must be there."""
+  checkpoints = os.path.join(workdir, 'checkpoints')
+  if os.path.isdir(checkpoints) and any(
+      name.isdigit() for name in os.listdir(checkpoints)):
+    return None
+  run, step = run_source(init_from)
+  if not os.path.isfile(os.path.join(run, 'config.json')):
+    return (f'config.init_from={init_from!r} is not a training run\'s '
+            'workdir (it has no config.json) nor one of its checkpoints '
+            '(WORKDIR/checkpoints/STEP).')
+  if step is not None and not os.path.isdir(
+      os.path.join(run, 'checkpoints', str(step))):
+    return f'config.init_from={init_from!r}: {run} has no checkpoint {step}.'
+  return None
+
+
+def load(init_from: str, fresh_params: Any, target: TrainConfig
+         ) -> tuple[Transferred, str]:
+  """(this run's parameters from the source's checkpoint, a line saying
+  where they came from), restored on one of this process's devices;
+  InputError, naming config.init_from, when the source has no checkpoint
+  that verifies or its parameters do not fit."""
+  run, step = run_source(init_from)
   try:
-    if step is None:
-      restored = checkpointer.restore_latest(program.abstract_state)
-      if restored is None:
-        raise InputError(f'config.init_from={init_from}: {run} has no '
-                         'checkpoint yet.')
-      step, state = restored
-    else:
-      try:
-        state = checkpointer.restore(step, program.abstract_state)
-      except checkpointing.Damaged as damage:
-        raise InputError(f'config.init_from={init_from}: the checkpoint '
-                         f'does not verify: {damage}') from None
-  finally:
-    checkpointer.close()
-  return transfer(state.params, fresh_params, program.model_config, target,
-                  init_from), step
+    config = trained_run.load_config(run)
+    program = Program.from_config(config, jax.local_devices()[:1])
+    step, state = trained_run.restore(run, program, step)
+  except (InputError, TrainingError) as error:
+    raise InputError(f'config.init_from={init_from}: {error}') from None
+  transferred = transfer(state.params, fresh_params, program.model_config,
+                         target.model, init_from)
+  said = f'the parameters of {init_from} at step {step}'
+  if program.config.dataset != target.dataset:
+    said += f' (trained on config.dataset={program.config.dataset!r})'
+  return transferred, f'{said}: {transferred.summary()}'

@@ -16,6 +16,10 @@ import json
 import os
 from typing import Any
 
+from flax import traverse_util
+# bfloat16 (most Llama checkpoints' dtype) is a numpy dtype once ml_dtypes
+# is imported; safetensors then reads it.
+import ml_dtypes  # pylint: disable=unused-import
 import numpy as np
 from safetensors.numpy import load_file
 
@@ -50,6 +54,9 @@ class Tensors:
         name = _canonical_name(name, prefixes)
         if name.endswith('.kernel'):
           name, array = name[:-len('kernel')] + 'weight', array.T
+        if name in self._tensors:
+          raise InputError(f'--from={directory}: the tensor {name} is in '
+                           'more than one file.')
         if not ignored(name):
           self._tensors[name] = np.asarray(array)
 
@@ -87,14 +94,6 @@ def _canonical_name(name: str, prefixes: tuple[str, ...]) -> str:
     if name.endswith(flax_name):
       return name[:-len(flax_name)] + '.weight'
   return name
-
-
-def _set(tree: dict, path: str, value: np.ndarray) -> None:
-  """tree[a][b][c] = value for path 'a/b/c'."""
-  *parents, leaf = path.split('/')
-  for part in parents:
-    tree = tree.setdefault(part, {})
-  tree[leaf] = value
 
 
 class HfConfig:
@@ -154,10 +153,14 @@ def _gpt2_keys(hf: HfConfig) -> dict[str, Any]:
              'no per-layer logit scale')
   hf.require('tie_word_embeddings', (True,), "GPT-2's readout is the "
              'embedding')
-  d_model = hf.need('n_embd')
+  d_model, num_heads = hf.need('n_embd'), hf.need('n_head')
+  if d_model % num_heads:
+    raise InputError(f'{hf.path}: n_head={num_heads} does not divide '
+                     f'n_embd={d_model}.')
   return dict(
       vocab_size=hf.need('vocab_size'), d_model=d_model,
-      num_layers=hf.need('n_layer'), num_heads=hf.need('n_head'),
+      num_layers=hf.need('n_layer'), num_heads=num_heads,
+      num_kv_heads=num_heads, head_dim=d_model // num_heads,
       mlp_dim=hf.get('n_inner', 4 * d_model),
       max_len=hf.need('n_positions'),
       norm_epsilon=hf.get('layer_norm_epsilon', 1e-5),
@@ -167,8 +170,8 @@ def _gpt2_keys(hf: HfConfig) -> dict[str, Any]:
 def _gpt2_params(tensors: Tensors, keys: Mapping[str, Any]) -> dict:
   d, n = keys['d_model'], keys['num_heads']
   h, m = d // n, keys['mlp_dim']
-  tree = {}
-  put = lambda path, value: _set(tree, path, value)
+  flat = {}
+  put = flat.__setitem__
   put('embedder/token_embedding/embedding',
       tensors.take('wte.weight', (keys['vocab_size'], d)))
   put('embedder/learned_positions/embedding',
@@ -204,16 +207,26 @@ def _gpt2_params(tensors: Tensors, keys: Mapping[str, Any]) -> dict:
   norm('ln_f', 'decoder/final_norm')
   if tensors.has('lm_head.weight'):  # Tied: the embedding again.
     tensors.take('lm_head.weight', (keys['vocab_size'], d))
-  return tree
+  return traverse_util.unflatten_dict(flat, sep='/')
 
 
 def _llama_keys(hf: HfConfig) -> dict[str, Any]:
   hf.require('hidden_act', ('silu',), "config.model.mlp_activation='swiglu' "
              'gates with SiLU')
   hf.require('rope_scaling', (None,), 'RoPE frequencies are not rescaled')
-  hf.require('mlp_bias', (hf.get('attention_bias', False),),
-             'config.model.use_bias sets the biases of attention and MLP '
-             'together')
+  hf.require('partial_rotary_factor', (1.0, 1), "Llama's RoPE rotates "
+             'whole heads')
+  # transformers 5 writes RoPE's settings in one mapping.
+  rope = hf.get('rope_parameters', {})
+  if rope.get('rope_type', 'default') != 'default':
+    raise InputError(f'{hf.path}: rope_parameters.rope_type='
+                     f"{rope['rope_type']!r} is not supported (RoPE "
+                     "frequencies are not rescaled); supported: ['default'].")
+  if bool(hf.get('mlp_bias', False)) != bool(hf.get('attention_bias', False)):
+    raise InputError(
+        f'{hf.path}: attention_bias={hf.get("attention_bias", False)!r} and '
+        f'mlp_bias={hf.get("mlp_bias", False)!r} differ; '
+        'config.model.use_bias sets both.')
   d_model, num_heads = hf.need('hidden_size'), hf.need('num_attention_heads')
   head_dim = hf.get('head_dim', d_model // num_heads)
   return dict(
@@ -223,8 +236,8 @@ def _llama_keys(hf: HfConfig) -> dict[str, Any]:
       head_dim=head_dim, mlp_dim=hf.need('intermediate_size'),
       max_len=hf.get('max_position_embeddings', 2048),
       norm_epsilon=hf.get('rms_norm_eps', 1e-6),
-      rope_max_wavelength=float(hf.get('rope_theta', 10_000.0)),
-      rope_fraction=float(hf.get('partial_rotary_factor', 1.0)),
+      rope_max_wavelength=float(rope.get('rope_theta',
+                                         hf.get('rope_theta', 10_000.0))),
       tie_embeddings=bool(hf.get('tie_word_embeddings', False)),
       use_bias=bool(hf.get('attention_bias', False)),
       embedding_init_stddev=hf.get('initializer_range', 0.02))
@@ -234,13 +247,15 @@ def _llama_params(tensors: Tensors, keys: Mapping[str, Any]) -> dict:
   d, v, m = keys['d_model'], keys['vocab_size'], keys['mlp_dim']
   n, k, h = keys['num_heads'], keys['num_kv_heads'], keys['head_dim']
   bias = keys['use_bias']
-  tree = {}
-  put = lambda path, value: _set(tree, path, value)
+  flat = {}
+  put = flat.__setitem__
   put('embedder/token_embedding/embedding',
       tensors.take('embed_tokens.weight', (v, d)))
   if not keys['tie_embeddings']:
     put('embedder/output_projection/kernel',
         tensors.take('lm_head.weight', (v, d)).T)
+    if bias:  # use_bias gives the readout one; Llama's has none.
+      put('embedder/output_projection/bias', np.zeros(v, np.float32))
 
   def linear(source, target, outputs, inputs, out_shape, in_shape=None):
     """A Linear's [out, in] weight as a kernel [*in_shape, *out_shape]."""
@@ -273,7 +288,7 @@ def _llama_params(tensors: Tensors, keys: Mapping[str, Any]) -> dict:
   put('decoder/final_norm/scale', tensors.take('norm.weight', (d,)))
   if keys['tie_embeddings'] and tensors.has('lm_head.weight'):
     tensors.take('lm_head.weight', (v, d))  # Tied: the embedding again.
-  return tree
+  return traverse_util.unflatten_dict(flat, sep='/')
 
 
 FORMATS: dict[str, Format] = {f.name: f for f in (

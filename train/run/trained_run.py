@@ -46,7 +46,32 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   config.parallelism.update(data=-1, fsdp=1, tensor=1, sequence=1,
                             strategy='pjit', dcn_data=1)
   config.distributed = False
+  # The run's own checkpoints hold its parameters: where it started from
+  # no longer matters (and may be gone).
+  config.init_from = None
   return config
+
+
+def restore(workdir: str, program: Program, step: int | None = None
+            ) -> tuple[int, Any]:
+  """(step, state) of the run in `workdir` at checkpoint `step` (default:
+  its newest that verifies), in `program`'s layout; InputError where it
+  has none, or that one does not verify."""
+  checkpointer = checkpointing.Checkpointer(
+      workdir, keep=program.config.keep_checkpoints, read_only=True)
+  try:
+    if step is None:
+      restored = checkpointer.restore_latest(program.abstract_state)
+      if restored is None:
+        raise InputError(f'{workdir} has no checkpoint yet.')
+      return restored
+    try:
+      return step, checkpointer.restore(step, program.abstract_state)
+    except checkpointing.Damaged as damage:
+      raise InputError(f'the checkpoint of step {step} in {workdir} does '
+                       f'not verify: {damage}') from None
+  finally:
+    checkpointer.close()
 
 
 def load(workdir: str, decoder: str | None = None) -> TrainedRun:
@@ -70,11 +95,5 @@ def load(workdir: str, decoder: str | None = None) -> TrainedRun:
                      f'run in {workdir} {refusal}.')
   config = program.config
   dataset = datasets.load(config, workdir)
-  checkpointer = checkpointing.Checkpointer(
-      workdir, keep=config.keep_checkpoints, read_only=True)
-  restored = checkpointer.restore_latest(program.abstract_state)
-  checkpointer.close()
-  if restored is None:
-    raise InputError(f'{workdir} has no checkpoint yet.')
-  step, state = restored
+  step, state = restore(workdir, program)
   return TrainedRun(config, program.model, dataset, state.params, step)

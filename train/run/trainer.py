@@ -234,6 +234,10 @@ def train_and_evaluate(
   Stopped when SIGTERM, SIGINT or a preemption notice did, after saving.
   """
   started = time.perf_counter()
+  problem = (isinstance(config.get('init_from'), str)
+             and init_from.check(config.init_from, workdir))
+  if problem:
+    raise InputError(problem)
   program = Program.from_config(config)
   workdir = os.path.abspath(workdir)
   # The config as given is the workdir's record (config.json) and the
@@ -259,13 +263,11 @@ def _restore_or_init(program: Program,
                                         train_iterator)
   if restored is None:
     state = program.init()
-    source = program.config.init_from
-    if source is None:
+    if program.config.init_from is None:
       return state
-    transferred, step = init_from.load(source, state.params,
-                                       program.model_config)
-    _say(f'Starting from the parameters of {source} at step {step}: '
-         f'{transferred.summary()}.')
+    transferred, said = init_from.load(program.config.init_from,
+                                       state.params, program.config)
+    _say(f'Starting from {said}.')
     return program.start_from(transferred.params)
   latest, state = restored
   _say(f'Resumed from the checkpoint at step {latest}.')

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from model import ModelConfig
-from train.base import train_config
 from train.base.errors import InputError
 from train.run import init_from
 
@@ -57,14 +56,19 @@ def test_fewer_kv_heads_are_mean_pooled_groups():
 def test_a_change_of_shape_is_refused_by_key():
   target = dataclasses.replace(SOURCE, mlp_dim=12)
   with pytest.raises(InputError, match=(
-      r'config.init_from=W: 1 parameters do not fit this model '
-      r'\(block_0/mlp/wi/kernel \[8, 16\] there, \[8, 12\] here\); '
+      r'config.init_from=W: parameters of it do not fit this model '
+      r'\(block_0/mlp/wi/kernel \[8, 16\] there, \[8, 12\] here; 1 in '
+      r'all\); '
       r'config.model differs in mlp_dim \(16 -> 12\)')):
     init_from.transfer(_params(4), _params(4, mlp_dim=12), SOURCE, target,
                        'W')
 
 
 def test_source_of_a_checkpoint_or_a_workdir(tmp_path):
-  assert train_config.run_source(str(tmp_path / 'run' / 'checkpoints' / '40')
-                                 ) == (str(tmp_path / 'run'), 40)
-  assert train_config.run_source(str(tmp_path)) == (str(tmp_path), None)
+  assert init_from.run_source(str(tmp_path / 'run' / 'checkpoints' / '40')
+                              ) == (str(tmp_path / 'run'), 40)
+  assert init_from.run_source(str(tmp_path)) == (str(tmp_path), None)
+  assert 'has no config.json' in init_from.check(str(tmp_path), 'new')
+  # A run that has checkpoints resumes from them: its source may be gone.
+  (tmp_path / 'resumed' / 'checkpoints' / '8').mkdir(parents=True)
+  assert init_from.check(str(tmp_path), str(tmp_path / 'resumed')) is None
