@@ -34,10 +34,11 @@ from configs import default
 from train.run import init_from
 from train.run import workdir
 
-# What both are: plain pre-norm decoders with dense attention projections,
-# the readout h E^T when tied.
+# What both are: plain pre-norm decoders with dense attention and its
+# projections, no experts, the readout h E^T when tied.
 _DECODER = dict(
-    family='decoder_lm', norm_position='pre', attention_projections=True,
+    family='decoder_lm', attention='dense', moe=dict(num_experts=0),
+    norm_position='pre', attention_projections=True,
     qk_norm='none', logit_softcap=0.0, value_residual=False,
     memory_length=0, embedding_init_stddev=0.02, scale_tied_readout=False,
     dropout_rate=0.0, attention_dropout_rate=0.0)
@@ -64,10 +65,15 @@ def get_config(arg: str = 'gpt2'):
   if arg.startswith('from='):
     source = os.path.abspath(os.path.expanduser(arg[len('from='):]))
     run, _ = init_from.run_source(source)
+    recorded = workdir.recorded_config(run)
+    if not any(key.startswith('model.') for key in recorded):
+      raise ValueError(
+          f'configs/published.py:from={run}: its config.json is not a '
+          "training run's (a Hugging Face directory is imported first: "
+          'python -m experiments.import_checkpoint).')
     config = default.get_config()
     config.update_from_flattened_dict({
-        key: _tuples(value)
-        for key, value in workdir.recorded_config(run).items()})
+        key: _tuples(value) for key, value in recorded.items()})
     config.init_from = source
     return config
   if arg not in PRESETS:

@@ -32,10 +32,11 @@ import os
 from absl import flags
 from flax import traverse_util
 import jax
+import ml_collections
 from ml_collections import config_flags
 import numpy as np
 
-from configs import published
+from configs import default, published
 from train import cli
 from train.base.errors import InputError
 from train.config import validation as config_validation
@@ -65,19 +66,29 @@ def _check_tree(params, abstract, source: str) -> None:
           f'{list(want[path].shape)}.')
 
 
+def import_config(source: str, format_name: str, config=None
+                  ) -> tuple[ml_collections.ConfigDict, dict]:
+  """(the run's config, the checkpoint's config.model keys): `config`
+  (default: the format's preset) with the preset's architecture and the
+  checkpoint's sizes set over it, whatever it held, and no attention
+  option set."""
+  keys = pretrained.model_keys(source, format_name)
+  preset = pretrained.FORMATS[format_name].preset
+  if config is None:
+    config = published.get_config(preset)
+  config.model.update(published.PRESETS[preset] | keys)
+  config.model.attention_options = default.attention_options()
+  config.seq_len = min(config.seq_len, keys['max_len'])
+  return config, keys
+
+
 def import_checkpoint(source: str, format_name: str, workdir: str,
                       config=None) -> str:
   """Writes `workdir` (config.json and the checkpoint of step 0) from the
   checkpoint in `source`, nothing when it cannot be read; returns a line
   saying what it wrote."""
   source = os.path.expanduser(source)
-  keys = pretrained.model_keys(source, format_name)
-  preset = pretrained.FORMATS[format_name].preset
-  if config is None:
-    config = published.get_config(preset)
-  # The architecture is the format's, whatever --config says.
-  config.model.update(published.PRESETS[preset] | keys)
-  config.seq_len = min(config.seq_len, keys['max_len'])
+  config, keys = import_config(source, format_name, config)
   program = Program.from_config(config, jax.devices()[:1])
   checked = program.config
   abstract = program.abstract_state.params

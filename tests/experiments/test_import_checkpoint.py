@@ -4,6 +4,7 @@ with save_pretrained to safetensors): logits, greedy text through
 train.generate, cached decoding; bad checkpoints; fine-tuning an import
 with another attention and fewer key/value heads."""
 
+import functools
 import json
 import os
 import re
@@ -25,7 +26,7 @@ from train import generate
 from train.base.errors import InputError
 from train.config import validation as config_validation
 from train.data.tokenizers import ByteTokenizer, EOS_ID
-from experiments.import_checkpoint import import_checkpoint
+from experiments.import_checkpoint import import_checkpoint, import_config
 from train.run import pretrained, trained_run
 from train.run.trainer import train_and_evaluate
 
@@ -57,21 +58,28 @@ def _reference(name: str):
   return model
 
 
-def _import(name: str, tmp_path, data_dir: str):
-  """(the reference, the directory it was saved in, the imported workdir)."""
+def _saved(name: str, tmp_path) -> tuple:
+  """(the reference, the directory it is saved in)."""
   reference = _reference(name)
   saved = str(tmp_path / f'hf_{name}')
   reference.save_pretrained(saved, safe_serialization=True)
+  return reference, saved
+
+
+def _import(name: str, tmp_path, data_dir: str) -> tuple:
+  """(the reference, the workdir it was imported into)."""
+  reference, saved = _saved(name, tmp_path)
   config = published.get_config(name)
   config.update(data_dir=data_dir, seq_len=32, batch_size=4)
   workdir = str(tmp_path / name)
   import_checkpoint(saved, f'hf_{name}', workdir, config)
-  return reference, saved, workdir
+  return reference, workdir
 
 
 @pytest.fixture(scope='module')
-def gpt2(tmp_path_factory, data_dir):
-  return _import('gpt2', tmp_path_factory.mktemp('gpt2'), data_dir)
+def gpt2_saved(tmp_path_factory):
+  """The tiny GPT-2 reference and its directory (not imported)."""
+  return _saved('gpt2', tmp_path_factory.mktemp('gpt2'))
 
 
 def _relative_error(got, want) -> float:
@@ -87,16 +95,17 @@ def _check_parity(reference, workdir: str) -> None:
   logits, _ = run.model.apply(variables, TOKENS_BxT)
   assert _relative_error(logits, reference(TOKENS_BxT).logits) < 1e-5
 
-  # The prompt in one call, then one token a call.
+  # The prompt in one call, then one token a call (one compiled step).
   length = TOKENS_BxT.shape[1]
   cache = Cache.empty(run.model_config, TOKENS_BxT.shape[0], length)
   positions = jnp.broadcast_to(jnp.arange(length), TOKENS_BxT.shape)
   cached, cache = run.model.apply(variables, TOKENS_BxT[:, :8],
                                   positions[:, :8], cache=cache)
   steps = [cached]
+  step_fn = jax.jit(functools.partial(run.model.apply, variables))
   for t in range(8, length):
-    step, cache = run.model.apply(variables, TOKENS_BxT[:, t:t + 1],
-                                  positions[:, t:t + 1], cache=cache)
+    step, cache = step_fn(TOKENS_BxT[:, t:t + 1], positions[:, t:t + 1],
+                          cache=cache)
     steps.append(step)
   assert _relative_error(jnp.concatenate(steps, 1), logits) < 1e-5
 
@@ -112,25 +121,46 @@ def _check_parity(reference, workdir: str) -> None:
 
 
 @pytest.mark.slow
-def test_gpt2_equals_the_reference(gpt2):
-  reference, _, workdir = gpt2
+def test_gpt2_equals_the_reference_and_fine_tunes_with_another_attention(
+    tmp_path, data_dir, capsys):
+  """Parity, then the import fine-tuned with a banded attention and half
+  its key/value heads (mean-pooled), from its checkpoint named by step:
+  the loss is finite and falls."""
+  reference, workdir = _import('gpt2', tmp_path, data_dir)
   _check_parity(reference, workdir)
+  config = published.get_config(f'from={workdir}/checkpoints/0')
+  config.model.attention = 'local'
+  config.model.attention_options.local.window = 8
+  config.model.num_kv_heads = 2
+  config.update(num_train_steps=8, batch_size=8, log_every=2, eval_every=0,
+                checkpoint_every=0, num_eval_steps=1, learning_rate=3e-3,
+                warmup_steps=1)
+  train_and_evaluate(config, str(tmp_path / 'tuned'))
+  assert (f'Starting from the parameters of {workdir}/checkpoints/0 at step '
+          "0: 28 parameters taken as they are; 8 of the key/value "
+          "projections' mean-pooled to fewer heads.") in capsys.readouterr().out
+  with open(tmp_path / 'tuned' / 'metrics.jsonl') as f:
+    losses = [json.loads(line)['loss'] for line in f
+              if '"loss"' in line]
+  assert np.all(np.isfinite(losses)) and len(losses) == 4
+  assert losses[-1] < losses[0] - 0.5, losses
 
 
 @pytest.mark.slow
 def test_llama_equals_the_reference(tmp_path, data_dir):
   """Grouped-query attention, RoPE, RMSNorm, SwiGLU, no biases, an untied
   readout."""
-  reference, _, workdir = _import('llama', tmp_path, data_dir)
+  reference, workdir = _import('llama', tmp_path, data_dir)
   _check_parity(reference, workdir)
 
 
-def test_pytorch_names_in_bfloat16_and_two_files_read_alike(gpt2, tmp_path):
+def test_pytorch_names_in_bfloat16_and_two_files_read_alike(gpt2_saved,
+                                                            tmp_path):
   """A checkpoint as PyTorch writes GPT-2 (no 'transformer.' prefix,
   `.weight` in Conv1D's [in, out] layout, the causal-mask buffers), in
   bfloat16 and split over two files, reads as the same parameters rounded
   to bfloat16."""
-  _, saved, _ = gpt2
+  _, saved = gpt2_saved
   renamed = {}
   for name, array in load_file(os.path.join(saved,
                                             'model.safetensors')).items():
@@ -173,8 +203,14 @@ def test_a_tied_llama_reads_out_through_its_embedding(tmp_path):
     values = json.load(f)
   with open(saved / 'config.json', 'w') as f:
     json.dump(values | {'tie_word_embeddings': True}, f)
-  keys = pretrained.model_keys(str(saved), 'hf_llama')
-  model = build(ModelConfig.from_mapping(published.PRESETS['llama'] | keys))
+  # Whatever the config holds, the import sets the architecture.
+  hostile = published.get_config('gpt2')
+  hostile.model.update(scale_tied_readout=True, qk_norm='rmsnorm',
+                       logit_softcap=30.0, attention='local',
+                       norm_position='post')
+  hostile.model.attention_options.window = 4
+  config, keys = import_config(str(saved), 'hf_llama', hostile)
+  model = build(ModelConfig.from_mapping(config.model))
   logits, _ = model.apply(
       {'params': pretrained.params(str(saved), 'hf_llama', keys)},
       TOKENS_BxT)
@@ -202,6 +238,11 @@ def _damaged(saved: str, target, change: str) -> str:
       values['vocab_size'] = 100
       name = 'transformer.wte.embedding'
       tensors[name] = tensors[name][:100]
+    elif change == 'two files':
+      save_file({name: tensors[name]},
+                os.path.join(target, 'extra.safetensors'))
+    elif change == 'untied head':
+      tensors['lm_head.kernel'] = tensors['transformer.wte.embedding'].T + 1
     elif change == 'shape':
       tensors[name] = tensors[name][:-1]
     elif change == 'missing':
@@ -223,20 +264,45 @@ BAD = {
     'shape': 'h.1.mlp.c_fc.bias has shape [127]; its config.json gives [128]',
     'missing': 'has no tensor h.1.mlp.c_fc.bias',
     'extra': 'holds tensors this format does not read (1: h.2.mlp.c_fc.bias)',
+    'two files': 'the tensor h.1.mlp.c_fc.bias is in more than one file',
+    'untied head': 'lm_head.weight is not the embedding, and its '
+                   'config.json ties them',
     # The tokenizer's ids (the dataset's) must fit the vocabulary.
     'vocab_size': 'config.model.vocab_size=100 is smaller than the 258 token',
 }
 
 
 @pytest.mark.parametrize('change', list(BAD))
-def test_bad_checkpoints_are_refused(gpt2, tmp_path, data_dir, change):
-  _, saved, _ = gpt2
+def test_bad_checkpoints_are_refused(gpt2_saved, tmp_path, data_dir, change):
+  _, saved = gpt2_saved
   damaged = _damaged(saved, tmp_path / 'damaged', change)
   config = published.get_config('gpt2')
   config.update(data_dir=data_dir, seq_len=32, batch_size=4)
   with pytest.raises(InputError, match=re.escape(BAD[change])):
     import_checkpoint(str(damaged), 'hf_gpt2', str(tmp_path / 'w'), config)
-  assert not os.path.exists(tmp_path / 'w' / 'checkpoints')
+  assert not os.path.exists(tmp_path / 'w')
+
+
+LLAMA_REFUSED = {
+    'attention_bias': (True, 'attention_bias=True and mlp_bias=False differ'),
+    'rope_scaling': ({'rope_type': 'llama3'}, "rope_scaling={'rope_type': "),
+    'rope_parameters': ({'rope_type': 'yarn', 'rope_theta': 1e4},
+                        "rope_parameters.rope_type='yarn' is not supported"),
+    'partial_rotary_factor': (0.5, 'partial_rotary_factor=0.5 is not '
+                              'supported'),
+    'hidden_act': ('gelu', "hidden_act='gelu' is not supported"),
+}
+
+
+@pytest.mark.parametrize('key', list(LLAMA_REFUSED))
+def test_llama_configs_the_model_cannot_express(tmp_path, key):
+  value, message = LLAMA_REFUSED[key]
+  with open(tmp_path / 'config.json', 'w') as f:
+    json.dump({'model_type': 'llama', 'hidden_size': 32,
+               'num_attention_heads': 4, 'num_hidden_layers': 1,
+               'intermediate_size': 64, 'vocab_size': VOCAB, key: value}, f)
+  with pytest.raises(InputError, match=re.escape(message)):
+    pretrained.model_keys(str(tmp_path), 'hf_llama')
 
 
 def test_the_command_exits_2_with_one_line(tmp_path):
@@ -248,27 +314,6 @@ def test_the_command_exits_2_with_one_line(tmp_path):
   assert result.stderr.splitlines() == [
       f'error: --from={tmp_path} has no config.json: it must be a Hugging '
       'Face model directory.']
-
-
-@pytest.mark.slow
-def test_fine_tuning_with_local_attention_and_fewer_kv_heads(gpt2, tmp_path):
-  """The imported GPT-2 fine-tuned with a banded attention and half its
-  key/value heads (mean-pooled), from its checkpoint named by step: the
-  loss is finite and falls."""
-  _, _, workdir = gpt2
-  config = published.get_config(f'from={workdir}/checkpoints/0')
-  config.model.attention = 'local'
-  config.model.attention_options.local.window = 8
-  config.model.num_kv_heads = 2
-  config.update(num_train_steps=8, batch_size=8, log_every=2, eval_every=0,
-                checkpoint_every=0, num_eval_steps=1, learning_rate=3e-3,
-                warmup_steps=1)
-  train_and_evaluate(config, str(tmp_path / 'tuned'))
-  with open(tmp_path / 'tuned' / 'metrics.jsonl') as f:
-    losses = [json.loads(line)['loss'] for line in f
-              if '"loss"' in line]
-  assert np.all(np.isfinite(losses)) and len(losses) == 4
-  assert losses[-1] < losses[0] - 0.5, losses
 
 
 def test_the_gpt2_preset_is_gpt2_small():

@@ -42,10 +42,10 @@ class Transferred:
 
   def summary(self) -> str:
     """One line: how many parameters came from where."""
-    parts = [f'{len(self.taken)} taken']
+    parts = [f'{len(self.taken)} parameters taken as they are']
     if self.pooled:
-      parts.append(f'{len(self.pooled)} key/value projections mean-pooled '
-                   'to fewer heads')
+      parts.append(f'{len(self.pooled)} of the key/value projections\' '
+                   'mean-pooled to fewer heads')
     for name, paths in (('new, initialised fresh', self.fresh),
                         ('left out', self.left_out)):
       if paths:

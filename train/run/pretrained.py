@@ -16,10 +16,9 @@ import json
 import os
 from typing import Any
 
+# Importing flax imports jax, which makes bfloat16 (most Llama checkpoints'
+# dtype) a numpy dtype that safetensors reads.
 from flax import traverse_util
-# bfloat16 (most Llama checkpoints' dtype) is a numpy dtype once ml_dtypes
-# is imported; safetensors then reads it.
-import ml_dtypes  # pylint: disable=unused-import
 import numpy as np
 from safetensors.numpy import load_file
 
@@ -144,6 +143,17 @@ class Format:
   params: Callable[[Tensors, Mapping[str, Any]], dict]
 
 
+def _tied_head(tensors: Tensors, embedding_VxD: np.ndarray) -> None:
+  """A tied checkpoint's lm_head.weight, which some save, must be its
+  embedding."""
+  if not tensors.has('lm_head.weight'):
+    return
+  if not np.array_equal(tensors.take('lm_head.weight', embedding_VxD.shape),
+                        embedding_VxD):
+    raise InputError(f'--from={tensors.directory}: lm_head.weight is not '
+                     'the embedding, and its config.json ties them.')
+
+
 def _gpt2_keys(hf: HfConfig) -> dict[str, Any]:
   hf.require('activation_function', ('gelu_new', 'gelu_pytorch_tanh'),
              "config.model.mlp_activation='gelu' is tanh-approximated")
@@ -160,7 +170,9 @@ def _gpt2_keys(hf: HfConfig) -> dict[str, Any]:
   return dict(
       vocab_size=hf.need('vocab_size'), d_model=d_model,
       num_layers=hf.need('n_layer'), num_heads=num_heads,
-      num_kv_heads=num_heads, head_dim=d_model // num_heads,
+      # As many key/value heads, of d_model / num_heads (ModelConfig's
+      # defaults, so that the preset's config resumes the import).
+      num_kv_heads=None, head_dim=None,
       mlp_dim=hf.get('n_inner', 4 * d_model),
       max_len=hf.need('n_positions'),
       norm_epsilon=hf.get('layer_norm_epsilon', 1e-5),
@@ -205,8 +217,7 @@ def _gpt2_params(tensors: Tensors, keys: Mapping[str, Any]) -> dict:
       put(f'{target}/mlp/{name}/bias',
           tensors.take(f'{source}.mlp.{hf_name}.bias', (shape[1],)))
   norm('ln_f', 'decoder/final_norm')
-  if tensors.has('lm_head.weight'):  # Tied: the embedding again.
-    tensors.take('lm_head.weight', (keys['vocab_size'], d))
+  _tied_head(tensors, flat['embedder/token_embedding/embedding'])
   return traverse_util.unflatten_dict(flat, sep='/')
 
 
@@ -218,6 +229,10 @@ def _llama_keys(hf: HfConfig) -> dict[str, Any]:
              'whole heads')
   # transformers 5 writes RoPE's settings in one mapping.
   rope = hf.get('rope_parameters', {})
+  if rope.get('partial_rotary_factor', 1) != 1:
+    raise InputError(f'{hf.path}: rope_parameters.partial_rotary_factor='
+                     f"{rope['partial_rotary_factor']!r} is not supported "
+                     "(Llama's RoPE rotates whole heads).")
   if rope.get('rope_type', 'default') != 'default':
     raise InputError(f'{hf.path}: rope_parameters.rope_type='
                      f"{rope['rope_type']!r} is not supported (RoPE "
@@ -229,6 +244,8 @@ def _llama_keys(hf: HfConfig) -> dict[str, Any]:
         'config.model.use_bias sets both.')
   d_model, num_heads = hf.need('hidden_size'), hf.need('num_attention_heads')
   head_dim = hf.get('head_dim', d_model // num_heads)
+  if head_dim == d_model // num_heads and not d_model % num_heads:
+    head_dim = None  # ModelConfig's default, as the preset leaves it.
   return dict(
       vocab_size=hf.need('vocab_size'), d_model=d_model,
       num_layers=hf.need('num_hidden_layers'), num_heads=num_heads,
@@ -245,7 +262,8 @@ def _llama_keys(hf: HfConfig) -> dict[str, Any]:
 
 def _llama_params(tensors: Tensors, keys: Mapping[str, Any]) -> dict:
   d, v, m = keys['d_model'], keys['vocab_size'], keys['mlp_dim']
-  n, k, h = keys['num_heads'], keys['num_kv_heads'], keys['head_dim']
+  n, k = keys['num_heads'], keys['num_kv_heads']
+  h = keys['head_dim'] or d // n
   bias = keys['use_bias']
   flat = {}
   put = flat.__setitem__
@@ -286,8 +304,8 @@ def _llama_params(tensors: Tensors, keys: Mapping[str, Any]) -> dict:
       linear(f'{source}.mlp.{hf_name}', f'{target}/mlp/{name}', outputs,
              inputs, (outputs,))
   put('decoder/final_norm/scale', tensors.take('norm.weight', (d,)))
-  if keys['tie_embeddings'] and tensors.has('lm_head.weight'):
-    tensors.take('lm_head.weight', (v, d))  # Tied: the embedding again.
+  if keys['tie_embeddings']:
+    _tied_head(tensors, flat['embedder/token_embedding/embedding'])
   return traverse_util.unflatten_dict(flat, sep='/')
 
 
