@@ -6,11 +6,13 @@ r"""Command line: a published checkpoint as a training run's workdir.
 
 Reads a Hugging Face model directory from disk (config.json and
 *.safetensors, as PyTorch's or Flax's save_pretrained wrote them; no
-network): config.json gives config.model's architecture keys
+network): config.json gives the architecture's sizes
 (train/run/pretrained.py, by --format: hf_gpt2 or hf_llama), the tensors
 its parameters, each shape checked. The config is --config (default: the
-format's preset in configs/published.py) with those keys; the workdir gets
-its config.json and a verified checkpoint of step 0. Then
+format's preset in configs/published.py) with the preset's architecture
+and those sizes set over it, so --config chooses the rest (dataset, dtype,
+batch) and not the model; the workdir gets its config.json and a verified
+checkpoint of step 0. Then
 
   python -m train.generate --workdir=workdirs/gpt2 --prompt="def "
   python -m train.train --config=configs/published.py:from=workdirs/gpt2 \
@@ -40,8 +42,8 @@ from configs import default, published
 from train import cli
 from train.base.errors import InputError
 from train.config import validation as config_validation
-from train.data import datasets, pipeline
-from train.run import checkpointing, pretrained
+from train.data import datasets
+from train.run import checkpointing, pretrained, trainer
 from train.run import workdir as workdir_lib
 from train.run.program import Program
 
@@ -100,11 +102,7 @@ def import_checkpoint(source: str, format_name: str, workdir: str,
   state = program.start_from(jax.tree.map(
       lambda array, want: np.asarray(array, want.dtype), params, abstract))
   with workdir_lib.claim(config, workdir):
-    iterator = pipeline.train_iterator(
-        dataset, seq_len=checked.seq_len, batch_size=checked.batch_size,
-        seed=checked.seed, layout='packed' if checked.pack_sequences
-        else 'padded', max_segments=checked.model.max_segments_per_row,
-        place=program.batch)
+    iterator = trainer.training_batches(program, dataset)
     checkpointer = checkpointing.Checkpointer(
         workdir, keep=checked.keep_checkpoints)
     try:

@@ -137,8 +137,8 @@ def test_gpt2_equals_the_reference_and_fine_tunes_with_another_attention(
                 warmup_steps=1)
   train_and_evaluate(config, str(tmp_path / 'tuned'))
   assert (f'Starting from the parameters of {workdir}/checkpoints/0 at step '
-          "0: 28 parameters taken as they are; 8 of the key/value "
-          "projections' mean-pooled to fewer heads.") in capsys.readouterr().out
+          '0: 28 parameters taken as they are; 8 key/value projection '
+          'parameters mean-pooled to fewer heads.') in capsys.readouterr().out
   with open(tmp_path / 'tuned' / 'metrics.jsonl') as f:
     losses = [json.loads(line)['loss'] for line in f
               if '"loss"' in line]

@@ -44,7 +44,7 @@ class Transferred:
     """One line: how many parameters came from where."""
     parts = [f'{len(self.taken)} parameters taken as they are']
     if self.pooled:
-      parts.append(f'{len(self.pooled)} of the key/value projections\' '
+      parts.append(f'{len(self.pooled)} key/value projection parameters '
                    'mean-pooled to fewer heads')
     for name, paths in (('new, initialised fresh', self.fresh),
                         ('left out', self.left_out)):

@@ -319,6 +319,24 @@ def _leave(done: int, checkpointer: checkpointing.Checkpointer,
   raise Pruned(f'pruned at step {done}')
 
 
+def row_layout(config: TrainConfig) -> str:
+  """How a run's rows are laid out (train/data/pipeline.py): streams for a
+  Transformer-XL memory, packed windows, or one padded window a row."""
+  return ('streams' if config.model.memory_length else
+          'packed' if config.pack_sequences else 'padded')
+
+
+def training_batches(program: Program, dataset: datasets.Dataset):
+  """The run's iterator of training batches, placed on its devices (its
+  state is what a checkpoint saves beside the train state)."""
+  config = program.config
+  return pipeline.train_iterator(
+      dataset, seq_len=config.seq_len, batch_size=config.batch_size,
+      seed=config.seed, layout=row_layout(config),
+      max_segments=config.model.max_segments_per_row, place=program.batch,
+      prefetch=max(pipeline.PREFETCH_BATCHES, config.steps_per_call + 1))
+
+
 def _train(program: Program, workdir: str, stop: preemption.StopRequest,
            started: float,
            on_evaluation: Callable[[int, dict[str, float]], bool] | None,
@@ -332,17 +350,12 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
   dataset = datasets.load(config, workdir)
   config_validation.check_dataset_fits(config, dataset)
 
-  layout = ('streams' if model_config.memory_length else
-            'packed' if config.pack_sequences else 'padded')
-  evaluate = _evaluation(config, dataset, program, workdir, layout)
+  evaluate = _evaluation(config, dataset, program, workdir,
+                         row_layout(config))
   checkpointer = checkpointing.Checkpointer(workdir,
                                             keep=config.keep_checkpoints)
   checkpointer.check_space_to_train(program.abstract_state)
-  train_iterator = pipeline.train_iterator(
-      dataset, seq_len=config.seq_len, batch_size=config.batch_size,
-      seed=config.seed, layout=layout,
-      max_segments=model_config.max_segments_per_row, place=program.batch,
-      prefetch=max(pipeline.PREFETCH_BATCHES, config.steps_per_call + 1))
+  train_iterator = training_batches(program, dataset)
   state = _restore_or_init(program, checkpointer, train_iterator)
   last_step = config.num_train_steps
   first_step = int(state.step)

@@ -51,7 +51,7 @@ def test_fewer_kv_heads_are_mean_pooled_groups():
   assert len(got.pooled) == 4 and len(got.taken) == 2
   assert got.fresh == ('block_0/self_attention/relative/embedding',)
   assert got.summary() == (
-      "2 parameters taken as they are; 4 of the key/value projections' "
+      '2 parameters taken as they are; 4 key/value projection parameters '
       'mean-pooled to fewer heads; 1 new, initialised fresh '
       '(block_0/self_attention/relative/embedding)')
 
