@@ -11,7 +11,7 @@ import pytest
 
 from configs import algorithmic, lm_stdlib
 from experiments import attention_cases, bench_attention, bench_seq2seq
-from experiments import bench_train
+from experiments import bench_compile, bench_train
 from model import attention
 from model.attention import sparse
 from tests.helpers.sparse_patterns import bigbird_pattern
@@ -238,6 +238,26 @@ def test_bench_train_times_ours_and_the_stock_baseline(tmp_path, data_dir):
     bench_train.run(lm_stdlib.get_config(), str(tmp_path), sizes=['huge'],
                     steps=1, warmup=1, attention='auto', dtype='float32',
                     remat='none')
+
+
+def test_bench_compile_times_each_stage_of_a_start_at_each_depth(tmp_path):
+  rows = bench_compile.run(lm_stdlib.get_config(), str(tmp_path),
+                           size='tiny', layers=[1, 2], steps=1)
+  assert [(row['layers'], row['params']) for row in rows] == [
+      (1, 17888), (2, 26432)]
+  for row in rows:
+    for key in ('build_s', 'trace_s', 'lower_s', 'compile_s', 'step_s'):
+      assert row[key] > 0, key
+  first, second = rows
+  assert first['build_trace_vs_first'] == first['compile_vs_first'] == 1
+  assert second['compile_vs_first'] == pytest.approx(
+      second['compile_s'] / first['compile_s'])
+  [directory] = [entry.path for entry in os.scandir(tmp_path)]
+  with open(os.path.join(directory, 'results.md')) as f:
+    assert '| layers | params | build_s | trace_s |' in f.read()
+  with pytest.raises(InputError, match="unknown size 'huge'"):
+    bench_compile.run(lm_stdlib.get_config(), str(tmp_path), size='huge',
+                      layers=[1], steps=1)
 
 
 @pytest.mark.slow
