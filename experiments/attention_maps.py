@@ -23,6 +23,7 @@ from flax import traverse_util
 import matplotlib
 import numpy as np
 
+from model import layer_stack
 from model.families import FAMILIES
 from train import cli
 from train.base.errors import InputError
@@ -67,7 +68,10 @@ def attention_weights(model, params, tokens: np.ndarray
   method = FAMILIES[model.config.family].inputs_method
   _, variables = model.apply({'params': params}, tokens[None], method=method,
                              mutable=['intermediates'])
-  flat = traverse_util.flatten_dict(variables['intermediates'], sep='/')
+  # A scanned stack's maps are stacked over its groups: read per block.
+  flat = traverse_util.flatten_dict(layer_stack.unstacked(
+      variables['intermediates'], model.config.scan_group,
+      model.config.scan_start), sep='/')
   # block_2 before block_10.
   in_order = lambda path: [int(part) if part.isdigit() else part
                            for part in re.split(r'(\d+)', path)]

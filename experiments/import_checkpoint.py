@@ -39,6 +39,7 @@ from ml_collections import config_flags
 import numpy as np
 
 from configs import default, published
+from model import layer_stack
 from train import cli
 from train.base.errors import InputError
 from train.config import validation as config_validation
@@ -94,7 +95,9 @@ def import_checkpoint(source: str, format_name: str, workdir: str,
   program = Program.from_config(config, jax.devices()[:1])
   checked = program.config
   abstract = program.abstract_state.params
-  params = pretrained.params(source, format_name, keys)
+  # The format's blocks one by one, stacked if the config scans them.
+  params = layer_stack.relayout(pretrained.params(source, format_name, keys),
+                                abstract)
   _check_tree(params, abstract, source)
   # The dataset's token ids (its tokenizer's) must fit the vocabulary.
   dataset = datasets.load(checked, workdir)

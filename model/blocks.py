@@ -137,11 +137,45 @@ class TransformerBlock(nn.Module):
     return self.cross_attention.source_keys_values(encoded_BxSxD)
 
 
-class TransformerStack(nn.Module):
-  """`config.num_layers` blocks, plus the final norm that pre-norm needs.
-  Block i has the attention `config.for_layer(i)` gives (a pattern's
-  entries cycled over the layers), and a mixture-of-experts feed-forward
-  layer where `config.has_moe(i)`."""
+def _block_class(config: ModelConfig, scanned: bool) -> type[nn.Module]:
+  """TransformerBlock, under config.remat's policy.
+
+  In scan_layers' loop, 'none' keeps the matmul outputs (dots_saveable):
+  the loop stores every intermediate that its backward pass reads, each
+  elementwise result among them, where the compiled step of blocks one by
+  one fuses those into their readers (keeping them all measured 15% slower
+  a step on a CPU; experiments/results/bench_compile). Nor does the loop
+  need remat's barrier against XLA merging the recomputation into the
+  forward pass (flax's advice for remat inside scan)."""
+  policy = config.remat
+  if scanned and policy == 'none':
+    policy = 'dots_saveable'
+  if policy == 'none':
+    return TransformerBlock
+  return nn.remat(TransformerBlock, policy=REMAT_POLICY[policy],
+                  prevent_cse=not scanned)
+
+
+def _block(config: ModelConfig, causal: bool, cross: bool, layer: int,
+           name: str, scanned: bool = False) -> nn.Module:
+  """Block `layer` of a stack: its attention (`config.for_layer`), its
+  feed-forward layer, and whether it mixes the first block's values."""
+  return _block_class(config, scanned)(
+      config.for_layer(layer), causal, cross, config.has_moe(layer),
+      config.value_residual and layer > 0, name=name)
+
+
+def _unmarked(cache: KeysValues | None) -> KeysValues | None:
+  """One block's keys and values as the loop slices them from stacked ones:
+  no longer stacked."""
+  return None if cache is None else cache.replace(stacked=False)
+
+
+class BlockGroup(nn.Module):
+  """`config.scan_group` consecutive blocks after the first
+  `config.scan_start`: what each step of scan_layers' loop runs. Any group
+  of them has the same attentions and feed-forward layers, as the pattern
+  and the MoE layers repeat over it."""
 
   config: ModelConfig
   causal: bool
@@ -149,15 +183,77 @@ class TransformerStack(nn.Module):
 
   def setup(self):
     config = self.config
-    block_cls = TransformerBlock
-    if config.remat != 'none':
-      block_cls = nn.remat(TransformerBlock,
-                           policy=REMAT_POLICY[config.remat])
-    self.blocks = [block_cls(config.for_layer(layer), self.causal, self.cross,
-                             config.has_moe(layer),
-                             config.value_residual and layer > 0,
-                             name=f'block_{layer}')
-                   for layer in range(config.num_layers)]
+    self.blocks = [_block(config, self.causal, self.cross,
+                          config.scan_start + j, f'block_{j}', scanned=True)
+                   for j in range(config.scan_group)]
+
+  def __call__(self, x_BxTxD: Array, inputs: BlockInputs,
+               first_values_BxSxKxH: Array | None, per_group: tuple):
+    """(output, (each block's input [G, B, T, D] with a memory, else None;
+    each block's cache after it, or None)). `per_group`: this group's
+    (memory [G, B, M, D], caches, sources), each None or G blocks'."""
+    memory_GxBxMxD, caches, sources = per_group
+    block_inputs, new_caches = [], []
+    for j, block in enumerate(self.blocks):
+      x_BxTxD = nn.with_logical_constraint(x_BxTxD,
+                                           logical_axes.ACTIVATIONS)
+      block_inputs.append(x_BxTxD)
+      x_BxTxD, cache, _ = block(
+          x_BxTxD, inputs,
+          None if memory_GxBxMxD is None else memory_GxBxMxD[j],
+          None if caches is None else _unmarked(caches[j]),
+          None if sources is None else _unmarked(sources[j]),
+          first_values_BxSxKxH)
+      new_caches.append(cache)
+    return x_BxTxD, (None if memory_GxBxMxD is None
+                     else jnp.stack(block_inputs),
+                     None if caches is None else tuple(new_caches))
+
+  def source_keys_values(self, carry: None, encoded_BxSxD: Array
+                         ) -> tuple[None, tuple[KeysValues, ...]]:
+    """The group's cross-attention keys and values of the encoder output,
+    as a step of the loop returns them."""
+    return carry, tuple(block.source_keys_values(encoded_BxSxD)
+                        for block in self.blocks)
+
+
+def _scanned_groups(config: ModelConfig) -> type[nn.Module]:
+  """BlockGroup run as a loop over the groups: parameters (and what the
+  blocks sow) stacked along a leading axis named logical_axes.LAYERS, a
+  fresh random stream per group."""
+  count = (config.num_layers - config.scan_start) // config.scan_group
+  common = dict(variable_axes={'params': 0, 'intermediates': 0, 'moe': 0},
+                split_rngs={'params': True, 'dropout': True}, length=count,
+                metadata_params={nn.PARTITION_NAME: logical_axes.LAYERS})
+  return nn.scan(BlockGroup, methods={
+      '__call__': dict(common, in_axes=(nn.broadcast, nn.broadcast, 0)),
+      'source_keys_values': dict(common, in_axes=(nn.broadcast,))})
+
+
+def _stacked(caches: tuple[KeysValues, ...]) -> tuple[KeysValues, ...]:
+  return tuple(cache.replace(stacked=True) for cache in caches)
+
+
+class TransformerStack(nn.Module):
+  """`config.num_layers` blocks, plus the final norm that pre-norm needs.
+  Block i has the attention `config.for_layer(i)` gives (a pattern's
+  entries cycled over the layers), and a mixture-of-experts feed-forward
+  layer where `config.has_moe(i)`. Under `config.scan_layers`, the blocks
+  after the first `config.scan_start` run as a loop over groups of them
+  (model/layer_stack.py describes the layout)."""
+
+  config: ModelConfig
+  causal: bool
+  cross: bool
+
+  def setup(self):
+    config = self.config
+    one_by_one = (config.scan_start if config.scan_layers
+                  else config.num_layers)
+    self.blocks = [_block(config, self.causal, self.cross, layer,
+                          f'block_{layer}') for layer in range(one_by_one)]
+    if config.scan_layers:
+      self.layers = _scanned_groups(config)(config, self.causal, self.cross)
     if config.norm_position == 'pre':
       self.final_norm = make_norm(config)
 
@@ -185,6 +281,14 @@ class TransformerStack(nn.Module):
       self_caches.append(layer_cache)
       if layer == 0:
         first_values_BxSxKxH = values_BxSxKxH
+    if self.config.scan_layers:
+      x_BxTxD, (inputs_NxGxBxTxD, group_caches) = self._loop(
+          x_BxTxD, inputs, first_values_BxSxKxH, memory_LxBxMxD, cache)
+      if memory_LxBxMxD is not None:
+        block_inputs.extend(inputs_NxGxBxTxD.reshape(
+            -1, *inputs_NxGxBxTxD.shape[2:]))
+      if cache is not None:
+        self_caches.extend(_stacked(group_caches))
     if self.config.norm_position == 'pre':
       x_BxTxD = self.final_norm(x_BxTxD)
     if cache is not None:
@@ -193,9 +297,31 @@ class TransformerStack(nn.Module):
       return x_BxTxD, jnp.stack(block_inputs)
     return x_BxTxD, None
 
+  def _loop(self, x_BxTxD: Array, inputs: BlockInputs,
+            first_values_BxSxKxH: Array | None,
+            memory_LxBxMxD: Array | None, cache: Cache | None):
+    """The scanned blocks: (output, (their inputs [n, G, B, T, D] or None,
+    their caches or None))."""
+    start, group = self.config.scan_start, self.config.scan_group
+    memory = None
+    if memory_LxBxMxD is not None:
+      memory = memory_LxBxMxD[start:].reshape(
+          -1, group, *memory_LxBxMxD.shape[1:])
+    caches = sources = None
+    if cache is not None:
+      caches = cache.self_attention[start:]
+      if cache.cross_attention is not None:
+        sources = cache.cross_attention[start:]
+    return self.layers(x_BxTxD, inputs, first_values_BxSxKxH,
+                       (memory, caches, sources))
+
   def source_keys_values(self, encoded_BxSxD: Array
                          ) -> tuple[KeysValues, ...]:
     """Every block's cross-attention keys and values of the encoder
     output: what decoding reads from the cache's cross-attention half."""
-    return tuple(block.source_keys_values(encoded_BxSxD)
-                 for block in self.blocks)
+    sources = tuple(block.source_keys_values(encoded_BxSxD)
+                    for block in self.blocks)
+    if self.config.scan_layers:
+      _, group_sources = self.layers.source_keys_values(None, encoded_BxSxD)
+      sources += _stacked(group_sources)
+    return sources

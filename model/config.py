@@ -219,8 +219,17 @@ class ModelConfig:
   param_dtype: str = 'float32'
   # Activations each block recomputes in the backward pass rather than
   # keeping (memory for time): none, full or dots_saveable (see
-  # REMAT_POLICIES).
+  # REMAT_POLICIES). Under scan_layers, none is dots_saveable (see
+  # model/blocks.py's _block_class).
   remat: str = 'none'
+  # Run the identical blocks of each stack as one loop (nn.scan) over their
+  # parameters stacked on a leading 'layers' axis, so that tracing and
+  # compiling a step costs one group of blocks, whatever the depth
+  # (MaxText's and levanter's default). The loop repeats the smallest group
+  # that the attention pattern and MoE's every_n_layers repeat over;
+  # value_residual's first block runs before it. Checkpoints of either
+  # layout restore into the other (model/layer_stack.py).
+  scan_layers: bool = False
   # rnn_attention only: the encoder's and decoder's recurrent cell, lstm or
   # gru, of width d_model.
   rnn_cell: str = 'lstm'
@@ -286,7 +295,7 @@ class ModelConfig:
         fail(f'config.model.{name}={rate!r} must be in [0, 1).')
     for name in ('tie_embeddings', 'attention_projections',
                  'zero_init_outputs', 'value_residual', 'scale_tied_readout',
-                 'use_bias'):
+                 'use_bias', 'scan_layers'):
       if not isinstance(getattr(self, name), bool):
         fail(f'config.model.{name}={getattr(self, name)!r} must be True or '
              'False.')
@@ -367,6 +376,20 @@ class ModelConfig:
       self._check_pattern(fail)
     else:
       self._check_attention(fail)
+    scanned = self.num_layers - self.scan_start
+    if self.scan_layers and scanned % self.scan_group:
+      why = []
+      if self.num_attentions > 1:
+        why.append(f'config.model.attention cycles {self.num_attentions} '
+                   'entries')
+      if self.moe.num_experts:
+        why.append('config.model.moe.every_n_layers='
+                   f'{self.moe.every_n_layers}')
+      first = ' after value_residual\'s first' if self.scan_start else ''
+      fail(f'config.model.scan_layers repeats a group of {self.scan_group} '
+           f'blocks ({" and ".join(why)}), which does not divide the '
+           f'{scanned} blocks of config.model.num_layers={self.num_layers}'
+           f'{first}; choose a num_layers it divides, or scan_layers=False.')
 
   def _options_by_entry(self, fail) -> tuple:
     """attention_options given as a mapping, as this config holds them:
@@ -451,6 +474,19 @@ class ModelConfig:
     index = layer % len(self.attention)
     return dataclasses.replace(self, attention=self.attention[index],
                                attention_options=self.attention_options[index])
+
+  @property
+  def scan_group(self) -> int:
+    """Blocks in the group that scan_layers repeats: the least number after
+    which both the attention pattern and the MoE layers repeat."""
+    return math.lcm(self.num_attentions, self.moe.every_n_layers
+                    if self.moe.num_experts else 1)
+
+  @property
+  def scan_start(self) -> int:
+    """Blocks run one by one before the scanned groups: value_residual's
+    first, whose values the others mix with."""
+    return 1 if self.value_residual else 0
 
   def layer_configs(self) -> tuple['ModelConfig', ...]:
     """One config per entry of the attention pattern."""

@@ -15,3 +15,7 @@ ACTIVATIONS = (BATCH, LENGTH, EMBED)
 # The query heads and the key/value heads of attention's projections.
 HEADS = 'heads'
 KV_HEADS = 'kv_heads'
+# The leading axis of a scanned stack's parameters, one entry per group of
+# blocks (config.model.scan_layers): left whole on every device by the
+# rules, as each step of the loop reads one entry.
+LAYERS = 'layers'

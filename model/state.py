@@ -4,6 +4,9 @@ encoder-decoder's `decode`) returns `(output, state)`, the state one of
 these or None.
 """
 
+from collections.abc import Callable
+from typing import Any
+
 import flax
 import jax
 import jax.numpy as jnp
@@ -20,11 +23,16 @@ class KeysValues:
 
   key: Array
   value: Array
+  # Whether the arrays stack a scanned stack's groups of blocks along a
+  # leading axis, [n, B, S, ...] (model/layer_stack.py's layout).
+  stacked: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @flax.struct.dataclass
 class Cache:
-  """A decoder's cache, a KeysValues per layer. `self_attention`: the keys
+  """A decoder's cache, a KeysValues per layer (under scan_layers: per
+  block run before the loop, then per block of the group the loop repeats,
+  stacked over the groups). `self_attention`: the keys
   and values of the positions written so far, [B, C, ...] for C positions
   (decoding writes one position in place a call); `cross_attention`: the
   source's, projected once (EncoderDecoder.start_decoding) and read by
@@ -45,9 +53,30 @@ class Cache:
     shape = (batch_size, length, config.num_kv_heads, config.head_dim)
     if not config.attention_projections:  # The inputs themselves, one head.
       shape = (batch_size, length, 1, config.d_model)
-    return cls(tuple(KeysValues(jnp.zeros(shape, config.compute_dtype),
-                                jnp.zeros(shape, config.compute_dtype))
-                     for _ in range(config.num_layers)))
+
+    def zeros(*groups):
+      return KeysValues(jnp.zeros(groups + shape, config.compute_dtype),
+                        jnp.zeros(groups + shape, config.compute_dtype),
+                        stacked=bool(groups))
+    if not config.scan_layers:
+      return cls(tuple(zeros() for _ in range(config.num_layers)))
+    start, group = config.scan_start, config.scan_group
+    count = (config.num_layers - start) // group
+    return cls(tuple(zeros() for _ in range(start))
+               + tuple(zeros(count) for _ in range(group)))
+
+
+def map_rows(fn: Callable[[Array, int], Array], cache: Any) -> Any:
+  """`fn(array, axis)` applied to each array of a decoding cache (a Cache,
+  or a recurrent model's state), `axis` the one its rows are on: the
+  second of stacked keys and values, else the first."""
+  def apply(node):
+    if isinstance(node, KeysValues):
+      axis = 1 if node.stacked else 0
+      return node.replace(key=fn(node.key, axis), value=fn(node.value, axis))
+    return fn(node, 0)
+  return jax.tree.map(apply, cache,
+                      is_leaf=lambda node: isinstance(node, KeysValues))
 
 
 @flax.struct.dataclass

@@ -65,7 +65,8 @@ def check(config: ModelConfig) -> None:
         f'config.model.memory_length is for {others(lambda f: f.memory)}, '
         f'not {config.family!r}.')
   for name in ('zero_init_outputs', 'value_residual', 'norm_epsilon',
-               'embedding_init_stddev', 'scale_tied_readout', 'use_bias'):
+               'embedding_init_stddev', 'scale_tied_readout', 'use_bias',
+               'scan_layers'):
     if (getattr(config, name) != getattr(_DEFAULTS, name)
         and not family.feed_forward):
       raise ValueError(

@@ -243,21 +243,31 @@ def test_bench_train_times_ours_and_the_stock_baseline(tmp_path, data_dir):
 def test_bench_compile_times_each_stage_of_a_start_at_each_depth(tmp_path):
   rows = bench_compile.run(lm_stdlib.get_config(), str(tmp_path),
                            size='tiny', layers=[1, 2], steps=1)
-  assert [(row['layers'], row['params']) for row in rows] == [
-      (1, 17888), (2, 26432)]
+  # Both layouts have the same parameters.
+  assert [(row['scan_layers'], row['layers'], row['params'])
+          for row in rows] == [(False, 1, 17888), (False, 2, 26432),
+                               (True, 1, 17888), (True, 2, 26432)]
   for row in rows:
     for key in ('build_s', 'trace_s', 'lower_s', 'compile_s', 'step_s'):
       assert row[key] > 0, key
-  first, second = rows
-  assert first['build_trace_vs_first'] == first['compile_vs_first'] == 1
-  assert second['compile_vs_first'] == pytest.approx(
-      second['compile_s'] / first['compile_s'])
+  first, second, scanned_first, scanned_second = rows
+  for row in (first, scanned_first):
+    assert row['build_trace_vs_first'] == row['compile_vs_first'] == 1
+  assert scanned_second['trace_compile_vs_first'] == pytest.approx(
+      (scanned_second['trace_s'] + scanned_second['compile_s'])
+      / (scanned_first['trace_s'] + scanned_first['compile_s']))
+  assert first['step_vs_unscanned'] == 1
+  assert scanned_second['step_vs_unscanned'] == pytest.approx(
+      scanned_second['step_s'] / second['step_s'])
   [directory] = [entry.path for entry in os.scandir(tmp_path)]
   with open(os.path.join(directory, 'results.md')) as f:
-    assert '| layers | params | build_s | trace_s |' in f.read()
+    assert '| scan_layers | layers | params | build_s |' in f.read()
   with pytest.raises(InputError, match="unknown size 'huge'"):
     bench_compile.run(lm_stdlib.get_config(), str(tmp_path), size='huge',
                       layers=[1], steps=1)
+  with pytest.raises(InputError, match="--layouts: rolled is not one of"):
+    bench_compile.run(lm_stdlib.get_config(), str(tmp_path), size='tiny',
+                      layers=[1], steps=1, layouts=('rolled',))
 
 
 @pytest.mark.slow

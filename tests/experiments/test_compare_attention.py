@@ -2,6 +2,7 @@
 the checkpoints a comparison trains)."""
 
 import csv
+import dataclasses
 import os
 
 import jax
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from experiments import attention_maps, compare_attention
-from model import build
+from model import build, layer_stack
 from model.config import ModelConfig
 from tests.helpers.tiny_runs import tiny_config
 from train.base.errors import InputError
@@ -131,3 +132,23 @@ def test_attention_weights_mask_padding(comparison):
   assert weights.shape == (2, 7, 7)  # Heads; the CLS vector, then tokens.
   np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
   np.testing.assert_array_equal(weights[..., -2:], 0.0)  # Padding unseen.
+
+
+def test_a_scanned_stacks_maps_are_its_blocks_one_by_one(comparison):
+  config = ModelConfig.from_mapping(trained_run.load_config(
+      os.path.join(comparison[0], 'dense')).model)
+  plain = build(dataclasses.replace(config, num_layers=2))
+  scanned = build(dataclasses.replace(config, num_layers=2,
+                                      scan_layers=True))
+  params = steps.init_params(plain, tasks.CLASSIFICATION, jax.random.key(0),
+                             8)
+  stacked = layer_stack.relayout(params, steps.init_params(
+      scanned, tasks.CLASSIFICATION, jax.random.key(0), 8))
+  tokens = np.array([3, 4, 5, 6, 0, 0], np.int32)
+  want = attention_maps.attention_weights(plain, params, tokens)
+  got = attention_maps.attention_weights(scanned, stacked, tokens)
+  assert [name for name, _ in got] == [name for name, _ in want] == [
+      'encoder/block_0', 'encoder/block_1']
+  for (_, got_weights), (_, want_weights) in zip(got, want):
+    np.testing.assert_allclose(got_weights, want_weights, rtol=1e-5,
+                               atol=1e-7)

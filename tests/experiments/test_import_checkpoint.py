@@ -66,11 +66,13 @@ def _saved(name: str, tmp_path) -> tuple:
   return reference, saved
 
 
-def _import(name: str, tmp_path, data_dir: str) -> tuple:
-  """(the reference, the workdir it was imported into)."""
+def _import(name: str, tmp_path, data_dir: str, **model) -> tuple:
+  """(the reference, the workdir it was imported into with `model`'s
+  config.model keys)."""
   reference, saved = _saved(name, tmp_path)
   config = published.get_config(name)
   config.update(data_dir=data_dir, seq_len=32, batch_size=4)
+  config.model.update(model)
   workdir = str(tmp_path / name)
   import_checkpoint(saved, f'hf_{name}', workdir, config)
   return reference, workdir
@@ -149,8 +151,10 @@ def test_gpt2_equals_the_reference_and_fine_tunes_with_another_attention(
 @pytest.mark.slow
 def test_llama_equals_the_reference(tmp_path, data_dir):
   """Grouped-query attention, RoPE, RMSNorm, SwiGLU, no biases, an untied
-  readout."""
-  reference, workdir = _import('llama', tmp_path, data_dir)
+  readout; imported into a model that scans its layers, whose stacked
+  cache decodes alike."""
+  reference, workdir = _import('llama', tmp_path, data_dir, scan_layers=True)
+  assert trained_run.load_config(workdir).model.scan_layers
   _check_parity(reference, workdir)
 
 

@@ -28,6 +28,11 @@ CONFIGS = {
     'decoder_lm_moe_swiglu_rmsnorm': small(
         norm='rmsnorm', mlp_activation='swiglu',
         moe=dict(num_experts=2, top_k=1, every_n_layers=1)),
+    # value_residual's first block, then one group of a dense block and a
+    # block with experts, stacked.
+    'decoder_lm_scanned_value_residual_moe': small(
+        num_layers=3, scan_layers=True, value_residual=True,
+        moe=dict(num_experts=2, top_k=1, every_n_layers=2)),
     'encoder_decoder': small(family='encoder_decoder'),
     'encoder_classifier_cls': small(family='encoder_classifier',
                                     num_classes=3, pooling='cls'),

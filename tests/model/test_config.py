@@ -81,6 +81,17 @@ def test_every_model_field_has_a_comment():
      'config.model.value_residual mixes projected values'),
     (dict(value_residual=True, num_layers=1),
      'config.model.num_layers=1 has none'),
+    (dict(scan_layers=True, family='rnn_attention'),
+     'config.model.scan_layers is for the Transformer families'),
+    (dict(scan_layers=True, num_layers=3, attention='dense,local'),
+     'config.model.scan_layers repeats a group of 2 blocks '
+     '(config.model.attention cycles 2 entries), which does not divide the '
+     '3 blocks of config.model.num_layers=3;'),
+    (dict(scan_layers=True, num_layers=5, value_residual=True,
+          moe={'num_experts': 2, 'every_n_layers': 3}),
+     'a group of 3 blocks (config.model.moe.every_n_layers=3), which does '
+     'not divide the 4 blocks of config.model.num_layers=5 after '
+     "value_residual's first;"),
     (dict(moe={'num_experts': 4, 'top_k': 3}),
      'config.model.moe.top_k=3 must be 1 or 2, and at most'),
     (dict(moe={'experts': 4}), 'unknown key config.model.moe.experts'),

@@ -23,6 +23,15 @@ _EXPERTS = Matrix((1,), (2,))         # [E, inputs, outputs]
 
 
 def expected(path: tuple[str, ...], family: str) -> Matrix | None:
+  """The matrix; a scanned stack's stacks one per group of blocks along
+  its first axis."""
+  matrix = _unstacked(path, family)
+  if matrix is None or 'layers' not in path:
+    return matrix
+  return Matrix(*(tuple(axis + 1 for axis in axes) for axes in matrix))
+
+
+def _unstacked(path: tuple[str, ...], family: str) -> Matrix | None:
   module, name = ((None,) + path)[-2:]
   if family == 'rnn_attention':
     return _DENSE if name == 'kernel' else None

@@ -12,26 +12,40 @@ array) always takes 'auto': no fused kernel reads a cache.
 
 import dataclasses
 
+from model import logical_axes
 from model.attention import fused
 from train.base.train_config import TrainConfig
 
 
-def _where(caller: tuple[str, ...]) -> tuple[str, int | None]:
-  """(the stack, the layer) of an attention module's path, e.g.
-  ('decoder', 'block_0', 'self_attention') -> ('decoder', 0); a path with
-  no block (no model calls one so today) is layer None, read as layer 0's
-  attention."""
+def _where(config: TrainConfig, caller: tuple[str, ...]
+           ) -> tuple[str, tuple[int, ...]]:
+  """(the stack, its layers) of an attention module's path, e.g.
+  ('decoder', 'block_0', 'self_attention') -> ('decoder', (0,)); under
+  scan_layers, a block of the group the loop repeats is every layer in its
+  place, ('decoder', 'layers', 'block_1', ...) -> ('decoder', (1, 3, ...)).
+  A path with no block (no model calls one so today) has no layer, read as
+  layer 0's attention."""
   for index, name in enumerate(caller):
     if name.startswith('block_') and name[len('block_'):].isdigit():
-      return '/'.join(caller[:index]) or 'model', int(name[len('block_'):])
-  return '/'.join(caller) or 'model', None
+      block = int(name[len('block_'):])
+      if index and caller[index - 1] == logical_axes.LAYERS:
+        model = config.model
+        return ('/'.join(caller[:index - 1]) or 'model',
+                tuple(range(model.scan_start + block, model.num_layers,
+                            model.scan_group)))
+      return '/'.join(caller[:index]) or 'model', (block,)
+  return '/'.join(caller) or 'model', ()
+
+
+def _attention(config: TrainConfig, layers: tuple[int, ...]) -> str:
+  """The attention of `layers` (all alike), or layer 0's for none."""
+  return config.model.for_layer(layers[0] if layers else 0).attention
 
 
 def _key(config: TrainConfig, decision: fused.Decision) -> str:
   """The config key of the kernel option a decision read."""
-  _, layer = _where(decision.caller)
-  attention = config.model.for_layer(layer or 0).attention
-  return config.model.option_key(attention, 'kernel')
+  _, layers = _where(config, decision.caller)
+  return config.model.option_key(_attention(config, layers), 'kernel')
 
 
 def refusals(config: TrainConfig,
@@ -41,7 +55,7 @@ def refusals(config: TrainConfig,
   found = []
   for decision in decisions:
     if decision.refusal:
-      stack, _ = _where(decision.caller)
+      stack, _ = _where(config, decision.caller)
       found.append(
           f'{_key(config, decision)}={decision.option!r} '
           f"{decision.refusal}: the {stack}'s self-attention is "
@@ -79,12 +93,12 @@ def grouped(config: TrainConfig,
   stack that ask the same and get the same, in call order."""
   groups: dict[tuple, list[int]] = {}
   for decision in decisions:
-    stack, layer = _where(decision.caller)
-    attention = config.model.for_layer(layer or 0).attention
+    stack, where = _where(config, decision.caller)
+    attention = _attention(config, where)
     layers = groups.setdefault((stack, attention, decision.option,
                                 decision.kernel, decision.case), [])
-    if layer is not None and layer not in layers:
-      layers.append(layer)
-  return [Layers(stack, tuple(layers), attention, option, kernel, case)
+    layers.extend(layer for layer in where if layer not in layers)
+  return [Layers(stack, tuple(sorted(layers)), attention, option, kernel,
+                 case)
           for (stack, attention, option, kernel, case), layers
           in groups.items()]

@@ -241,7 +241,8 @@ def beam_search(step: Step, cache: Cache, prompts_BxP: Array,
   logits_BxV = logits_BxPxV[jnp.arange(batch), prompt_lengths_B - 1]
   vocab = logits_BxV.shape[-1]
   # Each row's cache, and its last logits, copied for its K beams.
-  cache = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), cache)
+  cache = state.map_rows(lambda x, axis: jnp.repeat(x, k, axis=axis),
+                         cache)
   logits_BKxV = jnp.repeat(logits_BxV, k, axis=0)
   lengths_BK = jnp.repeat(prompt_lengths_B, k, axis=0)
   # One live beam at first, so that the first K tokens are distinct.
@@ -286,7 +287,8 @@ def beam_search(step: Step, cache: Cache, prompts_BxP: Array,
         jnp.where(ends_Bx2K, -jnp.inf, logp_Bx2K),
         (seqs_Bx2KxN, parent_Bx2K, token_Bx2K), k)
     rows_BK = (jnp.arange(batch)[:, None] * k + parent_BxK).reshape(-1)
-    cache = jax.tree.map(lambda x: jnp.take(x, rows_BK, axis=0), cache)
+    cache = state.map_rows(
+        lambda x, axis: jnp.take(x, rows_BK, axis=axis), cache)
     logits_BKx1xV, cache = step(token_BxK.reshape(-1, 1),
                                 (lengths_BK + t)[:, None], cache)
     return (t + 1, logits_BKx1xV[:, 0], alive_logp_BxK, alive_BxKxN,

@@ -75,13 +75,14 @@ def forward(model: nn.Module, task: Task, params, batch: dict[str, Array], *,
 
 def _moe_statistics(sown) -> dict[str, Array]:
   """The MoE layers' load-balancing loss (their mean), and the token
-  choices they dropped and made (sums)."""
+  choices they dropped and made (sums). A scanned stack's layers sow one
+  value each along a leading axis."""
   values: dict[str, list[Array]] = {}
   for path, value in flax.traverse_util.flatten_dict(sown).items():
-    values.setdefault(path[-1], []).extend(value)
-  return {'aux_loss': jnp.mean(jnp.stack(values['aux_loss'])),
-          'dropped': jnp.sum(jnp.stack(values['dropped'])),
-          'assigned': jnp.sum(jnp.stack(values['assigned']))}
+    values.setdefault(path[-1], []).extend(jnp.ravel(v) for v in value)
+  return {'aux_loss': jnp.mean(jnp.concatenate(values['aux_loss'])),
+          'dropped': jnp.sum(jnp.concatenate(values['dropped'])),
+          'assigned': jnp.sum(jnp.concatenate(values['assigned']))}
 
 
 def metric_sums(out: Array | Readout, batch: dict[str, Array], *,

@@ -46,6 +46,7 @@ from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from model import layer_stack
 from train.base import hosts, quiet
 from train.base.errors import InputError, TrainingError
 from train.program.steps import TrainState
@@ -291,10 +292,11 @@ class Checkpointer:
     """The state saved at `step`, verified against its checksums;
     `data_iterator` (if given) is moved to where it was. Raises Damaged.
 
-    `abstract_state` gives the shapes, dtypes and shardings to restore into.
+    `abstract_state` gives the shapes, dtypes and shardings to restore into,
+    and the layout of a Transformer's blocks: a checkpoint saved in the
+    other (config.model.scan_layers changed on a resume) is restored and
+    verified as saved, then converted (model/layer_stack.py).
     """
-    items = {'state': ocp.args.StandardRestore(abstract_state),
-             'data': ocp.args.JsonRestore()}
     step_dir = os.path.join(self.directory, str(step))
     own = os.path.isdir(os.path.join(step_dir, 'checksums'))
     # One that lost its own checksums is verified against the ledger.
@@ -303,6 +305,11 @@ class Checkpointer:
                               else 'checksums')
     if problem:
       raise Damaged(problem)
+    saved_tree = self._saved_tree(step)
+    saved_as = (abstract_state if saved_tree is None
+                else layer_stack.relayout(abstract_state, saved_tree))
+    items = {'state': ocp.args.StandardRestore(saved_as),
+             'data': ocp.args.JsonRestore()}
     if own:
       items['checksums'] = ocp.args.JsonRestore()
     try:
@@ -329,7 +336,21 @@ class Checkpointer:
                'of its own; verified against the ledger.'), flush=True)
     if data_iterator is not None:
       data_iterator.set_state(restored['data'])
-    return restored['state']
+    if saved_as is abstract_state:
+      return restored['state']
+    return jax.jit(lambda state: layer_stack.relayout(state, abstract_state),
+                   out_shardings=jax.tree.map(lambda leaf: leaf.sharding,
+                                              abstract_state)
+                   )(restored['state'])
+
+  def _saved_tree(self, step: int):
+    """orbax's metadata of the state saved at `step`, in its tree (None if
+    it cannot be read: the restore then reports what is wrong)."""
+    try:
+      with quiet.library_notices():
+        return self._manager.item_metadata(step)['state'].tree
+    except Exception:  # orbax's errors have many types.
+      return None
 
   def _written_without_checksums(self, step: int) -> bool:
     """Whether orbax's metadata of `step`, as its commit wrote it, lists

@@ -19,7 +19,7 @@ from flax import traverse_util
 import jax
 import numpy as np
 
-from model import ModelConfig
+from model import ModelConfig, layer_stack
 from train.base.errors import InputError, TrainingError
 from train.base.train_config import TrainConfig
 from train.run import trained_run
@@ -96,9 +96,10 @@ def transfer(source_params: Any, fresh_params: Any, source: ModelConfig,
   """The target's parameters (`fresh_params`' tree and dtypes) from
   `source_params`; InputError naming the parameters that do not fit and
   the config.model keys that differ. `origin` names the source in
-  messages."""
+  messages. Either model may scan its layers (config.model.scan_layers):
+  the source's blocks are taken in the target's layout."""
   have = {path: np.asarray(leaf) for path, leaf in
-          _flat(source_params).items()}
+          _flat(layer_stack.relayout(source_params, fresh_params)).items()}
   want = _flat(fresh_params)
   values, taken, pooled, fresh, misfits = {}, [], [], [], []
   for path, leaf in want.items():

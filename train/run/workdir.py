@@ -46,7 +46,8 @@ RESUMABLE = (
     'beam_size', 'beam_alpha', 'sample_length', 'sample_prompt',
     'sample_temperature', 'nan_policy', 'max_skipped_steps',
     'debug_poison_step', 'data_dir', 'parallelism', 'logical_axis_rules',
-    'distributed', 'grad_accum_steps', 'steps_per_call', 'model.remat')
+    'distributed', 'grad_accum_steps', 'steps_per_call', 'model.remat',
+    'model.scan_layers')
 # Schedules whose learning rate at a step does not depend on
 # num_train_steps: a run on them may be extended or shortened.
 _ABSENT = '(absent)'

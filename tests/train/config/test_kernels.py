@@ -51,6 +51,9 @@ def test_each_family_asks_its_own_cases(monkeypatch):
   classifier.model.update(attention='dense,local', num_layers=4)
   (local,) = summary(classifier, monkeypatch, 'tpu')
   assert local == ('encoder', (1, 3), 'key_padding', False, 'pallas_tpu')
+  # Scanned, the loop's one traced local block stands for both layers.
+  classifier.model.scan_layers = True
+  assert summary(classifier, monkeypatch, 'tpu') == [local]
   # Dense takes no kernel option.
   classifier.model.attention = 'dense'
   assert summary(classifier, monkeypatch, 'tpu') == []

@@ -304,7 +304,8 @@ INVALID_ELSEWHERE = [
 TYPE_CHECKED = {'pack_sequences', 'vocab_path', 'distributed',
                 'model.tie_embeddings', 'model.attention_projections',
                 'model.zero_init_outputs', 'model.value_residual',
-                'model.scale_tied_readout', 'model.use_bias'}
+                'model.scale_tied_readout', 'model.use_bias',
+                'model.scan_layers'}
 
 
 # The cases on lm_stdlib start from its baseline, whose sinusoidal positions

@@ -2,15 +2,17 @@
 the logits of a full forward pass at every position; the ways of choosing
 tokens do what they say."""
 
+import dataclasses
 import functools
 import itertools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import ModelConfig, build
+from model import ModelConfig, build, layer_stack
 from model.state import Cache
 from tests.helpers.tiny_runs import tiny_config
 from train import generate
@@ -61,8 +63,9 @@ def cached_logits(step, positions_to_read: int) -> np.ndarray:
     ('rope', dict(attention_projections=False)),
     # Under QK-norm the cache holds keys normalised, then rotated.
     ('rope', dict(qk_norm='rmsnorm')),
-    # Each layer caches its values mixed with the first layer's.
-    ('rope', dict(value_residual=True))])
+    # Each layer caches its values mixed with the first layer's; after the
+    # first, the layers run as a loop whose caches are stacked.
+    ('rope', dict(value_residual=True, scan_layers=True, num_layers=3))])
 def test_decoder_lm_cached_logits_equal_a_full_pass(position, overrides):
   config = tiny('decoder_lm', position, **overrides)
   model = build(config)
@@ -84,7 +87,8 @@ def test_decoder_lm_cached_logits_equal_a_full_pass(position, overrides):
 
 @pytest.mark.parametrize('position,overrides', [
     ('sinusoidal', {}), ('relative', {}),
-    ('sinusoidal', dict(value_residual=True))])
+    ('sinusoidal', dict(value_residual=True, scan_layers=True,
+                        num_layers=3))])
 def test_encoder_decoder_cached_logits_equal_a_full_pass(position, overrides):
   """The sources' cross-attention keys and values are projected once; rows
   decoded in two copies each (beam search's layout) read them alike."""
@@ -275,6 +279,21 @@ def beam_lm(model, params, prompts, lengths, **options):
   return jax.jit(functools.partial(
       decoding.beam_search, decoding.lm_step(model, params), **options))(
           cache, prompts, lengths)
+
+
+def test_a_scanned_stack_beam_searches_as_its_blocks_one_by_one_do(lm):
+  """Beam search copies and reorders the rows of a stacked cache (rows on
+  its second axis) as of a cache per layer."""
+  model, params, prompts, lengths = lm
+  scanned = build(dataclasses.replace(model.config, scan_layers=True))
+  stacked = layer_stack.relayout(nn.meta.unbox(params), nn.meta.unbox(
+      jax.eval_shape(scanned.init, jax.random.key(4),
+                     jnp.zeros((1, T), jnp.int32))['params']))
+  options = dict(beam_size=3, num_tokens=5, eos_id=3, alpha=0.6)
+  want = beam_lm(model, params, prompts, lengths, **options)
+  got = beam_lm(scanned, stacked, prompts, lengths, **options)
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
 
 
 def test_beam_of_one_is_greedy(lm):

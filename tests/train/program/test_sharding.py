@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from configs import default, lm_stdlib
+from model import layer_stack
 from tests.helpers import REPO
 from tests.helpers import config_overrides
 from train.base.errors import InputError
@@ -62,9 +63,10 @@ def program_for(config, devices):
   return Program.from_config(config, devices)
 
 
-def train(program, steps: int = 5):
-  """(losses and gradient norms of `steps` steps, final state)."""
-  state = program.init()
+def train(program, steps: int = 5, state=None):
+  """(losses and gradient norms of `steps` steps from `state` (default: a
+  fresh one), final state)."""
+  state = program.init() if state is None else state
   losses = []
   with program.scope():
     for batch in lm_batches(steps):
@@ -116,6 +118,31 @@ def test_layout_trains_like_one_device(name, one_device_losses):
     total = sum(x.nbytes for x in leaves)
     on_device_0 = sum(x.addressable_shards[0].data.nbytes for x in leaves)
     assert on_device_0 < 0.15 * total  # 1/8, plus the unsplit biases.
+
+
+def scanned_config(**parallelism):
+  config = small_config(**parallelism)
+  config.model.scan_layers = True
+  return config
+
+
+def test_scanned_blocks_train_as_one_by_one_under_fsdp_and_tensor_rules():
+  """From the same parameters, a scanned stack on 2 x 2 x 2 devices takes
+  the steps one device takes with the unscanned stack; its stacked
+  parameters are split by the same rules, the layers axis whole."""
+  plain = program_for(small_config(), jax.devices()[:1])
+  scanned = program_for(scanned_config(data=2, fsdp=2, tensor=2),
+                        jax.devices())
+  start = plain.init()
+  params = jax.device_get(start.params)  # Before the steps donate them.
+  want, _ = train(plain, state=start)
+  got, state = train(scanned, state=scanned.start_from(layer_stack.relayout(
+      params, scanned.abstract_state.params)))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  # The query kernels of the 2 layers [2, embed 32, heads 4, head_dim 8].
+  kernel = state.params['decoder']['layers']['block_0']['self_attention'][
+      'query']['kernel']
+  assert {s.data.shape for s in kernel.addressable_shards} == {(2, 16, 2, 8)}
 
 
 def test_experts_spread_over_devices_by_a_logical_axis_rule():
@@ -238,6 +265,36 @@ def test_checkpoint_restores_onto_another_mesh(save_on, restore_on, tmp_path):
     assert got.sharding == placed
   num_devices = len(query_kernel(restored).sharding.device_set)
   assert num_devices == (8 if restore_on == 'fsdp8' else 1)
+
+
+@pytest.mark.parametrize('scanned', ['saved', 'restored'])
+def test_a_checkpoint_restores_into_the_other_layout_of_the_blocks(
+    scanned, tmp_path):
+  """A run that switches config.model.scan_layers resumes from its
+  checkpoints: Muon's state and the parameters, verified as saved, are
+  converted exactly and placed as the new program asks."""
+  def muon(config):
+    config.optimizer = 'muon'
+    return config
+  one = program_for(muon(small_config()), jax.devices()[:1])
+  fsdp = program_for(muon(scanned_config(data=1, fsdp=8)), jax.devices())
+  source, target = (fsdp, one) if scanned == 'saved' else (one, fsdp)
+  _, state = train(source, steps=1)
+  checkpointer = checkpointing.Checkpointer(str(tmp_path), keep=1)
+  checkpointer.save(1, state, iter(grain_iterator()))
+  checkpointer.close()
+
+  checkpointer = checkpointing.Checkpointer(str(tmp_path), keep=1)
+  restored = checkpointer.restore(1, target.abstract_state)
+  checkpointer.close()
+  want = layer_stack.relayout(jax.device_get(state), target.abstract_state)
+  assert (jax.tree.structure(restored)
+          == jax.tree.structure(target.abstract_state))
+  for got, expected, placed in zip(
+      jax.tree.leaves(restored), jax.tree.leaves(want),
+      jax.tree.leaves(target.state_sharding)):
+    np.testing.assert_array_equal(np.asarray(got), expected)
+    assert got.sharding == placed
 
 
 def grain_iterator():

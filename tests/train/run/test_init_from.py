@@ -56,6 +56,29 @@ def test_fewer_kv_heads_are_mean_pooled_groups():
       '(block_0/self_attention/relative/embedding)')
 
 
+def test_blocks_one_by_one_start_a_scanned_model_pooled_alike():
+  """A source of two blocks into a scanned target with half the kv heads:
+  each block's projections pooled in its place of the stacked arrays."""
+  source = {'block_0': _params(4)['block_0'], 'block_1': _params(4)['block_0']}
+  source['block_1'] = jax.tree.map(lambda x: x + 1, source['block_1'])
+  fresh = {'layers': {'block_0': jax.tree.map(
+      lambda x: np.stack([x, x]), _params(2)['block_0'])}}
+  target = dataclasses.replace(SOURCE, num_layers=2, num_kv_heads=2,
+                               scan_layers=True)
+  got = init_from.transfer(source, fresh, SOURCE, target, 'W')
+  stacked = got.params['layers']['block_0']
+  for layer in (0, 1):
+    kernel = source[f'block_{layer}']['self_attention']['key']['kernel']
+    np.testing.assert_allclose(
+        stacked['self_attention']['key']['kernel'][layer],
+        np.stack([kernel[:, 0:2].mean(1), kernel[:, 2:4].mean(1)], 1),
+        rtol=1e-6)
+    np.testing.assert_array_equal(
+        stacked['mlp']['wi']['kernel'][layer],
+        source[f'block_{layer}']['mlp']['wi']['kernel'])
+  assert len(got.pooled) == 4 and len(got.taken) == 2 and not got.fresh
+
+
 def test_a_change_of_shape_is_refused_by_key():
   target = dataclasses.replace(SOURCE, mlp_dim=12)
   with pytest.raises(InputError, match=(
