@@ -143,8 +143,9 @@ def _block_class(config: ModelConfig, scanned: bool) -> type[nn.Module]:
   In scan_layers' loop, 'none' keeps the matmul outputs (dots_saveable):
   the loop stores every intermediate that its backward pass reads, each
   elementwise result among them, where the compiled step of blocks one by
-  one fuses those into their readers (keeping them all measured 15% slower
-  a step on a CPU; experiments/results/bench_compile). Nor does the loop
+  one fuses those into their readers (keeping them all made a step 12-18%
+  slower than blocks one by one, 8 layers of bench_train's small shape on
+  2 CPU cores, against 1-10% with dots_saveable). Nor does the loop
   need remat's barrier against XLA merging the recomputation into the
   forward pass (flax's advice for remat inside scan)."""
   policy = config.remat
@@ -171,6 +172,20 @@ def _unmarked(cache: KeysValues | None) -> KeysValues | None:
   return None if cache is None else cache.replace(stacked=False)
 
 
+def _group_of(stacked: KeysValues, group: Array) -> KeysValues:
+  """Group `group`'s entry of stacked keys and values."""
+  take = lambda x: jax.lax.dynamic_index_in_dim(x, group, keepdims=False)
+  return KeysValues(take(stacked.key), take(stacked.value))
+
+
+def _written(stacked: KeysValues, entry: KeysValues,
+             group: Array) -> KeysValues:
+  """Stacked keys and values with group `group`'s entry replaced."""
+  put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, group, 0)
+  return KeysValues(put(stacked.key, entry.key),
+                    put(stacked.value, entry.value), stacked=True)
+
+
 class BlockGroup(nn.Module):
   """`config.scan_group` consecutive blocks after the first
   `config.scan_start`: what each step of scan_layers' loop runs. Any group
@@ -187,13 +202,18 @@ class BlockGroup(nn.Module):
                           config.scan_start + j, f'block_{j}', scanned=True)
                    for j in range(config.scan_group)]
 
-  def __call__(self, x_BxTxD: Array, inputs: BlockInputs,
+  def __call__(self, carry: tuple, inputs: BlockInputs,
                first_values_BxSxKxH: Array | None, per_group: tuple):
-    """(output, (each block's input [G, B, T, D] with a memory, else None;
-    each block's cache after it, or None)). `per_group`: this group's
-    (memory [G, B, M, D], caches, sources), each None or G blocks'."""
-    memory_GxBxMxD, caches, sources = per_group
-    block_inputs, new_caches = [], []
+    """((output, caches, the next group's index), each block's input
+    [G, B, T, D] with a memory, else None). `carry`: (input [B, T, D], the
+    stacked caches of the G blocks or None, this group's index);
+    `per_group`: this group's (memory [G, B, M, D], sources), each None or
+    G blocks'. The caches are carried whole, each block reading and
+    writing its group's entry, so that a decoding step updates them in
+    place rather than building new stacked arrays."""
+    x_BxTxD, caches, group = carry
+    memory_GxBxMxD, sources = per_group
+    block_inputs, caches = [], caches and list(caches)
     for j, block in enumerate(self.blocks):
       x_BxTxD = nn.with_logical_constraint(x_BxTxD,
                                            logical_axes.ACTIVATIONS)
@@ -201,13 +221,13 @@ class BlockGroup(nn.Module):
       x_BxTxD, cache, _ = block(
           x_BxTxD, inputs,
           None if memory_GxBxMxD is None else memory_GxBxMxD[j],
-          None if caches is None else _unmarked(caches[j]),
+          None if caches is None else _group_of(caches[j], group),
           None if sources is None else _unmarked(sources[j]),
           first_values_BxSxKxH)
-      new_caches.append(cache)
-    return x_BxTxD, (None if memory_GxBxMxD is None
-                     else jnp.stack(block_inputs),
-                     None if caches is None else tuple(new_caches))
+      if caches is not None:
+        caches[j] = _written(caches[j], cache, group)
+    return ((x_BxTxD, caches and tuple(caches), group + 1),
+            None if memory_GxBxMxD is None else jnp.stack(block_inputs))
 
   def source_keys_values(self, carry: None, encoded_BxSxD: Array
                          ) -> tuple[None, tuple[KeysValues, ...]]:
@@ -228,10 +248,6 @@ def _scanned_groups(config: ModelConfig) -> type[nn.Module]:
   return nn.scan(BlockGroup, methods={
       '__call__': dict(common, in_axes=(nn.broadcast, nn.broadcast, 0)),
       'source_keys_values': dict(common, in_axes=(nn.broadcast,))})
-
-
-def _stacked(caches: tuple[KeysValues, ...]) -> tuple[KeysValues, ...]:
-  return tuple(cache.replace(stacked=True) for cache in caches)
 
 
 class TransformerStack(nn.Module):
@@ -282,13 +298,13 @@ class TransformerStack(nn.Module):
       if layer == 0:
         first_values_BxSxKxH = values_BxSxKxH
     if self.config.scan_layers:
-      x_BxTxD, (inputs_NxGxBxTxD, group_caches) = self._loop(
+      x_BxTxD, group_caches, inputs_NxGxBxTxD = self._loop(
           x_BxTxD, inputs, first_values_BxSxKxH, memory_LxBxMxD, cache)
       if memory_LxBxMxD is not None:
         block_inputs.extend(inputs_NxGxBxTxD.reshape(
             -1, *inputs_NxGxBxTxD.shape[2:]))
       if cache is not None:
-        self_caches.extend(_stacked(group_caches))
+        self_caches.extend(group_caches)
     if self.config.norm_position == 'pre':
       x_BxTxD = self.final_norm(x_BxTxD)
     if cache is not None:
@@ -300,8 +316,8 @@ class TransformerStack(nn.Module):
   def _loop(self, x_BxTxD: Array, inputs: BlockInputs,
             first_values_BxSxKxH: Array | None,
             memory_LxBxMxD: Array | None, cache: Cache | None):
-    """The scanned blocks: (output, (their inputs [n, G, B, T, D] or None,
-    their caches or None))."""
+    """The scanned blocks: (output, their caches or None, their inputs
+    [n, G, B, T, D] or None)."""
     start, group = self.config.scan_start, self.config.scan_group
     memory = None
     if memory_LxBxMxD is not None:
@@ -312,8 +328,10 @@ class TransformerStack(nn.Module):
       caches = cache.self_attention[start:]
       if cache.cross_attention is not None:
         sources = cache.cross_attention[start:]
-    return self.layers(x_BxTxD, inputs, first_values_BxSxKxH,
-                       (memory, caches, sources))
+    (x_BxTxD, caches, _), inputs_NxGxBxTxD = self.layers(
+        (x_BxTxD, caches, jnp.int32(0)), inputs, first_values_BxSxKxH,
+        (memory, sources))
+    return x_BxTxD, caches, inputs_NxGxBxTxD
 
   def source_keys_values(self, encoded_BxSxD: Array
                          ) -> tuple[KeysValues, ...]:
@@ -323,5 +341,6 @@ class TransformerStack(nn.Module):
                     for block in self.blocks)
     if self.config.scan_layers:
       _, group_sources = self.layers.source_keys_values(None, encoded_BxSxD)
-      sources += _stacked(group_sources)
+      sources += tuple(source.replace(stacked=True)
+                       for source in group_sources)
     return sources

@@ -47,9 +47,10 @@ class Cache:
   @classmethod
   def empty(cls, config: ModelConfig, batch_size: int,
             length: int) -> 'Cache':
-    """Zeros for decoding up to `length` positions (no source yet). Each
-    layer holds arrays of its own, so that a step writes one position in
-    place rather than copying a stacked cache."""
+    """Zeros for decoding up to `length` positions (no source yet): arrays
+    per layer, or per block of a scanned stack's group stacked over the
+    groups, which the loop carries whole, so that a step writes one
+    position in place either way."""
     shape = (batch_size, length, config.num_kv_heads, config.head_dim)
     if not config.attention_projections:  # The inputs themselves, one head.
       shape = (batch_size, length, 1, config.d_model)

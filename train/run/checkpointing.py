@@ -338,6 +338,8 @@ class Checkpointer:
       data_iterator.set_state(restored['data'])
     if saved_as is abstract_state:
       return restored['state']
+    # Both layouts are on the devices while this runs (donating the saved
+    # one would not help: its stacked and unstacked arrays share no shape).
     return jax.jit(lambda state: layer_stack.relayout(state, abstract_state),
                    out_shardings=jax.tree.map(lambda leaf: leaf.sharding,
                                               abstract_state)

@@ -97,10 +97,12 @@ def transfer(source_params: Any, fresh_params: Any, source: ModelConfig,
   `source_params`; InputError naming the parameters that do not fit and
   the config.model keys that differ. `origin` names the source in
   messages. Either model may scan its layers (config.model.scan_layers):
-  the source's blocks are taken in the target's layout."""
+  blocks are matched one by one (paths as 'decoder/block_3/...', so that a
+  change of depth keeps the blocks both have), then stacked as the target
+  stacks them."""
   have = {path: np.asarray(leaf) for path, leaf in
-          _flat(layer_stack.relayout(source_params, fresh_params)).items()}
-  want = _flat(fresh_params)
+          _flat(layer_stack.unstacked(source_params)).items()}
+  want = _flat(layer_stack.unstacked(fresh_params))
   values, taken, pooled, fresh, misfits = {}, [], [], [], []
   for path, leaf in want.items():
     if path not in have:
@@ -130,7 +132,8 @@ def transfer(source_params: Any, fresh_params: Any, source: ModelConfig,
     raise InputError(
         f'config.init_from={origin}: no parameter of it has a place in this '
         f'model; config.model differs in {differing}.')
-  params = traverse_util.unflatten_dict(values, sep='/')
+  params = layer_stack.relayout(traverse_util.unflatten_dict(values, sep='/'),
+                                fresh_params)
   return Transferred(params, tuple(taken), tuple(pooled), tuple(fresh),
                      tuple(sorted(set(have) - set(want))))
 

@@ -56,14 +56,15 @@ def test_fewer_kv_heads_are_mean_pooled_groups():
       '(block_0/self_attention/relative/embedding)')
 
 
-def test_blocks_one_by_one_start_a_scanned_model_pooled_alike():
-  """A source of two blocks into a scanned target with half the kv heads:
-  each block's projections pooled in its place of the stacked arrays."""
+def test_blocks_one_by_one_start_a_deeper_scanned_model_pooled_alike():
+  """Two blocks into a scanned target of three with half the kv heads:
+  each block's projections pooled in its place of the stacked arrays, the
+  third block fresh."""
   source = {'block_0': _params(4)['block_0'], 'block_1': _params(4)['block_0']}
   source['block_1'] = jax.tree.map(lambda x: x + 1, source['block_1'])
   fresh = {'layers': {'block_0': jax.tree.map(
-      lambda x: np.stack([x, x]), _params(2)['block_0'])}}
-  target = dataclasses.replace(SOURCE, num_layers=2, num_kv_heads=2,
+      lambda x: np.stack([x, x, x]), _params(2)['block_0'])}}
+  target = dataclasses.replace(SOURCE, num_layers=3, num_kv_heads=2,
                                scan_layers=True)
   got = init_from.transfer(source, fresh, SOURCE, target, 'W')
   stacked = got.params['layers']['block_0']
@@ -76,7 +77,11 @@ def test_blocks_one_by_one_start_a_scanned_model_pooled_alike():
     np.testing.assert_array_equal(
         stacked['mlp']['wi']['kernel'][layer],
         source[f'block_{layer}']['mlp']['wi']['kernel'])
-  assert len(got.pooled) == 4 and len(got.taken) == 2 and not got.fresh
+  np.testing.assert_array_equal(
+      stacked['mlp']['wi']['kernel'][2],
+      fresh['layers']['block_0']['mlp']['wi']['kernel'][2])
+  assert len(got.pooled) == 8 and len(got.taken) == 4
+  assert len(got.fresh) == 6 and got.fresh[0].startswith('block_2/')
 
 
 def test_a_change_of_shape_is_refused_by_key():
