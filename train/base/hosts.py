@@ -1,5 +1,8 @@
 """How the hosts of a multi-host run agree."""
 
+import json
+from typing import Any
+
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
@@ -14,3 +17,15 @@ def minimum_over_hosts(value: float) -> float:
   if jax.process_count() == 1:
     return value
   return float(np.min(multihost_utils.process_allgather(np.float32(value))))
+
+
+def gathered(value: Any) -> list[Any]:
+  """Every host's `value` (anything JSON holds), in host order."""
+  if jax.process_count() == 1:
+    return [value]
+  encoded = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  sizes = multihost_utils.process_allgather(np.int32(len(encoded)))
+  padded = np.zeros(int(np.max(sizes)), np.uint8)
+  padded[:len(encoded)] = encoded
+  every = multihost_utils.process_allgather(padded)
+  return [json.loads(bytes(row[:size])) for row, size in zip(every, sizes)]

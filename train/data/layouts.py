@@ -1,6 +1,12 @@
 """How canonical examples (see `train.data.datasets`) become rows of a
 batch. The trainer picks a language model's layout from the config; a
-dataset's task (train/data/tasks.py) batches its examples with these.
+dataset's task (train/data/tasks.py) makes its rows with these.
+
+Row b of a batch of B rows is read from its own stream: example i of the
+(shuffled) examples goes to row i mod B, and each row lays out its own
+share alone (`RowBatches`). A host thus prepares only the rows it places
+on its devices, and the batches, and the data position a checkpoint
+keeps (row by row), do not depend on how many hosts share them.
 
 Language-model documents are laid out in one of three ways (LAYOUTS):
   packed:  cut into windows of at most L + 1 tokens (inputs tokens[:-1],
@@ -11,6 +17,7 @@ Language-model documents are laid out in one of three ways (LAYOUTS):
   streams: each row a stream of whole documents, one after another, cut
            into consecutive rows of L: row b of a batch continues row b of
            the batch before, as Transformer-XL's memory needs.
+A packed row is first-fit packed among PACKING_BINS rows of its stream.
 Shuffling is by document, or window by window for a corpus held in memory
 (`Dataset.shuffle_windows`), so that a batch mixes many documents.
 Sequence-to-sequence and classification examples are one a row, padded;
@@ -22,11 +29,15 @@ import collections
 import functools
 
 import grain
+import jax
 import numpy as np
 
 from train.base.errors import InputError
 
 LAYOUTS = ('packed', 'padded', 'streams')
+# Rows a row's packer fills at once (first-fit): more waste less of a row
+# on padding, at the price of mixing documents from further apart.
+PACKING_BINS = 8
 
 class _DocumentWindows(grain.experimental.FlatMapTransform):
   """Splits an LM document into (inputs, targets) windows of <= L tokens."""
@@ -69,91 +80,141 @@ def in_memory_windows(documents, seq_len: int) -> grain.MapDataset:
   return grain.MapDataset.source(_WindowSource(tokens, seq_len))
 
 
-class _StreamsIterator(grain.DatasetIterator):
-  """Rows of `seq_len` (input, target) pairs, row b reading the documents of
-  its own parent one after another. Its state is, per row, the parent's
-  state before the first document not yet fully emitted and how many of
-  that document's pairs were, so a restored iterator continues exactly."""
+class _StreamIterator(grain.DatasetIterator):
+  """Rows of `seq_len` (input, target) pairs reading the documents of its
+  parent one after another. Its state is the parent's state before the
+  first document not yet fully emitted and how many of that document's
+  pairs were, so a restored iterator continues exactly."""
 
-  def __init__(self, parents: list[grain.DatasetIterator], seq_len: int):
-    super().__init__(parents)
+  def __init__(self, parent: grain.DatasetIterator, seq_len: int):
+    super().__init__(parent)
     self._seq_len = seq_len
-    # Per row: [(parent state before the document, inputs, targets)].
-    self._documents = [collections.deque() for _ in parents]
-    self._emitted = [0] * len(parents)  # Pairs of the first document.
-    self._exhausted = [False] * len(parents)
+    # [(parent state before the document, inputs, targets)].
+    self._documents = collections.deque()
+    self._emitted = 0  # Pairs of the first document.
+    self._exhausted = False
 
-  def _fill(self, row: int) -> int:
+  def _fill(self) -> int:
     """Reads documents until a row's worth is buffered; returns how many
     pairs are available."""
-    documents = self._documents[row]
-    available = sum(len(d[1]) for d in documents) - self._emitted[row]
-    parent = self._parents[row]
-    while available < self._seq_len and not self._exhausted[row]:
-      state = parent.get_state()
+    available = sum(len(d[1]) for d in self._documents) - self._emitted
+    while available < self._seq_len and not self._exhausted:
+      state = self._parent.get_state()
       try:
-        tokens = next(parent)['tokens']
+        tokens = next(self._parent)['tokens']
       except StopIteration:
-        self._exhausted[row] = True
+        self._exhausted = True
         break
-      documents.append((state, tokens[:-1], tokens[1:]))
+      self._documents.append((state, tokens[:-1], tokens[1:]))
       available += len(tokens) - 1
     return available
 
-  def _row(self, row: int) -> dict[str, np.ndarray]:
-    count = min(self._fill(row), self._seq_len)
-    inputs, targets = [], []
-    documents, needed = self._documents[row], count
+  def __next__(self) -> dict[str, np.ndarray]:
+    count = min(self._fill(), self._seq_len)
+    if not count:
+      raise StopIteration
+    inputs, targets, needed = [], [], count
     while needed:
-      _, doc_inputs, doc_targets = documents[0]
-      start = self._emitted[row]
-      take = min(needed, len(doc_inputs) - start)
-      inputs.append(doc_inputs[start:start + take])
-      targets.append(doc_targets[start:start + take])
+      _, doc_inputs, doc_targets = self._documents[0]
+      take = min(needed, len(doc_inputs) - self._emitted)
+      inputs.append(doc_inputs[self._emitted:self._emitted + take])
+      targets.append(doc_targets[self._emitted:self._emitted + take])
       needed -= take
-      self._emitted[row] += take
-      if self._emitted[row] == len(doc_inputs):
-        documents.popleft()
-        self._emitted[row] = 0
-    pieces = lambda x: _pad_to(np.concatenate(x or [np.zeros(0, np.int32)])
-                               .astype(np.int32), self._seq_len)
+      self._emitted += take
+      if self._emitted == len(doc_inputs):
+        self._documents.popleft()
+        self._emitted = 0
+    pieces = lambda x: _pad_to(np.concatenate(x).astype(np.int32),
+                               self._seq_len)
     return {'inputs': pieces(inputs), 'targets': pieces(targets),
             'positions': np.arange(self._seq_len, dtype=np.int32),
             'weights': (np.arange(self._seq_len) < count).astype(np.float32)}
 
-  def __next__(self) -> dict[str, np.ndarray]:
-    rows = [self._row(row) for row in range(len(self._parents))]
-    if not any(row['weights'].any() for row in rows):
-      raise StopIteration
-    return {key: np.stack([row[key] for row in rows]) for key in rows[0]}
-
   def get_state(self):
-    return {'rows': [
-        {'parent': documents[0][0] if documents else parent.get_state(),
-         'emitted': emitted}
-        for documents, parent, emitted in zip(
-            self._documents, self._parents, self._emitted)]}
+    return {'parent': (self._documents[0][0] if self._documents
+                       else self._parent.get_state()),
+            'emitted': self._emitted}
 
   def set_state(self, state) -> None:
-    for row, row_state in enumerate(state['rows']):
-      self._parents[row].set_state(row_state['parent'])
-      self._documents[row].clear()
-      self._emitted[row] = row_state['emitted']
-      self._exhausted[row] = False
+    self._parent.set_state(state['parent'])
+    self._documents.clear()
+    self._emitted = state['emitted']
+    self._exhausted = False
 
 
-class _Streams(grain.IterDataset):
-  """Batches of `batch_size` document streams; see `_StreamsIterator`."""
+class _Stream(grain.IterDataset):
+  """A row's stream of whole documents; see `_StreamIterator`."""
 
-  def __init__(self, documents: grain.MapDataset, seq_len: int,
-               batch_size: int, read_options: grain.ReadOptions):
-    self._rows = [documents[row::batch_size].to_iter_dataset(read_options)
-                  for row in range(batch_size)]
-    super().__init__(self._rows)
+  def __init__(self, documents: grain.IterDataset, seq_len: int):
+    super().__init__(documents)
     self._seq_len = seq_len
 
-  def __iter__(self) -> _StreamsIterator:
-    return _StreamsIterator([iter(row) for row in self._rows], self._seq_len)
+  def __iter__(self) -> _StreamIterator:
+    return _StreamIterator(iter(self._parent), self._seq_len)
+
+
+class _RowBatchesIterator(grain.DatasetIterator):
+  """Batches whose row r is the next element of row r's stream; a row
+  whose stream has ended is zeros (no weight) until every one has. Its
+  state is each row's."""
+
+  def __init__(self, rows: dict[int, grain.DatasetIterator]):
+    super().__init__(list(rows.values()))
+    self._rows = rows
+    self._ended = set()
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    got = {}
+    for row, stream in self._rows.items():
+      if row not in self._ended:
+        try:
+          got[row] = next(stream)
+        except StopIteration:
+          self._ended.add(row)
+    if not got:
+      raise StopIteration
+    blank = {key: np.zeros_like(value)
+             for key, value in next(iter(got.values())).items()}
+    return {key: np.stack([got.get(row, blank)[key] for row in self._rows])
+            for key in blank}
+
+  def get_state(self):
+    return {'rows': {str(row): stream.get_state()
+                     for row, stream in self._rows.items()}}
+
+  def set_state(self, state) -> None:
+    if 'rows' not in state:
+      # An older attnlab read each batch whole: its position has no
+      # counterpart in these streams.
+      if jax.process_index() == 0:
+        print('warning: the checkpoint\'s data position is that of an '
+              'older attnlab\'s pipeline, which read each batch whole; the '
+              'training data starts again from the beginning of its '
+              'shuffled order.', flush=True)
+      return
+    saved = state['rows']
+    missing = [row for row in self._rows if str(row) not in saved]
+    if missing:
+      raise InputError(
+          f'the data position saved with the checkpoint has no state for '
+          f'row {missing[0]} of the batch: it holds {len(saved)} rows, '
+          'saved with another config.batch_size.')
+    for row, stream in self._rows.items():
+      stream.set_state(saved[str(row)])
+    self._ended.clear()
+
+
+class RowBatches(grain.IterDataset):
+  """Batches of the rows in `rows` ({row index: its stream of rows}), in
+  order of the index; see `_RowBatchesIterator`."""
+
+  def __init__(self, rows: dict[int, grain.IterDataset]):
+    super().__init__(list(rows.values()))
+    self._row_streams = dict(sorted(rows.items()))
+
+  def __iter__(self) -> _RowBatchesIterator:
+    return _RowBatchesIterator({row: iter(stream) for row, stream
+                                in self._row_streams.items()})
 
 
 def check_segments(segment_ids_BxT: np.ndarray,
@@ -172,12 +233,12 @@ def check_segments(segment_ids_BxT: np.ndarray,
         f'config.model.max_segments_per_row={max_segments}.')
 
 
-def _packed_lm_batch(batch, max_segments: int | None
-                     ) -> dict[str, np.ndarray]:
-  segment_ids = batch['inputs_segment_ids']
-  check_segments(segment_ids, max_segments)
-  return {'inputs': batch['inputs'], 'targets': batch['targets'],
-          'positions': batch['inputs_positions'], 'segment_ids': segment_ids,
+def _packed_lm_row(packed, max_segments: int | None
+                   ) -> dict[str, np.ndarray]:
+  segment_ids = packed['inputs_segment_ids']
+  check_segments(segment_ids[None], max_segments)
+  return {'inputs': packed['inputs'], 'targets': packed['targets'],
+          'positions': packed['inputs_positions'], 'segment_ids': segment_ids,
           'weights': (segment_ids > 0).astype(np.float32)}
 
 
@@ -226,33 +287,31 @@ def lm_examples(documents: grain.MapDataset, seq_len: int, *, layout: str,
   return documents.filter(lambda doc: len(doc['tokens']) > 1)
 
 
-def lm_batches(examples: grain.MapDataset, *, seq_len: int, batch_size: int,
-               seed: int, train: bool, layout: str,
-               read_options: grain.ReadOptions,
-               max_segments: int | None = None) -> grain.IterDataset:
-  """Batches of LM examples in `layout`; partial final batches when not
-  `train`; a packed row closes at `max_segments` windows (None: never)."""
+def lm_rows(examples: grain.MapDataset, *, seq_len: int, seed: int,
+            train: bool, layout: str, read_options: grain.ReadOptions,
+            max_segments: int | None = None) -> grain.IterDataset:
+  """One row's stream of rows of LM examples (its share of them) in
+  `layout`; a packed row closes at `max_segments` windows (None: never),
+  and the packer's bins are shuffled in training."""
+  documents = examples.to_iter_dataset(read_options)
   if layout == 'streams':
-    return _Streams(examples, seq_len, batch_size, read_options)
+    return _Stream(documents, seq_len)
   windows = grain.experimental.FlatMapIterDataset(
-      examples.to_iter_dataset(read_options), _DocumentWindows(seq_len))
+      documents, _DocumentWindows(seq_len))
   if layout == 'padded':
-    return windows.map(lambda w: _unpacked_lm_example(w, seq_len)).batch(
-        batch_size, drop_remainder=train)
+    return windows.map(lambda w: _unpacked_lm_example(w, seq_len))
   packed = grain.experimental.FirstFitPackIterDataset(
       windows, length_struct={'inputs': seq_len, 'targets': seq_len},
-      num_packing_bins=batch_size, seed=seed, shuffle_bins=train,
+      num_packing_bins=PACKING_BINS, seed=seed, shuffle_bins=train,
       max_sequences_per_bin=max_segments)
-  return packed.batch(batch_size, drop_remainder=train).map(
-      functools.partial(_packed_lm_batch, max_segments=max_segments))
+  return packed.map(functools.partial(_packed_lm_row,
+                                      max_segments=max_segments))
 
 
-def example_batches(examples: grain.MapDataset, row, *, seq_len: int,
-                    batch_size: int, train: bool,
-                    read_options: grain.ReadOptions) -> grain.IterDataset:
-  """Batches of the examples that fit in `seq_len`, each made a row by
-  `row(example, seq_len)`; partial final batches when not `train`."""
+def example_rows(examples: grain.MapDataset, row, *, seq_len: int,
+                 read_options: grain.ReadOptions) -> grain.IterDataset:
+  """One row's stream of rows: its share of the examples that fit in
+  `seq_len`, each made a row by `row(example, seq_len)`."""
   rows = examples.filter(lambda example: _fits(example, seq_len)).map(
       lambda example: row(example, seq_len))
-  return rows.to_iter_dataset(read_options).batch(
-      batch_size, drop_remainder=train)
+  return rows.to_iter_dataset(read_options)

@@ -94,15 +94,15 @@ class Task:
     del seq_len, layout
     return dataset.splits[split]
 
-  def batches(self, dataset, examples: grain.MapDataset, *, seq_len: int,
-              batch_size: int, seed: int, train: bool, layout: str,
-              max_segments: int | None) -> grain.IterDataset:
-    """`examples` as batches; partial final batches when not `train`;
-    packed rows (LM) of at most `max_segments` windows."""
-    del seed, layout, max_segments
-    return layouts.example_batches(
-        examples, self._row, seq_len=seq_len, batch_size=batch_size,
-        train=train, read_options=dataset.read_options)
+  def rows(self, dataset, examples: grain.MapDataset, *, seq_len: int,
+           seed: int, train: bool, layout: str,
+           max_segments: int | None) -> grain.IterDataset:
+    """One row's stream of rows from its share of the examples (see
+    train/data/layouts.py); packed rows (LM) of at most `max_segments`
+    windows."""
+    del seed, train, layout, max_segments
+    return layouts.example_rows(examples, self._row, seq_len=seq_len,
+                                read_options=dataset.read_options)
 
   def _row(self, example, seq_len: int) -> dict[str, np.ndarray]:
     raise NotImplementedError
@@ -142,12 +142,12 @@ class LanguageModelling(Task):
     return layouts.lm_examples(dataset.splits[split], seq_len, layout=layout,
                                in_memory=dataset.shuffle_windows)
 
-  def batches(self, dataset, examples, *, seq_len, batch_size, seed, train,
-              layout, max_segments):
-    return layouts.lm_batches(examples, seq_len=seq_len,
-                              batch_size=batch_size, seed=seed, train=train,
-                              layout=layout, max_segments=max_segments,
-                              read_options=dataset.read_options)
+  def rows(self, dataset, examples, *, seq_len, seed, train, layout,
+           max_segments):
+    return layouts.lm_rows(examples, seq_len=seq_len, seed=seed,
+                           train=train, layout=layout,
+                           max_segments=max_segments,
+                           read_options=dataset.read_options)
 
 
 class SequenceToSequence(Task):

@@ -88,9 +88,19 @@ def batch_sharding(mesh: Mesh, *, stacked: bool = False) -> NamedSharding:
                        else P(BATCH_AXES))
 
 
-def global_batch(batch, sharding: NamedSharding):
-  """The global arrays of a batch that every host holds whole (see
-  train/data/pipeline.py); each host places the rows of its devices."""
+def global_batch(batch, sharding: NamedSharding, rows: int):
+  """The global arrays of a batch of `rows` rows of which this host holds
+  its own (`process_rows`) or all: each host places the rows of its
+  devices."""
   return jax.tree.map(
-      lambda x: jax.make_array_from_process_local_data(sharding, x, x.shape),
-      batch)
+      lambda x: jax.make_array_from_process_local_data(
+          sharding, x, (rows,) + x.shape[1:]), batch)
+
+
+def process_rows(sharding: NamedSharding, rows: int) -> tuple[int, ...]:
+  """The rows of a batch of `rows` that this host's devices hold, in
+  order."""
+  held = set()
+  for index in sharding.addressable_devices_indices_map((rows,)).values():
+    held.update(range(rows)[index[0]])
+  return tuple(sorted(held))

@@ -9,9 +9,11 @@ step and the last complete checkpoint; there is no silent loss.
 
 Every process takes part in saving its shards of the state, and a state is
 restored into whatever shardings the caller asks for: a checkpoint written
-on one mesh resumes on another. The data iterator's position is the same on
-every host (see train/data/pipeline.py) and is saved once, as JSON, so it
-too resumes with any number of hosts.
+on one mesh resumes on another. The data iterator's position is kept row
+by row of the batch (see train/data/pipeline.py), each host's iterator
+holding its own rows': the hosts' are gathered and saved once, as JSON,
+and every host restores its rows from it, so it too resumes with any
+number of hosts.
 
 Each checkpoint also holds checksums (item `checksums`): two 32-bit sums of
 each array's bits, weighted by position, computed on the devices where the
@@ -432,6 +434,11 @@ class Checkpointer:
     self._require_space(state, TrainingError)
     self._saving = step
     data_state = data_iterator.get_state()
+    if jax.process_count() > 1:
+      # Each host's iterator holds the state of its own rows of the batch:
+      # a checkpoint holds every row's, to resume on any number of hosts.
+      data_state = {'rows': {row: state for host in hosts.gathered(
+          data_state) for row, state in host['rows'].items()}}
     sums = checksums(state, data_state)
     if jax.process_index() == 0:
       try:

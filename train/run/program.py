@@ -133,8 +133,16 @@ class Program:
         tree)
 
   def batch(self, host_batch):
-    """Global arrays of a batch every host holds whole."""
-    return sharding.global_batch(host_batch, self.batch_sharding)
+    """Global arrays of a batch of which this host holds its rows
+    (`local_rows`) or all."""
+    return sharding.global_batch(host_batch, self.batch_sharding,
+                                 self.config.batch_size)
+
+  @property
+  def local_rows(self) -> tuple[int, ...]:
+    """The rows of each batch that this host's devices hold, and so the
+    ones its training pipeline prepares."""
+    return sharding.process_rows(self.batch_sharding, self.config.batch_size)
 
   def scope(self) -> contextlib.ExitStack:
     """The mesh and the logical axis rules, in which the steps are traced:

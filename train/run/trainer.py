@@ -170,6 +170,10 @@ def _say_what_runs(config: TrainConfig, program: Program, workdir: str,
        f'{config.parallelism.strategy}), workdir {workdir}')
   for warning in config_validation.warnings_of(config):
     _say(f'Warning: {warning}')
+  if jax.process_count() > 1:  # Every host says which rows it reads.
+    print(f'Host {jax.process_index()} of {jax.process_count()} prepares '
+          f'rows {_ranges(program.local_rows)} of each training batch of '
+          f'{config.batch_size}.', flush=True)
   if config.steps_per_call > 1:
     single = [step + 1 for step, count in calls(
         first_step, config.num_train_steps, config.steps_per_call)
@@ -333,7 +337,8 @@ def training_batches(program: Program, dataset: datasets.Dataset):
   return pipeline.train_iterator(
       dataset, seq_len=config.seq_len, batch_size=config.batch_size,
       seed=config.seed, layout=row_layout(config),
-      max_segments=config.model.max_segments_per_row, place=program.batch,
+      max_segments=config.model.max_segments_per_row,
+      rows=program.local_rows, place=program.batch,
       prefetch=max(pipeline.PREFETCH_BATCHES, config.steps_per_call + 1))
 
 

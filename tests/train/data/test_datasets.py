@@ -291,6 +291,51 @@ def test_train_iterator_resumes_at_the_same_batch(stdlib_dataset):
                  compared=2)
 
 
+def test_row_owners_prepare_the_whole_batchs_rows_bitwise_and_resume_as_any(
+    stdlib_dataset):
+  """Batches of 4 rows prepared by 1, 2 (simulated hosts) and 4 owners of
+  their rows are the same arrays; the owners' states, merged, resume one
+  owner of every row, and one owner's state resumes each of 4 owners."""
+  def owners(count: int):
+    rows = np.array_split(np.arange(4), count)
+    return [pipeline.train_iterator(stdlib_dataset, seq_len=32, batch_size=4,
+                                    seed=3, rows=tuple(own), prefetch=1)
+            for own in rows]
+
+  def batches(iterators, count: int):
+    got = []
+    for _ in range(count):
+      parts = [next(iterator) for iterator in iterators]
+      assert [len(part['inputs']) for part in parts] == [
+          4 // len(iterators)] * len(iterators)  # Each reads only its rows.
+      got.append({key: np.concatenate([part[key] for part in parts])
+                  for key in parts[0]})
+    return got
+
+  def assert_equal(got, want):
+    for got_batch, want_batch in zip(got, want, strict=True):
+      for key in want_batch:
+        np.testing.assert_array_equal(got_batch[key], want_batch[key])
+
+  one, two, four = owners(1), owners(2), owners(4)
+  want = batches(one, 5)
+  assert_equal(batches(two, 3), want[:3])
+  assert_equal(batches(four, 2), want[:2])
+  def merged(iterators):  # As a checkpoint of several hosts holds it.
+    return {'rows': {row: state for iterator in iterators
+                     for row, state in iterator.get_state()['rows'].items()}}
+
+  resumed = owners(1)
+  resumed[0].set_state(merged(two))
+  assert_equal(batches(resumed, 2), want[3:])
+  split = owners(4)
+  for iterator in split:
+    iterator.set_state(merged(four))
+  assert_equal(batches(split, 3), want[2:])
+  for iterator in one + two + four + resumed + split:
+    iterator.close()
+
+
 # --- Dataset loading errors ---
 
 

@@ -358,19 +358,21 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_two_processes(flags: list[str], interrupts=(None, None)
-                      ) -> list[str]:
-  """Both processes' output; each must exit with status 0. `interrupts`:
-  a tests/helpers/interrupted_train.py cue for each process, or None."""
+def run_processes(flags: list[str], interrupts=(None, None)) -> list[str]:
+  """The output of a process per entry of `interrupts` (a cue of
+  tests/helpers/interrupted_train.py, or None), each with 4 CPU devices,
+  together one run; each must exit with status 0."""
   env = dict(os.environ, JAX_PLATFORMS='cpu',
              XLA_FLAGS='--xla_force_host_platform_device_count=4')
-  flags = flags + [f'--coordinator_address=127.0.0.1:{free_port()}',
-                   '--num_processes=2']
+  if len(interrupts) > 1:
+    flags = flags + [f'--coordinator_address=127.0.0.1:{free_port()}',
+                     f'--num_processes={len(interrupts)}']
   commands = [[sys.executable, '-m', 'train.train'] if cue is None else
               [sys.executable, 'tests/helpers/interrupted_train.py',
                f'--interrupt={cue}'] for cue in interrupts]
   processes = [subprocess.Popen(
-      command + flags + [f'--process_id={i}'], cwd=REPO, env=env,
+      command + flags + ([f'--process_id={i}'] if len(commands) > 1 else []),
+      cwd=REPO, env=env,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
       for i, command in enumerate(commands)]
   try:
@@ -384,16 +386,20 @@ def run_two_processes(flags: list[str], interrupts=(None, None)
 
 
 @pytest.mark.slow
-def test_two_processes_stop_together_resume_and_train_like_one(
+def test_two_processes_stop_together_and_one_resumes_as_one_would_train(
     tmp_path, data_dir, stdlib_dataset):
   """SIGTERM to one host: the preemption service has both save the same
-  step and exit 0; restarted, they finish as one process would have."""
+  step and exit 0, each host having read only its half of each batch's
+  rows; one process resumes from their checkpoint (every row's data
+  position in it) and finishes as one process would have."""
   del stdlib_dataset  # Built once here, so the processes only read it.
   flags = ['--config=configs/lm_stdlib.py', f'--config.data_dir={data_dir}',
            f'--workdir={tmp_path / "two"}']
   flags += [f'--config.{key}={value}'
             for key, value in TWO_PROCESS_OVERRIDES.items()]
-  first, _ = run_two_processes(flags, interrupts=(None, 'term:2'))
+  first, second = run_processes(flags, interrupts=(None, 'term:2'))
+  assert 'Host 0 of 2 prepares rows 0-3 of each training batch of 8.' in first
+  assert 'Host 1 of 2 prepares rows 4-7 of each training batch of 8.' in second
   checkpointer = checkpointing.Checkpointer(str(tmp_path / 'two'), keep=1,
                                             read_only=True)
   saved = checkpointer.latest_step()
@@ -401,7 +407,7 @@ def test_two_processes_stop_together_resume_and_train_like_one(
   assert saved is not None and 2 <= saved < 30, first[-3000:]
   assert (f'a preemption notice: saved the checkpoint of step {saved}'
           in first)
-  resumed, _ = run_two_processes(flags)
+  resumed, = run_processes(flags, interrupts=(None,))
   assert f'Resumed from the checkpoint at step {saved}.' in resumed
   assert '--- sample' in resumed
 

@@ -6,7 +6,6 @@ import pathlib
 import time
 import types
 
-import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
@@ -159,34 +158,6 @@ def test_resumed_run_repeats_the_uninterrupted_one(name, data_dir, tmp_path):
     return [(line['step'], line['loss'], line['grad_norm'])
             for line in read_metrics(workdir)]
   assert losses(interrupted) == losses(straight)
-
-
-@pytest.mark.slow
-def test_a_run_resumed_with_its_layers_scanned_goes_on_as_before(data_dir,
-                                                                tmp_path):
-  """config.model.scan_layers changes on a resume: the checkpoint of the
-  blocks one by one continues in a loop over them (no dropout, whose masks
-  the loop draws otherwise), Muon's state with it."""
-  def config(steps, scanned):
-    config = tiny_config('algorithmic', data_dir)
-    config.update(num_train_steps=steps, log_every=1, checkpoint_every=3,
-                  eval_every=0, schedule='constant', optimizer='muon',
-                  num_eval_steps=1, decode_splits=())
-    config.model.update(num_layers=2, scan_layers=scanned)
-    return config
-
-  straight = str(tmp_path / 'straight')
-  train_and_evaluate(config(6, False), straight)
-  switched = str(tmp_path / 'switched')
-  train_and_evaluate(config(3, False), switched)
-  train_and_evaluate(config(6, True), switched)
-  want, got = read_metrics(straight), read_metrics(switched)
-  assert [line['step'] for line in got] == list(range(1, 7))
-  np.testing.assert_allclose([line['loss'] for line in got],
-                             [line['loss'] for line in want], rtol=1e-5)
-  with open(os.path.join(switched, 'config_history.jsonl')) as f:
-    assert json.loads(f.read())['changes'] == {
-        'model.scan_layers': [False, True], 'num_train_steps': [3, 6]}
 
 
 @pytest.mark.core

@@ -116,6 +116,16 @@ def test_more_steps_only_where_the_schedule_does_not_depend_on_them(
       workdir.check_resume(old, new)
 
 
+@pytest.mark.core
+def test_the_layout_of_the_blocks_may_change_on_a_resume():
+  """scan_layers, as remat, says how the run is laid out: its checkpoints
+  convert (tests/train/program/test_sharding.py)."""
+  old = {'model.scan_layers': False, 'model.remat': 'none'}
+  new = {'model.scan_layers': True, 'model.remat': 'full'}
+  assert workdir.check_resume(old, new) == {
+      'model.scan_layers': (False, True), 'model.remat': ('none', 'full')}
+
+
 def test_a_key_added_since_and_left_unset_is_no_change():
   """A workdir recorded before config.model.attention_options held its
   unset options resumes."""
