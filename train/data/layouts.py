@@ -26,6 +26,7 @@ their meaning.
 """
 
 import collections
+import concurrent.futures
 import functools
 
 import grain
@@ -36,7 +37,8 @@ from train.base.errors import InputError
 
 LAYOUTS = ('packed', 'padded', 'streams')
 # Rows a row's packer fills at once (first-fit): more waste less of a row
-# on padding, at the price of mixing documents from further apart.
+# on padding, at the price of mixing documents from further apart. Every
+# row packs a round on the same step, so the pipeline prefetches one.
 PACKING_BINS = 8
 
 class _DocumentWindows(grain.experimental.FlatMapTransform):
@@ -78,6 +80,42 @@ def in_memory_windows(documents, seq_len: int) -> grain.MapDataset:
   pipeline's own windowing would cut them, but shuffled one by one."""
   tokens = [documents[i]['tokens'] for i in range(len(documents))]
   return grain.MapDataset.source(_WindowSource(tokens, seq_len))
+
+
+class _ShareIterator(grain.DatasetIterator):
+  """A row's share of the examples, read one at a time (those a filter
+  left out, None, skipped). A row has no reader threads of its own
+  (thousands on a host of many rows, each reading ahead): RowBatches'
+  threads read the rows at once."""
+
+  def __init__(self, examples: grain.MapDataset):
+    super().__init__()
+    self._examples, self._next = examples, 0
+
+  def __next__(self):
+    while self._next < len(self._examples):
+      example = self._examples[self._next]
+      self._next += 1
+      if example is not None:
+        return example
+    raise StopIteration
+
+  def get_state(self):
+    return {'next_index': self._next}
+
+  def set_state(self, state) -> None:
+    self._next = state['next_index']
+
+
+class _Share(grain.IterDataset):
+  """See `_ShareIterator`."""
+
+  def __init__(self, examples: grain.MapDataset):
+    super().__init__()
+    self._examples = examples
+
+  def __iter__(self) -> _ShareIterator:
+    return _ShareIterator(self._examples)
 
 
 class _StreamIterator(grain.DatasetIterator):
@@ -153,24 +191,34 @@ class _Stream(grain.IterDataset):
     return _StreamIterator(iter(self._parent), self._seq_len)
 
 
+def _next_or_none(stream: grain.DatasetIterator):
+  return next(stream, None)
+
+
 class _RowBatchesIterator(grain.DatasetIterator):
   """Batches whose row r is the next element of row r's stream; a row
   whose stream has ended is zeros (no weight) until every one has. Its
-  state is each row's."""
+  state is each row's. With `threads`, the rows are read at once (each
+  stream is its own, so the batches are the same)."""
 
-  def __init__(self, rows: dict[int, grain.DatasetIterator]):
+  def __init__(self, rows: dict[int, grain.DatasetIterator], threads: int):
     super().__init__(list(rows.values()))
     self._rows = rows
     self._ended = set()
+    self._pool = (concurrent.futures.ThreadPoolExecutor(threads)
+                  if threads else None)
 
   def __next__(self) -> dict[str, np.ndarray]:
+    live = [row for row in self._rows if row not in self._ended]
+    streams = [self._rows[row] for row in live]
+    read = (self._pool.map(_next_or_none, streams) if self._pool
+            else map(_next_or_none, streams))
     got = {}
-    for row, stream in self._rows.items():
-      if row not in self._ended:
-        try:
-          got[row] = next(stream)
-        except StopIteration:
-          self._ended.add(row)
+    for row, element in zip(live, read):
+      if element is None:
+        self._ended.add(row)
+      else:
+        got[row] = element
     if not got:
       raise StopIteration
     blank = {key: np.zeros_like(value)
@@ -184,8 +232,8 @@ class _RowBatchesIterator(grain.DatasetIterator):
 
   def set_state(self, state) -> None:
     if 'rows' not in state:
-      # An older attnlab read each batch whole: its position has no
-      # counterpart in these streams.
+      # An older attnlab read each batch whole (but for the streams
+      # layout): its position has no counterpart in these streams.
       if jax.process_index() == 0:
         print('warning: the checkpoint\'s data position is that of an '
               'older attnlab\'s pipeline, which read each batch whole; the '
@@ -193,6 +241,8 @@ class _RowBatchesIterator(grain.DatasetIterator):
               'shuffled order.', flush=True)
       return
     saved = state['rows']
+    if isinstance(saved, list):  # An older attnlab's streams, in order.
+      saved = {str(row): row_state for row, row_state in enumerate(saved)}
     missing = [row for row in self._rows if str(row) not in saved]
     if missing:
       raise InputError(
@@ -206,15 +256,18 @@ class _RowBatchesIterator(grain.DatasetIterator):
 
 class RowBatches(grain.IterDataset):
   """Batches of the rows in `rows` ({row index: its stream of rows}), in
-  order of the index; see `_RowBatchesIterator`."""
+  order of the index, read by `threads` threads (0: in the calling one);
+  see `_RowBatchesIterator`."""
 
-  def __init__(self, rows: dict[int, grain.IterDataset]):
+  def __init__(self, rows: dict[int, grain.IterDataset], threads: int = 0):
     super().__init__(list(rows.values()))
     self._row_streams = dict(sorted(rows.items()))
+    self._threads = threads
 
   def __iter__(self) -> _RowBatchesIterator:
     return _RowBatchesIterator({row: iter(stream) for row, stream
-                                in self._row_streams.items()})
+                                in self._row_streams.items()},
+                               self._threads)
 
 
 def check_segments(segment_ids_BxT: np.ndarray,
@@ -288,12 +341,12 @@ def lm_examples(documents: grain.MapDataset, seq_len: int, *, layout: str,
 
 
 def lm_rows(examples: grain.MapDataset, *, seq_len: int, seed: int,
-            train: bool, layout: str, read_options: grain.ReadOptions,
-            max_segments: int | None = None) -> grain.IterDataset:
+            train: bool, layout: str, max_segments: int | None = None
+            ) -> grain.IterDataset:
   """One row's stream of rows of LM examples (its share of them) in
   `layout`; a packed row closes at `max_segments` windows (None: never),
   and the packer's bins are shuffled in training."""
-  documents = examples.to_iter_dataset(read_options)
+  documents = _Share(examples)
   if layout == 'streams':
     return _Stream(documents, seq_len)
   windows = grain.experimental.FlatMapIterDataset(
@@ -308,10 +361,10 @@ def lm_rows(examples: grain.MapDataset, *, seq_len: int, seed: int,
                                       max_segments=max_segments))
 
 
-def example_rows(examples: grain.MapDataset, row, *, seq_len: int,
-                 read_options: grain.ReadOptions) -> grain.IterDataset:
+def example_rows(examples: grain.MapDataset, row, *, seq_len: int
+                 ) -> grain.IterDataset:
   """One row's stream of rows: its share of the examples that fit in
   `seq_len`, each made a row by `row(example, seq_len)`."""
   rows = examples.filter(lambda example: _fits(example, seq_len)).map(
       lambda example: row(example, seq_len))
-  return rows.to_iter_dataset(read_options)
+  return _Share(rows)

@@ -26,8 +26,10 @@ import numpy as np
 from train.data import layouts
 from train.data.datasets import Dataset
 
-# Batches prepared ahead of the training step, in a background thread.
-PREFETCH_BATCHES = 2
+# Batches prepared ahead of the training step, in a background thread: a
+# packing round (every row packs its next layouts.PACKING_BINS rows on the
+# same step, a burst the steps between must not wait for).
+PREFETCH_BATCHES = layouts.PACKING_BINS + 1
 
 
 def _row_batches(dataset: Dataset, examples, *, seq_len: int,
@@ -39,7 +41,7 @@ def _row_batches(dataset: Dataset, examples, *, seq_len: int,
   return layouts.RowBatches({row: dataset.task.rows(
       dataset, examples[row::batch_size], seq_len=seq_len, seed=seed,
       train=train, layout=layout, max_segments=max_segments)
-      for row in rows})
+      for row in rows}, threads=dataset.reader_threads)
 
 
 def train_iterator(dataset: Dataset, *, seq_len: int, batch_size: int,

@@ -101,8 +101,7 @@ class Task:
     train/data/layouts.py); packed rows (LM) of at most `max_segments`
     windows."""
     del seed, train, layout, max_segments
-    return layouts.example_rows(examples, self._row, seq_len=seq_len,
-                                read_options=dataset.read_options)
+    return layouts.example_rows(examples, self._row, seq_len=seq_len)
 
   def _row(self, example, seq_len: int) -> dict[str, np.ndarray]:
     raise NotImplementedError
@@ -146,8 +145,7 @@ class LanguageModelling(Task):
            max_segments):
     return layouts.lm_rows(examples, seq_len=seq_len, seed=seed,
                            train=train, layout=layout,
-                           max_segments=max_segments,
-                           read_options=dataset.read_options)
+                           max_segments=max_segments)
 
 
 class SequenceToSequence(Task):

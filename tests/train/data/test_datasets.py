@@ -336,6 +336,30 @@ def test_row_owners_prepare_the_whole_batchs_rows_bitwise_and_resume_as_any(
     iterator.close()
 
 
+
+def test_an_older_checkpoints_data_position_continues_or_starts_again(
+    stdlib_dataset, capsys):
+  """Streams were saved row by row as a list: they continue exactly. A
+  position of the pipeline that read each batch whole starts the stream
+  again, saying so."""
+  def iterator(layout):
+    return pipeline.train_iterator(stdlib_dataset, seq_len=32, batch_size=2,
+                                   seed=3, layout=layout, prefetch=1)
+  streams = iterator('streams')
+  next(streams)
+  state = streams.get_state()
+  expected = next(streams)
+  resumed = iterator('streams')
+  resumed.set_state({'rows': [state['rows']['0'], state['rows']['1']]})
+  np.testing.assert_array_equal(next(resumed)['inputs'], expected['inputs'])
+  packed, fresh = iterator('packed'), iterator('packed')
+  packed.set_state({'parent': {'next_index': 7}})
+  assert 'the training data starts again' in capsys.readouterr().out
+  np.testing.assert_array_equal(next(packed)['inputs'],
+                                next(fresh)['inputs'])
+  for each in (streams, resumed, packed, fresh):
+    each.close()
+
 # --- Dataset loading errors ---
 
 
