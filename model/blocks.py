@@ -166,6 +166,31 @@ def _block(config: ModelConfig, causal: bool, cross: bool, layer: int,
       config.value_residual and layer > 0, name=name)
 
 
+def _run(blocks, x_BxTxD: Array, inputs: BlockInputs,
+         memory_LxBxMxD: Array | None, caches, sources,
+         first_values_BxSxKxH: Array | None):
+  """`blocks` in turn: (output, each block's input, each block's cache
+  after it, the values later blocks mix with: `first_values_BxSxKxH`, or
+  where None, the first block's). `memory_LxBxMxD`, `caches` and `sources`
+  hold an entry per block, or are None."""
+  block_inputs, new_caches = [], []
+  for index, block in enumerate(blocks):
+    # Under a mesh with logical axis rules, each block's input is laid out
+    # as the rules say (e.g. split by example and along the length);
+    # elsewhere this does nothing.
+    x_BxTxD = nn.with_logical_constraint(x_BxTxD, logical_axes.ACTIVATIONS)
+    block_inputs.append(x_BxTxD)
+    x_BxTxD, cache, values_BxSxKxH = block(
+        x_BxTxD, inputs,
+        None if memory_LxBxMxD is None else memory_LxBxMxD[index],
+        None if caches is None else caches[index],
+        None if sources is None else sources[index], first_values_BxSxKxH)
+    new_caches.append(cache)
+    if first_values_BxSxKxH is None:
+      first_values_BxSxKxH = values_BxSxKxH
+  return x_BxTxD, block_inputs, new_caches, first_values_BxSxKxH
+
+
 def _unmarked(cache: KeysValues | None) -> KeysValues | None:
   """One block's keys and values as the loop slices them from stacked ones:
   no longer stacked."""
@@ -213,20 +238,15 @@ class BlockGroup(nn.Module):
     place rather than building new stacked arrays."""
     x_BxTxD, caches, group = carry
     memory_GxBxMxD, sources = per_group
-    block_inputs, caches = [], caches and list(caches)
-    for j, block in enumerate(self.blocks):
-      x_BxTxD = nn.with_logical_constraint(x_BxTxD,
-                                           logical_axes.ACTIVATIONS)
-      block_inputs.append(x_BxTxD)
-      x_BxTxD, cache, _ = block(
-          x_BxTxD, inputs,
-          None if memory_GxBxMxD is None else memory_GxBxMxD[j],
-          None if caches is None else _group_of(caches[j], group),
-          None if sources is None else _unmarked(sources[j]),
-          first_values_BxSxKxH)
-      if caches is not None:
-        caches[j] = _written(caches[j], cache, group)
-    return ((x_BxTxD, caches and tuple(caches), group + 1),
+    x_BxTxD, block_inputs, new_caches, _ = _run(
+        self.blocks, x_BxTxD, inputs, memory_GxBxMxD,
+        caches and [_group_of(cache, group) for cache in caches],
+        sources and [_unmarked(source) for source in sources],
+        first_values_BxSxKxH)
+    if caches is not None:
+      caches = tuple(_written(cache, new, group)
+                     for cache, new in zip(caches, new_caches))
+    return ((x_BxTxD, caches, group + 1),
             None if memory_GxBxMxD is None else jnp.stack(block_inputs))
 
   def source_keys_values(self, carry: None, encoded_BxSxD: Array
@@ -280,23 +300,10 @@ class TransformerStack(nn.Module):
     input [L, B, T, D], from which the caller forms the next memory; with a
     `cache` (see model.state.Cache), the cache after this call; else None.
     """
-    block_inputs, self_caches, first_values_BxSxKxH = [], [], None
-    for layer, block in enumerate(self.blocks):
-      # Under a mesh with logical axis rules, each block's input is laid out
-      # as the rules say (e.g. split by example and along the length);
-      # elsewhere this does nothing.
-      x_BxTxD = nn.with_logical_constraint(x_BxTxD,
-                                           logical_axes.ACTIVATIONS)
-      block_inputs.append(x_BxTxD)
-      x_BxTxD, layer_cache, values_BxSxKxH = block(
-          x_BxTxD, inputs,
-          None if memory_LxBxMxD is None else memory_LxBxMxD[layer],
-          None if cache is None else cache.self_attention[layer],
-          None if cache is None or cache.cross_attention is None
-          else cache.cross_attention[layer], first_values_BxSxKxH)
-      self_caches.append(layer_cache)
-      if layer == 0:
-        first_values_BxSxKxH = values_BxSxKxH
+    x_BxTxD, block_inputs, self_caches, first_values_BxSxKxH = _run(
+        self.blocks, x_BxTxD, inputs, memory_LxBxMxD,
+        None if cache is None else cache.self_attention,
+        None if cache is None else cache.cross_attention, None)
     if self.config.scan_layers:
       x_BxTxD, group_caches, inputs_NxGxBxTxD = self._loop(
           x_BxTxD, inputs, first_values_BxSxKxH, memory_LxBxMxD, cache)
