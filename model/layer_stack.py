@@ -29,11 +29,18 @@ from model.logical_axes import LAYERS
 _PREFIX = 'block_'
 
 
+def block_number(name: str) -> int | None:
+  """N of a block's name 'block_N' (its key in a stack, and in a module's
+  path); None for any other name."""
+  number = name[len(_PREFIX):]
+  return int(number) if name.startswith(_PREFIX) and number.isdigit() else None
+
+
 def _blocks(node: Mapping) -> list[str]:
   """The block keys of a stack's mapping, in order."""
-  numbers = [int(key[len(_PREFIX):]) for key in node
-             if key.startswith(_PREFIX) and key[len(_PREFIX):].isdigit()]
-  return [f'{_PREFIX}{number}' for number in sorted(numbers)]
+  numbers = [block_number(key) for key in node]
+  return [f'{_PREFIX}{number}' for number in sorted(
+      number for number in numbers if number is not None)]
 
 
 def _is_stack(node: Any) -> bool:
@@ -54,16 +61,22 @@ def _map_stacks(fn: Callable[[Mapping], dict], tree: Any) -> Any:
                       is_leaf=lambda node: isinstance(node, Mapping))
 
 
+def _respec(sharding: Any, spec: Callable[[tuple], tuple]) -> Any:
+  """A named sharding with its partition spec's entries `spec(entries)`;
+  any other sharding (one device's) as it is."""
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
+  return jax.sharding.NamedSharding(
+      sharding.mesh, jax.sharding.PartitionSpec(*spec(tuple(sharding.spec))))
+
+
 def _stack(leaves: tuple) -> Any:
   """Arrays (or their shapes) stacked along a new leading axis."""
   first = leaves[0]
   if isinstance(first, jax.ShapeDtypeStruct):
-    sharding = first.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-      sharding = jax.sharding.NamedSharding(
-          sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
-    return jax.ShapeDtypeStruct((len(leaves),) + first.shape, first.dtype,
-                                sharding=sharding)
+    return jax.ShapeDtypeStruct(
+        (len(leaves),) + first.shape, first.dtype,
+        sharding=_respec(first.sharding, lambda spec: (None,) + spec))
   if isinstance(first, np.ndarray):
     return np.stack(leaves)
   return jnp.stack(leaves)
@@ -72,12 +85,9 @@ def _stack(leaves: tuple) -> Any:
 def _take(leaf: Any, index: int) -> Any:
   """Entry `index` of an array (or its shape) along its leading axis."""
   if isinstance(leaf, jax.ShapeDtypeStruct):
-    sharding = leaf.sharding
-    if isinstance(sharding, jax.sharding.NamedSharding):
-      sharding = jax.sharding.NamedSharding(
-          sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[1:]))
-    return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype,
-                                sharding=sharding)
+    return jax.ShapeDtypeStruct(
+        leaf.shape[1:], leaf.dtype,
+        sharding=_respec(leaf.sharding, lambda spec: spec[1:]))
   return leaf[index]
 
 
@@ -132,8 +142,7 @@ def unstacked(tree: Any, group: int | None = None,
     out = {key: value for key, value in node.items() if key != LAYERS}
     for g in range(count):
       for key, subtree in groups.items():
-        j = int(key[len(_PREFIX):])
-        out[f'{_PREFIX}{first + g * size + j}'] = jax.tree.map(
+        out[f'{_PREFIX}{first + g * size + block_number(key)}'] = jax.tree.map(
             lambda leaf: _take(leaf, g), subtree)
     return out
   return _map_stacks(unstack, tree)

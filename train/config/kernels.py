@@ -12,7 +12,7 @@ array) always takes 'auto': no fused kernel reads a cache.
 
 import dataclasses
 
-from model import logical_axes
+from model import layer_stack, logical_axes
 from model.attention import fused
 from train.base.train_config import TrainConfig
 
@@ -26,8 +26,8 @@ def _where(config: TrainConfig, caller: tuple[str, ...]
   A path with no block (no model calls one so today) has no layer, read as
   layer 0's attention."""
   for index, name in enumerate(caller):
-    if name.startswith('block_') and name[len('block_'):].isdigit():
-      block = int(name[len('block_'):])
+    block = layer_stack.block_number(name)
+    if block is not None:
       if index and caller[index - 1] == logical_axes.LAYERS:
         model = config.model
         return ('/'.join(caller[:index - 1]) or 'model',

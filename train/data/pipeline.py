@@ -73,6 +73,14 @@ def train_iterator(dataset: Dataset, *, seq_len: int, batch_size: int,
       batches, prefetch_buffer_size=prefetch))
 
 
+def merged_rows(states: list[dict]) -> dict:
+  """One state of every row from the states of iterators of some rows each
+  (train_iterator's `rows`; a host's each): what a checkpoint of several
+  hosts keeps, from which any iterator restores its rows."""
+  return {'rows': {row: row_state for state in states
+                   for row, row_state in state['rows'].items()}}
+
+
 def poisoned(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """A copy of a batch on the devices whose first weight is NaN, so that
   the loss and the gradient of its step are not finite

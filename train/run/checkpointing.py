@@ -51,6 +51,7 @@ import orbax.checkpoint as ocp
 from model import layer_stack
 from train.base import hosts, quiet
 from train.base.errors import InputError, TrainingError
+from train.data import pipeline
 from train.program.steps import TrainState
 
 # Marks orbax's directory of a checkpoint still being written.
@@ -437,8 +438,7 @@ class Checkpointer:
     if jax.process_count() > 1:
       # Each host's iterator holds the state of its own rows of the batch:
       # a checkpoint holds every row's, to resume on any number of hosts.
-      data_state = {'rows': {row: state for host in hosts.gathered(
-          data_state) for row, state in host['rows'].items()}}
+      data_state = pipeline.merged_rows(hosts.gathered(data_state))
     sums = checksums(state, data_state)
     if jax.process_index() == 0:
       try:

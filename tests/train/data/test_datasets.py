@@ -321,9 +321,9 @@ def test_row_owners_prepare_the_whole_batchs_rows_bitwise_and_resume_as_any(
   want = batches(one, 5)
   assert_equal(batches(two, 3), want[:3])
   assert_equal(batches(four, 2), want[:2])
-  def merged(iterators):  # As a checkpoint of several hosts holds it.
-    return {'rows': {row: state for iterator in iterators
-                     for row, state in iterator.get_state()['rows'].items()}}
+  # As a checkpoint of several hosts holds them.
+  merged = lambda iterators: pipeline.merged_rows(
+      [iterator.get_state() for iterator in iterators])
 
   resumed = owners(1)
   resumed[0].set_state(merged(two))
@@ -334,7 +334,6 @@ def test_row_owners_prepare_the_whole_batchs_rows_bitwise_and_resume_as_any(
   assert_equal(batches(split, 3), want[2:])
   for iterator in one + two + four + resumed + split:
     iterator.close()
-
 
 
 def test_an_older_checkpoints_data_position_continues_or_starts_again(
