@@ -19,6 +19,7 @@ import numpy as np
 
 from model import attention
 from model.attention import options as variant_options
+from train.base import storage
 from train.base.errors import InputError, did_you_mean
 from train.run import metrics
 
@@ -79,6 +80,19 @@ def parse_options(items: list[str]) -> dict[str, dict]:
       raise InputError(f'--options item {item!r} is not variant.option=value.')
     options.setdefault(variant, {})[key] = parse_value(value)
   return options
+
+
+def local_workdir(workdir: str) -> str:
+  """An experiment's --workdir, absolute; InputError for a URL: its
+  tables, plots and trials are files of a directory (a shared one, or a
+  bucket mounted with gcsfuse), and only train.train writes a bucket
+  itself."""
+  if storage.is_object_store(workdir):
+    raise InputError(
+        f'--workdir={workdir}: an experiment keeps its tables, plots and '
+        'trials in a directory (a shared one, or a bucket mounted with '
+        'gcsfuse); train.train alone writes to a bucket directly.')
+  return storage.resolve(workdir)
 
 
 def load_json(path: str):

@@ -265,7 +265,7 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
 
 def main(argv: list[str]) -> None:
   cli.run_main(argv, lambda: compare(
-      FLAGS.config, FLAGS.variants, FLAGS.workdir,
+      FLAGS.config, FLAGS.variants, common.local_workdir(FLAGS.workdir),
       options=common.parse_options(FLAGS.options),
       lengths=common.parse_integers('--lengths', FLAGS.lengths),
       timing_steps=FLAGS.timing_steps, skip_unrunnable=FLAGS.skip_unrunnable,

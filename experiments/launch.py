@@ -5,18 +5,19 @@ TPU (Cloud TPU VMs, through gcloud):
 
   python -m experiments.launch --tpu=NAME --zone=ZONE --accelerator=v5p-64 \
       [--create] [--dry_run] -- python -m train.train \
-      --config=configs/lm1b.py --workdir=gs://BUCKET/run
+      --config=configs/lm1b.py --workdir=gs://BUCKET/run \
+      --config.data_dir=gs://BUCKET/tensorflow_datasets
 
 creates the slice if asked, copies this checkout's last commit (`git
 archive HEAD`) to every worker and installs it with JAX for TPU, then
 starts the command on all workers at once (`--worker=all`, detached, output in
 ~/attnlab/train.log) with `--config.distributed=True`, so that
 `jax.distributed.initialize()` reads the pod from the environment. A
-`gs://BUCKET/...` workdir is mounted on every worker with gcsfuse at
-/gcs/BUCKET (the convention of Vertex AI), so that all hosts write their
-checkpoint shards, and process 0 its metrics, to the bucket. The workers
-need gcsfuse, and the bucket a hierarchical namespace: orbax completes a
-checkpoint by renaming its directory, which gcsfuse does only there. Edits
+`gs://BUCKET/...` workdir is written there directly (train/base/storage.py:
+every host its checkpoint shards, process 0 the rest). A `gs://BUCKET/...`
+data_dir, which the datasets' reader cannot open, is mounted on every
+worker with gcsfuse at /gcs/BUCKET (the convention of Vertex AI) and read
+there; the workers then need gcsfuse. Edits
 not committed would not run: launch refuses, naming them, unless
 --include_uncommitted copies the working tree (tracked and untracked files
 that git does not ignore) instead.
@@ -82,15 +83,17 @@ def distributed(train_command: list[str]) -> list[str]:
   return train_command + ['--config.distributed=True']
 
 
-def gcs_workdir(train_command: list[str]) -> tuple[list[str], str | None]:
-  """The command with a gs://BUCKET/... workdir read at /gcs/BUCKET/...,
-  and the bucket (None when the workdir is not on GCS)."""
+def mounted_data_dir(train_command: list[str]
+                     ) -> tuple[list[str], str | None]:
+  """The command with a gs://BUCKET/... data_dir read at /gcs/BUCKET/...,
+  and the bucket (None when the data_dir is not on GCS)."""
   command, bucket = [], None
+  flag = '--config.data_dir=gs://'
   for arg in train_command:
-    if arg.startswith('--workdir=gs://'):
-      path = arg[len('--workdir=gs://'):]
+    if arg.startswith(flag):
+      path = arg[len(flag):]
       bucket = path.split('/', 1)[0]
-      arg = f'--workdir=/gcs/{path}'
+      arg = f'--config.data_dir=/gcs/{path}'
     command.append(arg)
   return command, bucket
 
@@ -142,7 +145,7 @@ def tpu_commands(name: str, zone: str, accelerator: str, runtime: str | None,
       + ' '.join((*packages, JAX_TPU))))
   if 'train.train' in train_command:
     train_command = distributed(train_command)
-  command, bucket = gcs_workdir(train_command)
+  command, bucket = mounted_data_dir(train_command)
   if bucket:
     commands.append(on_workers(
         f'sudo mkdir -p /gcs/{bucket} && sudo chmod a+rwx /gcs/{bucket} && '

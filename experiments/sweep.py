@@ -214,7 +214,7 @@ def main(argv: list[str]) -> None:
       if not sep:
         raise InputError(f'--set item {item!r} is not key=value.')
       common_overrides[key] = value
-    workdir = os.path.abspath(FLAGS.workdir)
+    workdir = common.local_workdir(FLAGS.workdir)
     definition = load_sweep(FLAGS.config)
     if not isinstance(definition, search.Space):
       if FLAGS.study:

@@ -39,3 +39,14 @@ def stdlib_dataset(data_dir):
   from train.base.train_config import TrainConfig
   from train.data import datasets
   return datasets.load(TrainConfig(data_dir=data_dir), workdir=data_dir)
+
+
+@pytest.fixture(scope='session')
+def object_store():
+  """A bucket on a local GCS emulator (tests/helpers/object_store.py), as
+  its URL; each test writes under a prefix of its own."""
+  from tests.helpers import object_store as emulator
+  server = emulator.emulate()
+  yield f'gs://{emulator.BUCKET}'
+  server.kill()
+  server.wait()

@@ -12,11 +12,10 @@ match, per-token accuracy and, for text, BLEU (sacrebleu's, which
 `sacrebleu DIR/<split>.ref -i DIR/<split>.hyp` repeats).
 """
 
-import os
-
 from absl import flags
 
 from train import cli
+from train.base import storage
 from train.base.errors import InputError
 from train.decode import seq2seq_eval
 from train.run import trained_run
@@ -48,8 +47,8 @@ def translate(workdir: str, split: str = 'validation', *, beam_size: int = 4,
                                    batch_size=batch_size, progress=True)
   text = seq2seq_eval.as_text(run.dataset)
   for name, rows in (('hyp', hypotheses), ('ref', decode_set.references)):
-    with open(os.path.join(workdir, f'{split}.{name}'), 'w') as f:
-      f.writelines(text(row) + '\n' for row in rows)
+    storage.write_whole(storage.path(workdir) / f'{split}.{name}',
+                        ''.join(text(row) + '\n' for row in rows))
   return {'examples': len(hypotheses)} | seq2seq_eval.score(
       run.dataset, hypotheses, decode_set.references)
 

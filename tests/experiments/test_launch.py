@@ -8,7 +8,7 @@ from tests.helpers import REPO
 
 
 TRAIN = ['python', '-m', 'train.train', '--config=configs/lm1b.py',
-         '--workdir=gs://bucket/run']
+         '--config.data_dir=gs://bucket/tfds', '--workdir=gs://bucket/run']
 
 
 def test_tpu_launch_commands_run_on_every_worker():
@@ -26,14 +26,15 @@ def test_tpu_launch_commands_run_on_every_worker():
   assert 'gcsfuse --implicit-dirs bucket /gcs/bucket' in mount[-1]
   assert start[-1].endswith(
       'nohup .venv/bin/python -m train.train --config=configs/lm1b.py '
-      '--workdir=/gcs/bucket/run --config.distributed=True '
+      '--config.data_dir=/gcs/bucket/tfds --workdir=gs://bucket/run '
+      '--config.distributed=True '
       '> train.log 2>&1 &')
 
 
 def test_launch_dry_run_prints_commands_and_slurm_script():
   run = lambda *args: subprocess.run(
       [sys.executable, '-m', 'experiments.launch', *args, '--dry_run', '--',
-       *TRAIN[:-1], '--workdir=/shared/run'], cwd=REPO, capture_output=True,
+       *TRAIN[:-2], '--workdir=/shared/run'], cwd=REPO, capture_output=True,
       text=True, check=True).stdout
   # The working tree, which the suite's own runs may add files to.
   tpu = run('--tpu=pod', '--zone=z', '--accelerator=v6e-64',

@@ -14,9 +14,12 @@ HOW is one of
   term:  send it SIGTERM once step STEP is dispatched (a preemption), and
          slow every later step down, so that on several hosts the notice
          reaches them all (through JAX's coordination service) before the
-         run ends.
-The cues hook the loop's per-step call (StopRequest.due), the checkpointer
-and orbax's commit (the atomic rename); nothing else changes.
+         run ends;
+or `none` (no interruption). The cues hook the loop's per-step call
+(StopRequest.due), the checkpointer and orbax's commit (the atomic
+rename). The lock of a workdir on an object store is leased for
+LEASE_S seconds, not a minute, so that the run after a killed one waits
+that long. Nothing else changes.
 """
 
 import os
@@ -28,13 +31,17 @@ from absl import app
 from orbax.checkpoint._src.path import atomicity
 
 from train import cli, train
-from train.run import checkpointing, preemption
+from train.run import checkpointing, preemption, workdir
 
 # Seconds each step takes after a SIGTERM cue.
 SLOWED_STEP_S = 0.2
+LEASE_S = 2.0
 
 
 def _cue(interrupt: str) -> None:
+  workdir.LEASE_S = LEASE_S
+  if interrupt == 'none':
+    return
   how, step = interrupt.split(':')
   step = int(step)
   if how == 'save':

@@ -120,6 +120,9 @@ CASES = {
                   "config.model has no key 'dmodel'; did you mean d_model?"),
     'sweep_no_workdir': ('experiments.sweep', [LISTOPS],
                          '--workdir is required'),
+    'sweep_bucket': ('experiments.sweep', [LISTOPS, '--workdir=gs://b/s'],
+                     '--workdir=gs://b/s: an experiment keeps its tables, '
+                     'plots and trials in a directory'),
     'sweep_study_of_a_grid': (
         'experiments.sweep',
         ['--config=configs/length_generalisation.py', '--workdir={tmp}/s',

@@ -69,6 +69,16 @@ def text(*, empty: bool = False, optional: bool = False) -> Rule:
   return rule
 
 
+def local_path(key: str, value) -> str | None:
+  """A path on this machine (which may be where a bucket is mounted)."""
+  problem = text()(key, value)
+  if problem or '://' not in value:
+    return problem
+  return (f'config.{key}={value!r}: datasets are array_record files, whose '
+          'reader opens local paths only; mount the bucket (gcsfuse) and '
+          "give the mount's path.")
+
+
 def one_of(choices) -> Rule:
   def rule(key, value):
     if value in choices:
@@ -172,7 +182,8 @@ class TrainConfig:
   dataset_options: Mapping[str, Any] = key(
       rule=group(None), factory=flax.core.FrozenDict)
   # Where datasets are built (embedded ones) or prepared beforehand (tfds).
-  data_dir: str = key('~/tensorflow_datasets', text())
+  # A local path (array_record reads no URL; a mounted bucket serves).
+  data_dir: str = key('~/tensorflow_datasets', local_path)
   # SentencePiece model for text datasets; None: train one from the
   # training split into workdir/sentencepiece.model, of
   # config.model.vocab_size.

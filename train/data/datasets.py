@@ -27,7 +27,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 import tensorflow_datasets as tfds
 
-from train.base import hosts, quiet
+from train.base import hosts, quiet, storage
 from train.base.errors import InputError, did_you_mean
 from train.base.train_config import TrainConfig
 from train.data import algorithmic, builder_config, integrity, listops, stdlib
@@ -67,12 +67,7 @@ class Dataset:
 def _building_alone(data_dir: str) -> Iterator[None]:
   """Holds data_dir/.build.lock (flock): processes that would build a
   dataset at once (the trials of a sweep starting together) take turns,
-  and the later ones find it built. A data_dir on an object store
-  (gs://...) holds no lock file: there, builds are not serialised."""
-  if '://' in data_dir:
-    yield
-    return
-  data_dir = os.path.expanduser(data_dir)
+  and the later ones find it built."""
   os.makedirs(data_dir, exist_ok=True)
   with open(os.path.join(data_dir, '.build.lock'), 'w') as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # Released when the file is closed.
@@ -234,8 +229,8 @@ def _sentencepiece(config: TrainConfig, workdir: str,
 
   The default path is inside the workdir, so a resumed run reuses it.
   """
-  path = config.vocab_path or os.path.join(workdir, 'sentencepiece.model')
-  if os.path.exists(path):
+  path = config.vocab_path or f'{workdir}/sentencepiece.model'
+  if storage.path(path).exists():
     return tokenizers.SentencePieceTokenizer(path)
   if jax.process_index() == 0:
     tokenizers.train_sentencepiece(texts(), config.model.vocab_size, path)
@@ -323,7 +318,7 @@ def load(config: TrainConfig, workdir: str) -> Dataset:
   task_of(config.dataset)
   loader = LOADERS[config.dataset][1]
   try:
-    return loader(config, os.path.expanduser(config.data_dir), workdir)
+    return loader(config, storage.resolve(config.data_dir), workdir)
   except OSError as error:  # A data_dir that cannot be made or written.
     raise InputError(f'config.data_dir={config.data_dir!r} cannot hold the '
                      f'dataset: {error}.') from None

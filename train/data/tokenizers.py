@@ -6,11 +6,11 @@ also starts a language-model document).
 
 from collections.abc import Iterable, Iterator
 import io
-import os
-import tempfile
 
 import numpy as np
 import sentencepiece as spm
+
+from train.base import storage
 
 PAD_ID = 0
 EOS_ID = 1
@@ -37,8 +37,8 @@ class SentencePieceTokenizer:
   """A trained SentencePiece model (Kudo & Richardson 2018)."""
 
   def __init__(self, model_path: str):
-    with open(model_path, 'rb') as f:
-      self._processor = spm.SentencePieceProcessor(model_proto=f.read())
+    self._processor = spm.SentencePieceProcessor(
+        model_proto=storage.path(model_path).read_bytes())
     self.vocab_size = self._processor.get_piece_size()
 
   def encode(self, text: str | bytes) -> np.ndarray:
@@ -74,9 +74,5 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, model_path: str,
       pad_id=PAD_ID, eos_id=EOS_ID, unk_id=2, bos_id=-1,
       # A small corpus may hold fewer pieces than asked for.
       hard_vocab_limit=False, minloglevel=2)
-  directory = os.path.dirname(os.path.abspath(model_path))
-  os.makedirs(directory, exist_ok=True)
-  with tempfile.NamedTemporaryFile(dir=directory, delete=False) as f:
-    f.write(model.getvalue())
-  os.replace(f.name, model_path)
+  storage.write_whole(storage.path(model_path), model.getvalue())
   return SentencePieceTokenizer(model_path)

@@ -7,7 +7,6 @@ during training (config.decode_splits).
 from collections.abc import Callable
 import dataclasses
 import json
-import os
 from typing import Any
 
 import flax.linen as nn
@@ -17,6 +16,7 @@ import tqdm
 
 from model import ModelConfig
 from model.positions import SCHEMES
+from train.base import storage
 from train.base.errors import InputError
 from train.data import datasets, tokenizers
 from train.decode import decoding, scores
@@ -112,21 +112,18 @@ def decode(decoder: Callable, params, decode_set: DecodeSet, *,
 def write_decoded(path: str, decode_set: DecodeSet,
                   hypotheses: list[list[int]]) -> None:
   """One JSON line per example, {"inputs", "hypothesis", "reference"} (ids),
-  written whole: to a temporary file, then renamed over `path`."""
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path + '.tmp', 'w') as f:
-    for source, hypothesis, reference in zip(
-        decode_set.sources, hypotheses, decode_set.references):
-      f.write(json.dumps({'inputs': [int(i) for i in source],
-                          'hypothesis': hypothesis,
-                          'reference': reference}) + '\n')
-  os.replace(path + '.tmp', path)
+  written whole (train/base/storage.py)."""
+  storage.write_whole(storage.path(path), ''.join(
+      json.dumps({'inputs': [int(i) for i in source],
+                  'hypothesis': hypothesis, 'reference': reference}) + '\n'
+      for source, hypothesis, reference in zip(
+          decode_set.sources, hypotheses, decode_set.references)))
 
 
 def read_decoded(path: str) -> list[dict[str, list[int]]]:
   """The examples write_decoded wrote."""
-  with open(path) as f:
-    return [json.loads(line) for line in f]
+  return [json.loads(line)
+          for line in storage.path(path).read_text().splitlines()]
 
 
 def as_text(dataset: datasets.Dataset) -> Callable[[list[int]], str]:

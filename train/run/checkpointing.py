@@ -2,8 +2,10 @@
 
 Saves are asynchronous; orbax writes each checkpoint under a temporary name
 (`<step>.orbax-checkpoint-tmp`) and renames it when complete, so only
-complete checkpoints are ever restored. One left behind by a run killed
-mid-save is reported and deleted when the next run starts. A save that fails
+complete checkpoints are ever restored; on an object store, where a rename
+is a copy, it writes `<step>` and commits it by writing the file
+`commit_success.txt` last. One left behind by a run killed mid-save is
+reported and deleted when the next run starts. A save that fails
 (a full disk, a lost mount) stops the run with a TrainingError naming the
 step and the last complete checkpoint; there is no silent loss.
 
@@ -23,8 +25,9 @@ files is recorded in `<step>/file_sizes.json`. A restore first checks the
 files (none missing or cut), then recomputes and compares the checksums. A
 checkpoint that fails, or that orbax cannot read, is reported in one line,
 moved to
-`checkpoints/corrupt/<step>` (never deleted) and the next older one is
-tried; a workdir whose every checkpoint is damaged stops the run rather
+`checkpoints/corrupt/<step>` (never deleted; on an object store the move
+copies, then deletes, and a move cut short is made again by the next run)
+and the next older one is tried; a workdir whose every checkpoint is damaged stops the run rather
 than start it again from scratch over them.
 
 Deleting files cannot switch the verification off. Each checkpoint's
@@ -39,7 +42,6 @@ record is damaged.
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 
 import grain
@@ -49,13 +51,16 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from model import layer_stack
-from train.base import hosts, quiet
+from train.base import hosts, quiet, storage
 from train.base.errors import InputError, TrainingError
 from train.data import pipeline
 from train.program.steps import TrainState
 
 # Marks orbax's directory of a checkpoint still being written.
 INCOMPLETE_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX
+# Marks a complete checkpoint on an object store, where orbax does not
+# rename.
+COMMITTED = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE
 # Where damaged checkpoints are moved, inside the checkpoints directory.
 CORRUPT = 'corrupt'
 # In a checkpoint's directory: {path: bytes} of its files as written.
@@ -101,43 +106,32 @@ def checksums(state: TrainState, data_state: dict) -> dict:
               sort_keys=True).encode()).hexdigest()}
 
 
-def _file_sizes(step_dir: str) -> dict[str, int]:
-  sizes = {}
-  for root, _, names in os.walk(step_dir):
-    for name in names:
-      path = os.path.join(root, name)
-      sizes[os.path.relpath(path, step_dir)] = os.path.getsize(path)
-  sizes.pop(FILE_SIZES, None)
-  return sizes
-
-
 def _record_file_sizes(step_dir: str) -> None:
-  sizes, path = _file_sizes(step_dir), os.path.join(step_dir, FILE_SIZES)
-  with open(path + '.tmp', 'w') as f:
-    json.dump(sizes, f, indent=1, sort_keys=True)
-  os.replace(path + '.tmp', path)
+  sizes = storage.files(storage.path(step_dir))
+  sizes.pop(FILE_SIZES, None)
+  storage.write_whole(storage.path(step_dir) / FILE_SIZES,
+                      json.dumps(sizes, indent=1, sort_keys=True))
 
 
 def _missing_or_cut(step_dir: str, exempt: str | None = None) -> str | None:
   """Which file of a checkpoint is missing or not of its written size (None:
   none, or no sizes were recorded: a run killed right after the commit);
   the files of its item `exempt` are not looked for."""
-  path = os.path.join(step_dir, FILE_SIZES)
-  if not os.path.exists(path):
+  path = storage.path(step_dir) / FILE_SIZES
+  if not path.exists():
     return None
   try:
-    with open(path) as f:
-      written = json.load(f)
+    written = json.loads(path.read_text())
   except (OSError, ValueError) as error:
     return f'{path} cannot be read ({error})'
   for name, size in written.items():
-    if exempt and name.startswith(exempt + os.sep):
+    if exempt and name.startswith(exempt + '/'):
       continue
-    file = os.path.join(step_dir, name)
-    if not os.path.isfile(file):
+    file = storage.path(step_dir) / name
+    if not file.is_file():
       return f'{file} is missing'
-    if os.path.getsize(file) != size:
-      return f'{file} has {os.path.getsize(file)} bytes, {size} were written'
+    if file.stat().length != size:
+      return f'{file} has {file.stat().length} bytes, {size} were written'
   return None
 
 
@@ -146,8 +140,7 @@ def _read_ledger(directory: str) -> dict[str, dict]:
   them, none if it is missing or cannot be read (the checkpoints' own
   checksums still verify them)."""
   try:
-    with open(os.path.join(directory, LEDGER)) as f:
-      ledger = json.load(f)
+    ledger = json.loads((storage.path(directory) / LEDGER).read_text())
   except (OSError, ValueError):
     return {}
   if not isinstance(ledger, dict):
@@ -161,12 +154,10 @@ def _write_ledger(directory: str, step: int, sums: dict) -> None:
   """Adds `step`'s checksums to the ledger, whole or not at all; the steps
   whose checkpoints are gone are dropped."""
   ledger = {name: value for name, value in _read_ledger(directory).items()
-            if os.path.isdir(os.path.join(directory, name))}
+            if (storage.path(directory) / name).is_dir()}
   ledger[str(step)] = sums
-  path = os.path.join(directory, LEDGER)
-  with open(path + '.tmp', 'w') as f:
-    json.dump(ledger, f)  # In tree order, as _mismatch reads them.
-  os.replace(path + '.tmp', path)
+  # In tree order, as _mismatch reads them.
+  storage.write_whole(storage.path(directory) / LEDGER, json.dumps(ledger))
 
 
 def _mismatch(saved: dict, got: dict) -> str | None:
@@ -204,7 +195,7 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: str, *, keep: int, read_only: bool = False):
-    self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+    self.directory = f'{storage.resolve(workdir)}/checkpoints'
     self._keep = keep
     if not read_only:
       self._report_incomplete()
@@ -225,19 +216,24 @@ class Checkpointer:
     self._complete = self._manager.latest_step()
 
   def _report_incomplete(self) -> None:
-    if jax.process_index() != 0 or not os.path.isdir(self.directory):
+    directory = storage.path(self.directory)
+    if jax.process_index() != 0 or not directory.is_dir():
       return
-    for name in sorted(os.listdir(self.directory)):
-      if INCOMPLETE_SUFFIX in name:
-        print(f'warning: ignoring the incomplete checkpoint '
-              f'{os.path.join(self.directory, name)} (a save was '
-              'interrupted); it is deleted.', flush=True)
+    for path in sorted(directory.iterdir()):
+      if INCOMPLETE_SUFFIX in path.name or (
+          storage.is_object_store(self.directory) and path.name.isdigit()
+          and not (path / COMMITTED).exists()):
+        print(f'warning: ignoring the incomplete checkpoint {path} (a save '
+              'was interrupted); it is deleted.', flush=True)
 
   def _require_space(self, state: TrainState,
                      error: type[Exception]) -> tuple[int, int]:
     """(bytes of a checkpoint of `state`, bytes free on the disk of the
-    fullest host); raises `error` unless the checkpoint fits."""
+    fullest host, unbounded on an object store); raises `error` unless the
+    checkpoint fits."""
     size = state_bytes(state)
+    if storage.is_object_store(self.directory):
+      return size, float('inf')
     free = hosts.minimum_over_hosts(shutil.disk_usage(self.directory).free)
     if free < size:
       raise error(
@@ -276,12 +272,13 @@ class Checkpointer:
       raise self._failed(error) from error
     if self._saving is not None:
       if jax.process_index() == 0:
-        step_dir = os.path.join(self.directory, str(self._saving))
+        step_dir = f'{self.directory}/{self._saving}'
         try:
           _record_file_sizes(step_dir)
         except OSError as error:
           print(f'warning: could not record the file sizes of {step_dir} '
-                f'({error.strerror}); its checksums still verify it.',
+                f'({error.strerror or error}); its checksums still verify '
+                'it.',
                 flush=True)
       self._complete, self._saving = self._saving, None
 
@@ -300,8 +297,8 @@ class Checkpointer:
     other (config.model.scan_layers changed on a resume) is restored and
     verified as saved, then converted (model/layer_stack.py).
     """
-    step_dir = os.path.join(self.directory, str(step))
-    own = os.path.isdir(os.path.join(step_dir, 'checksums'))
+    step_dir = f'{self.directory}/{step}'
+    own = (storage.path(step_dir) / 'checksums').is_dir()
     # One that lost its own checksums is verified against the ledger.
     saved = None if own else _read_ledger(self.directory).get(str(step))
     problem = _missing_or_cut(step_dir, exempt=None if saved is None
@@ -325,7 +322,7 @@ class Checkpointer:
     if saved is None and not self._written_without_checksums(step):
       raise Damaged(
           'its checksums are missing, the ledger '
-          f'{os.path.join(self.directory, LEDGER)} has no entry for it, '
+          f'{self.directory}/{LEDGER} has no entry for it, '
           "and orbax's metadata does not show it was written without them")
     if saved is not None:
       problem = _mismatch(saved, checksums(restored['state'],
@@ -404,20 +401,19 @@ class Checkpointer:
   def _set_aside(self, step: int, problem: str) -> None:
     """Reports a damaged checkpoint; unless read-only, moves it to
     checkpoints/corrupt/<step> (a free name: <step>.1, ... if taken)."""
-    source = os.path.join(self.directory, str(step))
+    source = storage.path(self.directory) / str(step)
     if self._read_only:
       if jax.process_index() == 0:
         print(f'warning: the checkpoint of step {step} ({source}) is '
               f'damaged: {problem}; skipped.', flush=True)
       return
-    target = os.path.join(self.directory, CORRUPT, str(step))
+    corrupt = storage.path(self.directory) / CORRUPT
     suffix = 0
-    while os.path.exists(target + (f'.{suffix}' if suffix else '')):
+    while (corrupt / f'{step}{f".{suffix}" if suffix else ""}').exists():
       suffix += 1
-    target += f'.{suffix}' if suffix else ''
+    target = corrupt / f'{step}{f".{suffix}" if suffix else ""}'
     if jax.process_index() == 0:
-      os.makedirs(os.path.dirname(target), exist_ok=True)
-      os.rename(source, target)
+      storage.move(source, target)
       print(f'warning: the checkpoint of step {step} is damaged: {problem}; '
             f'moved to {target}.', flush=True)
     if jax.process_count() > 1:
@@ -445,7 +441,7 @@ class Checkpointer:
         _write_ledger(self.directory, step, sums)
       except OSError as error:
         print(f'warning: could not add step {step} to the ledger '
-              f'{os.path.join(self.directory, LEDGER)} ({error.strerror}); '
+              f'{self.directory}/{LEDGER} ({error.strerror or error}); '
               'its own checksums still verify it.', flush=True)
     try:
       self._manager.save(step, args=ocp.args.Composite(

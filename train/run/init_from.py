@@ -11,7 +11,6 @@ refused, naming the parameters and the config.model keys that differ.
 """
 
 import dataclasses
-import os
 from typing import Any
 
 import flax
@@ -20,6 +19,7 @@ import jax
 import numpy as np
 
 from model import ModelConfig, layer_stack
+from train.base import storage
 from train.base.errors import InputError, TrainingError
 from train.base.train_config import TrainConfig
 from train.run import trained_run
@@ -141,10 +141,10 @@ def transfer(source_params: Any, fresh_params: Any, source: ModelConfig,
 def run_source(path: str) -> tuple[str, int | None]:
   """(a training run's workdir, a checkpoint step or None for its latest)
   that `path` names: WORKDIR or WORKDIR/checkpoints/STEP."""
-  path = os.path.abspath(os.path.expanduser(path))
-  parent, name = os.path.split(path)
-  if name.isdigit() and os.path.basename(parent) == 'checkpoints':
-    return os.path.dirname(parent), int(name)
+  path = storage.resolve(path)
+  parent, _, name = path.rpartition('/')
+  if name.isdigit() and parent.rpartition('/')[2] == 'checkpoints':
+    return parent.rpartition('/')[0], int(name)
   return path, None
 
 
@@ -152,17 +152,17 @@ def check(init_from: str, workdir: str) -> str | None:
   """What is wrong with config.init_from for a run in `workdir`, before
   anything is built: nothing once the workdir holds a checkpoint (the run
   resumes from its own), else the source must be there."""
-  checkpoints = os.path.join(workdir, 'checkpoints')
-  if os.path.isdir(checkpoints) and any(
-      name.isdigit() for name in os.listdir(checkpoints)):
+  checkpoints = storage.path(workdir) / 'checkpoints'
+  if checkpoints.is_dir() and any(
+      path.name.isdigit() for path in checkpoints.iterdir()):
     return None
   run, step = run_source(init_from)
-  if not os.path.isfile(os.path.join(run, 'config.json')):
+  if not (storage.path(run) / 'config.json').is_file():
     return (f'config.init_from={init_from!r} is not a training run\'s '
             'workdir (it has no config.json) nor one of its checkpoints '
             '(WORKDIR/checkpoints/STEP).')
-  if step is not None and not os.path.isdir(
-      os.path.join(run, 'checkpoints', str(step))):
+  if step is not None and not (
+      storage.path(run) / 'checkpoints' / str(step)).is_dir():
     return f'config.init_from={init_from!r}: {run} has no checkpoint {step}.'
   return None
 

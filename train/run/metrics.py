@@ -8,6 +8,8 @@ gradient norm of a skipped step) is written as null, and the line's
 `non_finite` object holds it as a string ({"grad_norm": "nan"}), which
 `read_metrics` turns back into the float. A line cut by a killed writer or
 a full disk is moved to `metrics.jsonl.partial` when the next run starts.
+In a workdir on an object store, metrics.jsonl is uploaded whole with each
+line (train/base/storage.py), so no line there is ever cut.
 """
 
 import json
@@ -21,6 +23,7 @@ import jax
 import tensorboardX
 import tqdm
 
+from train.base import storage
 from train.base.errors import TrainingError
 
 LN2 = math.log(2.0)
@@ -135,28 +138,29 @@ def read_metrics(path: str) -> list[dict[str, float]]:
   that is not a summary is skipped with a warning naming it."""
   summaries = []
   # Bytes that are not UTF-8 (disk garbage) spoil their line only.
-  with open(path, encoding='utf-8', errors='replace') as f:
-    for number, text in enumerate(f, start=1):
-      if not text.strip():
-        continue
-      try:
-        line = json.loads(text)
-        if not isinstance(line, dict) or 'step' not in line:
-          raise ValueError('no step')
-        for key, value in line.pop('non_finite', {}).items():
-          line[key] = float(value)
-      except (ValueError, TypeError, AttributeError):
-        print(f'warning: {path} line {number} is not a metrics summary; '
-              f'skipped: {text.strip()[:80]!r}', file=sys.stderr, flush=True)
-        continue
-      summaries.append(line)
+  lines = storage.path(path).read_bytes().decode('utf-8', errors='replace')
+  for number, text in enumerate(lines.split('\n'), start=1):
+    if not text.strip():
+      continue
+    try:
+      line = json.loads(text)
+      if not isinstance(line, dict) or 'step' not in line:
+        raise ValueError('no step')
+      for key, value in line.pop('non_finite', {}).items():
+        line[key] = float(value)
+    except (ValueError, TypeError, AttributeError):
+      print(f'warning: {path} line {number} is not a metrics summary; '
+            f'skipped: {text.strip()[:80]!r}', file=sys.stderr, flush=True)
+      continue
+    summaries.append(line)
   return summaries
 
 
 def repair_cut_line(path: str) -> None:
   """Moves a last line without its newline (its writer was killed, or the
-  disk filled) to `<path>.partial`, and says so."""
-  if not os.path.exists(path):
+  disk filled) to `<path>.partial`, and says so. (A file on an object
+  store is written whole.)"""
+  if storage.is_object_store(path) or not os.path.exists(path):
     return
   with open(path, 'rb+') as f:
     data = f.read()
@@ -198,11 +202,12 @@ class MetricWriter:
     self._active = jax.process_index() == 0
     if not self._active:
       return
-    path = os.path.join(workdir, 'metrics.jsonl')
+    path = f'{workdir}/metrics.jsonl'
     repair_cut_line(path)
-    self._jsonl = open(path, 'a')
-    self._tensorboard = tensorboardX.SummaryWriter(
-        os.path.join(workdir, 'tensorboard'))
+    self._jsonl = storage.Lines(path)
+    # tensorboardX writes gs:// itself (google-cloud-storage), the event
+    # file uploaded whole at each flush.
+    self._tensorboard = tensorboardX.SummaryWriter(f'{workdir}/tensorboard')
     self._progress = tqdm.tqdm(total=total_steps, initial=first_step,
                                unit='step', dynamic_ncols=True)
 
@@ -214,10 +219,9 @@ class MetricWriter:
       try:
         # The wall-clock time, in seconds since the epoch, in the file only.
         self._jsonl.write(json_line(step, summary | {'time': time.time()}))
-        self._jsonl.flush()
       except OSError as error:  # A full disk, a lost mount.
         self._stop_jsonl(f'could not write the metrics of step {step} to '
-                         f'{self._jsonl.name} ({error.strerror})')
+                         f'{self._jsonl.name} ({error.strerror or error})')
     for key, value in summary.items():
       self._tensorboard.add_scalar(tensorboard_tag(key), value, step)
     self._tensorboard.flush()
@@ -232,7 +236,8 @@ class MetricWriter:
     try:
       jsonl.close()
     except OSError as error:  # Flushing what it held failed.
-      problem = problem or f'could not write {jsonl.name} ({error.strerror})'
+      problem = problem or (f'could not write {jsonl.name} '
+                            f'({error.strerror or error})')
     if problem:
       print(f'warning: {problem}; metrics.jsonl is not written any more in '
             'this run.', flush=True)

@@ -3,7 +3,6 @@ parameters of its latest checkpoint, on one device whatever mesh it trained
 on (generation, translation, attention maps)."""
 
 import dataclasses
-import os
 from typing import Any
 
 import flax.linen as nn
@@ -11,6 +10,7 @@ import jax
 import ml_collections
 
 from model import ModelConfig
+from train.base import storage
 from train.base.errors import InputError
 from train.base.train_config import TrainConfig
 from train.data import datasets
@@ -38,8 +38,8 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   """The config a run was trained with (as its resumes changed it), set
   for one device (whatever the mesh it trained on: the checkpoint is
   restored into one device's layout)."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.exists(path):
+  path = storage.path(workdir) / 'config.json'
+  if not path.exists():
     raise InputError(f'{path} does not exist: --workdir must be a training '
                      'run\'s workdir.')
   config = ml_collections.ConfigDict(workdir_lib.run_config(workdir))

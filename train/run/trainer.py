@@ -7,7 +7,6 @@ the same loop runs on one CPU, a GPU node or a multi-host TPU pod.
 """
 
 from collections.abc import Callable, Iterator
-import os
 import time
 from typing import Any
 
@@ -17,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import ml_collections
 import tqdm
 
+from train.base import storage
 from train.base.errors import InputError, Pruned, Stopped, TrainingError
 from train.base.train_config import TrainConfig
 from train.config import kernels
@@ -109,7 +109,7 @@ def _decoding_evaluation(config: TrainConfig,
                       dataset, hypotheses, decode_set.references).items()}
       if jax.process_index() == 0:
         seq2seq_eval.write_decoded(
-            os.path.join(workdir, 'decoded', f'{decode_set.split}.jsonl'),
+            f'{workdir}/decoded/{decode_set.split}.jsonl',
             decode_set, hypotheses)
     return summary
   return evaluate
@@ -243,7 +243,7 @@ def train_and_evaluate(
   if problem:
     raise InputError(problem)
   program = Program.from_config(config)
-  workdir = os.path.abspath(workdir)
+  workdir = storage.resolve(workdir)
   # The config as given is the workdir's record (config.json) and the
   # run's hyperparameters in TensorBoard; the program's is what runs.
   hparams = metrics.flat_hparams(config.to_dict())
@@ -465,8 +465,8 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
       task=program.task, steps=(first_step, last_step),
       seconds=time.perf_counter() - started, evaluations=evaluations,
       final=final, tokens_per_s=last_logged.get('tokens_per_s'),
-      checkpoint=None if latest is None else os.path.join(
-          checkpointer.directory, str(latest)), workdir=workdir,
+      checkpoint=None if latest is None else
+      f'{checkpointer.directory}/{latest}', workdir=workdir,
       extendable=optim.SCHEDULES[config.schedule].length_free,
       cannot_decode=decoding.cache_refusal(model_config)))
   return final

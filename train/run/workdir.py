@@ -1,10 +1,13 @@
 """A workdir belongs to one run and one config.
 
-One run at a time: the run takes `workdir/lock` (an advisory file lock
-holding its host and pid; on several hosts, process 0's on the shared
-workdir) when it starts, and leaves it when it ends; the kernel lets go of
-a killed run's lock, and the next run takes it over with a warning. A
-second run on a locked workdir stops at once, naming the holder.
+One run at a time: the run takes `workdir/lock` when it starts (on several
+hosts, process 0 on the shared workdir) and leaves it when it ends; the
+lock names its holder's host and pid. A second run on a locked workdir
+stops, naming the holder; a killed run's lock is taken over with a warning.
+On a disk the lock is an advisory file lock, which the kernel lets go of
+when its holder dies, so the second run stops at once. An object store
+(gs://...) has no such lock: there the lock is a lease (`LeaseLock`), which
+a run that finds it watches for up to LEASE_S seconds.
 
 One config: `config.json` is written when the workdir holds no record of a
 run yet (no metrics, no checkpoint), and never rewritten after. A resume is
@@ -23,7 +26,10 @@ import fcntl
 import json
 import os
 import socket
+import threading
+import time
 from typing import Any
+import uuid
 
 import dataclasses
 import functools
@@ -32,7 +38,7 @@ import jax
 import ml_collections
 
 from model.config import ModelConfig
-from train.base import hosts, train_config
+from train.base import hosts, storage, train_config
 from train.base.errors import InputError
 from train.program import optim
 
@@ -74,25 +80,24 @@ def _resumable(key: str) -> bool:
 
 def _has_record(workdir: str) -> bool:
   """Whether a run has left metrics or checkpoints in `workdir`."""
-  metrics = os.path.join(workdir, 'metrics.jsonl')
-  checkpoints = os.path.join(workdir, 'checkpoints')
-  return ((os.path.exists(metrics) and os.path.getsize(metrics) > 0)
-          or (os.path.isdir(checkpoints) and bool(os.listdir(checkpoints))))
+  metrics = storage.path(workdir) / 'metrics.jsonl'
+  checkpoints = storage.path(workdir) / 'checkpoints'
+  return ((metrics.exists() and metrics.stat().length > 0)
+          or (checkpoints.is_dir() and any(checkpoints.iterdir())))
 
 
 def run_config(workdir: str) -> dict[str, Any]:
   """The config the run in `workdir` follows, as JSON: config.json, with
   the changes of config_history.jsonl applied in order. InputError naming
   the file that cannot be read."""
-  path = os.path.join(workdir, 'config.json')
+  path = storage.path(workdir) / 'config.json'
   try:
-    with open(path) as f:
-      config = json.load(f)
-    path = os.path.join(workdir, 'config_history.jsonl')
+    config = json.loads(path.read_text())
+    path = storage.path(workdir) / 'config_history.jsonl'
     changes = []
-    if os.path.exists(path):
-      with open(path) as f:
-        changes = [json.loads(line)['changes'] for line in f if line.strip()]
+    if path.exists():
+      changes = [json.loads(line)['changes']
+                 for line in path.read_text().splitlines() if line.strip()]
     for change in changes:
       for key, (_, new) in change.items():
         *parents, name = key.split('.')
@@ -163,9 +168,33 @@ def check_resume(old: dict[str, Any], new: dict[str, Any],
   return changes
 
 
+def _holder_record() -> dict[str, Any]:
+  """What a lock says of the run holding it."""
+  return {'host': socket.gethostname(), 'pid': os.getpid(),
+          'since': datetime.datetime.now().isoformat(timespec='seconds')}
+
+
+def _described(holder: Any) -> str:
+  """Who a lock's record names ('' if no one)."""
+  if not holder:
+    return ''
+  try:
+    return (f'the run of pid {holder["pid"]} on {holder["host"]} (since '
+            f'{holder["since"]})')
+  except (KeyError, TypeError):
+    return 'an unknown run'
+
+
+def _in_use(lock: str, holder: str) -> InputError:
+  return InputError(
+      f'{os.path.dirname(lock)} is in use by {holder} (its {lock}); one run '
+      'per workdir: wait for that run to end, or give this one another '
+      '--workdir.')
+
+
 class Lock:
-  """`workdir/lock`, held by this process until `release`. On a file
-  system without flock (some Lustre and FUSE mounts) the run goes on
+  """`workdir/lock` on a disk, held by this process until `release`. On a
+  file system without flock (some Lustre and FUSE mounts) the run goes on
   unlocked, with a warning."""
 
   def __init__(self, workdir: str):
@@ -176,10 +205,7 @@ class Lock:
     except BlockingIOError:
       holder = self._holder() or 'another run'
       self._file.close()
-      raise InputError(
-          f'{os.path.dirname(self._path)} is in use by {holder} (its '
-          f'{self._path}); one run per workdir: wait for that run to end, '
-          'or give this one another --workdir.') from None
+      raise _in_use(self._path, holder) from None
     except OSError as error:
       if error.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
         raise
@@ -192,22 +218,15 @@ class Lock:
             'longer holds it (a run that was killed).', flush=True)
     self._file.seek(0)
     self._file.truncate()
-    self._file.write(json.dumps({
-        'host': socket.gethostname(), 'pid': os.getpid(),
-        'since': datetime.datetime.now().isoformat(timespec='seconds')})
-                     + '\n')
+    self._file.write(json.dumps(_holder_record()) + '\n')
     self._file.flush()
 
   def _holder(self) -> str:
     """Who the lock file names ('' if no one)."""
     self._file.seek(0)
     try:
-      holder = json.loads(self._file.read() or 'null')
-      if not holder:
-        return ''
-      return (f'the run of pid {holder["pid"]} on {holder["host"]} (since '
-              f'{holder["since"]})')
-    except (ValueError, KeyError, TypeError):
+      return _described(json.loads(self._file.read() or 'null'))
+    except ValueError:
       return 'an unknown run'
 
   def release(self) -> None:
@@ -215,6 +234,101 @@ class Lock:
     self._file.seek(0)
     self._file.truncate()
     self._file.close()
+
+
+# Seconds an object-store lock stays its holder's without being renewed;
+# the holder renews it four times in that time.
+LEASE_S = 60.0
+
+
+class LeaseLock:
+  """`workdir/lock` on an object store: an object naming its holder, which
+  a thread of the holder rewrites every LEASE_S / 4 seconds (counting its
+  `renewals`) until `release` deletes it.
+
+  A run that finds the lock watches it, for up to LEASE_S seconds: renewed,
+  it is a live run's, and this run stops naming it; deleted, it was
+  released; unchanged all that time, it is a killed run's, and this run
+  takes it over with a warning. So a run resumed after a kill waits up to
+  LEASE_S seconds first; one resumed after a stop (SIGTERM, a preemption
+  notice), which releases the lock, does not wait.
+
+  The look and the write are two requests: two runs started within the
+  same moment on a free workdir can both take it. The holder checks its
+  lock at each renewal; one that finds it rewritten by another run says so
+  and stops renewing it.
+  """
+
+  def __init__(self, workdir: str):
+    self._object = storage.path(workdir) / 'lock'
+    self._path = str(self._object)
+    found = self._read()
+    if found is not None:
+      self._watch(found)
+    self._record = _holder_record() | {'token': uuid.uuid4().hex,
+                                       'renewals': 0}
+    storage.write_whole(self._object, json.dumps(self._record) + '\n')
+    self._released = threading.Event()
+    self._renewing = threading.Thread(target=self._renew, daemon=True,
+                                      name='workdir lock')
+    self._renewing.start()
+
+  def _read(self) -> Any:
+    """The lock's record; None when there is no lock."""
+    try:
+      text = self._object.read_text()
+    except FileNotFoundError:
+      return None
+    try:
+      return json.loads(text) or None
+    except ValueError:
+      return {'unreadable': text[:80]}
+
+  def _watch(self, found: Any) -> None:
+    """Returns once the lock `found` is released or expires (a warning);
+    InputError once it is renewed."""
+    print(f'{self._path} is held by {_described(found)}; watching it for up '
+          f'to {LEASE_S:g} s to see whether that run is alive.', flush=True)
+    deadline = time.monotonic() + LEASE_S
+    while time.monotonic() < deadline:
+      time.sleep(min(LEASE_S / 8, max(deadline - time.monotonic(), 0)))
+      now = self._read()
+      if now is None:
+        return
+      if now != found:
+        raise _in_use(self._path, _described(now))
+    print(f'warning: taking over {self._path} from {_described(found)}, '
+          f'which has not renewed it for {LEASE_S:g} s (a run that was '
+          'killed).', flush=True)
+
+  def _ours(self) -> bool:
+    current = self._read()
+    return bool(current) and current.get('token') == self._record['token']
+
+  def _renew(self) -> None:
+    while not self._released.wait(LEASE_S / 4):
+      try:
+        if not self._ours():
+          print(f'warning: {self._path} was taken over by '
+                f'{_described(self._read())}; this run no longer renews '
+                'it, and two runs now write this workdir.', flush=True)
+          return
+        self._record['renewals'] += 1
+        storage.write_whole(self._object, json.dumps(self._record) + '\n')
+      except OSError as error:  # Tried again at the next renewal.
+        print(f'warning: could not renew {self._path} ({error}).',
+              flush=True)
+
+  def release(self) -> None:
+    """Stops renewing the lock and deletes it, if it is still this run's."""
+    self._released.set()
+    self._renewing.join()
+    try:
+      if self._ours():
+        self._object.unlink()
+    except OSError as error:
+      print(f'warning: could not release {self._path} ({error}); the next '
+            f'run takes it over after {LEASE_S:g} s.', flush=True)
 
 
 def claim(config: ml_collections.ConfigDict, workdir: str
@@ -226,14 +340,21 @@ def claim(config: ml_collections.ConfigDict, workdir: str
   the workdir cannot be written, is locked, or holds another config."""
   problem, lock = None, None
   try:
-    os.makedirs(workdir, exist_ok=True)
+    directory = storage.path(workdir)
+    if (storage.is_object_store(workdir)
+        and not storage.path(storage.bucket(workdir)).exists()):
+      raise InputError(
+          f'--workdir={workdir}: the bucket {storage.bucket(workdir)} does '
+          'not exist, or these credentials cannot see it.')
+    directory.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
-      lock = Lock(workdir)
+      lock = (LeaseLock if storage.is_object_store(workdir) else Lock)(
+          workdir)
       _record_config(config, workdir)
     else:  # The others only try.
-      probe = os.path.join(workdir, f'.written_by_host_{jax.process_index()}')
-      open(probe, 'w').close()
-      os.remove(probe)
+      probe = directory / f'.written_by_host_{jax.process_index()}'
+      probe.write_text('')
+      probe.unlink()
   except InputError as error:
     problem = str(error)
   except OSError as error:
@@ -255,25 +376,26 @@ def claim(config: ml_collections.ConfigDict, workdir: str
 def _record_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   """config.json of a new workdir; else the resume checked and its changes
   appended to config_history.jsonl."""
-  path = os.path.join(workdir, 'config.json')
-  history = os.path.join(workdir, 'config_history.jsonl')
-  if not os.path.exists(path) or not _has_record(workdir):
-    with open(path + '.tmp', 'w') as f:
-      f.write(_as_json(config))
-    os.replace(path + '.tmp', path)
-    if os.path.exists(history):
-      os.remove(history)
+  path = storage.path(workdir) / 'config.json'
+  history = storage.path(workdir) / 'config_history.jsonl'
+  if not path.exists() or not _has_record(workdir):
+    storage.write_whole(path, _as_json(config))
+    if history.exists():
+      history.unlink()
     return
   changes = check_resume(recorded_config(workdir),
                          _flat(json.loads(_as_json(config))),
                          f'--workdir={workdir}')
   if not changes:
     return
-  with open(history, 'a') as f:
-    f.write(json.dumps({
+  lines = storage.Lines(str(history))
+  try:
+    lines.write(json.dumps({
         'time': datetime.datetime.now().isoformat(timespec='seconds'),
         'changes': {key: list(values) for key, values in changes.items()}})
-            + '\n')
+                + '\n')
+  finally:
+    lines.close()
   listed = '; '.join(f'config.{key}: {old!r} -> {new!r}'
                      for key, (old, new) in changes.items())
   print(f'Resuming with {listed} (recorded in {history}).', flush=True)

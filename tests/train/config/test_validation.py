@@ -98,6 +98,8 @@ INVALID = [
     ('dataset_options.task', 'sort', 'unknown key config.dataset_options.task '
      "for config.dataset='python_stdlib_bytes'; known keys: none"),
     ('data_dir', '', "config.data_dir='' must be a non-empty string"),
+    ('data_dir', 'gs://bucket/data', "config.data_dir='gs://bucket/data': "
+     'datasets are array_record files, whose reader opens local paths only'),
     ('seq_len', -5, 'config.seq_len=-5 must be an integer >= 1'),
     ('batch_size', 12, 'config.batch_size=12 must be divisible by the 8 '
      'batch slices'),

@@ -10,6 +10,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from tests.helpers.checkpoint_damage import flip_a_bit_orbax_reads_silently
 from tests.helpers.tiny_runs import tiny_config
 from train.base.errors import TrainingError
 from train.run import checkpointing
@@ -35,68 +36,6 @@ def run(trained, tmp_path):
   shutil.copytree(workdir, copy)
   program = Program.from_config(config)
   return config, copy, program.abstract_state
-
-
-def array_files(workdir: str, step: int) -> list[str]:
-  """The files of a checkpoint's array data, largest first."""
-  return sorted(glob.glob(f'{workdir}/checkpoints/{step}/state/**/d/*',
-                          recursive=True), key=os.path.getsize, reverse=True)
-
-
-def orbax_restore(workdir: str, step: int, abstract_state):
-  """The arrays orbax restores, without any check of ours."""
-  manager = ocp.CheckpointManager(
-      os.path.join(workdir, 'checkpoints'),
-      options=ocp.CheckpointManagerOptions(read_only=True),
-      item_handlers={'state': ocp.StandardCheckpointHandler()})
-  state = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract_state)))['state']
-  manager.close()
-  return [np.asarray(x) for x in jax.tree.leaves(state)]
-
-
-def flip_a_bit_orbax_reads_silently(workdir: str, step: int,
-                                    abstract_state) -> None:
-  """Flips one bit of an array file where orbax then restores other values
-  without an error (the data is compressed: not every byte is read)."""
-  want = orbax_restore(workdir, step, abstract_state)
-  path = array_files(workdir, step)[0]
-  for fraction in np.linspace(0.05, 0.95, 19):
-    with open(path, 'r+b') as f:
-      data = bytearray(f.read())
-      data[int(len(data) * fraction)] ^= 0x04
-      f.seek(0)
-      f.write(data)
-    try:
-      got = orbax_restore(workdir, step, abstract_state)
-    except Exception:  # Unreadable after this flip: try another.
-      got = want
-    if any(not np.array_equal(g, w) for g, w in zip(got, want)):
-      return
-    with open(path, 'r+b') as f:  # Undone.
-      data[int(len(data) * fraction)] ^= 0x04
-      f.seek(0)
-      f.write(data)
-  raise AssertionError(f'no flipped bit of {path} changed what orbax reads')
-
-
-def test_a_flipped_bit_is_caught_and_the_run_resumes_bitwise_from_before(
-    run, capsys):
-  config, workdir, abstract_state = run
-  uninterrupted = orbax_restore(workdir, 4, abstract_state)
-  flip_a_bit_orbax_reads_silently(workdir, 4, abstract_state)
-  capsys.readouterr()
-  train_and_evaluate(config, workdir)
-  out = capsys.readouterr().out
-  [warning] = [line for line in out.splitlines() if 'damaged' in line]
-  assert 'step 4' in warning and 'does not match its checksum' in warning
-  assert 'Resumed from the checkpoint at step 2.' in out
-  assert os.path.isdir(os.path.join(workdir, 'checkpoints', 'corrupt', '4'))
-  # Steps 3 and 4 again, from checkpoint 2: the arrays of the run that
-  # was never interrupted.
-  for got, want in zip(orbax_restore(workdir, 4, abstract_state),
-                       uninterrupted):
-    np.testing.assert_array_equal(got, want)
 
 
 def truncate_the_array_files(step_dir):

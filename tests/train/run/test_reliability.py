@@ -25,13 +25,16 @@ import pytest
 from configs import algorithmic, lm_stdlib
 from tests.helpers import REPO
 from tests.helpers import config_overrides
+from tests.helpers.checkpoint_damage import flip_a_bit_orbax_reads_silently
 from tests.helpers.tiny_runs import tiny_config
 from train import train
+from train.base import storage
 from train.base.errors import InputError
 from train.base.train_config import TrainConfig
 from train.config import validation as config_validation
 from train.data import datasets, pipeline
 from train.run import checkpointing
+from train.run.program import Program
 from train.run.trainer import train_and_evaluate
 
 LAST_STEP = 12
@@ -62,25 +65,23 @@ def config_of(values: dict):
 def run_interrupted(workdir, values: dict, interrupt: str | None):
   """train.train in a subprocess (bounded in time), interrupted on cue
   (see tests/helpers/interrupted_train.py) unless `interrupt` is None."""
-  command = ([sys.executable, '-m', 'train.train'] if interrupt is None else
-             [sys.executable, 'tests/helpers/interrupted_train.py',
-              f'--interrupt={interrupt}'])
   flags = [f'--config.{key}={value}' for key, value in values.items()]
   return subprocess.run(
-      command + ['--config=configs/lm_stdlib.py', f'--workdir={workdir}',
-                 *flags],
+      [sys.executable, 'tests/helpers/interrupted_train.py',
+       f'--interrupt={interrupt or "none"}', '--config=configs/lm_stdlib.py',
+       f'--workdir={workdir}', *flags],
       cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def checkpoints(workdir) -> list[str]:
-  path = pathlib.Path(workdir) / 'checkpoints'
+  path = storage.path(workdir) / 'checkpoints'
   return sorted(p.name for p in path.iterdir() if p.name[0].isdigit())
 
 
 def metric_lines(workdir) -> list[dict]:
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    return [{key: value for key, value in json.loads(line).items()
-             if key not in TIMING_KEYS} for line in f]
+  text = (storage.path(workdir) / 'metrics.jsonl').read_text()
+  return [{key: value for key, value in json.loads(line).items()
+           if key not in TIMING_KEYS} for line in text.splitlines()]
 
 
 def saved_state(workdir, step: int):
@@ -157,6 +158,33 @@ def test_runs_killed_at_three_points_resume_bit_for_bit(
   assert 'Resumed from the checkpoint at step 9.' in finished.stdout
   assert ('Attention kernels: decoder layer 0 local: xla (as set; float32, '
           "causal, packed rows, ALiBi's bias, window 8)" in finished.stdout)
+  assert_same_run(workdir, uninterrupted)
+
+
+def test_a_run_on_an_object_store_killed_and_damaged_resumes_bit_for_bit(
+    data_dir, object_store, tmp_path, uninterrupted):
+  """A workdir on gs:// (a local emulator): killed once the checkpoint of
+  step 6 is written, that checkpoint then damaged by a flipped bit. The
+  next run takes over the killed run's lock, moves checkpoint 6 aside,
+  resumes from step 3's and ends as the uninterrupted run on disk did."""
+  workdir = f'{object_store}/{tmp_path.name}'
+  values = overrides(data_dir)
+  killed = run_interrupted(workdir, values, 'kill:7')
+  assert killed.returncode == -9, killed.stderr[-2000:]
+  assert checkpoints(workdir) == ['3', '6']
+  flip_a_bit_orbax_reads_silently(
+      workdir, 6, Program.from_config(config_of(values)).abstract_state)
+
+  finished = run_interrupted(workdir, values, None)
+  assert finished.returncode == 0, finished.stderr[-2000:]
+  assert f'taking over {workdir}/lock from the run of pid' in finished.stdout
+  [damaged] = [line for line in finished.stdout.splitlines()
+               if 'damaged' in line]
+  assert damaged.startswith('warning: the checkpoint of step 6 is damaged: '
+                            'the array')
+  assert damaged.endswith(f'moved to {workdir}/checkpoints/corrupt/6.')
+  assert 'Resumed from the checkpoint at step 3.' in finished.stdout
+  assert not storage.path(f'{workdir}/lock').exists()
   assert_same_run(workdir, uninterrupted)
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from tests.helpers.tiny_runs import tiny_config
 from train import cli
+from train.base import storage
 from train.base.errors import InputError
 from train.run import workdir
 from train.run.trainer import train_and_evaluate
@@ -57,6 +58,44 @@ def test_a_killed_runs_lock_is_taken_over_with_a_warning(tmp_path, capsys):
   assert (tmp_path / 'lock').read_text() == ''
   workdir.Lock(str(tmp_path)).release()  # Released: no warning now.
   assert 'taking over' not in capsys.readouterr().out
+
+
+def test_on_an_object_store_a_renewed_lock_refuses_a_killed_one_is_taken(
+    data_dir, object_store, tmp_path, monkeypatch, capsys):
+  """The lease (workdir.LeaseLock), on a short one: a live holder renews
+  its lock, so a second run stops naming it; a killed run's lock is taken
+  over once a lease has passed; a released one is taken at once."""
+  monkeypatch.setattr(workdir, 'LEASE_S', 0.4)
+  path = f'{object_store}/{tmp_path.name}'
+  config = tiny_config('lm_stdlib', data_dir)
+  held = workdir.LeaseLock(path)
+  try:
+    assert exit_status(config, path) == 2
+  finally:
+    held.release()
+  error = capsys.readouterr().err
+  assert f'in use by the run of pid {os.getpid()}' in error
+  assert not storage.path(f'{path}/config.json').exists()
+
+  killed = {'host': 'node7', 'pid': 4242, 'since': '2026-01-01T00:00:00'}
+  storage.write_whole(storage.path(f'{path}/lock'), json.dumps(killed))
+  with workdir.claim(config, path):
+    out = capsys.readouterr().out
+    assert 'watching it for up to 0.4 s' in out
+    assert ('taking over ' f'{path}/lock from the run of pid 4242 on node7'
+            in out)
+    assert json.loads(storage.path(f'{path}/lock').read_text())['pid'] == (
+        os.getpid())
+    assert storage.path(f'{path}/config.json').exists()
+  assert not storage.path(f'{path}/lock').exists()
+  with workdir.claim(config, path):  # Released: taken at once.
+    pass
+  assert capsys.readouterr().out == ''
+
+  assert exit_status(config, 'gs://no-such-bucket/run') == 2
+  assert capsys.readouterr().err.startswith(
+      'error: --workdir=gs://no-such-bucket/run: the bucket '
+      'gs://no-such-bucket does not exist')
 
 
 @pytest.mark.core

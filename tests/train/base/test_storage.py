@@ -1,0 +1,46 @@
+"""One file layer for a disk and an object store: files written whole,
+files of lines, and the sizes of a directory's files, the same on both
+(the object store a local GCS emulator)."""
+
+import pytest
+
+from train.base import storage
+
+
+@pytest.fixture(params=['disk', 'object store'])
+def directory(request, tmp_path):
+  if request.param == 'disk':
+    return str(tmp_path)
+  return f'{request.getfixturevalue("object_store")}/{tmp_path.name}'
+
+
+def test_files_are_written_whole_and_lines_read_back_at_once(directory):
+  root = storage.path(directory)
+  root.mkdir(parents=True, exist_ok=True)
+  storage.write_whole(root / 'a.json', '{"old": 1}')
+  storage.write_whole(root / 'a.json', '{"new": 2}')
+  storage.write_whole(root / 'sub' / 'b.bin', b'\x00\x01\x02')
+  assert (root / 'a.json').read_text() == '{"new": 2}'
+  assert storage.files(root) == {'a.json': 10, 'sub/b.bin': 3}
+
+  lines = storage.Lines(f'{directory}/m.jsonl')
+  lines.write('1\n')
+  assert (root / 'm.jsonl').read_text() == '1\n'
+  lines.write('2\n')
+  lines.close()
+  again = storage.Lines(f'{directory}/m.jsonl')  # A resumed run's.
+  again.write('3\n')
+  again.close()
+  assert (root / 'm.jsonl').read_text() == '1\n2\n3\n'
+
+  storage.move(root / 'sub', root / 'moved' / 'sub')
+  assert storage.files(root / 'moved') == {'sub/b.bin': 3}
+  assert not (root / 'sub').exists()
+
+
+def test_local_paths_are_made_absolute_and_urls_kept():
+  assert storage.resolve('~/x') == storage.resolve('~') + '/x'
+  assert storage.resolve('gs://bucket/run/') == 'gs://bucket/run'
+  assert storage.bucket('gs://bucket/run/a') == 'gs://bucket'
+  assert storage.is_object_store('gs://bucket/run')
+  assert not storage.is_object_store('/tmp/run')
