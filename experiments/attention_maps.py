@@ -15,7 +15,6 @@ are what `dense`, `chunked` and `ring` attend with; other variants attend
 with approximations or patterns of their own, so they are refused.
 """
 
-import os
 import re
 
 from absl import flags
@@ -26,6 +25,7 @@ import numpy as np
 from model import layer_stack
 from model.families import FAMILIES
 from train import cli
+from train.base import storage
 from train.base.errors import InputError
 from train.base.train_config import TrainConfig
 from train.data import datasets, tokenizers
@@ -110,7 +110,8 @@ def draw(layers: list[tuple[str, np.ndarray]], labels: list[str],
       ax.set(xlabel='key' if row == len(layers) - 1 else None,
              ylabel='query' if head == 0 else None)
   figure.colorbar(image, ax=axes, shrink=0.5, label='attention weight')
-  figure.savefig(path, dpi=110)
+  with storage.path(path).open('wb') as f:  # The run's workdir may be gs://.
+    figure.savefig(f, format='png', dpi=110)
   plt.close(figure)
 
 
@@ -133,7 +134,7 @@ def attention_maps(workdir: str, *, text: str | None = None,
   labels = [label(run.dataset, int(t)) for t in tokens]
   if run.dataset.task.has_classes and run.model_config.pooling == 'cls':
     labels = ['[CLS]'] + labels  # The classifier's vector before the tokens.
-  output = output or os.path.join(workdir, 'attention_maps.png')
+  output = output or f'{storage.resolve(workdir)}/attention_maps.png'
   draw(layers, labels, output)
   return output
 

@@ -13,11 +13,15 @@ archive HEAD`) to every worker and installs it with JAX for TPU, then
 starts the command on all workers at once (`--worker=all`, detached, output in
 ~/attnlab/train.log) with `--config.distributed=True`, so that
 `jax.distributed.initialize()` reads the pod from the environment. A
-`gs://BUCKET/...` workdir is written there directly (train/base/storage.py:
-every host its checkpoint shards, process 0 the rest). A `gs://BUCKET/...`
-data_dir, which the datasets' reader cannot open, is mounted on every
-worker with gcsfuse at /gcs/BUCKET (the convention of Vertex AI) and read
-there; the workers then need gcsfuse. Edits
+`gs://BUCKET/...` workdir of train.train is written there directly
+(train/base/storage.py: every host its checkpoint shards, process 0 the
+rest). A `gs://BUCKET/...` data_dir, which the datasets' reader cannot
+open, and the workdir of any other command (a sweep's, whose tables and
+trials are files of a directory) are mounted on every worker with gcsfuse
+at /gcs/BUCKET (the convention of Vertex AI) and read there; the workers
+then need gcsfuse, and a sweep's bucket a hierarchical namespace (orbax
+completes its trials' checkpoints by renaming, which gcsfuse does only
+there). Edits
 not committed would not run: launch refuses, naming them, unless
 --include_uncommitted copies the working tree (tracked and untracked files
 that git does not ignore) instead.
@@ -83,19 +87,22 @@ def distributed(train_command: list[str]) -> list[str]:
   return train_command + ['--config.distributed=True']
 
 
-def mounted_data_dir(train_command: list[str]
-                     ) -> tuple[list[str], str | None]:
-  """The command with a gs://BUCKET/... data_dir read at /gcs/BUCKET/...,
-  and the bucket (None when the data_dir is not on GCS)."""
-  command, bucket = [], None
-  flag = '--config.data_dir=gs://'
+def mounted(train_command: list[str]) -> tuple[list[str], list[str]]:
+  """The command with its gs://BUCKET/... paths that are read through a
+  mount (a data_dir; the workdir of a command other than train.train) read
+  at /gcs/BUCKET/..., and their buckets."""
+  flags = ('--config.data_dir=',) + (
+      () if 'train.train' in train_command else ('--workdir=',))
+  command, buckets = [], []
   for arg in train_command:
-    if arg.startswith(flag):
-      path = arg[len(flag):]
-      bucket = path.split('/', 1)[0]
-      arg = f'--config.data_dir=/gcs/{path}'
+    flag = next((flag for flag in flags
+                 if arg.startswith(flag + 'gs://')), None)
+    if flag:
+      path = arg[len(flag + 'gs://'):]
+      buckets.append(path.split('/', 1)[0])
+      arg = f'{flag}/gcs/{path}'
     command.append(arg)
-  return command, bucket
+  return command, sorted(set(buckets))
 
 
 def uncommitted() -> list[str]:
@@ -145,12 +152,12 @@ def tpu_commands(name: str, zone: str, accelerator: str, runtime: str | None,
       + ' '.join((*packages, JAX_TPU))))
   if 'train.train' in train_command:
     train_command = distributed(train_command)
-  command, bucket = mounted_data_dir(train_command)
-  if bucket:
-    commands.append(on_workers(
+  command, buckets = mounted(train_command)
+  if buckets:
+    commands.append(on_workers(' && '.join(
         f'sudo mkdir -p /gcs/{bucket} && sudo chmod a+rwx /gcs/{bucket} && '
         f'(mountpoint -q /gcs/{bucket} || gcsfuse --implicit-dirs '
-        f'{bucket} /gcs/{bucket})'))
+        f'{bucket} /gcs/{bucket})' for bucket in buckets)))
   # Detached, so that the run outlives this ssh session; its output is in
   # ~/attnlab/train.log on each worker.
   commands.append(on_workers(

@@ -215,7 +215,7 @@ def report(workdir: str, out: str, command: str) -> str:
 def main(argv: list[str]) -> None:
   def work():
     started = time.perf_counter()
-    workdir = os.path.abspath(FLAGS.workdir)
+    workdir = common.local_workdir(FLAGS.workdir)
     sweep.sweep(CONFIG, workdir, parallel=FLAGS.parallel)
     command = ('python -m experiments.length_generalisation '
                f'--workdir={FLAGS.workdir}'

@@ -546,7 +546,8 @@ def write_report(result: dict, workdir: str, *, steps: int, warmup: int,
 
 def main(argv: list[str]) -> None:
   cli.run_main(argv, lambda: run(
-      FLAGS.config, FLAGS.workdir, steps=FLAGS.steps, warmup=FLAGS.warmup,
+      FLAGS.config, common.local_workdir(FLAGS.workdir), steps=FLAGS.steps,
+      warmup=FLAGS.warmup,
       config_path=config_flags.get_config_filename(FLAGS['config']),
       command='python -m experiments.profile ' + ' '.join(sys.argv[1:])))
 

@@ -31,6 +31,19 @@ def test_tpu_launch_commands_run_on_every_worker():
       '> train.log 2>&1 &')
 
 
+def test_buckets_are_mounted_for_data_and_for_commands_other_than_training():
+  """train.train writes a gs:// workdir itself; a sweep's workdir, and any
+  data_dir, are read through gcsfuse."""
+  sweep = ['python', '-m', 'experiments.sweep', '--workdir=gs://b/ls',
+           '--config.data_dir=gs://c/tfds']
+  assert launch.mounted(sweep) == (
+      sweep[:3] + ['--workdir=/gcs/b/ls', '--config.data_dir=/gcs/c/tfds'],
+      ['b', 'c'])
+  assert launch.mounted(TRAIN) == (
+      TRAIN[:4] + ['--config.data_dir=/gcs/bucket/tfds', TRAIN[-1]],
+      ['bucket'])
+
+
 def test_launch_dry_run_prints_commands_and_slurm_script():
   run = lambda *args: subprocess.run(
       [sys.executable, '-m', 'experiments.launch', *args, '--dry_run', '--',

@@ -1,18 +1,22 @@
 """Where a run's files live: a local directory or an object store
 (`gs://bucket/...`), reached through one layer, etils epath, which orbax
-reads and writes its own files with (gcsfs behind `gs://`; tensorstore
-writes the arrays of a checkpoint).
+reads and writes its own files with (gcsfs behind `gs://`, also where
+TensorFlow is installed; tensorstore writes the arrays of a checkpoint,
+and tensorboardX its event files, itself).
 
 An object store lacks three things a local disk has, and this is what
 stands in for them:
 - an atomic rename: there a rename copies and deletes. A file written
   whole (`write_whole`) is uploaded as one object, which appears complete
   or not at all; on a disk it is written under a temporary name and
-  renamed over the old one. A directory `move`d there is copied file by
-  file, then deleted: cut short, the source is still there, whole or in
-  part.
+  renamed over the old one (a name of its own, so that writers at once do
+  not collide). A directory `move`d there is copied object by object
+  within the store, then deleted: cut short, the source is still there,
+  whole or in part.
 - appending: an object cannot grow, so a file of lines (`Lines`) is
-  uploaded whole with each line; a reader never finds a line cut short.
+  uploaded whole when flushed; a reader never finds a line cut short. (GCS
+  takes about one write of an object a second: its writer flushes less
+  often than each line.)
 - flock: the workdir's lock is a lease its holder renews
   (train/run/workdir.py).
 An object store has no free-space figure either: checkpoints check the
@@ -23,9 +27,14 @@ expanded), so that every host and every library reads the same place.
 """
 
 import os
+import tempfile
 
-from etils import epath
-import fsspec
+# gcsfs behind gs:// even where TensorFlow is installed (to build tfds
+# datasets): one backend, the one tested.
+os.environ.setdefault('EPATH_USE_TF', 'false')
+
+from etils import epath  # noqa: E402  (after EPATH_USE_TF)
+import fsspec  # noqa: E402
 
 # Listings read afresh each time: other processes (the other hosts, a run
 # watching a lock) and other writers (tensorstore, orbax's arrays) change
@@ -33,9 +42,22 @@ import fsspec
 fsspec.config.conf.setdefault('gcs', {})['use_listings_cache'] = False
 
 
+# The object stores a run may live on, by URL scheme.
+SCHEMES = ('gs',)
+
+
 def is_object_store(location: str) -> bool:
   """Whether `location` is a URL (gs://bucket/...) rather than a path."""
   return '://' in location
+
+
+def unsupported(location: str) -> str | None:
+  """What is wrong with a URL's scheme (None: nothing, or not a URL)."""
+  scheme = location.partition('://')[0]
+  if not is_object_store(location) or scheme in SCHEMES:
+    return None
+  return (f'{scheme}:// is not an object store a run can use; '
+          f'{", ".join(f"{name}://" for name in SCHEMES)} is')
 
 
 def resolve(location: str) -> str:
@@ -67,10 +89,15 @@ def write_whole(file: epath.Path, data: str | bytes) -> None:
       f.write(data)
     return
   file.parent.mkdir(parents=True, exist_ok=True)
-  temporary = file.with_name(file.name + '.tmp')
-  with temporary.open(mode) as f:
-    f.write(data)
-  os.replace(temporary, file)
+  descriptor, temporary = tempfile.mkstemp(dir=file.parent,
+                                           prefix=f'.{file.name}.')
+  try:
+    with os.fdopen(descriptor, mode) as f:
+      f.write(data)
+    os.replace(temporary, file)
+  except BaseException:
+    os.remove(temporary)
+    raise
 
 
 def files(directory: epath.Path) -> dict[str, int]:
@@ -93,16 +120,28 @@ def move(source: epath.Path, target: epath.Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     os.rename(source, target)
     return
-  for name in files(source):  # Each copied within the store.
-    (source / name).copy(target / name)
-  source.rmtree()
+  store, name = fsspec.core.url_to_fs(str(source))
+  store.copy(name, fsspec.core.url_to_fs(str(target))[1], recursive=True)
+  store.rm(name, recursive=True)
+
+
+def create(file: epath.Path, text: str) -> bool:
+  """Writes `file` on an object store unless it exists (a precondition the
+  store checks: GCS's ifGenerationMatch=0); False if it does."""
+  store, name = fsspec.core.url_to_fs(str(file))
+  try:
+    with store.open(name, 'xb') as f:
+      f.write(text.encode())
+  except FileExistsError:
+    return False
+  return True
 
 
 class Lines:
-  """A text file that grows a line at a time, each line whole and read
-  back as soon as written: appended and flushed on a disk, the whole object
-  uploaded again on an object store (lines are short, and so are the files
-  of them a run writes). `name` is its path."""
+  """A text file that grows a line at a time, each line whole once
+  flushed: on a disk, appended and flushed at once; on an object store,
+  kept until `flush` uploads the whole object again (lines are short, and
+  so are the files of them a run writes). `name` is its path."""
 
   def __init__(self, location: str):
     self.name = location
@@ -112,16 +151,27 @@ class Lines:
     else:
       self._text = (self._object.read_text() if self._object.exists()
                     else '')
+      self._unflushed = False
 
   def write(self, line: str) -> None:
-    """Adds `line` (ending in a newline); OSError if it cannot be written."""
+    """Adds `line` (ending in a newline); on a disk, OSError if it cannot
+    be written."""
     if self._object is None:
       self._file.write(line)
       self._file.flush()
     else:
-      write_whole(self._object, self._text + line)
       self._text += line
+      self._unflushed = True
+
+  def flush(self) -> None:
+    """Uploads the lines not yet uploaded, on an object store; whatever
+    error the store raises if it cannot (the lines are kept)."""
+    if self._object is not None and self._unflushed:
+      write_whole(self._object, self._text)
+      self._unflushed = False
 
   def close(self) -> None:
     if self._object is None:
       self._file.close()
+    else:
+      self.flush()

@@ -230,9 +230,11 @@ def _sentencepiece(config: TrainConfig, workdir: str,
   The default path is inside the workdir, so a resumed run reuses it.
   """
   path = config.vocab_path or f'{workdir}/sentencepiece.model'
-  if storage.path(path).exists():
+  # The hosts agree on whether it is there before the first writes it: one
+  # that looked later would find it and not wait with the others.
+  if hosts.minimum_over_hosts(storage.path(path).exists()):
     return tokenizers.SentencePieceTokenizer(path)
-  if jax.process_index() == 0:
+  if jax.process_index() == 0 and not storage.path(path).exists():
     tokenizers.train_sentencepiece(texts(), config.model.vocab_size, path)
   multihost_utils.sync_global_devices('sentencepiece')
   return tokenizers.SentencePieceTokenizer(path)

@@ -24,11 +24,11 @@ data iterator's state; once orbax has committed it, the size of each of its
 files is recorded in `<step>/file_sizes.json`. A restore first checks the
 files (none missing or cut), then recomputes and compares the checksums. A
 checkpoint that fails, or that orbax cannot read, is reported in one line,
-moved to
-`checkpoints/corrupt/<step>` (never deleted; on an object store the move
-copies, then deletes, and a move cut short is made again by the next run)
-and the next older one is tried; a workdir whose every checkpoint is damaged stops the run rather
-than start it again from scratch over them.
+moved to `corrupt_checkpoints/<step>` beside `checkpoints` (never deleted;
+on an object store the move copies, then deletes, and a move cut short is
+made again by the next run) and the next older one is tried; a workdir
+whose every checkpoint is damaged stops the run rather than start it again
+from scratch over them.
 
 Deleting files cannot switch the verification off. Each checkpoint's
 checksums are also written, before its save starts, to the ledger
@@ -61,8 +61,10 @@ INCOMPLETE_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX
 # Marks a complete checkpoint on an object store, where orbax does not
 # rename.
 COMMITTED = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE
-# Where damaged checkpoints are moved, inside the checkpoints directory.
-CORRUPT = 'corrupt'
+# Where damaged checkpoints are moved, in the workdir: not inside the
+# checkpoints directory, which orbax owns (on an object store it deletes
+# every directory there that holds no commit file).
+CORRUPT = 'corrupt_checkpoints'
 # In a checkpoint's directory: {path: bytes} of its files as written.
 FILE_SIZES = 'file_sizes.json'
 # In the checkpoints directory: {step: checksums} of the checkpoints saved.
@@ -195,7 +197,8 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: str, *, keep: int, read_only: bool = False):
-    self.directory = f'{storage.resolve(workdir)}/checkpoints'
+    self._workdir = storage.resolve(workdir)
+    self.directory = f'{self._workdir}/checkpoints'
     self._keep = keep
     if not read_only:
       self._report_incomplete()
@@ -275,7 +278,8 @@ class Checkpointer:
         step_dir = f'{self.directory}/{self._saving}'
         try:
           _record_file_sizes(step_dir)
-        except OSError as error:
+        except Exception as error:  # pylint: disable=broad-except
+          # Any error of the store (gcsfs's are not all OSErrors).
           print(f'warning: could not record the file sizes of {step_dir} '
                 f'({error.strerror or error}); its checksums still verify '
                 'it.',
@@ -369,7 +373,7 @@ class Checkpointer:
     """(step, state) of the newest checkpoint that restores and verifies
     on every host (see `restore`); None when there is no checkpoint. The
     damaged ones newer than it are reported, and moved to
-    checkpoints/corrupt unless `read_only`. When none verifies, nothing is
+    corrupt_checkpoints unless `read_only`. When none verifies, nothing is
     moved (a rerun must not find an empty directory and start from
     scratch): TrainingError naming each problem."""
     steps = sorted(self._manager.all_steps(), reverse=True)
@@ -400,22 +404,27 @@ class Checkpointer:
 
   def _set_aside(self, step: int, problem: str) -> None:
     """Reports a damaged checkpoint; unless read-only, moves it to
-    checkpoints/corrupt/<step> (a free name: <step>.1, ... if taken)."""
+    corrupt_checkpoints/<step> (a free name: <step>.1, ... if taken); one
+    that cannot be moved is left where it is, with a warning."""
     source = storage.path(self.directory) / str(step)
     if self._read_only:
       if jax.process_index() == 0:
         print(f'warning: the checkpoint of step {step} ({source}) is '
               f'damaged: {problem}; skipped.', flush=True)
       return
-    corrupt = storage.path(self.directory) / CORRUPT
+    corrupt = storage.path(self._workdir) / CORRUPT
     suffix = 0
     while (corrupt / f'{step}{f".{suffix}" if suffix else ""}').exists():
       suffix += 1
     target = corrupt / f'{step}{f".{suffix}" if suffix else ""}'
     if jax.process_index() == 0:
-      storage.move(source, target)
+      try:
+        storage.move(source, target)
+        where = f'moved to {target}'
+      except Exception as error:  # pylint: disable=broad-except
+        where = f'could not move it to {target} ({error}); left where it is'
       print(f'warning: the checkpoint of step {step} is damaged: {problem}; '
-            f'moved to {target}.', flush=True)
+            f'{where}.', flush=True)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f'set aside checkpoint {step}')
     self._manager.reload()
@@ -439,7 +448,7 @@ class Checkpointer:
     if jax.process_index() == 0:
       try:
         _write_ledger(self.directory, step, sums)
-      except OSError as error:
+      except Exception as error:  # pylint: disable=broad-except
         print(f'warning: could not add step {step} to the ledger '
               f'{self.directory}/{LEDGER} ({error.strerror or error}); '
               'its own checksums still verify it.', flush=True)

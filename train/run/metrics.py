@@ -8,8 +8,12 @@ gradient norm of a skipped step) is written as null, and the line's
 `non_finite` object holds it as a string ({"grad_norm": "nan"}), which
 `read_metrics` turns back into the float. A line cut by a killed writer or
 a full disk is moved to `metrics.jsonl.partial` when the next run starts.
-In a workdir on an object store, metrics.jsonl is uploaded whole with each
-line (train/base/storage.py), so no line there is ever cut.
+In a workdir on an object store, metrics.jsonl and TensorBoard's event
+file are uploaded whole (train/base/storage.py; tensorboardX's own writer),
+so no line there is ever cut: at most every UPLOAD_EVERY_S seconds (GCS
+takes about one write of an object a second), before each checkpoint and
+at the end. A run killed there loses the lines of its last seconds, all
+after its last checkpoint, which the resumed run logs again.
 """
 
 import json
@@ -27,6 +31,8 @@ from train.base import storage
 from train.base.errors import TrainingError
 
 LN2 = math.log(2.0)
+# Seconds between uploads of the metrics to an object store.
+UPLOAD_EVERY_S = 10.0
 
 
 def is_due(step: int, every: int, last_step: int) -> bool:
@@ -208,6 +214,10 @@ class MetricWriter:
     # tensorboardX writes gs:// itself (google-cloud-storage), the event
     # file uploaded whole at each flush.
     self._tensorboard = tensorboardX.SummaryWriter(f'{workdir}/tensorboard')
+    # Flushed at each summary on a disk.
+    self._flush_every = (UPLOAD_EVERY_S if storage.is_object_store(workdir)
+                         else 0.0)
+    self._flushed = time.monotonic()
     self._progress = tqdm.tqdm(total=total_steps, initial=first_step,
                                unit='step', dynamic_ncols=True)
 
@@ -224,9 +234,32 @@ class MetricWriter:
                          f'{self._jsonl.name} ({error.strerror or error})')
     for key, value in summary.items():
       self._tensorboard.add_scalar(tensorboard_tag(key), value, step)
-    self._tensorboard.flush()
+    if time.monotonic() - self._flushed >= self._flush_every:
+      self.flush()
     shown = ', '.join(f'{key} {value:.4g}' for key, value in summary.items())
     self._progress.write(f'step {step}: {shown}')
+
+  def flush(self) -> None:
+    """Writes out what is written so far (before a checkpoint); a failure
+    is said, and training goes on."""
+    if not self._active:
+      return
+    self._flushed = time.monotonic()
+    if self._jsonl is not None:
+      try:
+        self._jsonl.flush()
+      except Exception as error:  # pylint: disable=broad-except
+        # Any error of the store (gcsfs's are not all OSErrors).
+        self._stop_jsonl(f'could not write {self._jsonl.name} ({error})')
+    self._on_tensorboard('flush')
+
+  def _on_tensorboard(self, action: str) -> None:
+    """Flushes or closes TensorBoard's writer; a failure is said."""
+    try:
+      getattr(self._tensorboard, action)()
+    except Exception as error:  # pylint: disable=broad-except
+      print(f"warning: could not write TensorBoard's events ({error}).",
+            flush=True)
 
   def _stop_jsonl(self, problem: str | None = None) -> None:
     """Closes metrics.jsonl; says so if writing it failed (`problem`, or
@@ -235,9 +268,10 @@ class MetricWriter:
     jsonl, self._jsonl = self._jsonl, None
     try:
       jsonl.close()
-    except OSError as error:  # Flushing what it held failed.
+    except Exception as error:  # pylint: disable=broad-except
+      # Flushing what it held failed.
       problem = problem or (f'could not write {jsonl.name} '
-                            f'({error.strerror or error})')
+                            f'({getattr(error, "strerror", None) or error})')
     if problem:
       print(f'warning: {problem}; metrics.jsonl is not written any more in '
             'this run.', flush=True)
@@ -265,7 +299,7 @@ class MetricWriter:
       self._progress.close()
       if self._jsonl is not None:
         self._stop_jsonl()
-      self._tensorboard.close()
+      self._on_tensorboard('close')
 
 
 class TrainLog:

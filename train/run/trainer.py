@@ -434,6 +434,8 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
             if summary:
               writer.write(done, summary)
             if save_now:
+              # Every line up to the checkpoint is written before it.
+              writer.flush()
               with jax.profiler.TraceAnnotation('checkpoint'):
                 checkpointer.save(done, state, train_iterator)
               writer.say(f'step {done}: saving the checkpoint in '

@@ -246,87 +246,100 @@ class LeaseLock:
   a thread of the holder rewrites every LEASE_S / 4 seconds (counting its
   `renewals`) until `release` deletes it.
 
-  A run that finds the lock watches it, for up to LEASE_S seconds: renewed,
-  it is a live run's, and this run stops naming it; deleted, it was
-  released; unchanged all that time, it is a killed run's, and this run
-  takes it over with a warning. So a run resumed after a kill waits up to
+  A run that finds the lock watches it for LEASE_S seconds of its own
+  clock: renewed, it is a live run's, and this run stops naming it (within
+  about LEASE_S / 4 seconds); deleted, it was released; unchanged all that
+  time, it is a killed run's, which this run deletes. It then creates the
+  lock only if no lock exists (a precondition the store checks), so of two
+  runs that start at once one stops. A run resumed after a kill so waits
   LEASE_S seconds first; one resumed after a stop (SIGTERM, a preemption
   notice), which releases the lock, does not wait.
 
-  The look and the write are two requests: two runs started within the
-  same moment on a free workdir can both take it. The holder checks its
-  lock at each renewal; one that finds it rewritten by another run says so
-  and stops renewing it.
+  Renewals overwrite the lock. A holder that finds another run's lock
+  there (its own was deemed expired: it could not renew it for LEASE_S
+  seconds) says so and stops renewing; both runs then write the workdir.
   """
 
   def __init__(self, workdir: str):
     self._object = storage.path(workdir) / 'lock'
     self._path = str(self._object)
     found = self._read()
-    if found is not None:
-      self._watch(found)
+    left = self._watch(found) if found else found
+    if left is not None:  # An expired lock, or an empty one.
+      self._object.unlink(missing_ok=True)
     self._record = _holder_record() | {'token': uuid.uuid4().hex,
                                        'renewals': 0}
-    storage.write_whole(self._object, json.dumps(self._record) + '\n')
+    if not storage.create(self._object, json.dumps(self._record) + '\n'):
+      raise _in_use(self._path, _described(self._read()) or 'another run')
     self._released = threading.Event()
     self._renewing = threading.Thread(target=self._renew, daemon=True,
                                       name='workdir lock')
     self._renewing.start()
 
   def _read(self) -> Any:
-    """The lock's record; None when there is no lock."""
+    """The lock's record; None when there is no lock, {} when it is empty
+    (as a disk lock's release leaves it, seen through a mount)."""
     try:
       text = self._object.read_text()
     except FileNotFoundError:
       return None
     try:
-      return json.loads(text) or None
+      return json.loads(text) if text.strip() else {}
     except ValueError:
       return {'unreadable': text[:80]}
 
-  def _watch(self, found: Any) -> None:
-    """Returns once the lock `found` is released or expires (a warning);
-    InputError once it is renewed."""
+  def _watch(self, found: Any) -> Any:
+    """What is left once the lock `found` is released (None, or {}) or
+    expires (`found`, with a warning); InputError once it is renewed."""
     print(f'{self._path} is held by {_described(found)}; watching it for up '
           f'to {LEASE_S:g} s to see whether that run is alive.', flush=True)
     deadline = time.monotonic() + LEASE_S
     while time.monotonic() < deadline:
       time.sleep(min(LEASE_S / 8, max(deadline - time.monotonic(), 0)))
       now = self._read()
-      if now is None:
-        return
+      if not now:
+        return now
       if now != found:
         raise _in_use(self._path, _described(now))
     print(f'warning: taking over {self._path} from {_described(found)}, '
           f'which has not renewed it for {LEASE_S:g} s (a run that was '
           'killed).', flush=True)
+    return found
 
-  def _ours(self) -> bool:
+  def _another(self) -> Any:
+    """Another run's record, if the lock holds one (None: it is this
+    run's, or gone)."""
     current = self._read()
-    return bool(current) and current.get('token') == self._record['token']
+    if not current or current.get('token') == self._record['token']:
+      return None
+    return current
 
   def _renew(self) -> None:
     while not self._released.wait(LEASE_S / 4):
+      # Any error of the store (gcsfs's are not all OSErrors): tried again
+      # at the next renewal, the thread alive.
       try:
-        if not self._ours():
+        another = self._another()
+        if another is not None:
           print(f'warning: {self._path} was taken over by '
-                f'{_described(self._read())}; this run no longer renews '
-                'it, and two runs now write this workdir.', flush=True)
+                f'{_described(another)}; this run no longer renews it, and '
+                'two runs now write this workdir.', flush=True)
           return
         self._record['renewals'] += 1
         storage.write_whole(self._object, json.dumps(self._record) + '\n')
-      except OSError as error:  # Tried again at the next renewal.
+      except Exception as error:  # pylint: disable=broad-except
         print(f'warning: could not renew {self._path} ({error}).',
               flush=True)
 
   def release(self) -> None:
-    """Stops renewing the lock and deletes it, if it is still this run's."""
+    """Stops renewing the lock and deletes it, if it is still this run's;
+    a failure is said, not raised (the next run takes the lock over)."""
     self._released.set()
-    self._renewing.join()
+    self._renewing.join(timeout=LEASE_S / 4)
     try:
-      if self._ours():
-        self._object.unlink()
-    except OSError as error:
+      if self._another() is None:
+        self._object.unlink(missing_ok=True)
+    except Exception as error:  # pylint: disable=broad-except
       print(f'warning: could not release {self._path} ({error}); the next '
             f'run takes it over after {LEASE_S:g} s.', flush=True)
 
@@ -339,7 +352,11 @@ def claim(config: ml_collections.ConfigDict, workdir: str
   context that holds the lock; InputError before anything is written if
   the workdir cannot be written, is locked, or holds another config."""
   problem, lock = None, None
+  workdir = storage.resolve(workdir)
   try:
+    if storage.unsupported(workdir):
+      raise InputError(f'--workdir={workdir}: '
+                       f'{storage.unsupported(workdir)}.')
     directory = storage.path(workdir)
     if (storage.is_object_store(workdir)
         and not storage.path(storage.bucket(workdir)).exists()):

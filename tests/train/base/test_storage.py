@@ -14,7 +14,8 @@ def directory(request, tmp_path):
   return f'{request.getfixturevalue("object_store")}/{tmp_path.name}'
 
 
-def test_files_are_written_whole_and_lines_read_back_at_once(directory):
+def test_files_are_written_whole_and_lines_read_back_once_flushed(
+    directory):
   root = storage.path(directory)
   root.mkdir(parents=True, exist_ok=True)
   storage.write_whole(root / 'a.json', '{"old": 1}')
@@ -25,6 +26,7 @@ def test_files_are_written_whole_and_lines_read_back_at_once(directory):
 
   lines = storage.Lines(f'{directory}/m.jsonl')
   lines.write('1\n')
+  lines.flush()
   assert (root / 'm.jsonl').read_text() == '1\n'
   lines.write('2\n')
   lines.close()

@@ -75,7 +75,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_one_before(run, damage,
   assert step == 2
   [warning] = capsys.readouterr().out.splitlines()
   assert warning.startswith('warning: the checkpoint of step 4 is damaged')
-  assert os.path.exists(os.path.join(workdir, 'checkpoints', 'corrupt', '4'))
+  assert os.path.exists(os.path.join(workdir, 'corrupt_checkpoints', '4'))
 
 
 def delete_checksums_and_sizes(workdir: str, step: int) -> None:

@@ -182,7 +182,9 @@ def test_a_run_on_an_object_store_killed_and_damaged_resumes_bit_for_bit(
                if 'damaged' in line]
   assert damaged.startswith('warning: the checkpoint of step 6 is damaged: '
                             'the array')
-  assert damaged.endswith(f'moved to {workdir}/checkpoints/corrupt/6.')
+  assert damaged.endswith(f'moved to {workdir}/corrupt_checkpoints/6.')
+  # Step 6 saved again; the last three kept.
+  assert sorted(map(int, checkpoints(workdir))) == [6, 9, 12]
   assert 'Resumed from the checkpoint at step 3.' in finished.stdout
   assert not storage.path(f'{workdir}/lock').exists()
   assert_same_run(workdir, uninterrupted)

@@ -50,7 +50,7 @@ def test_config_trains_saves_and_resumes(name, data_dir, tmp_path, capsys,
     offset = [0.0]
     monkeypatch.setattr(metrics, 'time', types.SimpleNamespace(
         perf_counter=lambda: time.perf_counter() + offset[0],
-        time=time.time))
+        time=time.time, monotonic=time.monotonic))
     fits = config_validation.check_step_fits
 
     def slow_compile(*args):

@@ -90,12 +90,19 @@ def test_on_an_object_store_a_renewed_lock_refuses_a_killed_one_is_taken(
   assert not storage.path(f'{path}/lock').exists()
   with workdir.claim(config, path):  # Released: taken at once.
     pass
+  storage.write_whole(storage.path(f'{path}/lock'), '')  # A disk's release.
+  with workdir.claim(config, path):
+    pass
   assert capsys.readouterr().out == ''
 
   assert exit_status(config, 'gs://no-such-bucket/run') == 2
   assert capsys.readouterr().err.startswith(
       'error: --workdir=gs://no-such-bucket/run: the bucket '
       'gs://no-such-bucket does not exist')
+  assert exit_status(config, 's3://bucket/run') == 2
+  assert capsys.readouterr().err.startswith(
+      'error: --workdir=s3://bucket/run: s3:// is not an object store a run '
+      'can use; gs:// is.')
 
 
 @pytest.mark.core
