@@ -3,6 +3,7 @@ the token embedding, absolute position information, and the output
 projection (tied to the embedding or a projection of its own).
 """
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,8 +23,17 @@ def padding_mask(tokens_BxS: Array) -> Array:
   return (tokens_BxS != PAD_ID)[:, None, None, :]
 
 
+def check_tokens(tokens_BxT: Array) -> None:
+  """ValueError naming the tokens' shape unless it is [B, T] (chex, as the
+  model is traced)."""
+  chex.assert_rank(tokens_BxT, 2, exception_type=ValueError,
+                   custom_message=f'tokens have shape {tokens_BxT.shape}; '
+                   'expected rank 2 [batch, length].')
+
+
 def default_positions(tokens_BxT: Array) -> Array:
   """[B, T] positions 0..T-1 for every example."""
+  check_tokens(tokens_BxT)
   return jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
 
 
@@ -55,6 +65,7 @@ class Embedder(nn.Module):
     """[B, T, D]. Under a mesh, the lookup reads the whole table (gathered,
     as FSDP does for any weight) and gives rows laid out like the blocks'
     inputs; a lookup in a split table would need a costly reshuffle."""
+    check_tokens(tokens_BxT)
     table_VxD = nn.with_logical_constraint(
         self.token_embedding.embedding, (None, None))
     x_BxTxD = jnp.take(table_VxD, tokens_BxT, axis=0).astype(
@@ -64,6 +75,11 @@ class Embedder(nn.Module):
   def add_positions(self, x_BxTxD: Array, positions_BxT: Array, *,
                     deterministic: bool) -> Array:
     """Adds position information, then applies embedding dropout."""
+    chex.assert_shape(positions_BxT, x_BxTxD.shape[:2],
+                      exception_type=ValueError,
+                      custom_message=f'positions have shape '
+                      f'{positions_BxT.shape}; expected the tokens\' '
+                      f'[batch, length] = {x_BxTxD.shape[:2]}.')
     config = self.config
     limit = self.scheme.max_positions(config)
     if limit is not None and x_BxTxD.shape[1] > limit:

@@ -21,6 +21,7 @@ import dataclasses
 import math
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,46 +116,55 @@ def pairs(x: Array, q_index, k_index) -> Array:
   return x[:, :, rows, cols]
 
 
+def _checked(assertion: Callable[..., None], *args, message: str,
+             **kwargs) -> None:
+  """A chex assertion, checked on shapes and dtypes as the function is
+  traced (nothing is added to the program), failing as a ValueError that
+  ends with `message`."""
+  assertion(*args, **kwargs, custom_message=message,
+            exception_type=ValueError)
+
+
 def _check_rank4(name: str, x: Array, full_shape: tuple[int, ...]) -> None:
   """Checks that `x` broadcasts to [B, N, T, S] = `full_shape` dim by dim."""
-  if x.ndim != 4 or any(d not in (1, f) for d, f in zip(x.shape, full_shape)):
-    raise ValueError(
-        f'{name} has shape {x.shape}; it must be rank 4 and broadcastable to '
-        f'[B, N, T, S] = {full_shape}.')
+  message = (f'{name} has shape {x.shape}; it must be rank 4 and '
+             f'broadcastable to [B, N, T, S] = {full_shape}.')
+  _checked(chex.assert_rank, x, 4, message=message)
+  _checked(chex.assert_is_broadcastable, x.shape, full_shape,
+           message=message)
 
 
 def check_inputs(query, key, value, bias, mask) -> tuple[int, ...]:
-  """Validates shapes and dtypes; returns the logits shape [B, N, T, S]."""
+  """Checks the inputs' ranks, shapes and the mask's dtype (chex, at trace
+  time); returns the logits shape [B, N, T, S]. ValueError naming the
+  argument and its shape."""
   for name, x in (('query', query), ('key', key), ('value', value)):
-    if x.ndim != 4:
-      raise ValueError(
-          f'{name} has shape {x.shape}; expected rank 4 [batch, length, heads, '
-          'head_dim].')
-  if key.shape != value.shape:
-    raise ValueError(
-        f'key shape {key.shape} and value shape {value.shape} must be equal '
-        '[B, S, K, H].')
-  batch, q_len, num_heads, head_dim = query.shape
-  k_batch, kv_len, num_kv_heads, k_head_dim = key.shape
-  if k_batch != batch or k_head_dim != head_dim:
-    raise ValueError(
-        f'query shape {query.shape} [B, T, N, H] and key shape {key.shape} '
-        '[B, S, K, H] must agree in batch B and head dim H.')
-  if num_heads % num_kv_heads:
+    _checked(chex.assert_rank, x, 4,
+             message=f'{name} has shape {x.shape}; expected rank 4 [batch, '
+             'length, heads, head_dim].')
+  _checked(chex.assert_equal_shape, [key, value],
+           message=f'key shape {key.shape} and value shape {value.shape} '
+           'must be equal [B, S, K, H].')
+  _checked(chex.assert_equal_shape, [query, key], dims=(0, 3),
+           message=f'query shape {query.shape} [B, T, N, H] and key shape '
+           f'{key.shape} [B, S, K, H] must agree in batch B and head dim H.')
+  batch, q_len, num_heads, _ = query.shape
+  kv_len, num_kv_heads = key.shape[1], key.shape[2]
+  if num_heads % num_kv_heads:  # No chex assertion says "divides".
     raise ValueError(
         f'key/value heads K={num_kv_heads} (key shape {key.shape}) must divide '
         f'query heads N={num_heads} (query shape {query.shape}).')
   full_shape = (batch, num_heads, q_len, kv_len)
   if isinstance(mask, SegmentMask):
-    if mask.shape[0] != batch or mask.shape[2:] != (q_len, kv_len):
-      raise ValueError(
-          f'segment ids have shapes {mask.q_segment_ids_BxT.shape} and '
-          f'{mask.kv_ids.shape}; expected [B, T] = '
-          f'{(batch, q_len)} and [B, S] = {(batch, kv_len)}.')
+    _checked(chex.assert_shape, [mask.q_segment_ids_BxT, mask.kv_ids],
+             [(batch, q_len), (batch, kv_len)],
+             message=f'segment ids have shapes {mask.q_segment_ids_BxT.shape} '
+             f'and {mask.kv_ids.shape}; expected [B, T] = {(batch, q_len)} '
+             f'and [B, S] = {(batch, kv_len)}.')
   elif mask is not None:
     _check_rank4('mask', mask, full_shape)
-    if mask.dtype != jnp.bool_:
-      raise ValueError(f'mask must be boolean (True = attend), got {mask.dtype}.')
+    _checked(chex.assert_type, mask, bool,
+             message=f'mask must be boolean (True = attend), got {mask.dtype}.')
   if bias is not None and not isinstance(bias, PositionBias):
     _check_rank4('bias', bias, full_shape)
   return full_shape

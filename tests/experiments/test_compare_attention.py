@@ -5,6 +5,7 @@ import csv
 import dataclasses
 import os
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -149,6 +150,6 @@ def test_a_scanned_stacks_maps_are_its_blocks_one_by_one(comparison):
   got = attention_maps.attention_weights(scanned, stacked, tokens)
   assert [name for name, _ in got] == [name for name, _ in want] == [
       'encoder/block_0', 'encoder/block_1']
-  for (_, got_weights), (_, want_weights) in zip(got, want):
-    np.testing.assert_allclose(got_weights, want_weights, rtol=1e-5,
-                               atol=1e-7)
+  chex.assert_trees_all_close([weights for _, weights in got],
+                              [weights for _, weights in want], rtol=1e-5,
+                              atol=1e-7)

@@ -5,6 +5,7 @@ forward and backward; the conversion is exact both ways."""
 import dataclasses
 import functools
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -88,12 +89,12 @@ def test_a_scanned_stack_computes_what_its_blocks_one_by_one_do(name):
   (want, want_sown), want_grads = loss_and_grads(model, params)
   (got, got_sown), got_grads = loss_and_grads(scanned_model, converted)
   np.testing.assert_allclose(got, want, rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
-                                                       atol=1e-7),
-               layer_stack.relayout(got_grads, want_grads), want_grads)
+  chex.assert_trees_all_close(layer_stack.relayout(got_grads, want_grads),
+                              want_grads, rtol=1e-5, atol=1e-7)
   if experts:  # The layers' statistics, stacked, are the same numbers.
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
-                 layer_stack.unstacked(got_sown, group=2, start=0), want_sown)
+    chex.assert_trees_all_close(
+        layer_stack.unstacked(got_sown, group=2, start=0), want_sown,
+        rtol=1e-6)
 
 
 def test_a_scanned_transformer_xl_carries_the_same_memory():
@@ -123,8 +124,7 @@ def test_the_layouts_convert_into_each_other_exactly():
       decoder['layers']['block_0']['mlp']['wi']['kernel'][1],
       params['decoder']['block_2']['mlp']['wi']['kernel'])
   back = layer_stack.relayout(converted, params)
-  assert jax.tree.structure(back) == jax.tree.structure(params)
-  jax.tree.map(np.testing.assert_array_equal, back, params)
+  chex.assert_trees_all_equal(back, params)
   # value_residual's first block stays apart, before groups of one.
   _, params, _, converted = twins('decoder_lm_value_residual_remat')
   assert layer_stack.layout(converted) == (1, 1)

@@ -1,11 +1,13 @@
 """The attention core against a float64 NumPy reference and jax.nn."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import attention
+from model import attention, positions
+from tests.helpers import tolerance
 
 B, T, N, H = 2, 8, 4, 16
 
@@ -106,8 +108,7 @@ def test_output_and_gradients_match_jax_nn(name):
   theirs = jax.value_and_grad(loss(jax.nn.dot_product_attention),
                               argnums=(0, 1, 2))(q, k, v)
   np.testing.assert_allclose(ours[0], theirs[0], rtol=1e-5)
-  for ours_grad, their_grad in zip(ours[1], theirs[1]):
-    np.testing.assert_allclose(ours_grad, their_grad, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(ours[1], theirs[1], **tolerance.FLOAT32)
 
 
 def capped_reference(q, k, v, bias, mask, logit_cap):
@@ -143,8 +144,7 @@ def test_a_logit_cap_matches_the_references_with_gradients(name, options):
   want = jax.grad(lambda *x: jnp.sum(capped_reference(*x, mask, 0.5)
                                      * cotangent), argnums=(0, 1, 2, 3))(
                                          q, k, v, bias)
-  for got, expected in zip(ours, want):
-    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=2e-5)
+  chex.assert_trees_all_close(ours, want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.core
@@ -296,3 +296,50 @@ def test_registry_lists_dense_and_rejects_unknown_names():
   assert 'dense' in attention.names()
   with pytest.raises(ValueError, match="unknown attention 'nope'"):
     attention.get('nope')
+
+
+class TracedAndUntracedTest(chex.TestCase):
+  """The dense core and chunked's XLA code, called as they are and under
+  jit (chex.variants): a padding mask, packed rows' segment ids and
+  ALiBi's position bias built inside the function give the float64
+  reference's output, and a shape mismatch is refused as the function is
+  traced, naming the argument."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @pytest.mark.core
+  def test_masks_and_biases_built_inside_equal_the_reference(self):
+    q, k, v = make_qkv(30, num_kv_heads=2)
+    lengths, ids = np.array([T, 5]), np.array([[1] * 3 + [2] * 5, [4] * T])
+    positions_BxT = np.tile(np.arange(T), (B, 1))
+
+    @self.variant
+    def attend(q, k, v, lengths, ids, positions_BxT):
+      padded = (jnp.arange(T)[None] < lengths[:, None])[:, None, None]
+      bias = positions.alibi_bias(positions_BxT, positions_BxT, N)
+      return [fn(q, k, v, bias, mask=mask, is_causal=True, **options)
+              for mask in (padded, attention.SegmentMask(ids))
+              for fn, options in (
+                  (attention.scaled_dot_product_attention, {}),
+                  (attention.get('chunked'), dict(chunk_size=4,
+                                                  kernel='xla')))]
+
+    index = np.arange(T)
+    bias = np.asarray(positions.alibi_bias(positions_BxT, positions_BxT, N)
+                      .at(index[:, None], index[None]))
+    expected = [numpy_attention(q, k, v, bias, mask, causal=True)[0]
+                for mask in (padding(), ids[:, None, :, None]
+                             == ids[:, None, None, :])]
+    chex.assert_trees_all_close(
+        attend(q, k, v, lengths, ids, positions_BxT),
+        [expected[0]] * 2 + [expected[1]] * 2, atol=2e-6, rtol=2e-6)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_a_shape_mismatch_is_refused_naming_the_argument(self):
+    q, k, v = make_qkv(31)
+    attend = self.variant(attention.scaled_dot_product_attention)
+    with self.assertRaisesRegex(
+        ValueError, r'key shape \(2, 8, 4, 16\) and value shape '
+        r'\(2, 5, 4, 16\) must be equal \[B, S, K, H\]'):
+      attend(q, k, v[:, :5])
+    with self.assertRaisesRegex(ValueError, r'mask has shape \(2, 8\)'):
+      attend(q, k, v, mask=np.ones((B, T), bool))

@@ -2,6 +2,7 @@
 kernels interpreted, cuDNN's call through XLA's implementation of the same
 function; and the table that chooses among them."""
 
+import chex
 from flax import linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from model.attention import (alibi_flash, alibi_flash_tpu, cudnn_packed,
                              fused, fused_kernels, patterns, sparse,
                              sparse_flash)
 from model.attention.fused import Case
+from tests.helpers import tolerance
 from tests.helpers.sparse_patterns import (bigbird_pattern, fixed_pattern,
                                           local_pattern, strided_pattern)
 
@@ -45,12 +47,6 @@ def value_and_grads(fn, q, k, v, **kwargs):
   return (out,) + grads
 
 
-def assert_all_close(ours, reference, atol=2e-5):
-  for x, y in zip(ours, reference):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol,
-                               rtol=1e-4)
-
-
 PACKED = np.repeat(np.array([[1, 2, 3, 0], [4, 4, 5, 0]]), [60, 70, 50, 20],
                    axis=1)
 LENGTHS = np.array([72, 0])  # Example 1 is all padding.
@@ -77,10 +73,10 @@ def test_pallas_kernels_equal_dense(kernel, name):
   length, num_kv_heads, _, ours, reference = CASES[name]
   q, k, v = make_qkv(len(name), length, num_kv_heads)
   chunked = attention.get('chunked')
-  assert_all_close(
+  chex.assert_trees_all_close(
       value_and_grads(chunked, q, k, v, kernel=kernel, **ours),
       value_and_grads(dense, q, k, v, **ours if reference is None
-                      else reference))
+                      else reference), **tolerance.KERNEL)
 
 
 @pytest.mark.parametrize('is_causal', [True, False])
@@ -99,7 +95,8 @@ def test_splash_local_window_equals_dense(is_causal):
   local = attention.get('local')
   ours = value_and_grads(local, q, k, v, mask=mask, is_causal=is_causal,
                          window=window, kernel='pallas_tpu')
-  assert_all_close(ours, value_and_grads(dense, q, k, v, mask=expected))
+  chex.assert_trees_all_close(
+      ours, value_and_grads(dense, q, k, v, mask=expected), **tolerance.KERNEL)
   if mask is not None:
     np.testing.assert_array_equal(ours[0][1, 30 + window:], 0.0)
 
@@ -162,7 +159,8 @@ def test_block_sparse_kernels_equal_dense_under_the_pattern(kernel, name):
   expected = jnp.asarray(pattern[None, None] & rows_mask)
   ours = value_and_grads(attention.get(variant), q, k, v, kernel=kernel,
                          is_causal=is_causal, mask=mask, **options)
-  assert_all_close(ours, value_and_grads(dense, q, k, v, mask=expected))
+  chex.assert_trees_all_close(
+      ours, value_and_grads(dense, q, k, v, mask=expected), **tolerance.KERNEL)
   if rows == 'holes':  # Some queries of example 0 see no key.
     assert 0 < (~expected[0, 0].any(-1)).sum() < 200
 
@@ -188,7 +186,8 @@ def test_fused_kernels_split_batch_and_heads_as_the_rules_say():
     jaxpr = str(jax.make_jaxpr(lambda *x: cudnn(*x, **kwargs))(q, k, v))
     ours = value_and_grads(cudnn, q, k, v, **kwargs)
   assert "in_specs=(P('data', None, 'tensor'), " in jaxpr
-  assert_all_close(ours, value_and_grads(dense, q, k, v, **kwargs))
+  chex.assert_trees_all_close(
+      ours, value_and_grads(dense, q, k, v, **kwargs), **tolerance.KERNEL)
 
 
 def test_cudnn_call_takes_right_padding_and_the_causal_window():
@@ -202,15 +201,16 @@ def test_cudnn_call_takes_right_padding_and_the_causal_window():
   bias = jax.random.normal(jax.random.key(11), (1, N, 24, 24))
   cudnn = lambda q, k, v, bias=None, **kw: fused_kernels.cudnn_attention(
       q, k, v, bias, implementation='xla', scale=H ** -0.5, **kw)
-  assert_all_close(
+  chex.assert_trees_all_close(
       value_and_grads(cudnn, q, k, v, mask=padding, is_causal=True,
                       window=None),
-      value_and_grads(dense, q, k, v, mask=padding, is_causal=True))
-  assert_all_close(
+      value_and_grads(dense, q, k, v, mask=padding, is_causal=True),
+      **tolerance.KERNEL)
+  chex.assert_trees_all_close(
       value_and_grads(cudnn, q, k, v, bias=bias, mask=None, is_causal=True,
                       window=5),
       value_and_grads(dense, q, k, v, bias=bias,
-                      mask=window_mask(24, 5, True)))
+                      mask=window_mask(24, 5, True)), **tolerance.KERNEL)
   holes = padding.at[0, 0, 0, 3].set(False)
   out = cudnn(q, k, v, mask=holes, is_causal=False, window=None)
   assert np.isnan(out[0]).all() and (out[1] == 0).all()
@@ -282,14 +282,15 @@ ALIBI_POSITIONS = np.concatenate(
 ALIBI_CASES = {
     # Packed rows (positions from each document's start), GQA.
     'causal_packed_gqa': (2, True, attention.SegmentMask(
-        jnp.asarray(ALIBI_IDS)), ALIBI_POSITIONS, jnp.float32, 2e-5),
+        jnp.asarray(ALIBI_IDS)), ALIBI_POSITIONS, jnp.float32,
+                          tolerance.KERNEL),
     # Right padding, row 1 all padding (it comes out 0), MQA.
     'bidirectional_padded_mqa': (1, False, jnp.asarray(
         np.arange(40) < np.array([29, 0])[:, None])[:, None, None],
-                                 np.arange(40)[None], jnp.float32, 2e-5),
-    # Half precision: a few bfloat16 ulps, as dense's own rounding.
+                                 np.arange(40)[None], jnp.float32,
+                                 tolerance.KERNEL),
     'causal_bfloat16': (4, True, None, np.arange(40)[None], jnp.bfloat16,
-                        6e-2),
+                        tolerance.BFLOAT16),
 }
 
 
@@ -298,7 +299,8 @@ ALIBI_CASES = {
 def test_alibi_kernels_equal_dense_with_alibis_bias(kernel, name):
   """T = 40, no multiple of the kernels' blocks: outputs and q/k/v
   gradients equal dense's under the same PositionBias."""
-  num_kv_heads, is_causal, mask, positions_, dtype, atol = ALIBI_CASES[name]
+  num_kv_heads, is_causal, mask, positions_, dtype, tolerated = (
+      ALIBI_CASES[name])
   q, k, v = (x.astype(dtype) for x in make_qkv(len(name), 40, num_kv_heads))
   positions_BxT = jnp.broadcast_to(jnp.asarray(positions_), (B, 40))
   bias = positions.alibi_bias(positions_BxT, positions_BxT, N)
@@ -306,8 +308,9 @@ def test_alibi_kernels_equal_dense_with_alibis_bias(kernel, name):
   chunked = attention.get('chunked')
   ours = value_and_grads(chunked, q, k, v, kernel=kernel, **kwargs)
   reference = value_and_grads(dense, q, k, v, **kwargs)
-  assert_all_close([x.astype(jnp.float32) for x in ours],
-                   [x.astype(jnp.float32) for x in reference], atol=atol)
+  chex.assert_trees_all_close([x.astype(jnp.float32) for x in ours],
+                              [x.astype(jnp.float32) for x in reference],
+                              **tolerated)
   if mask is not None and not is_causal:
     np.testing.assert_array_equal(ours[0][1], 0.0)
 
@@ -426,10 +429,10 @@ def test_cudnn_packed_layout_equals_dense_with_segment_ids(num_kv_heads,
   packed = lambda q, k, v: cudnn_packed.attention(
       q, k, v, ids, scale=H ** -0.5, is_causal=is_causal, max_segments=6,
       call=cudnn_reference)
-  assert_all_close(
+  chex.assert_trees_all_close(
       value_and_grads(packed, q, k, v),
       value_and_grads(dense, q, k, v, mask=attention.SegmentMask(ids),
-                      is_causal=is_causal))
+                      is_causal=is_causal), **tolerance.KERNEL)
   # And the reference itself takes grouped key/value heads as they are.
   seqlen, offsets, _ = cudnn_packed.segment_layout(ids, 6)
   np.testing.assert_allclose(

@@ -2,6 +2,7 @@
 attention is easy to break: logits of +-1e4, bfloat16 inputs 4096 tokens
 long, and query rows whose every key is masked."""
 
+import chex
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
@@ -53,9 +54,11 @@ def run(name: str, q, k, v, mask=None):
   return output, grads
 
 
-def assert_finite(output, grads):
-  for name, x in [('output', output)] + list(zip('qkv', grads)):
-    assert np.isfinite(np.asarray(x, np.float32)).all(), name
+def named(output, grads):
+  """The output and the gradients w.r.t. q, k, v by name, which chex says
+  of the one that is not finite."""
+  return {'output': output} | {f'grad_{name}': grad
+                               for name, grad in zip('qkv', grads)}
 
 
 @pytest.mark.parametrize('name', attention.names())
@@ -68,7 +71,7 @@ def test_logits_of_1e4_give_finite_outputs_and_gradients(name):
   v = jax.random.normal(jax.random.key(1), (B, length, N, H))
   assert float(jnp.max(jnp.einsum('bqnh,bknh->bnqk', q, k))) / H**0.5 == (
       pytest.approx(1e4))
-  assert_finite(*run(name, q, k, v))
+  chex.assert_tree_all_finite(named(*run(name, q, k, v)))
 
 
 @pytest.mark.parametrize('name', attention.names())
@@ -77,7 +80,7 @@ def test_bfloat16_at_4096_tokens_gives_finite_outputs_and_gradients(name):
              for key in jax.random.split(jax.random.key(2), 3))
   output, grads = run(name, q, k, v)
   assert output.dtype == jnp.bfloat16
-  assert_finite(output, grads)
+  chex.assert_tree_all_finite(named(output, grads))
 
 
 @pytest.mark.core
@@ -95,5 +98,5 @@ def test_fully_masked_rows_give_zeros_and_finite_gradients(name):
     mask[1] = False
     empty = (1, slice(None))
   output, grads = run(name, q, k, v, jnp.asarray(mask))
-  assert_finite(output, grads)
+  chex.assert_tree_all_finite(named(output, grads))
   np.testing.assert_array_equal(output[empty], 0.0)

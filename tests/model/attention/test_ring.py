@@ -3,6 +3,7 @@ exact against dense, with biases, segment ids and gradients."""
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -61,9 +62,8 @@ def test_ring_attention_equals_dense_with_gradients(case, sizes):
     out, grads = jax.jit(lambda *a: (
         ring(*a, **kwargs),
         jax.grad(lambda *a: loss(ring, *a), argnums=(0, 1, 2))(*a)))(q, k, v)
-  np.testing.assert_allclose(out, expected, atol=1e-5)
-  for got, want in zip(grads, expected_grads):
-    np.testing.assert_allclose(got, want, atol=1e-5)
+  chex.assert_trees_all_close((out, grads), (expected, expected_grads),
+                              atol=1e-5, rtol=1e-7)
 
 
 @pytest.mark.core
@@ -93,8 +93,7 @@ def test_ring_attention_with_a_position_bias_and_its_gradient():
   with jax.set_mesh(ring_mesh(sequence=4, data=2)):
     got = jax.jit(jax.grad(lambda *a: loss(attention.get('ring'), *a),
                            argnums=(0, 1)))(q, slopes)
-  for g, w in zip(got, want):
-    np.testing.assert_allclose(g, w, atol=1e-5)
+  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-7)
 
 
 def test_ring_attention_with_segment_ids_and_its_gradients():
@@ -116,8 +115,7 @@ def test_ring_attention_with_segment_ids_and_its_gradients():
     got = jax.jit(jax.value_and_grad(
         lambda *a: loss(attention.get('ring'), segments, *a),
         argnums=(0, 1, 2)))(q, k, v)
-  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-5),
-               got, want)
+  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-7)
 
 
 @pytest.mark.parametrize('case', ['row_mask_and_bias', 'segment_ids'])
@@ -152,8 +150,7 @@ def test_ring_attention_under_explicit_mesh_axes(case):
             q, k, v, bias)
     out = jax.eval_shape(lambda *a: ring(*a, mask=ring_mask, is_causal=True),
                          q, k, v, bias)
-  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-5),
-               got, want)
+  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-7)
   assert out.sharding.spec == P('data', None, None, None)
 
 

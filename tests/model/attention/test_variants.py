@@ -3,6 +3,7 @@ equals, and the memory each needs."""
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from model import attention
 from model.attention import chunk_plan, kernel, sparse
+from tests.helpers import tolerance
 from tests.helpers.sparse_patterns import (bigbird_pattern, fixed_pattern,
                                           local_pattern, strided_pattern)
 
@@ -33,11 +35,6 @@ def padding(kv_len=T, lengths=(T, 6)):
 def explicit(allowed: np.ndarray) -> jax.Array:
   """A [T, T] pattern as a [1, 1, T, T] mask for the dense reference."""
   return jnp.asarray(allowed)[None, None]
-
-
-def assert_close(x, y, atol=1e-5):
-  np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol,
-                             rtol=1e-5)
 
 
 def grads(fn, q, k, v, bias=None, **kwargs):
@@ -109,10 +106,10 @@ def test_chunked_equals_dense_in_output_and_gradients(name, query_chunk,
   attend = lambda *a, **kw: attention.get('chunked')(
       *a, chunk_size=4, query_chunk_size=query_chunk, **kw)
   out, reference_grads = dense_of_chunked_case(name)
-  assert_close(attend(q, k, v, bias, **kwargs), out)
-  for ours, reference in zip(grads(attend, q, k, v, bias, **kwargs),
-                             reference_grads):
-    assert_close(ours, reference)
+  chex.assert_trees_all_close(
+      attend(q, k, v, bias, **kwargs), out, **tolerance.FLOAT32)
+  chex.assert_trees_all_close(grads(attend, q, k, v, bias, **kwargs),
+                              reference_grads, **tolerance.FLOAT32)
 
 
 @pytest.mark.core
@@ -144,7 +141,8 @@ def test_chunked_rows_with_nothing_to_attend_are_zero_and_finite():
   attend = lambda *a, **kw: attention.get('chunked')(*a, chunk_size=4, **kw)
   out = attend(q, k, v, mask=mask)
   np.testing.assert_array_equal(out[1, :3], 0.0)
-  assert_close(out, dense(q, k, v, mask=mask))
+  chex.assert_trees_all_close(
+      out, dense(q, k, v, mask=mask), **tolerance.FLOAT32)
   for g in grads(attend, q, k, v, mask=mask):
     assert np.isfinite(g).all()
 
@@ -170,11 +168,11 @@ def test_segment_ids_mask_as_the_array_they_stand_for(name):
   q, k, v = make_qkv(15)
   fn = attention.get(name)
   options = dict(is_causal=True, **MASK_OPTIONS.get(name, {}))
-  assert_close(fn(q, k, v, mask=segments, **options),
-               fn(q, k, v, mask=array_mask, **options))
-  for ours, reference in zip(grads(fn, q, k, v, mask=segments, **options),
-                             grads(fn, q, k, v, mask=array_mask, **options)):
-    assert_close(ours, reference)
+  chex.assert_trees_all_close(fn(q, k, v, mask=segments, **options),
+               fn(q, k, v, mask=array_mask, **options), **tolerance.FLOAT32)
+  chex.assert_trees_all_close(
+      grads(fn, q, k, v, mask=segments, **options),
+      grads(fn, q, k, v, mask=array_mask, **options), **tolerance.FLOAT32)
 
 
 def test_segment_ids_of_the_wrong_shape_are_refused():
@@ -223,11 +221,13 @@ def test_position_biases_give_dense_results_without_a_full_bias(
     return dense(q, k, v, make_bias(params), mask=explicit(allowed),
                  is_causal=True)
 
-  assert_close(ours(params, q), reference(params, q))
+  chex.assert_trees_all_close(
+      ours(params, q), reference(params, q), **tolerance.FLOAT32)
   loss = lambda fn: lambda p, q: jnp.sum(jnp.sin(fn(p, q)))
   ours_grads = jax.grad(loss(ours), argnums=(0, 1))(params, q)
   reference_grads = jax.grad(loss(reference), argnums=(0, 1))(params, q)
-  jax.tree.map(assert_close, ours_grads, reference_grads)
+  chex.assert_trees_all_close(ours_grads, reference_grads,
+                              **tolerance.FLOAT32)
 
 
 # --- sparse patterns: exact under their masks ---
@@ -251,15 +251,16 @@ def test_sparse_pattern_equals_dense_under_its_explicit_mask(
   mask = padding()
   expected = dense(q, k, v, mask=explicit(pattern(causal)) & mask)
   out = attention.get(name)(q, k, v, mask=mask, is_causal=causal, **options)
-  assert_close(out, expected)
+  chex.assert_trees_all_close(out, expected, **tolerance.FLOAT32)
 
 
 @pytest.mark.core
 def test_local_with_a_window_over_the_whole_sequence_is_dense():
   q, k, v = make_qkv(3)
   for causal in (False, True):
-    assert_close(attention.get('local')(q, k, v, is_causal=causal, window=T),
-                 dense(q, k, v, is_causal=causal))
+    chex.assert_trees_all_close(
+        attention.get('local')(q, k, v, is_causal=causal, window=T),
+        dense(q, k, v, is_causal=causal), **tolerance.FLOAT32)
 
 
 @pytest.mark.parametrize('name, options, pattern', [
@@ -277,8 +278,7 @@ def test_sparse_bias_and_gradients_match_dense(name, options, pattern,
                **options)
   reference = grads(dense, q, k, v, bias, mask=explicit(pattern) & mask,
                     is_causal=True)
-  for a, b in zip(ours, reference):
-    assert_close(a, b)
+  chex.assert_trees_all_close(ours, reference, **tolerance.FLOAT32)
 
 
 @pytest.mark.parametrize('causal', [False, True])
@@ -289,7 +289,8 @@ def test_bigbird_equals_dense_under_its_explicit_mask(causal):
   out = attention.get('bigbird')(q, k, v, is_causal=causal, block=2,
                                  num_global_blocks=1, num_random_blocks=2,
                                  seed=7)
-  assert_close(out, dense(q, k, v, mask=explicit(allowed)))
+  chex.assert_trees_all_close(
+      out, dense(q, k, v, mask=explicit(allowed)), **tolerance.FLOAT32)
 
 
 def test_bigbird_global_rows_take_bias_and_per_query_masks():
@@ -306,17 +307,18 @@ def test_bigbird_global_rows_take_bias_and_per_query_masks():
       seed=4, **kw)
   ours = grads(bigbird, q, k, v, bias, mask=mask)
   reference = grads(dense, q, k, v, bias, mask=explicit(allowed) & mask)
-  assert_close(bigbird(q, k, v, bias, mask=mask),
-               dense(q, k, v, bias, mask=explicit(allowed) & mask))
-  for a, b in zip(ours, reference):
-    assert_close(a, b)
+  chex.assert_trees_all_close(
+      bigbird(q, k, v, bias, mask=mask),
+      dense(q, k, v, bias, mask=explicit(allowed) & mask), **tolerance.FLOAT32)
+  chex.assert_trees_all_close(ours, reference, **tolerance.FLOAT32)
 
 
 def test_bigbird_with_every_block_global_is_dense():
   q, k, v = make_qkv(7)
   out = attention.get('bigbird')(q, k, v, mask=padding(), block=2,
                                  num_global_blocks=5)
-  assert_close(out, dense(q, k, v, mask=padding()))
+  chex.assert_trees_all_close(
+      out, dense(q, k, v, mask=padding()), **tolerance.FLOAT32)
 
 
 def test_bigbird_random_blocks_follow_the_seed():
@@ -353,7 +355,9 @@ def test_linear_attention_honours_a_key_mask_per_query_head(causal):
   phi = lambda x: jax.nn.elu(x) + 1
   out = attention.get('linear')(q, k, v, mask=keep, is_causal=causal,
                                 chunk_size=4)
-  assert_close(out, kernel_reference(phi(q), phi(k), v, causal, keep))
+  chex.assert_trees_all_close(
+      out, kernel_reference(phi(q), phi(k), v, causal, keep),
+      **tolerance.FLOAT32)
 
 
 def log_space_kernel_reference(log_phi_q, log_phi_k, v, causal, keep):
@@ -445,16 +449,14 @@ def test_parallel_chunk_kernel_attention_equals_the_quadratic_form(case):
       results.append((out, pullback(jnp.cos(out))))
     return results
 
-  tolerance = 3e-2 if dtype == jnp.bfloat16 else 2e-5
+  error = 3e-2 if dtype == jnp.bfloat16 else 2e-5
   (out, grads), (expected, expected_grads) = outputs_and_grads(q, k, v)
-  assert np.isfinite(np.asarray(out, np.float32)).all()
-  np.testing.assert_allclose(np.asarray(out, np.float32),
-                             np.asarray(expected, np.float32),
-                             atol=tolerance, rtol=tolerance)
-  for grad, expected_grad in zip(grads, expected_grads):
-    np.testing.assert_allclose(np.asarray(grad, np.float32),
-                               np.asarray(expected_grad, np.float32),
-                               atol=10 * tolerance, rtol=10 * tolerance)
+  as_float32 = functools.partial(jax.tree.map, lambda x: x.astype(jnp.float32))
+  chex.assert_tree_all_finite(out)
+  chex.assert_trees_all_close(as_float32(out), as_float32(expected),
+                              atol=error, rtol=error)
+  chex.assert_trees_all_close(as_float32(grads), as_float32(expected_grads),
+                              atol=10 * error, rtol=10 * error)
 
 
 def mean_error(fn, seeds=(0, 1, 2), **kwargs) -> float:
@@ -490,7 +492,7 @@ def test_linformer_at_full_rank_with_identity_projections_is_dense():
   identity = jnp.eye(T)
   out = attention.get('linformer')(q, k, v, key_projection=identity,
                                    value_projection=identity)
-  assert_close(out, dense(q, k, v))
+  chex.assert_trees_all_close(out, dense(q, k, v), **tolerance.FLOAT32)
 
 
 def test_linformer_error_falls_as_rank_grows():
@@ -516,7 +518,8 @@ def test_linformer_ignores_padded_keys():
   linformer = lambda k, v: attention.get('linformer')(
       q, k, v, mask=mask, key_projection=projection,
       value_projection=projection)
-  assert_close(linformer(k, v), linformer(changed_k, changed_v))
+  chex.assert_trees_all_close(
+      linformer(k, v), linformer(changed_k, changed_v), **tolerance.FLOAT32)
 
 
 def test_additive_attention_matches_bahdanau_score():
@@ -537,7 +540,7 @@ def test_additive_attention_matches_bahdanau_score():
   expected = jnp.einsum('bnts,bsnh->btnh', weights, v)
   out = attention.get('additive')(q, k, v, mask=padding(), query_weight=w_q,
                                   key_weight=w_k, score_weight=w_v)
-  assert_close(out, expected)
+  chex.assert_trees_all_close(out, expected, **tolerance.FLOAT32)
 
 
 # --- memory-compressed ---
@@ -580,7 +583,8 @@ def test_memory_compressed_equals_dense_over_compressed_keys(window, stride,
                             (B, 1, T, k_c.shape[1]))
   if causal:
     allowed = allowed & (ends[None, :] <= np.arange(T)[:, None])
-  assert_close(out, dense(q, k_c, v_c, mask=jnp.asarray(allowed)))
+  chex.assert_trees_all_close(
+      out, dense(q, k_c, v_c, mask=jnp.asarray(allowed)), **tolerance.FLOAT32)
   if causal:  # The first stride - 1 queries read no key.
     np.testing.assert_array_equal(out[:, :stride - 1], 0.0)
 

@@ -4,6 +4,7 @@ import dataclasses
 import math
 import re
 
+import chex
 import flax
 import flax.linen as nn
 import jax
@@ -304,6 +305,19 @@ def test_learned_positions_reject_sequences_longer_than_max_len():
     build(config).apply(variables, tokens(length=T + 1))
 
 
+def test_inputs_of_the_wrong_shape_are_refused_naming_them():
+  """Checked as the model is traced (chex), before any layer runs."""
+  config = small_config()
+  variables = init(config)
+  model = build(config)
+  with pytest.raises(ValueError, match=r'tokens have shape \(2, 8, 1\); '
+                     r'expected rank 2 \[batch, length\]'):
+    model.apply(variables, tokens()[..., None])
+  with pytest.raises(ValueError, match=r'positions have shape \(2, 7\); '
+                     r"expected the tokens' \[batch, length\] = \(2, 8\)"):
+    model.apply(variables, tokens(), jnp.zeros((B, T - 1), jnp.int32))
+
+
 @pytest.mark.parametrize('policy', ['full', 'dots_saveable'])
 def test_remat_gives_the_same_gradients(policy):
   def grads(config):
@@ -313,9 +327,8 @@ def test_remat_gives_the_same_gradients(policy):
     return jax.grad(loss)(variables['params'])
 
   plain, remat = grads(small_config()), grads(small_config(remat=policy))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
-                                                       atol=1e-6),
-               nn.meta.unbox(plain), nn.meta.unbox(remat))
+  chex.assert_trees_all_close(nn.meta.unbox(plain), nn.meta.unbox(remat),
+                              rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('rates', [dict(dropout_rate=0.3),

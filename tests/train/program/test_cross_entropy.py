@@ -4,6 +4,7 @@ a train step, none of them float32 in a bfloat16 one."""
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,8 +81,7 @@ def test_blockwise_loss_and_gradients_equal_optax(monkeypatch, smoothing,
   expected, expected_grads = jax.value_and_grad(
       reference, argnums=(0, 1, 2))(hidden, kernel, bias)
   np.testing.assert_allclose(value, expected, rtol=1e-5)
-  for grad, expected_grad in zip(grads, expected_grads):
-    np.testing.assert_allclose(grad, expected_grad, rtol=1e-4, atol=1e-5)
+  chex.assert_trees_all_close(grads, expected_grads, rtol=1e-4, atol=1e-5)
   logits = Readout(hidden, kernel, bias, divisor=2.0, cap=cap).logits()
   if cap:  # The cap binds: raw logits pass it, capped ones stay under.
     raw = Readout(hidden, kernel, bias, divisor=2.0).logits()

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+import chex
 import grain
 import jax
 from jax.sharding import PartitionSpec as P
@@ -228,8 +229,7 @@ def test_fused_kernels_split_like_the_model_under_the_trainers_rules(name):
     got_params, got_sums, got_hlo = compiled_step(kernel, model, **layout)
     np.testing.assert_allclose(got_sums['loss_sum'], sums['loss_sum'],
                                rtol=1e-5)
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5),
-                 got_params, params)
+    chex.assert_trees_all_close(got_params, params, atol=1e-5, rtol=1e-7)
     assert got_hlo.count('all-gather(') <= hlo.count('all-gather('), kernel
 
 

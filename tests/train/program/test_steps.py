@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,8 +10,10 @@ import optax
 import pytest
 
 from model import ModelConfig, build
+from tests.helpers.tiny_runs import tiny_config
 from train.data import tasks
 from train.program import steps
+from train.run.program import Program
 
 
 @pytest.mark.core
@@ -57,8 +60,7 @@ def test_gradient_accumulation_equals_one_big_batch(lm_setup):
                             grad_accum_steps=accumulate)
 
   (one, one_metrics), (two, two_metrics) = run(1), run(2)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
-               one.params, two.params)
+  chex.assert_trees_all_close(one.params, two.params, atol=1e-6, rtol=1e-7)
   np.testing.assert_allclose(one_metrics['loss_sum'], two_metrics['loss_sum'],
                              rtol=1e-5)
   assert int(one.step) == 1
@@ -78,3 +80,25 @@ def test_dropout_rng_depends_on_the_step_only(lm_setup):
 
   assert loss_at(3) == loss_at(3)
   assert loss_at(3) != loss_at(4)
+
+
+def lowered_train_step(data_dir) -> str:
+  """The program of a tiny LM's train step, as lowered (a new Program, so
+  that it is traced again)."""
+  program = Program.from_config(tiny_config('lm_stdlib', data_dir))
+  batch = program.batch(program.task.synthetic_batch(program.config))
+  with program.scope():
+    return program.train_step.trace(program.abstract_state, batch,
+                                    program.key(1)).lower().as_text()
+
+
+def test_the_checks_of_shapes_add_nothing_to_the_program(data_dir):
+  """chex's checks of the attention functions' and the model's inputs run
+  as they are traced: the train step is the same program without them."""
+  checked = lowered_train_step(data_dir)
+  chex.disable_asserts()
+  try:
+    unchecked = lowered_train_step(data_dir)
+  finally:
+    chex.enable_asserts()
+  assert checked == unchecked

@@ -5,6 +5,7 @@ import glob
 import os
 import shutil
 
+import chex
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -160,8 +161,7 @@ def test_a_checkpoint_of_an_older_attnlab_restores_unverified_with_a_notice(
   writer.close()
   step, arrays = restore_latest(workdir, abstract_state)
   assert step == 4
-  for got, want in zip(arrays, jax.tree.leaves(saved['state'])):
-    np.testing.assert_array_equal(got, want)
+  chex.assert_trees_all_equal(arrays, jax.tree.leaves(saved['state']))
   assert capsys.readouterr().out.splitlines() == [
       'warning: the checkpoint of step 4 has no checksums (an older attnlab '
       'wrote it); restored unverified.']

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import types
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -25,6 +24,7 @@ import pytest
 from configs import algorithmic, lm_stdlib
 from tests.helpers import REPO
 from tests.helpers import config_overrides
+from tests.helpers import tolerance
 from tests.helpers.checkpoint_damage import flip_a_bit_orbax_reads_silently
 from tests.helpers.tiny_runs import tiny_config
 from train import train
@@ -97,18 +97,6 @@ def saved_state(workdir, step: int):
           'step': state['step']}
 
 
-def assert_bitwise_equal(got, want):
-  got_leaves, want_leaves = (jax.tree_util.tree_flatten_with_path(tree)[0]
-                             for tree in (got, want))
-  assert len(got_leaves) == len(want_leaves)
-  for (path, x), (want_path, y) in zip(got_leaves, want_leaves):
-    name = jax.tree_util.keystr(path)
-    assert name == jax.tree_util.keystr(want_path)
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and x.shape == y.shape, name
-    assert x.tobytes() == y.tobytes(), name
-
-
 @pytest.fixture(scope='module')
 def uninterrupted(data_dir, tmp_path_factory):
   """The workdir of the run nothing interrupts."""
@@ -120,8 +108,8 @@ def uninterrupted(data_dir, tmp_path_factory):
 def assert_same_run(workdir, uninterrupted):
   """Final state bitwise equal; every logged step (first tries of redone
   steps included) has the uninterrupted run's metrics."""
-  assert_bitwise_equal(saved_state(workdir, LAST_STEP),
-                       saved_state(uninterrupted, LAST_STEP))
+  tolerance.assert_bitwise_equal(saved_state(workdir, LAST_STEP),
+                                 saved_state(uninterrupted, LAST_STEP))
   want = {line['step']: line for line in metric_lines(uninterrupted)}
   lines = metric_lines(workdir)
   assert {line['step'] for line in lines} == set(want)
@@ -209,8 +197,8 @@ def test_a_run_of_several_steps_a_call_resumes_at_another_bit_for_bit(
   assert finished.returncode == 0, finished.stderr[-2000:]
   assert ('3 steps a call; steps 5-6 one at a time (a program of their own).'
           in finished.stdout)
-  assert_bitwise_equal(saved_state(workdir, LAST_STEP),
-                       saved_state(uninterrupted, LAST_STEP))
+  tolerance.assert_bitwise_equal(saved_state(workdir, LAST_STEP),
+                                 saved_state(uninterrupted, LAST_STEP))
 
 
 def test_sigterm_saves_the_step_reached_and_exits_0(
@@ -254,7 +242,7 @@ def test_a_skipped_step_leaves_the_state_as_it_was(data_dir, tmp_path):
   before, skipped = saved_state(workdir, 4), saved_state(workdir, 5)
   assert int(skipped['step']) == 5
   del before['step'], skipped['step']
-  assert_bitwise_equal(skipped, before)
+  tolerance.assert_bitwise_equal(skipped, before)
 
 
 def test_more_skipped_steps_in_a_row_than_allowed_stop_the_run(
