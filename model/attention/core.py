@@ -120,7 +120,7 @@ def _checked(assertion: Callable[..., None], *args, message: str,
              **kwargs) -> None:
   """A chex assertion, checked on shapes and dtypes as the function is
   traced (nothing is added to the program), failing as a ValueError that
-  ends with `message`."""
+  says what chex found, then `message`."""
   assertion(*args, **kwargs, custom_message=message,
             exception_type=ValueError)
 

@@ -279,7 +279,7 @@ def test_permuting_keys_and_values_together_changes_nothing():
     (((B, T, H), (B, T, N, H), (B, T, N, H)), {}, 'rank 4'),
     (((B, T, N, H),) * 3, {'mask': np.ones((T, T), bool)}, 'mask has shape'),
     (((B, T, N, H),) * 3, {'mask': np.ones((B, 1, T, 5), bool)},
-     'broadcastable'),
+     r'mask has shape \(2, 1, 8, 5\); it must be rank 4 and broadcastable'),
     (((B, T, N, H),) * 3, {'mask': np.ones((B, 1, T, T), np.int32)},
      'boolean'),
     (((B, T, N, H),) * 3, {'bias': np.zeros((B, T, T))}, 'bias has shape'),

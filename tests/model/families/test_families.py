@@ -306,16 +306,14 @@ def test_learned_positions_reject_sequences_longer_than_max_len():
 
 
 def test_inputs_of_the_wrong_shape_are_refused_naming_them():
-  """Checked as the model is traced (chex), before any layer runs."""
-  config = small_config()
-  variables = init(config)
-  model = build(config)
+  """Checked as the model is traced (chex), before any block runs."""
+  model, key = build(small_config()), jax.random.key(0)
   with pytest.raises(ValueError, match=r'tokens have shape \(2, 8, 1\); '
                      r'expected rank 2 \[batch, length\]'):
-    model.apply(variables, tokens()[..., None])
+    model.init(key, tokens()[..., None])
   with pytest.raises(ValueError, match=r'positions have shape \(2, 7\); '
                      r"expected the tokens' \[batch, length\] = \(2, 8\)"):
-    model.apply(variables, tokens(), jnp.zeros((B, T - 1), jnp.int32))
+    model.init(key, tokens(), jnp.zeros((B, T - 1), jnp.int32))
 
 
 @pytest.mark.parametrize('policy', ['full', 'dots_saveable'])
