@@ -79,6 +79,12 @@ def path(location: str) -> epath.Path:
   return epath.Path(resolve(location))
 
 
+def reason(error: Exception) -> str:
+  """What a failed file operation says: an OSError's own words, or the
+  message of an error of the store (gcsfs's are not all OSErrors)."""
+  return getattr(error, 'strerror', None) or str(error)
+
+
 def write_whole(file: epath.Path, data: str | bytes) -> None:
   """Writes `file` so that a reader finds the old contents or the new,
   never a part (see the module docstring); its directory is made if

@@ -41,6 +41,7 @@ record is damaged.
 
 import contextlib
 import hashlib
+import itertools
 import json
 import shutil
 
@@ -281,7 +282,7 @@ class Checkpointer:
         except Exception as error:  # pylint: disable=broad-except
           # Any error of the store (gcsfs's are not all OSErrors).
           print(f'warning: could not record the file sizes of {step_dir} '
-                f'({error.strerror or error}); its checksums still verify '
+                f'({storage.reason(error)}); its checksums still verify '
                 'it.',
                 flush=True)
       self._complete, self._saving = self._saving, None
@@ -413,10 +414,10 @@ class Checkpointer:
               f'damaged: {problem}; skipped.', flush=True)
       return
     corrupt = storage.path(self._workdir) / CORRUPT
-    suffix = 0
-    while (corrupt / f'{step}{f".{suffix}" if suffix else ""}').exists():
-      suffix += 1
-    target = corrupt / f'{step}{f".{suffix}" if suffix else ""}'
+    names = (f'{step}.{suffix}' if suffix else str(step)
+             for suffix in itertools.count())
+    target = next(corrupt / name for name in names
+                  if not (corrupt / name).exists())
     if jax.process_index() == 0:
       try:
         storage.move(source, target)
@@ -450,7 +451,7 @@ class Checkpointer:
         _write_ledger(self.directory, step, sums)
       except Exception as error:  # pylint: disable=broad-except
         print(f'warning: could not add step {step} to the ledger '
-              f'{self.directory}/{LEDGER} ({error.strerror or error}); '
+              f'{self.directory}/{LEDGER} ({storage.reason(error)}); '
               'its own checksums still verify it.', flush=True)
     try:
       self._manager.save(step, args=ocp.args.Composite(

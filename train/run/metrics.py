@@ -271,7 +271,7 @@ class MetricWriter:
     except Exception as error:  # pylint: disable=broad-except
       # Flushing what it held failed.
       problem = problem or (f'could not write {jsonl.name} '
-                            f'({getattr(error, "strerror", None) or error})')
+                            f'({storage.reason(error)})')
     if problem:
       print(f'warning: {problem}; metrics.jsonl is not written any more in '
             'this run.', flush=True)

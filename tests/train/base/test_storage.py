@@ -44,5 +44,11 @@ def test_local_paths_are_made_absolute_and_urls_kept():
   assert storage.resolve('~/x') == storage.resolve('~') + '/x'
   assert storage.resolve('gs://bucket/run/') == 'gs://bucket/run'
   assert storage.bucket('gs://bucket/run/a') == 'gs://bucket'
+
+
+def test_a_failure_is_said_in_the_errors_own_words():
+  assert storage.reason(OSError(28, 'No space left on device')) == (
+      'No space left on device')
+  assert storage.reason(ValueError('429 rate limit')) == '429 rate limit'
   assert storage.is_object_store('gs://bucket/run')
   assert not storage.is_object_store('/tmp/run')
