@@ -17,7 +17,8 @@ Arguments:
                500000) on whole heads, SwiGLU MLPs of width 1408, no biases,
                RMSNorm epsilon 1e-5, an untied readout.
   from=DIR     the config of the run in DIR (an import, or any training
-               run), starting from its latest checkpoint's parameters
+               run; a path or a gs:// URL), starting from its latest
+               checkpoint's parameters
                (config.init_from=DIR; DIR/checkpoints/STEP for another);
                change what you fine-tune with --config overrides, the
                attention included.
@@ -28,9 +29,8 @@ nanoGPT's GPT-2 runs (AdamW at 6e-4, beta2 0.95, weight decay 0.1, cosine
 to a tenth); dropout is 0.
 """
 
-import os
-
 from configs import default
+from train.base import storage
 from train.run import init_from
 from train.run import workdir
 
@@ -63,19 +63,7 @@ PRESETS = {
 def get_config(arg: str = 'gpt2'):
   """`arg`: a name in PRESETS, or from=DIR (see the module docstring)."""
   if arg.startswith('from='):
-    source = os.path.abspath(os.path.expanduser(arg[len('from='):]))
-    run, _ = init_from.run_source(source)
-    recorded = workdir.recorded_config(run)
-    if not any(key.startswith('model.') for key in recorded):
-      raise ValueError(
-          f'configs/published.py:from={run}: its config.json is not a '
-          "training run's (a Hugging Face directory is imported first: "
-          'python -m experiments.import_checkpoint).')
-    config = default.get_config()
-    config.update_from_flattened_dict({
-        key: _tuples(value) for key, value in recorded.items()})
-    config.init_from = source
-    return config
+    return _from_run(arg[len('from='):])
   if arg not in PRESETS:
     raise ValueError(f'configs/published.py takes one of {list(PRESETS)} '
                      f'or from=DIR, got {arg!r}.')
@@ -89,6 +77,28 @@ def get_config(arg: str = 'gpt2'):
   config.weight_decay = 0.1
   config.warmup_steps = 100
   config.schedule = 'cosine'
+  return config
+
+
+def _from_run(location: str):
+  """The config of the run in `location` (a workdir, or one of its
+  checkpoints; a path or a URL), starting from its parameters."""
+  source = storage.resolve(location)
+  run, _ = init_from.run_source(source)
+  if not (storage.path(run) / 'config.json').exists():
+    raise ValueError(f'{run} has no config.json: from= names a training '
+                     "run's workdir or one of its checkpoints "
+                     '(WORKDIR/checkpoints/STEP).')
+  recorded = workdir.recorded_config(run)
+  if not any(key.startswith('model.') for key in recorded):
+    raise ValueError(
+        f"{run}/config.json is not a training run's (a Hugging Face "
+        'directory is imported first: python -m '
+        'experiments.import_checkpoint).')
+  config = default.get_config()
+  config.update_from_flattened_dict({
+      key: _tuples(value) for key, value in recorded.items()})
+  config.init_from = source
   return config
 
 

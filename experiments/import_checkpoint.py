@@ -11,8 +11,9 @@ network): config.json gives the architecture's sizes
 its parameters, each shape checked. The config is --config (default: the
 format's preset in configs/published.py) with the preset's architecture
 and those sizes set over it, so --config chooses the rest (dataset, dtype,
-batch) and not the model; the workdir gets its config.json and a verified
-checkpoint of step 0. Then
+batch) and not the model (a --config.model override of a key it sets is
+refused); the workdir, which must not hold a run, gets its config.json
+and a verified checkpoint of step 0. Then
 
   python -m train.generate --workdir=workdirs/gpt2 --prompt="def "
   python -m train.train --config=configs/published.py:from=workdirs/gpt2 \
@@ -29,6 +30,7 @@ architecture the model cannot express, a tensor of another shape) is one
 line naming it, exit status 2.
 """
 
+from collections.abc import Collection, Iterable
 import os
 
 from absl import flags
@@ -41,6 +43,7 @@ import numpy as np
 from configs import default, published
 from model import layer_stack
 from train import cli
+from train.base import storage
 from train.base.errors import InputError
 from train.config import validation as config_validation
 from train.data import datasets
@@ -69,29 +72,76 @@ def _check_tree(params, abstract, source: str) -> None:
           f'{list(want[path].shape)}.')
 
 
-def import_config(source: str, format_name: str, config=None
+def _refuse_architecture_overrides(overrides: Iterable[str],
+                                   architecture: Collection[str],
+                                   source: str) -> None:
+  """InputError for a --config.model.KEY=... override (`overrides`: the
+  keys typed) of a key in `architecture`, which the import sets."""
+  for key in overrides:
+    name = key.split('.')[1] if key.startswith('model.') else None
+    if name in architecture:
+      raise InputError(
+          f'--config.{key}: the import takes config.model.{name} from '
+          f'--from={source} (its architecture); change it when fine-tuning '
+          f'the import: --config=configs/published.py:from=WORKDIR '
+          f'--config.{key}=...')
+
+
+def import_config(source: str, format_name: str, config=None,
+                  overrides: Iterable[str] = ()
                   ) -> tuple[ml_collections.ConfigDict, dict]:
   """(the run's config, the checkpoint's config.model keys): `config`
   (default: the format's preset) with the preset's architecture and the
   checkpoint's sizes set over it, whatever it held, and no attention
-  option set."""
+  option set. `overrides`: the keys typed as --config.KEY=...; InputError
+  for one of config.model that the import sets."""
   keys = pretrained.model_keys(source, format_name)
   preset = pretrained.FORMATS[format_name].preset
+  architecture = published.PRESETS[preset] | keys
+  _refuse_architecture_overrides(
+      overrides, {*architecture, 'attention_options'}, source)
   if config is None:
     config = published.get_config(preset)
-  config.model.update(published.PRESETS[preset] | keys)
+  config.model.update(architecture)
   config.model.attention_options = default.attention_options()
   config.seq_len = min(config.seq_len, keys['max_len'])
   return config, keys
 
 
+def _check_new(workdir: str) -> None:
+  """InputError where `workdir` holds a run: an import writes step 0 of a
+  new one, and a run's own checkpoint would be kept (orbax does not write
+  a step twice) under the import's checksums."""
+  held = [name for name in ('config.json', 'checkpoints', 'metrics.jsonl')
+          if (storage.path(workdir) / name).exists()]
+  if held:
+    raise InputError(
+        f'--workdir={workdir} already holds a run ({", ".join(held)}): an '
+        'import writes a new one; give a new --workdir, or delete this one '
+        'first.')
+
+
+def _check_vocabulary(source: str, keys: dict, config,
+                      dataset: datasets.Dataset) -> None:
+  """InputError, naming the checkpoint's vocab_size, unless the dataset's
+  token ids fit it."""
+  if dataset.vocab_size > keys['vocab_size']:
+    raise InputError(
+        f'--from={source}: its vocab_size={keys["vocab_size"]} (config.json)'
+        f' is smaller than the {dataset.vocab_size} token ids of '
+        f'config.dataset={config.dataset!r}: prepare a dataset with the '
+        "model's own tokenizer.")
+
+
 def import_checkpoint(source: str, format_name: str, workdir: str,
-                      config=None) -> str:
+                      config=None, overrides: Iterable[str] = ()) -> str:
   """Writes `workdir` (config.json and the checkpoint of step 0) from the
-  checkpoint in `source`, nothing when it cannot be read; returns a line
-  saying what it wrote."""
+  checkpoint in `source`, nothing when it cannot be read or `workdir`
+  holds a run; returns a line saying what it wrote. `overrides`: the
+  config keys typed (see import_config)."""
   source = os.path.expanduser(source)
-  config, keys = import_config(source, format_name, config)
+  _check_new(workdir)
+  config, keys = import_config(source, format_name, config, overrides)
   program = Program.from_config(config, jax.devices()[:1])
   checked = program.config
   abstract = program.abstract_state.params
@@ -101,6 +151,7 @@ def import_checkpoint(source: str, format_name: str, workdir: str,
   _check_tree(params, abstract, source)
   # The dataset's token ids (its tokenizer's) must fit the vocabulary.
   dataset = datasets.load(checked, workdir)
+  _check_vocabulary(source, keys, checked, dataset)
   config_validation.check_dataset_fits(checked, dataset)
   state = program.start_from(jax.tree.map(
       lambda array, want: np.asarray(array, want.dtype), params, abstract))
@@ -119,8 +170,12 @@ def import_checkpoint(source: str, format_name: str, workdir: str,
 
 
 def main(argv: list[str]) -> None:
+  # The --config.KEY=... overrides typed (none without --config).
+  overrides = (config_flags.get_override_values(FLAGS['config'])
+               if FLAGS['config'].present else {})
   print(cli.run_main(argv, lambda: import_checkpoint(
-      FLAGS['from'].value, FLAGS.format, FLAGS.workdir, FLAGS.config)))
+      FLAGS['from'].value, FLAGS.format, FLAGS.workdir, FLAGS.config,
+      overrides)))
 
 
 def _define_flags() -> None:

@@ -22,7 +22,9 @@ import transformers
 from configs import published
 from model import ModelConfig, build
 from model.state import Cache
+from tests.helpers import REPO
 from train import generate
+from train.base import storage
 from train.base.errors import InputError
 from train.config import validation as config_validation
 from train.data.tokenizers import ByteTokenizer, EOS_ID
@@ -37,9 +39,10 @@ PROMPT = 'def f'
 TOKENS_BxT = jnp.asarray(np.random.RandomState(0).randint(2, VOCAB, (2, 24)))
 
 
-def _reference(name: str):
-  """A tiny Hugging Face model of architecture `name`, every parameter
-  random (biases and norm gains too)."""
+def _reference(name: str, **llama):
+  """A tiny Hugging Face model of architecture `name` (`llama`: more
+  LlamaConfig keys), every parameter random (biases and norm gains
+  too)."""
   if name == 'gpt2':
     model = transformers.FlaxGPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64),
@@ -49,7 +52,7 @@ def _reference(name: str):
     model = transformers.FlaxLlamaForCausalLM(transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
-        max_position_embeddings=64, rms_norm_eps=1e-5), seed=0)
+        max_position_embeddings=64, rms_norm_eps=1e-5, **llama), seed=0)
   leaves, tree = jax.tree.flatten(model.params)
   keys = jax.random.split(jax.random.key(1), len(leaves))
   model.params = jax.tree.unflatten(tree, [
@@ -82,6 +85,13 @@ def _import(name: str, tmp_path, data_dir: str, **model) -> tuple:
 def gpt2_saved(tmp_path_factory):
   """The tiny GPT-2 reference and its directory (not imported)."""
   return _saved('gpt2', tmp_path_factory.mktemp('gpt2'))
+
+
+def _gpt2_config(data_dir: str):
+  """The GPT-2 preset at the tests' lengths, for an import."""
+  config = published.get_config('gpt2')
+  config.update(data_dir=data_dir, seq_len=32, batch_size=4)
+  return config
 
 
 def _relative_error(got, want) -> float:
@@ -189,24 +199,17 @@ def test_pytorch_names_in_bfloat16_and_two_files_read_alike(gpt2_saved,
                pretrained.params(str(torch_dir), 'hf_gpt2', keys), rounded)
 
 
-def test_a_tied_llama_reads_out_through_its_embedding(tmp_path):
-  """tie_word_embeddings: the logits are h E^T, as the reference's with
-  its head set to the embedding (the Flax Llama has no tying of its
-  own)."""
-  reference = _reference('llama')
-  params = reference.params
-  embedding = params['model']['embed_tokens']['embedding']
-  params['lm_head']['kernel'] = embedding.T
-  reference.params = params
+def test_a_tied_llama_as_flax_saves_it_reads_out_through_its_embedding(
+    tmp_path, capsys):
+  """FlaxLlamaForCausalLM(tie_word_embeddings=True).save_pretrained writes
+  an lm_head.kernel beside the embedding, which transformers does not read
+  where the config ties them: the logits are h E^T, the reference's with
+  its head set to the embedding (the Flax Llama has no tying of its own),
+  and the import says that the head is not read."""
+  reference = _reference('llama', tie_word_embeddings=True)
   saved = tmp_path / 'tied'
   reference.save_pretrained(str(saved), safe_serialization=True)
-  tensors = load_file(str(saved / 'model.safetensors'))
-  del tensors['lm_head.kernel']
-  save_file(tensors, str(saved / 'model.safetensors'))
-  with open(saved / 'config.json') as f:
-    values = json.load(f)
-  with open(saved / 'config.json', 'w') as f:
-    json.dump(values | {'tie_word_embeddings': True}, f)
+  assert 'lm_head.kernel' in load_file(str(saved / 'model.safetensors'))
   # Whatever the config holds, the import sets the architecture.
   hostile = published.get_config('gpt2')
   hostile.model.update(scale_tied_readout=True, qk_norm='rmsnorm',
@@ -218,7 +221,54 @@ def test_a_tied_llama_reads_out_through_its_embedding(tmp_path):
   logits, _ = model.apply(
       {'params': pretrained.params(str(saved), 'hf_llama', keys)},
       TOKENS_BxT)
-  assert _relative_error(logits, reference(TOKENS_BxT).logits) < 1e-5
+  assert capsys.readouterr().out == (
+      f'--from={saved}: lm_head.kernel is not read: its config.json ties '
+      'the readout to the embedding (tie_word_embeddings), as transformers '
+      'reads it.\n')
+  params = reference.params
+  tied = params | {'lm_head': {
+      'kernel': params['model']['embed_tokens']['embedding'].T}}
+  assert _relative_error(
+      logits, reference(TOKENS_BxT, params=tied).logits) < 1e-5
+
+
+def test_a_workdir_that_holds_a_run_is_refused_and_keeps_it(
+    gpt2_saved, tmp_path, data_dir):
+  """Another import into an import's workdir, of other weights of the same
+  shapes, is refused by --workdir: the checkpoint, which its checksums
+  verify, stays the first one's."""
+  _, saved = gpt2_saved
+  workdir = str(tmp_path / 'w')
+  import_checkpoint(saved, 'hf_gpt2', workdir, _gpt2_config(data_dir))
+  other = _damaged(saved, tmp_path / 'other', 'weights')
+  with pytest.raises(InputError, match=re.escape(
+      f'--workdir={workdir} already holds a run (config.json, '
+      'checkpoints)')):
+    import_checkpoint(str(other), 'hf_gpt2', workdir,
+                      _gpt2_config(data_dir))
+  np.testing.assert_array_equal(
+      trained_run.load(workdir).params['embedder']['token_embedding'][
+          'embedding'],
+      load_file(os.path.join(saved, 'model.safetensors'))[
+          'transformer.wte.embedding'])
+
+
+def test_an_architecture_key_typed_is_refused_a_layout_key_kept(
+    gpt2_saved):
+  """The checkpoint gives config.model's architecture: typing one of its
+  keys is refused by name, and a key the import does not set is kept."""
+  _, saved = gpt2_saved
+  for key in ('model.d_model', 'model.attention',
+              'model.attention_options.local.window'):
+    with pytest.raises(InputError, match=re.escape(
+        f'--config.{key}: the import takes config.model.'
+        f'{key.split(".")[1]} from --from={saved}')):
+      import_config(saved, 'hf_gpt2', overrides={key: 1})
+  config = published.get_config('gpt2')
+  config.model.scan_layers = True
+  config, _ = import_config(saved, 'hf_gpt2', config,
+                            overrides={'model.scan_layers': True})
+  assert config.model.scan_layers
 
 
 def _damaged(saved: str, target, change: str) -> str:
@@ -235,6 +285,8 @@ def _damaged(saved: str, target, change: str) -> str:
   elif change in ('model_type', 'activation_function'):
     values[change] = {'model_type': 'bert',
                       'activation_function': 'relu'}[change]
+  elif change == 'attnlab workdir':
+    values = json.loads(published.get_config('gpt2').to_json_best_effort())
   else:
     tensors = load_file(tensors_path)
     name = 'transformer.h.1.mlp.c_fc.bias'
@@ -245,8 +297,8 @@ def _damaged(saved: str, target, change: str) -> str:
     elif change == 'two files':
       save_file({name: tensors[name]},
                 os.path.join(target, 'extra.safetensors'))
-    elif change == 'untied head':
-      tensors['lm_head.kernel'] = tensors['transformer.wte.embedding'].T + 1
+    elif change == 'weights':  # Others of the same shapes.
+      tensors = {key: value + 1 for key, value in tensors.items()}
     elif change == 'shape':
       tensors[name] = tensors[name][:-1]
     elif change == 'missing':
@@ -264,15 +316,17 @@ BAD = {
     'no config.json': 'has no config.json',
     'no tensors': 'holds no *.safetensors file',
     'model_type': "model_type='bert' is not the architecture",
+    'attnlab workdir': "is an attnlab training run's workdir, which needs no "
+                       'import: fine-tune it with --config=configs/'
+                       'published.py:from=',
     'activation_function': "activation_function='relu' is not supported",
     'shape': 'h.1.mlp.c_fc.bias has shape [127]; its config.json gives [128]',
     'missing': 'has no tensor h.1.mlp.c_fc.bias',
     'extra': 'holds tensors this format does not read (1: h.2.mlp.c_fc.bias)',
     'two files': 'the tensor h.1.mlp.c_fc.bias is in more than one file',
-    'untied head': 'lm_head.weight is not the embedding, and its '
-                   'config.json ties them',
     # The tokenizer's ids (the dataset's) must fit the vocabulary.
-    'vocab_size': 'config.model.vocab_size=100 is smaller than the 258 token',
+    'vocab_size': 'its vocab_size=100 (config.json) is smaller than the 258 '
+                  'token ids',
 }
 
 
@@ -280,10 +334,9 @@ BAD = {
 def test_bad_checkpoints_are_refused(gpt2_saved, tmp_path, data_dir, change):
   _, saved = gpt2_saved
   damaged = _damaged(saved, tmp_path / 'damaged', change)
-  config = published.get_config('gpt2')
-  config.update(data_dir=data_dir, seq_len=32, batch_size=4)
   with pytest.raises(InputError, match=re.escape(BAD[change])):
-    import_checkpoint(str(damaged), 'hf_gpt2', str(tmp_path / 'w'), config)
+    import_checkpoint(str(damaged), 'hf_gpt2', str(tmp_path / 'w'),
+                      _gpt2_config(data_dir))
   assert not os.path.exists(tmp_path / 'w')
 
 
@@ -309,15 +362,76 @@ def test_llama_configs_the_model_cannot_express(tmp_path, key):
     pretrained.model_keys(str(tmp_path), 'hf_llama')
 
 
-def test_the_command_exits_2_with_one_line(tmp_path):
+# id: (module, arguments, the line after 'error: '). {hf}: the tiny GPT-2's
+# directory; {tmp}: an empty directory, whose garbled/ holds a config.json
+# that is not JSON.
+COMMANDS = {
+    'not a model directory': (
+        'experiments.import_checkpoint',
+        ['--from={tmp}', '--format=hf_llama', '--workdir={tmp}/w'],
+        '--from={tmp} has no config.json: it must be a Hugging Face model '
+        'directory.'),
+    'an architecture key': (
+        'experiments.import_checkpoint',
+        ['--from={hf}', '--format=hf_gpt2', '--workdir={tmp}/w',
+         '--config=configs/published.py:gpt2', '--config.model.num_layers=4'],
+        '--config.model.num_layers: the import takes config.model.num_layers '
+        'from --from={hf} (its architecture); change it when fine-tuning the '
+        'import: --config=configs/published.py:from=WORKDIR '
+        '--config.model.num_layers=...'),
+    'fine-tuning a model directory': (
+        'train.train',
+        ['--config=configs/published.py:from={hf}', '--workdir={tmp}/t'],
+        "--config=configs/published.py:from={hf}: {hf}/config.json is not a "
+        "training run's (a Hugging Face directory is imported first: python "
+        '-m experiments.import_checkpoint).'),
+    'fine-tuning a garbled run': (
+        'train.train',
+        ['--config=configs/published.py:from={tmp}/garbled',
+         '--workdir={tmp}/t'],
+        '--config=configs/published.py:from={tmp}/garbled: '
+        '{tmp}/garbled/config.json cannot be read ('),
+}
+
+
+@pytest.fixture(scope='module')
+def outcomes(gpt2_saved, tmp_path_factory) -> dict[str, tuple[dict, str]]:
+  """{id: (what the command did, the line it should begin with)}, every
+  command run by one process (tests/helpers/cli_cases.py)."""
+  tmp = tmp_path_factory.mktemp('commands')
+  (tmp / 'garbled').mkdir()
+  (tmp / 'garbled' / 'config.json').write_text('{')
+  named = lambda text: text.format(tmp=tmp, hf=gpt2_saved[1])
+  cases = [(module, list(map(named, args)))
+           for module, args, _ in COMMANDS.values()]
   result = subprocess.run(
-      [sys.executable, '-m', 'experiments.import_checkpoint', f'--from={tmp_path}',
-       '--format=hf_llama', f'--workdir={tmp_path / "w"}'],
-      capture_output=True, text=True, check=False)
-  assert result.returncode == 2, result.stderr
-  assert result.stderr.splitlines() == [
-      f'error: --from={tmp_path} has no config.json: it must be a Hugging '
-      'Face model directory.']
+      [sys.executable, str(REPO / 'tests' / 'helpers' / 'cli_cases.py'),
+       json.dumps(cases)], cwd=REPO, capture_output=True, text=True,
+      timeout=300, check=True)
+  done = json.loads(result.stdout.splitlines()[-1])
+  return {case: (outcome, named(line)) for (case, (_, _, line)), outcome
+          in zip(COMMANDS.items(), done)}
+
+
+@pytest.mark.parametrize('case', list(COMMANDS))
+def test_a_mistake_is_one_line_naming_it_with_status_2(case, outcomes):
+  outcome, line = outcomes[case]
+  assert outcome['status'] == 2, outcome
+  assert outcome['stderr'].startswith(f'error: {line}'), outcome['stderr']
+  assert len(outcome['stderr'].splitlines()) == 1, outcome['stderr']
+
+
+def test_a_run_on_a_bucket_is_fine_tuned_from_its_url(object_store,
+                                                      tmp_path):
+  """configs/published.py:from=gs://... reads the run's config.json there
+  and starts from it, the URL kept as it was typed."""
+  run = f'{object_store}/{tmp_path.name}/run'
+  recorded = published.get_config('llama')
+  storage.write_whole(storage.path(run) / 'config.json',
+                      recorded.to_json_best_effort())
+  config = published.get_config(f'from={run}/')
+  assert config.init_from == run
+  assert config.model.to_dict() == recorded.model.to_dict()
 
 
 def test_the_gpt2_preset_is_gpt2_small():

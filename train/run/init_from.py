@@ -7,7 +7,8 @@ over each group of heads (the uptraining of multi-head checkpoints to
 grouped-query attention, Ainslie et al. 2023); a parameter the source
 lacks (one an attention variant or position scheme adds) starts fresh,
 and one the target lacks is left out. Any other change of shape is
-refused, naming the parameters and the config.model keys that differ.
+refused, naming the parameters and the config.model keys that differ:
+`check_fits` compares the shapes before the run claims its workdir.
 """
 
 import dataclasses
@@ -59,21 +60,25 @@ def _flat(tree: Any) -> dict[str, Any]:
   return traverse_util.flatten_dict(flax.core.unfreeze(tree), sep='/')
 
 
-def _pooled(path: str, array: np.ndarray, shape: tuple[int, ...]
-            ) -> np.ndarray | None:
-  """`array` of a key/value projection pooled to `shape`'s fewer heads
-  (the heads axis: a kernel's [D, K, H] second, a bias's [K, H] first),
-  or None where that is not what differs."""
+def _poolable(path: str, have: tuple[int, ...], want: tuple[int, ...]
+              ) -> bool:
+  """Whether a key/value projection of shape `have` pools to `want`'s fewer
+  heads (the heads axis: a kernel's [D, K, H] second, a bias's [K, H]
+  first), the only axis that differs."""
   parts = path.split('/')
-  if len(parts) < 2 or parts[-2] not in _POOLED or array.ndim != len(shape):
-    return None
+  if len(parts) < 2 or parts[-2] not in _POOLED or len(have) != len(want):
+    return False
+  axis = len(have) - 2
+  same_elsewhere = all(a == b for i, (a, b) in enumerate(zip(have, want))
+                       if i != axis)
+  return (same_elsewhere and want[axis] < have[axis]
+          and not have[axis] % want[axis])
+
+
+def _pooled(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+  """A key/value projection pooled to `shape`'s fewer heads (_poolable)."""
   axis = array.ndim - 2
   heads, target = array.shape[axis], shape[axis]
-  same_elsewhere = all(a == b for i, (a, b) in enumerate(zip(array.shape,
-                                                              shape))
-                       if i != axis)
-  if not same_elsewhere or target >= heads or heads % target:
-    return None
   # Key/value head j serves query heads j*N/K .. (j+1)*N/K - 1: the source
   # heads of a group are consecutive.
   grouped = array.reshape(*array.shape[:axis], target, heads // target,
@@ -91,6 +96,37 @@ def config_differences(source: ModelConfig, target: ModelConfig) -> str:
   return ', '.join(changed) or 'no key'
 
 
+def _ways(have: dict[str, Any], want: dict[str, Any], source: ModelConfig,
+          target: ModelConfig, origin: str) -> dict[str, str]:
+  """How each of the target's parameters (`want`, flat, arrays or their
+  shapes) comes from the source's (`have`): 'taken', 'pooled' or 'fresh';
+  InputError naming those that do not fit and the config.model keys that
+  differ."""
+  ways, misfits = {}, []
+  for path, leaf in want.items():
+    if path not in have:
+      ways[path] = 'fresh'
+    elif have[path].shape == leaf.shape:
+      ways[path] = 'taken'
+    elif _poolable(path, have[path].shape, leaf.shape):
+      ways[path] = 'pooled'
+    else:
+      misfits.append(f'{path} {list(have[path].shape)} there, '
+                     f'{list(leaf.shape)} here')
+  differing = config_differences(source, target)
+  if misfits:
+    shown = '; '.join(misfits[:3]) + ('; ...' if len(misfits) > 3 else '')
+    raise InputError(
+        f'config.init_from={origin}: parameters of it do not fit this model '
+        f'({shown}; {len(misfits)} in all); config.model differs in '
+        f'{differing}.')
+  if set(ways.values()) <= {'fresh'}:
+    raise InputError(
+        f'config.init_from={origin}: no parameter of it has a place in this '
+        f'model; config.model differs in {differing}.')
+  return ways
+
+
 def transfer(source_params: Any, fresh_params: Any, source: ModelConfig,
              target: ModelConfig, origin: str) -> Transferred:
   """The target's parameters (`fresh_params`' tree and dtypes) from
@@ -100,42 +136,24 @@ def transfer(source_params: Any, fresh_params: Any, source: ModelConfig,
   blocks are matched one by one (paths as 'decoder/block_3/...', so that a
   change of depth keeps the blocks both have), then stacked as the target
   stacks them."""
-  have = {path: np.asarray(leaf) for path, leaf in
-          _flat(layer_stack.unstacked(source_params)).items()}
+  have = _flat(layer_stack.unstacked(source_params))
   want = _flat(layer_stack.unstacked(fresh_params))
-  values, taken, pooled, fresh, misfits = {}, [], [], [], []
-  for path, leaf in want.items():
-    if path not in have:
+  ways = _ways(have, want, source, target, origin)
+  values = {}
+  for path, way in ways.items():
+    leaf = want[path]
+    if way == 'fresh':
       values[path] = leaf
-      fresh.append(path)
-      continue
-    array = have[path]
-    if array.shape == leaf.shape:
-      values[path] = array.astype(leaf.dtype)
-      taken.append(path)
-      continue
-    pooled_array = _pooled(path, array, leaf.shape)
-    if pooled_array is None:
-      misfits.append(f'{path} {list(array.shape)} there, '
-                     f'{list(leaf.shape)} here')
-      continue
-    values[path] = pooled_array.astype(leaf.dtype)
-    pooled.append(path)
-  differing = config_differences(source, target)
-  if misfits:
-    shown = '; '.join(misfits[:3]) + ('; ...' if len(misfits) > 3 else '')
-    raise InputError(
-        f'config.init_from={origin}: parameters of it do not fit this model '
-        f'({shown}; {len(misfits)} in all); config.model differs in '
-        f'{differing}.')
-  if not taken and not pooled:
-    raise InputError(
-        f'config.init_from={origin}: no parameter of it has a place in this '
-        f'model; config.model differs in {differing}.')
+    elif way == 'taken':
+      values[path] = np.asarray(have[path]).astype(leaf.dtype)
+    else:
+      values[path] = _pooled(np.asarray(have[path]),
+                             leaf.shape).astype(leaf.dtype)
   params = layer_stack.relayout(traverse_util.unflatten_dict(values, sep='/'),
                                 fresh_params)
-  return Transferred(params, tuple(taken), tuple(pooled), tuple(fresh),
-                     tuple(sorted(set(have) - set(want))))
+  by_way = lambda name: tuple(p for p, way in ways.items() if way == name)
+  return Transferred(params, by_way('taken'), by_way('pooled'),
+                     by_way('fresh'), tuple(sorted(set(have) - set(want))))
 
 
 def run_source(path: str) -> tuple[str, int | None]:
@@ -148,13 +166,18 @@ def run_source(path: str) -> tuple[str, int | None]:
   return path, None
 
 
+def _resumes(workdir: str) -> bool:
+  """Whether `workdir` holds a checkpoint, which its run resumes from."""
+  checkpoints = storage.path(workdir) / 'checkpoints'
+  return checkpoints.is_dir() and any(
+      path.name.isdigit() for path in checkpoints.iterdir())
+
+
 def check(init_from: str, workdir: str) -> str | None:
   """What is wrong with config.init_from for a run in `workdir`, before
   anything is built: nothing once the workdir holds a checkpoint (the run
   resumes from its own), else the source must be there."""
-  checkpoints = storage.path(workdir) / 'checkpoints'
-  if checkpoints.is_dir() and any(
-      path.name.isdigit() for path in checkpoints.iterdir()):
+  if _resumes(workdir):
     return None
   run, step = run_source(init_from)
   if not (storage.path(run) / 'config.json').is_file():
@@ -167,16 +190,40 @@ def check(init_from: str, workdir: str) -> str | None:
   return None
 
 
+def _source(init_from: str) -> tuple[str, int | None, Program]:
+  """(the source run's workdir, its checkpoint step or None, its program
+  on one of this process's devices); InputError naming config.init_from
+  where its config cannot be read."""
+  run, step = run_source(init_from)
+  try:
+    config = trained_run.load_config(run)
+    return run, step, Program.from_config(config, jax.local_devices()[:1])
+  except (InputError, TrainingError) as error:
+    raise InputError(f'config.init_from={init_from}: {error}') from None
+
+
+def check_fits(program: Program, workdir: str) -> None:
+  """InputError, as `load` would raise it, unless the parameters of
+  `program`'s config.init_from fit its model: compared by shape before the
+  run claims `workdir`, so that a refused start leaves nothing there.
+  Nothing to check without init_from, or once the workdir resumes."""
+  init_from = program.config.init_from
+  if init_from is None or _resumes(workdir):
+    return
+  _, _, source = _source(init_from)
+  _ways(_flat(layer_stack.unstacked(source.abstract_state.params)),
+        _flat(layer_stack.unstacked(program.abstract_state.params)),
+        source.model_config, program.model_config, init_from)
+
+
 def load(init_from: str, fresh_params: Any, target: TrainConfig
          ) -> tuple[Transferred, str]:
   """(this run's parameters from the source's checkpoint, a line saying
   where they came from), restored on one of this process's devices;
   InputError, naming config.init_from, when the source has no checkpoint
   that verifies or its parameters do not fit."""
-  run, step = run_source(init_from)
+  run, step, program = _source(init_from)
   try:
-    config = trained_run.load_config(run)
-    program = Program.from_config(config, jax.local_devices()[:1])
     step, state = trained_run.restore(run, program, step)
   except (InputError, TrainingError) as error:
     raise InputError(f'config.init_from={init_from}: {error}') from None

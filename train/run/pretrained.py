@@ -32,8 +32,9 @@ class Tensors:
   the transposed layout, a table `.embedding` and a norm's gain `.scale`:
   they are renamed (and matrices transposed) as they are read.
 
-  `take(name, shape)` hands out a tensor once, checking its shape; `done()`
-  refuses tensors left over that no parameter read."""
+  `take(name, shape)` hands out a tensor once, checking its shape; `drop`
+  leaves one unread; `done()` refuses tensors left over that no parameter
+  read."""
 
   def __init__(self, directory: str, prefixes: tuple[str, ...],
                ignored: Callable[[str], bool]):
@@ -42,15 +43,15 @@ class Tensors:
     if not files:
       raise InputError(f'--from={directory} holds no *.safetensors file: '
                        'save the model with safe_serialization=True.')
-    self._tensors = {}
+    self._tensors, self._file_names = {}, {}
     for path in files:
       try:
         named = load_file(path)
       except Exception as error:  # safetensors' errors have several types.
         raise InputError(f'{path} is not a readable safetensors file: '
                          f'{str(error).splitlines()[0][:200]}') from None
-      for name, array in named.items():
-        name = _canonical_name(name, prefixes)
+      for file_name, array in named.items():
+        name = _canonical_name(file_name, prefixes)
         if name.endswith('.kernel'):
           name, array = name[:-len('kernel')] + 'weight', array.T
         if name in self._tensors:
@@ -58,9 +59,7 @@ class Tensors:
                            'more than one file.')
         if not ignored(name):
           self._tensors[name] = np.asarray(array)
-
-  def has(self, name: str) -> bool:
-    return name in self._tensors
+          self._file_names[name] = file_name
 
   def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """The tensor `name` (float32), which must have `shape`."""
@@ -73,6 +72,13 @@ class Tensors:
           f'--from={self.directory}: {name} has shape {list(array.shape)}; '
           f'its config.json gives {list(shape)}.')
     return array.astype(np.float32)
+
+  def drop(self, name: str) -> str | None:
+    """Removes the tensor `name` unread; the name its file gives it, or
+    None where it has none."""
+    if self._tensors.pop(name, None) is None:
+      return None
+    return self._file_names[name]
 
   def done(self) -> None:
     if self._tensors:
@@ -143,15 +149,15 @@ class Format:
   params: Callable[[Tensors, Mapping[str, Any]], dict]
 
 
-def _tied_head(tensors: Tensors, embedding_VxD: np.ndarray) -> None:
-  """A tied checkpoint's lm_head.weight, which some save, must be its
-  embedding."""
-  if not tensors.has('lm_head.weight'):
-    return
-  if not np.array_equal(tensors.take('lm_head.weight', embedding_VxD.shape),
-                        embedding_VxD):
-    raise InputError(f'--from={tensors.directory}: lm_head.weight is not '
-                     'the embedding, and its config.json ties them.')
+def _tied_head(tensors: Tensors) -> None:
+  """A tied checkpoint reads out through its embedding, as transformers
+  reads it: a head beside it (Flax's save_pretrained writes one, unused)
+  is left unread, with a line saying so."""
+  unread = tensors.drop('lm_head.weight')
+  if unread:
+    print(f'--from={tensors.directory}: {unread} is not read: its '
+          'config.json ties the readout to the embedding '
+          '(tie_word_embeddings), as transformers reads it.', flush=True)
 
 
 def _gpt2_keys(hf: HfConfig) -> dict[str, Any]:
@@ -217,7 +223,7 @@ def _gpt2_params(tensors: Tensors, keys: Mapping[str, Any]) -> dict:
       put(f'{target}/mlp/{name}/bias',
           tensors.take(f'{source}.mlp.{hf_name}.bias', (shape[1],)))
   norm('ln_f', 'decoder/final_norm')
-  _tied_head(tensors, flat['embedder/token_embedding/embedding'])
+  _tied_head(tensors)
   return traverse_util.unflatten_dict(flat, sep='/')
 
 
@@ -305,7 +311,7 @@ def _llama_params(tensors: Tensors, keys: Mapping[str, Any]) -> dict:
              inputs, (outputs,))
   put('decoder/final_norm/scale', tensors.take('norm.weight', (d,)))
   if keys['tie_embeddings']:
-    _tied_head(tensors, flat['embedder/token_embedding/embedding'])
+    _tied_head(tensors)
   return traverse_util.unflatten_dict(flat, sep='/')
 
 
@@ -342,6 +348,12 @@ def model_keys(directory: str, format_name: str) -> dict[str, Any]:
   if not isinstance(values, dict):
     raise InputError(f'{path} does not hold a JSON object.')
   model_type = values.get('model_type')
+  if model_type is None and isinstance(values.get('model'), dict):
+    raise InputError(
+        f"--from={directory} is an attnlab training run's workdir, which "
+        'needs no import: fine-tune it with '
+        f'--config=configs/published.py:from={directory} (config.init_from)'
+        ', or sample it with python -m train.generate.')
   if model_type != checkpoint_format.model_type:
     raise InputError(
         f'{path}: model_type={model_type!r} is not the architecture '

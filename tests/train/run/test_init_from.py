@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 
 from model import ModelConfig
+from tests.helpers import tiny_runs
 from train.base.errors import InputError
 from train.run import init_from
+from train.run.trainer import train_and_evaluate
 
 SOURCE = ModelConfig(d_model=8, num_heads=4, head_dim=2, num_layers=1,
                      mlp_dim=16)
@@ -103,3 +105,21 @@ def test_source_of_a_checkpoint_or_a_workdir(tmp_path):
   # A run that has checkpoints resumes from them: its source may be gone.
   (tmp_path / 'resumed' / 'checkpoints' / '8').mkdir(parents=True)
   assert init_from.check(str(tmp_path), str(tmp_path / 'resumed')) is None
+
+
+def test_a_source_that_does_not_fit_is_refused_before_the_workdir_is_made(
+    tmp_path, data_dir):
+  """The shapes are compared before the run claims its workdir: the
+  refusal leaves no config.json, lock or checkpoints/ behind."""
+  source = tiny_runs.tiny_config('lm_stdlib', data_dir)
+  (tmp_path / 'source').mkdir()
+  (tmp_path / 'source' / 'config.json').write_text(
+      source.to_json_best_effort())
+  target = tiny_runs.tiny_config('lm_stdlib', data_dir)
+  target.model.mlp_dim = 48
+  target.init_from = str(tmp_path / 'source')
+  with pytest.raises(InputError, match=(
+      r'parameters of it do not fit this model .*; config.model differs in '
+      r'mlp_dim \(32 -> 48\)')):
+    train_and_evaluate(target, str(tmp_path / 'tuned'))
+  assert not (tmp_path / 'tuned').exists()
