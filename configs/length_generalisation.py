@@ -2,7 +2,8 @@ r"""The length-generalisation study: each position scheme on copy, reverse
 and addition, trained on inputs of 1-40 symbols, decoded on 41-400.
 
   python -m experiments.length_generalisation \
-      --workdir=workdirs/length_generalisation
+      --workdir=workdirs/length_generalisation \
+      --out=experiments/results/length_generalisation
 
 runs get_sweep() through experiments/sweep.py and scores each cell by input
 length (experiments/length_generalisation.py). One cell alone:

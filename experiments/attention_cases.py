@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from model import ModelConfig, attention, positions
 from model.attention import options as variant_options
 from model.attention import fused
-from train.base.errors import InputError
+from train.base.errors import InputError, did_you_mean
 
 # Variants that compute softmax(q k^T) v exactly (the FLOP count applies).
 EXACT = ('xla', 'dense', 'chunked', 'ring')
@@ -31,9 +31,11 @@ def parse_variant(name: str) -> tuple[str, str | None]:
   """
   match = re.fullmatch(r'(\w+)(?:\[(\w+)\])?', name)
   base, kernel = match.groups() if match else (name, None)
-  if base != 'xla' and base not in attention.names():
-    raise InputError(f'--variants: unknown attention {name!r}; registered: '
-                     f'xla, {", ".join(attention.names())}.')
+  known = ['xla', *attention.names()]
+  if base not in known:
+    raise InputError(f'--variants: unknown attention {name!r}'
+                     f'{did_you_mean(base, known)} Registered: '
+                     f'{", ".join(known)}.')
   if kernel is None:
     return base, None
   if not variant_options.takes_kernel(base):
@@ -42,7 +44,8 @@ def parse_variant(name: str) -> tuple[str, str | None]:
     raise InputError(f'--variants: {name!r}: {base} takes no kernel; '
                      f'{", ".join(takers)} do.')
   if kernel not in fused.KERNELS:
-    raise InputError(f'--variants: {name!r}: the kernel must be one of '
+    raise InputError(f'--variants: {name!r}: no kernel {kernel!r}'
+                     f'{did_you_mean(kernel, fused.KERNELS)} The kernels: '
                      f'{", ".join(fused.KERNELS)}.')
   return base, kernel
 

@@ -54,7 +54,9 @@ count.
 Writes OUT/<backend>/results.jsonl (a line per rows kind, variant and
 length), results.md and .csv (forward+backward time, its ratio to xla on
 the same kind of rows and length, temporary memory and its ratio to xla's,
-a row per kind, variant and length) and scaling.png (log-log).
+a row per kind, variant and length) and scaling.png (log-log); without
+--out, OUT is a fresh folder of workdirs/ (common.results_folder): the
+committed results change only when --out names them.
 """
 
 from collections.abc import Sequence
@@ -366,8 +368,9 @@ def _write_summary(rows: list[dict], directory: str, peak: float | None, *,
 
 
 def main(argv: list[str]) -> None:
+  out = common.results_folder(FLAGS.out, 'bench_attention')
   cli.run_main(argv, lambda: run(
-      FLAGS.out,
+      out,
       variants=FLAGS.variants or attention_cases.default_variants(
           jax.default_backend()),
       lengths=common.parse_integers('--lengths', FLAGS.lengths),
@@ -377,12 +380,12 @@ def main(argv: list[str]) -> None:
       rows=FLAGS.rows, memory_limit_mb=FLAGS.memory_limit_mb,
       command='python -m experiments.bench_attention '
       + ' '.join(sys.argv[1:])))
+  print(f'Results in {out}.')
 
 
 def _define_flags() -> None:
   """The command line, defined only when this runs as a script."""
-  flags.DEFINE_string('out', 'experiments/results/bench_attention',
-                      'Results go to OUT/<backend>/.')
+  flags.DEFINE_string('out', None, common.out_help('bench_attention'))
   flags.DEFINE_list('variants', [], 'Variants to measure; xla is '
                     'jax.nn.dot_product_attention, chunked[cudnn] chunked '
                     'by that fused kernel (any of model/attention/fused.py, '

@@ -23,7 +23,10 @@ A pod pays build, trace and compile once per host and per trial at every
 start; they grow with depth when every layer is traced and compiled on
 its own.
 
-Writes OUT/<backend>/results.jsonl, results.md and results.csv.
+Every row's config is checked before any is measured. Writes
+OUT/<backend>/results.jsonl, results.md and results.csv; without --out,
+OUT is a fresh folder of workdirs/ (common.results_folder): the committed
+results change only when --out names them.
 """
 
 import json
@@ -39,6 +42,7 @@ from configs import lm_stdlib
 from experiments import bench_train, common
 from train import cli
 from train.base.errors import InputError
+from train.config import validation as config_validation
 from train.run.program import Program
 
 FLAGS = flags.FLAGS
@@ -86,14 +90,23 @@ def run(base, out: str, *, size: str, layers: list[int], steps: int,
   if unknown or not layouts:
     raise InputError(f'--layouts: {unknown[0] if unknown else "none"} is '
                      f'not one of {", ".join(LAYOUTS)}.')
-  directory = os.path.join(out, jax.default_backend())
-  os.makedirs(directory, exist_ok=True)
   def config_at(depth: int, layout: str):
     config = bench_train.our_config(base, size, attention='auto',
                                     dtype=base.model.dtype,
                                     remat=base.model.remat)
     config.model.update(num_layers=depth, scan_layers=LAYOUTS[layout])
     return config
+
+  for layout in layouts:  # Every row checked before any is measured.
+    for depth in layers:
+      try:
+        config_validation.validate(config_at(depth, layout))
+      except InputError as error:
+        raise InputError('\n'.join(
+            f'--layouts={layout} at --layers={depth}: {line}'
+            for line in str(error).splitlines())) from None
+  directory = os.path.join(out, jax.default_backend())
+  os.makedirs(directory, exist_ok=True)
 
   def ratio(row, first, *keys):
     return sum(row[key] for key in keys) / sum(first[key] for key in keys)
@@ -142,12 +155,14 @@ def run(base, out: str, *, size: str, layers: list[int], steps: int,
 
 
 def main(argv: list[str]) -> None:
+  out = common.results_folder(FLAGS.out, 'bench_compile')
   cli.run_main(argv, lambda: run(
-      FLAGS.config, FLAGS.out, size=FLAGS.size,
+      FLAGS.config, out, size=FLAGS.size,
       layers=common.parse_integers('--layers', FLAGS.layers),
       steps=FLAGS.steps, layouts=tuple(FLAGS.layouts),
       command='python -m experiments.bench_compile ' + ' '.join(
           sys.argv[1:])))
+  print(f'Results in {out}.')
 
 
 def _define_flags() -> None:
@@ -155,8 +170,7 @@ def _define_flags() -> None:
   config_flags.DEFINE_config_file(
       'config', lm_stdlib.__file__, 'Training config file; the size sets '
       'its shape, --layers its depth.', lock_config=True)
-  flags.DEFINE_string('out', 'experiments/results/bench_compile',
-                      'Results go to OUT/<backend>/.')
+  flags.DEFINE_string('out', None, common.out_help('bench_compile'))
   flags.DEFINE_enum('size', 'small', list(bench_train.SIZES),
                     "bench_train's shape.")
   flags.DEFINE_list('layers', ['2', '8', '24'], 'Depths measured.')

@@ -17,7 +17,8 @@ waiting for the one before), the Transformer's 2 x num_layers blocks (each
 over every position at once), whatever the length.
 
 Writes OUT/<backend>/results.jsonl, results.md, results.csv and
-scaling.png.
+scaling.png; without --out, OUT is a fresh folder of workdirs/
+(common.results_folder).
 """
 
 import json
@@ -99,12 +100,14 @@ def run(base: ml_collections.ConfigDict, out: str, *, lengths: list[int],
 
 
 def main(argv: list[str]) -> None:
+  out = common.results_folder(FLAGS.out, 'bench_seq2seq')
   cli.run_main(argv, lambda: run(
-      FLAGS.config, FLAGS.out,
+      FLAGS.config, out,
       lengths=common.parse_integers('--lengths', FLAGS.lengths),
       batch=FLAGS.batch, steps=FLAGS.steps, warmup=FLAGS.warmup,
       command='python -m experiments.bench_seq2seq '
       + ' '.join(sys.argv[1:])))
+  print(f'Results in {out}.')
 
 
 def _define_flags() -> None:
@@ -113,8 +116,7 @@ def _define_flags() -> None:
       'config', algorithmic.get_config('task=reverse'),
       'Training config (model, optimizer); --lengths and --batch override '
       'its seq_len and batch_size.')
-  flags.DEFINE_string('out', 'experiments/results/bench_seq2seq',
-                      'Results go to OUT/<backend>/.')
+  flags.DEFINE_string('out', None, common.out_help('bench_seq2seq'))
   flags.DEFINE_list('lengths', ['16', '32', '64', '128', '256'],
                     'Source (and target) lengths.')
   flags.DEFINE_integer('batch', 16, 'Rows a step (a multiple of the data '

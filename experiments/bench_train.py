@@ -21,7 +21,8 @@ the compiled step's temporaries, and our tokens/s over the baseline's. Ours
 is also timed inside `train_and_evaluate`'s loop on the config's dataset
 (unless --noloop): loop_efficiency is the bare step's time over that.
 
-Writes OUT/<backend>/results.jsonl, results.md and results.csv.
+Writes OUT/<backend>/results.jsonl, results.md and results.csv; without
+--out, OUT is a fresh folder of workdirs/ (common.results_folder).
 """
 
 import json
@@ -303,13 +304,15 @@ def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
 
 
 def main(argv: list[str]) -> None:
+  out = common.results_folder(FLAGS.out, 'bench_train')
   cli.run_main(argv, lambda: run(
-      FLAGS.config, FLAGS.out, sizes=FLAGS.sizes, steps=FLAGS.steps,
+      FLAGS.config, out, sizes=FLAGS.sizes, steps=FLAGS.steps,
       warmup=FLAGS.warmup, attention=FLAGS.attention, dtype=FLAGS.dtype,
       remat=FLAGS.remat,
       batch_sizes=common.parse_integers('--batch_sizes', FLAGS.batch_sizes),
       loop=FLAGS.loop,
       command='python -m experiments.bench_train ' + ' '.join(sys.argv[1:])))
+  print(f'Results in {out}.')
 
 
 def _define_flags() -> None:
@@ -319,8 +322,7 @@ def _define_flags() -> None:
       '(optimizer and the rest; e.g. configs/published.py:gpt2 for GPT-2\'s '
       'exact architecture); sizes override its shape and what StockLM '
       'builds.', lock_config=True)
-  flags.DEFINE_string('out', 'experiments/results/bench_train',
-                      'Results go to OUT/<backend>/.')
+  flags.DEFINE_string('out', None, common.out_help('bench_train'))
   flags.DEFINE_list('sizes', ['small', 'medium'],
                     f'Model sizes, of {", ".join(SIZES)}.')
   flags.DEFINE_list('batch_sizes', [], 'Rows a step, each measured; '

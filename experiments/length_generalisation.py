@@ -2,7 +2,8 @@ r"""The length-generalisation study: which position scheme carries an
 encoder-decoder trained on inputs of up to 40 symbols to inputs of 400.
 
   python -m experiments.length_generalisation \
-      --workdir=workdirs/length_generalisation [--parallel=1]
+      --workdir=workdirs/length_generalisation [--parallel=1] \
+      [--out=experiments/results/length_generalisation]
 
 Runs the sweep of configs/length_generalisation.py (every position scheme
 on copy, reverse and addition; a cell that finished is not run again and an
@@ -10,8 +11,9 @@ interrupted one resumes, so the command can be run in several sittings),
 then reads what each cell's final evaluation decoded (DIR/<cell>/decoded/,
 greedy, the first inputs of `validation` and of `long`) and scores it by
 input length. Writes results.md, results.csv and length_generalisation.png
-to --out: exact match and per-token (character) accuracy in length buckets,
-and the published figures of Dehghani et al. (2019) at length 400.
+to --out (default: a fresh folder of workdirs/): exact match and
+per-token (character) accuracy in length buckets, and the published
+figures of Dehghani et al. (2019) at length 400.
 """
 
 import os
@@ -220,19 +222,20 @@ def main(argv: list[str]) -> None:
     command = ('python -m experiments.length_generalisation '
                f'--workdir={FLAGS.workdir}'
                + (f' --parallel={FLAGS.parallel}' if FLAGS.parallel > 1
-                  else ''))
-    print(report(workdir, FLAGS.out, command))
+                  else '') + (f' --out={FLAGS.out}' if FLAGS.out else ''))
+    out = common.results_folder(FLAGS.out, 'length_generalisation')
+    print(report(workdir, out, command))
     print(f'This sitting: {(time.perf_counter() - started) / 60:.1f} '
-          f'minutes; results in {FLAGS.out}.')
+          f'minutes; results in {out}.')
   cli.run_main(argv, work)
 
 
 def _define_flags() -> None:
   """The command line, defined only when this runs as a script."""
   flags.DEFINE_string('workdir', None, 'Directory of the study\'s cells.')
-  flags.DEFINE_integer('parallel', 1, 'Cells trained at once.')
-  flags.DEFINE_string('out', 'experiments/results/length_generalisation',
-                      'Where the results go.')
+  flags.DEFINE_integer('parallel', 1, 'Cells trained at once.',
+                       lower_bound=1)
+  flags.DEFINE_string('out', None, common.out_help('length_generalisation'))
   flags.mark_flags_as_required(['workdir'])
 
 

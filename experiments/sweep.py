@@ -174,7 +174,7 @@ def sweep(config_arg: str, workdir: str, *, parallel: int = 1,
             f'{best.get("name", "none")})', flush=True)
     return record
 
-  with concurrent.futures.ThreadPoolExecutor(max(parallel, 1)) as pool:
+  with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
     try:
       records = list(pool.map(run, range(1, len(trials) + 1), trials))
     except KeyboardInterrupt:
@@ -214,6 +214,8 @@ def main(argv: list[str]) -> None:
       if not sep:
         raise InputError(f'--set item {item!r} is not key=value.')
       common_overrides[key] = value
+    # Named as typed here; afterwards, with each trial's, as --config.
+    cli.load_config(FLAGS.config, common_overrides, typed='--set=')
     workdir = common.local_workdir(FLAGS.workdir)
     definition = load_sweep(FLAGS.config)
     if not isinstance(definition, search.Space):
@@ -242,7 +244,7 @@ def _define_flags() -> None:
       'config', None, 'Config file defining get_config() and get_sweep(), '
       'optionally with :argument.')
   flags.DEFINE_string('workdir', None, 'Directory of the sweep.')
-  flags.DEFINE_integer('parallel', 1, 'Trials run at once.')
+  flags.DEFINE_integer('parallel', 1, 'Trials run at once.', lower_bound=1)
   flags.DEFINE_string(
       'metric', None, 'Final-evaluation metric to rank by; default: the '
       "task's quality metric.")

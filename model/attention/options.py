@@ -49,6 +49,18 @@ def option_names(name: str) -> set[str]:
   return set(option_types(name))
 
 
+def option_key(model_config, given, name: str, option: str) -> str:
+  """The config key of `option` of attention `name` in the form it was
+  typed in `given` (config.model.attention_options as set): under the
+  attention's name (attention_options.bigbird.kernel) where it was set
+  there, else as `model_config` (a ModelConfig) reads it
+  (ModelConfig.option_key)."""
+  by_name = given.get(name) if hasattr(given, 'keys') else None
+  if hasattr(by_name, 'keys') and by_name.get(option) is not None:
+    return f'config.model.attention_options.{name}.{option}'
+  return model_config.option_key(name, option)
+
+
 def takes_kernel(name: str) -> bool:
   """Whether attention `name` takes a fused kernel (the option `kernel`)."""
   return name in attention.names() and 'kernel' in option_names(name)

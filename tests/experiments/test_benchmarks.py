@@ -11,7 +11,7 @@ import pytest
 
 from configs import algorithmic, lm_stdlib
 from experiments import attention_cases, bench_attention, bench_seq2seq
-from experiments import bench_compile, bench_train
+from experiments import bench_compile, bench_train, common
 from model import attention
 from model.attention import sparse
 from tests.helpers.sparse_patterns import bigbird_pattern
@@ -204,7 +204,7 @@ def test_bench_attention_names_a_bad_argument(tmp_path):
                         rows=['ragged'])
   with pytest.raises(InputError, match='dense takes no kernel'):
     attention_cases.parse_variant('dense[cudnn]')
-  with pytest.raises(InputError, match='the kernel must be one of'):
+  with pytest.raises(InputError, match="no kernel 'flash'. The kernels: "):
     attention_cases.parse_variant('chunked[flash]')
 
 
@@ -268,6 +268,36 @@ def test_bench_compile_times_each_stage_of_a_start_at_each_depth(tmp_path):
   with pytest.raises(InputError, match="--layouts: rolled is not one of"):
     bench_compile.run(lm_stdlib.get_config(), str(tmp_path), size='tiny',
                       layers=[1], steps=1, layouts=('rolled',))
+
+
+def test_bench_compile_refuses_a_depth_before_measuring_any(tmp_path,
+                                                            monkeypatch):
+  """Experts every 2 layers: a scanned group of 2 blocks, which 3 layers
+  do not fill; refused before the unscanned rows are measured."""
+  def measure(*args, **kwargs):
+    raise AssertionError('measured')
+  monkeypatch.setattr(bench_compile, 'measure', measure)
+  config = lm_stdlib.get_config()
+  config.model.moe.num_experts = 2
+  with pytest.raises(InputError, match='^--layouts=scanned at --layers=3: '
+                     'config.model.scan_layers repeats a group of 2 blocks'):
+    bench_compile.run(config, str(tmp_path / 'out'), size='tiny',
+                      layers=[2, 3], steps=1)
+  assert not (tmp_path / 'out').exists()
+
+
+@pytest.mark.core
+def test_a_benchmark_writes_the_committed_results_only_when_told(
+    tmp_path, monkeypatch):
+  """Without --out, a fresh folder of workdirs/ (ignored by git), never
+  experiments/results/."""
+  monkeypatch.chdir(tmp_path)
+  committed = 'experiments/results/bench_compile'
+  assert common.results_folder(committed, 'bench_compile') == committed
+  chosen = common.results_folder(None, 'bench_compile')
+  assert chosen.startswith('workdirs/bench_compile-')
+  os.makedirs(chosen)
+  assert common.results_folder(None, 'bench_compile') not in (chosen, None)
 
 
 @pytest.mark.slow

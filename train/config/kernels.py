@@ -10,11 +10,18 @@ Cached decoding (a query at a time against a key/value cache, under a mask
 array) always takes 'auto': no fused kernel reads a cache.
 """
 
+from collections.abc import Callable
 import dataclasses
 
 from model import layer_stack, logical_axes
 from model.attention import fused
 from train.base.train_config import TrainConfig
+
+# (attention, option) -> the config key that set it, as it was typed
+# (model/attention/options.py: option_key).
+KeyOf = Callable[[str, str], str]
+# The Pallas kernels a CPU runs in Pallas's interpreter: exact, slow.
+_INTERPRETED_ON_CPU = ('pallas_tpu', 'pallas_gpu')
 
 
 def _where(config: TrainConfig, caller: tuple[str, ...]
@@ -42,22 +49,17 @@ def _attention(config: TrainConfig, layers: tuple[int, ...]) -> str:
   return config.model.for_layer(layers[0] if layers else 0).attention
 
 
-def _key(config: TrainConfig, decision: fused.Decision) -> str:
-  """The config key of the kernel option a decision read."""
-  _, layers = _where(config, decision.caller)
-  return config.model.option_key(_attention(config, layers), 'kernel')
-
-
-def refusals(config: TrainConfig,
-             decisions: tuple[fused.Decision, ...]) -> list[str]:
+def refusals(config: TrainConfig, decisions: tuple[fused.Decision, ...],
+             key_of: KeyOf) -> list[str]:
   """One line for each kernel option that cannot compute what a layer asks
-  of it, naming the key."""
+  of it, naming the key as it was typed."""
   found = []
   for decision in decisions:
     if decision.refusal:
-      stack, _ = _where(config, decision.caller)
+      stack, layers = _where(config, decision.caller)
       found.append(
-          f'{_key(config, decision)}={decision.option!r} '
+          f'{key_of(_attention(config, layers), "kernel")}='
+          f'{decision.option!r} '
           f"{decision.refusal}: the {stack}'s self-attention is "
           f'{decision.case.describe()} on {decision.case.backend}; set it '
           "to 'auto'.")
@@ -78,13 +80,18 @@ class Layers:
 
   def describe(self) -> str:
     """e.g. 'decoder layers 0,2 local: pallas_tpu (auto; bfloat16, causal,
-    packed rows, window 128)'."""
+    packed rows, window 128)'; a Pallas kernel on the CPU is said to run
+    interpreted."""
     where = ('' if not self.layers else f' layer {self.layers[0]}'
              if len(self.layers) == 1 else
              f' layers {",".join(map(str, self.layers))}')
     how = 'auto' if self.option == 'auto' else 'as set'
+    interpreted = (self.case.backend == 'cpu'
+                   and self.kernel in _INTERPRETED_ON_CPU)
     return (f'{self.stack}{where} {self.attention}: {self.kernel} '
-            f'({how}; {self.case.describe()})')
+            f'({how}; {self.case.describe()}'
+            + ('; interpreted on the CPU: slow, for tests' * interpreted)
+            + ')')
 
 
 def grouped(config: TrainConfig,

@@ -9,6 +9,7 @@ Each rule names the key it checks, so a mistake is reported as, e.g.,
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -77,8 +78,12 @@ def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
   model_config = collect(_model_config, config)
   if task is None or model_config is None:
     raise InputError('\n'.join(problems))
+  # Each option's key is named as it was typed (flat, or by attention).
+  key_of = functools.partial(variant_options.option_key, model_config,
+                             config.model.get('attention_options', {}))
   config = TrainConfig.from_config(config, model_config)
-  problems += _attention_problems(config, task)
+  problems += _attention_problems(config, task, key_of)
+  problems += _kernel_option_problems(config, key_of)
   if model_config.memory_length and (config.pack_sequences
                                      or config.grad_accum_steps != 1):
     problems.append(
@@ -96,7 +101,6 @@ def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
   if problems:
     raise InputError('\n'.join(problems))
   positions = model_positions(config)
-  problems += _kernel_option_problems(config)
   limit = SCHEMES[model_config.position].max_positions(model_config)
   if limit is not None and positions > limit:
     problems.append(
@@ -109,7 +113,7 @@ def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
   if not problems:
     traced = collect(layout_validation.trace_model, config, task, mesh)
   if traced:
-    problems += kernels.refusals(config, traced.kernels)
+    problems += kernels.refusals(config, traced.kernels, key_of)
   if not problems:
     collect(layout_validation.check_parameters, config, mesh,
             traced.param_shapes)
@@ -127,7 +131,8 @@ def _model_config(config: ml_collections.ConfigDict) -> ModelConfig:
     raise InputError(str(error)) from None
 
 
-def _attention_problems(config: TrainConfig, task: Task) -> list[str]:
+def _attention_problems(config: TrainConfig, task: Task,
+                        key_of: kernels.KeyOf) -> list[str]:
   """Each attention of the pattern (or the one) against its options and
   the packed rows a language model reads; the closing sample."""
   model_config = config.model
@@ -137,8 +142,7 @@ def _attention_problems(config: TrainConfig, task: Task) -> list[str]:
     for name, _ in layer_config.attention_options:
       if name not in known:
         problems.append(
-            'unknown key '
-            f'{model_config.option_key(layer_config.attention, name)} for '
+            f'unknown key {key_of(layer_config.attention, name)} for '
             f'config.model.attention={layer_config.attention!r}; it takes '
             f'{known}{did_you_mean(name, known)}')
     variant = attention.spec(layer_config.attention)
@@ -171,7 +175,8 @@ def _interval_problems(config: TrainConfig) -> list[str]:
   return problems
 
 
-def _kernel_option_problems(config: TrainConfig) -> list[str]:
+def _kernel_option_problems(config: TrainConfig,
+                            key_of: kernels.KeyOf) -> list[str]:
   """A kernel option of a layer's attention names one of fused.KERNELS
   (whether that kernel computes the layer is learnt by tracing)."""
   problems = []
@@ -179,8 +184,8 @@ def _kernel_option_problems(config: TrainConfig) -> list[str]:
     kernel = dict(layer_config.attention_options).get('kernel', 'auto')
     if kernel not in fused.KERNELS:
       problems.append(
-          f'{config.model.option_key(layer_config.attention, "kernel")}='
-          f'{kernel!r} must be one of {list(fused.KERNELS)}.')
+          f'{key_of(layer_config.attention, "kernel")}={kernel!r} must be '
+          f'one of {list(fused.KERNELS)}{did_you_mean(kernel, fused.KERNELS)}')
   return list(dict.fromkeys(problems))
 
 
@@ -225,6 +230,14 @@ def warnings_of(config: TrainConfig) -> list[str]:
         f'config.warmup_steps={warmup} exceeds config.num_train_steps='
         f'{steps}: the learning rate never leaves its warmup, reaching '
         f'{steps / warmup:.3g} of {peak}.')
+  defaults = train_config.defaults()
+  for key, readers in optim.OPTIMIZER_KEYS.items():
+    value = getattr(config, key)
+    if config.optimizer not in readers and value != defaults[key]:
+      found.append(
+          f'config.{key}={value} has no effect: config.optimizer='
+          f'{config.optimizer!r} does not read it ({" and ".join(readers)} '
+          f'do{"es" * (len(readers) == 1)}).')
   return found
 
 

@@ -181,6 +181,11 @@ def _muon(config: TrainConfig, schedule: optax.Schedule, boxed_params
 # config.optimizer: (config, the schedule, the parameters as declared) ->
 # the update, with weight decay (model/weight_decay.py) on what it reaches.
 OPTIMIZERS = {'adamw': _adamw, 'sgd': _sgd, 'muon': _muon}
+# The keys that only some of OPTIMIZERS read, and which.
+OPTIMIZER_KEYS = {
+    'adam_b1': ('adamw', 'muon'), 'adam_b2': ('adamw', 'muon'),
+    'adam_eps': ('adamw', 'muon'), 'sgd_momentum': ('sgd',),
+    'muon_learning_rate': ('muon',), 'muon_momentum': ('muon',)}
 
 
 def make_optimizer(config: TrainConfig, boxed_params

@@ -108,3 +108,36 @@ def test_a_named_kernel_that_cannot_compute_a_layer_is_refused_by_key():
   assert str(error.value).endswith(
       "the decoder's self-attention is float32, causal, packed rows on "
       "cpu; set it to 'auto'.")
+
+
+def test_a_refusal_names_the_kernel_key_as_it_was_typed():
+  """One attention, its option set under its name: the error names that
+  key, not the flat one."""
+  config = lm_stdlib.get_config()  # ALiBi.
+  config.sample_length = 0
+  config.model.update(attention='bigbird', attention_options={
+      'bigbird': {'kernel': 'pallas_gpu'}})
+  with pytest.raises(InputError, match=(
+      r"^config.model.attention_options.bigbird.kernel='pallas_gpu' takes "
+      'no window or block-sparse pattern under ALiBi')):
+    config_validation.check(config)
+  config.model.attention_options.bigbird.kernel = None
+  config.model.attention_options.kernel = 'palas_gpu'
+  with pytest.raises(InputError, match=(
+      r"^config.model.attention_options.kernel='palas_gpu' must be")):
+    config_validation.check(config)
+
+
+def test_a_pallas_kernel_on_the_cpu_is_said_to_run_interpreted():
+  config = lm_stdlib.get_config('baseline')
+  config.model.update(attention='chunked',
+                      attention_options={'kernel': 'pallas_gpu'})
+  checked = config_validation.check(config)
+  (named,) = kernels.grouped(checked.config, checked.kernels)
+  assert named.describe() == (
+      'decoder layers 0,1,2,3 chunked: pallas_gpu (as set; float32, causal, '
+      'packed rows; interpreted on the CPU: slow, for tests)')
+  config.model.attention_options = {}
+  checked = config_validation.check(config)
+  (auto,) = kernels.grouped(checked.config, checked.kernels)
+  assert 'interpreted' not in auto.describe()

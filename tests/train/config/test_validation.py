@@ -64,6 +64,34 @@ def test_a_wsd_run_too_short_for_its_warmup_and_cooldown_is_warned_of():
       'config.learning_rate=0.0054.']
 
 
+def test_a_key_the_optimizer_does_not_read_is_warned_of():
+  config = lm_stdlib.get_config()  # Muon, at muon_learning_rate=0.017.
+  assert warnings_of(config) == []
+  config.optimizer = 'adamw'
+  assert warnings_of(config) == [
+      "config.muon_learning_rate=0.017 has no effect: config.optimizer="
+      "'adamw' does not read it (muon does)."]
+  config.muon_learning_rate = 0.02  # Its default: not set, not warned of.
+  assert warnings_of(config) == []
+
+
+def test_every_problem_of_a_config_is_reported_in_one_pass():
+  """A sample that local attention cannot take and a misspelt kernel: both
+  at once, the kernel with the nearest name."""
+  config = BASELINE()  # sample_length=300.
+  config.model.attention = 'local'
+  config.model.attention_options.kernel = 'palas_gpu'
+  with pytest.raises(InputError) as error:
+    config_validation.check(config)
+  assert str(error.value).splitlines() == [
+      "config.sample_length=300 samples with a key/value cache, and "
+      "config.model.attention='local' cannot read a key/value cache "
+      '(additive, chunked and dense can); set it to 0.',
+      "config.model.attention_options.kernel='palas_gpu' must be one of "
+      "['auto', 'xla', 'cudnn', 'pallas_tpu', 'pallas_gpu']; did you mean "
+      'pallas_gpu?']
+
+
 def test_every_default_key_has_a_comment():
   """The training keys are declared in train/base/train_config.py, a
   comment above each; config.model's fields are checked in
