@@ -30,14 +30,52 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from train.base.errors import InputError, Stopped, TrainingError, did_you_mean
+from train.base.errors import (InputError, Stopped, StoreFailure,
+                               TrainingError, did_you_mean)
 
 
-def fail(message: str, status: int = 2) -> NoReturn:
-  """Prints each line of `message` as `error: ...` and exits."""
+def fail(message: str, status: int = 2, *, at_once: bool = False
+         ) -> NoReturn:
+  """Prints each line of `message` as `error: ...` and exits; `at_once`,
+  without waiting for other threads or running exit handlers (those of a
+  store that does not answer would wait on it for minutes)."""
   for line in message.splitlines() or ['']:
     print(f'error: {line}', file=sys.stderr)
+  if at_once:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # pylint: disable=protected-access
   sys.exit(status)
+
+
+# Python's and absl's words for a value they could not read, and ours.
+_VALUE_WORDING = (
+    (r"invalid literal for int\(\) with base 10: .*", 'must be an integer.'),
+    (r'could not convert string to float: .*', 'must be a number.'),
+    (r"\('Non-boolean argument to boolean flag', .*\)",
+     'must be True or False.'),
+    # absl's bounds: '0 is not a positive integer', 'is not number >= 1'.
+    (r'\S+ is not ((?:an? )?(?:\S+ )?(?:integer|number)\b.*)',
+     r'must be \1.'),
+)
+
+
+def _value_error(flag: str, detail: str) -> str:
+  """`FLAG=VALUE: what is wrong`, in our words where absl's or Python's
+  say it, and VALUE said once where `detail` begins with it too (a config
+  file's message naming its argument)."""
+  detail = detail.removeprefix(f'{flag.partition("=")[2]}: ')
+  for pattern, ours in _VALUE_WORDING:
+    if re.fullmatch(pattern, detail):
+      return f'{flag}: {re.sub(pattern, ours, detail)}'
+  return f'{flag}: {detail}' if detail else flag
+
+
+def _raised(text: str) -> str:
+  """The last line of an error's text (a config file's traceback holds
+  it), without the exception's name (`train.base.errors.InputError: `)."""
+  return re.sub(r'^[\w.]*(Error|Exception): ', '',
+                text.strip().splitlines()[-1])
 
 
 def _flag_error(error: flags.Error) -> str:
@@ -59,11 +97,8 @@ def _flag_error(error: flags.Error) -> str:
   # A config file that raised is reported with its traceback inside the
   # message; the flag and the last line (the error) say it all.
   lines = [line.strip() for line in text.splitlines() if line.strip()]
-  first = lines[0].removeprefix('flag ')
-  if len(lines) == 1:
-    return first
-  flag = first.split(': ', 1)[0]
-  return f'{flag}: {re.sub(r"^[A-Za-z]*Error: ", "", lines[-1])}'
+  flag, _, detail = lines[0].removeprefix('flag ').partition(': ')
+  return _value_error(flag, _raised(text) if len(lines) > 1 else detail)
 
 
 def _config_flags() -> list[str]:
@@ -117,7 +152,7 @@ def _config_file_error(argv: list[str], name: str, error: Exception) -> str:
                 if arg.startswith((f'--{name}=', f'-{name}='))), '')
   path = given.split(':', 1)[0]
   if os.path.isfile(path):  # The file itself failed to load.
-    return f'--{name}={given}: {str(error).strip().splitlines()[-1]}'
+    return _value_error(f'--{name}={given}', _raised(str(error)))
   for near in (path + '.py', os.path.join('configs', path),
                os.path.join('configs', path + '.py')):
     if os.path.isfile(near):
@@ -148,10 +183,12 @@ def parse_flags(argv: list[str]) -> list[str]:
   return rest
 
 
-def load_config(config_arg: str, overrides: dict[str, Any]):
+def load_config(config_arg: str, overrides: dict[str, Any], *,
+                typed: str = '--config.'):
   """The config that `python -m train.train --config=CONFIG_ARG
   --config.KEY=VALUE ...` trains, read the way that command reads it;
-  InputError naming the file or key it cannot read."""
+  InputError naming the file, or the override as it was typed:
+  `{typed}KEY=VALUE` (a sweep's `--set=KEY=VALUE`)."""
   argv = ['train', f'--config={config_arg}',
           *(f'--config.{key}={value}' for key, value in overrides.items())]
   values = flags.FlagValues()
@@ -162,12 +199,14 @@ def load_config(config_arg: str, overrides: dict[str, Any]):
     values(argv)
     values.config.keys()
   except flags.Error as error:
-    raise InputError(_flag_error(error)) from None
+    message = _flag_error(error)
   except (AttributeError, KeyError) as error:
-    raise InputError(_override_error(argv, error)) from None
+    message = _override_error(argv, error)
   except OSError as error:
-    raise InputError(_config_file_error(argv, 'config', error)) from None
-  return values.config
+    message = _config_file_error(argv, 'config', error)
+  else:
+    return values.config
+  raise InputError(message.replace('--config.', typed))
 
 
 def _failure(error: Exception) -> str:
@@ -190,6 +229,8 @@ def outcome(work: Callable[[], Any]) -> Any:
     return work()
   except InputError as error:
     fail(str(error))
+  except StoreFailure as error:
+    fail(str(error), status=1, at_once=True)
   except TrainingError as error:
     fail(str(error), status=1)
   except Stopped:

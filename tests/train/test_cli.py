@@ -14,6 +14,7 @@ import pytest
 
 from tests.helpers import REPO
 from train import cli
+from train.base.errors import InputError
 
 LM = '--config=configs/lm_stdlib.py'
 LISTOPS = '--config=configs/listops.py'
@@ -32,8 +33,14 @@ CASES = {
                     'config.model.num_heads=3 does not divide'),
     'train_type': ('train.train', [LM, '--workdir={tmp}/w',
                                    '--config.model.tie_embeddings=maybe'],
-                   "--config.model.tie_embeddings=maybe: ('Non-boolean "
-                   "argument to boolean flag', 'maybe')"),
+                   '--config.model.tie_embeddings=maybe: must be True or '
+                   'False.'),
+    'train_integer': ('train.train', [LM, '--workdir={tmp}/w',
+                                      '--config.num_train_steps=abc'],
+                      '--config.num_train_steps=abc: must be an integer.'),
+    'train_number': ('train.train', [LM, '--workdir={tmp}/w',
+                                     '--config.learning_rate=1e'],
+                     '--config.learning_rate=1e: must be a number.'),
     'train_choice': ('train.train', [LM, '--workdir={tmp}/w',
                                      '--config.schedule=cosin'],
                      "config.schedule='cosin' must be one of ['cosine', "
@@ -118,6 +125,22 @@ CASES = {
     'sweep_key': ('experiments.sweep',
                   [LISTOPS, '--workdir={tmp}/s', '--set=model.dmodel=64'],
                   "config.model has no key 'dmodel'; did you mean d_model?"),
+    'sweep_set_key': ('experiments.sweep',
+                      [LISTOPS, '--workdir={tmp}/s',
+                       '--set=num_train_step=3'],
+                      "--set=num_train_step=3: config has no key "
+                      "'num_train_step'; did you mean num_train_steps?"),
+    'sweep_set_value': ('experiments.sweep',
+                        [LISTOPS, '--workdir={tmp}/s',
+                         '--set=model.num_heads=x'],
+                        '--set=model.num_heads=x: must be an integer.'),
+    'sweep_parallel': ('experiments.sweep',
+                       ['--config=configs/length_generalisation.py',
+                        '--workdir={tmp}/p', '--parallel=0'],
+                       '--parallel=0: must be a positive integer.'),
+    'sweep_search_parallel': ('experiments.sweep',
+                              [LISTOPS, '--workdir={tmp}/p', '--parallel=-1'],
+                              '--parallel=-1: must be a positive integer.'),
     'sweep_no_workdir': ('experiments.sweep', [LISTOPS],
                          '--workdir is required'),
     'sweep_bucket': ('experiments.sweep', [LISTOPS, '--workdir=gs://b/s'],
@@ -158,6 +181,15 @@ CASES = {
                       '--out is required'),
     'bench_attention_flag': ('experiments.bench_attention', ['--lenghts=8'],
                              'did you mean --lengths?'),
+    'bench_attention_variant': ('experiments.bench_attention',
+                                ['--variants=chunkd', '--out={tmp}/b'],
+                                "--variants: unknown attention 'chunkd'; did "
+                                'you mean chunked?'),
+    'bench_attention_kernel': ('experiments.bench_attention',
+                               ['--variants=chunked[palas_gpu]',
+                                '--out={tmp}/b'],
+                               "--variants: 'chunked[palas_gpu]': no kernel "
+                               "'palas_gpu'; did you mean pallas_gpu?"),
     'bench_train_key': ('experiments.bench_train',
                         ['--config.modle.d_model=8'],
                         "config has no key 'modle'; did you mean model?"),
@@ -199,8 +231,24 @@ def test_a_mistake_is_one_line_and_status_2(case, outcomes):
       outcome['stderr'].strip()], outcome['stderr']
   assert outcome['stderr'].startswith('error: ')
   assert CASES[case][2] in outcome['stderr']
+  # Python's own wording, or an exception's name, never reaches the user.
+  assert not re.search(r'Error: |invalid literal|Non-boolean|could not '
+                       r'convert', outcome['stderr']), outcome['stderr']
   assert outcome['status'] == 2
   assert outcome['stdout'] == ''
+
+
+def test_a_config_files_error_is_said_once_without_its_type(tmp_path):
+  """An InputError raised by a config file, whose message names the file
+  and its argument as the flag does."""
+  path = tmp_path / 'presets.py'
+  path.write_text(
+      'from train.base.errors import InputError\n\n\n'
+      'def get_config(arg):\n'
+      "  raise InputError(f'{__file__}:{arg}: no preset {arg!r}.')\n")
+  with pytest.raises(InputError) as error:
+    cli.load_config(f'{path}:big', {})
+  assert str(error.value) == f"--config={path}:big: no preset 'big'."
 
 
 def test_a_failure_of_the_run_is_one_line_and_status_1(capsys):
