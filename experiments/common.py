@@ -95,6 +95,29 @@ def local_workdir(workdir: str) -> str:
   return storage.resolve(workdir)
 
 
+def results_folder(out: str | None, experiment: str) -> str:
+  """Where an experiment writes its results: `out` (--out) where given,
+  the committed results in experiments/results/ only so; else a fresh
+  folder of the ignored workdirs/, named for the experiment and the
+  time, e.g. workdirs/bench_compile-20260101-120000."""
+  if out:
+    return out
+  stem = os.path.join('workdirs', f'{experiment}-'
+                      f'{time.strftime("%Y%m%d-%H%M%S")}')
+  path, number = stem, 1
+  while os.path.exists(path):  # Another started in the same second.
+    number += 1
+    path = f'{stem}-{number}'
+  return path
+
+
+def out_help(experiment: str) -> str:
+  """The help of an experiment's --out flag."""
+  return (f'Where the results go; default: a fresh folder '
+          f'workdirs/{experiment}-<date>-<time>. The committed ones: '
+          f'--out=experiments/results/{experiment}.')
+
+
 def load_json(path: str):
   """The JSON value in `path`, or None if there is no such file."""
   if not os.path.exists(path):
@@ -113,12 +136,14 @@ def save_json(path: str, value) -> None:
 def read_metrics(workdir: str) -> list[dict[str, float]]:
   """The lines of `workdir/metrics.jsonl` (none if it is missing). A
   resumed run logs again the steps after its checkpoint: of lines logged
-  for the same step with the same keys, the last is kept."""
+  for the same step holding the same kinds of figures (training, or
+  evaluation, or both), the last is kept, whatever else either holds (a
+  resume's `steps_averaged`, an `mfu` measured elsewhere)."""
   path = os.path.join(workdir, 'metrics.jsonl')
   if not os.path.exists(path):
     return []
   lines = metrics.read_metrics(path)
-  last = {(line['step'], tuple(sorted(line))): i
+  last = {(line['step'], 'loss' in line, 'eval_loss' in line): i
           for i, line in enumerate(lines)}
   return [lines[i] for i in sorted(last.values())]
 

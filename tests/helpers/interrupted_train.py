@@ -15,6 +15,8 @@ HOW is one of
          slow every later step down, so that on several hosts the notice
          reaches them all (through JAX's coordination service) before the
          run ends;
+  stall: SIGSTOP it where `kill` would kill it (a stall, a partition),
+         for whoever waits on it to send SIGCONT;
 or `none` (no interruption). The cues hook the loop's per-step call
 (StopRequest.due), the checkpointer and orbax's commit (the atomic
 rename). The lock of a workdir on an object store is leased for
@@ -72,10 +74,11 @@ def _cue(interrupt: str) -> None:
     cued = done >= step and not fired
     if cued:
       fired.append(done)
-    if cued and how == 'kill':
+    if cued and how in ('kill', 'stall'):
       for checkpointer in checkpointers[-1:]:
         checkpointer.wait()
-      os.kill(os.getpid(), signal.SIGKILL)
+      os.kill(os.getpid(), signal.SIGKILL if how == 'kill'
+              else signal.SIGSTOP)
     if cued and how == 'term':
       os.kill(os.getpid(), signal.SIGTERM)
     if how == 'term' and done >= step:

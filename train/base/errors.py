@@ -15,6 +15,14 @@ class TrainingError(RuntimeError):
   exit with status 1."""
 
 
+class StoreFailure(TrainingError):
+  """A checkpoint could not be written to an object store: it failed, or
+  did not answer within its time bound (ATTNLAB_STORE_TIMEOUT_S); the
+  message says which and which checkpoint is the last complete one. Entry
+  points print it and exit with status 1 at once, without waiting for the
+  threads of the store's libraries, which may still be retrying."""
+
+
 class Stopped(Exception):
   """A signal or preemption notice stopped the run after it saved a
   checkpoint; running it again resumes there. Entry points exit with

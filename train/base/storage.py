@@ -18,16 +18,26 @@ stands in for them:
   takes about one write of an object a second: its writer flushes less
   often than each line.)
 - flock: the workdir's lock is a lease its holder renews
-  (train/run/workdir.py).
+  (train/run/workdir.py), each write and deletion of it holding only for
+  the version of it read last (`write_if`, `delete_if`).
 An object store has no free-space figure either: checkpoints check the
-space free on disks only.
+space free on disks only. And it can stop answering (an outage, a
+partition) while its libraries retry for many minutes: a run waits on it
+at most ATTNLAB_STORE_TIMEOUT_S seconds at a time (`timeout_s`,
+`bounded`), then fails or goes on as its caller decides.
 
 A path on an object store is a URL; a local one is made absolute (`~`
 expanded), so that every host and every library reads the same place.
 """
 
+from collections.abc import Callable
+import functools
+import math
 import os
+import sys
 import tempfile
+import threading
+from typing import TypeVar
 
 # gcsfs behind gs:// even where TensorFlow is installed (to build tfds
 # datasets): one backend, the one tested.
@@ -41,9 +51,73 @@ import fsspec  # noqa: E402
 # the bucket behind gcsfs's back.
 fsspec.config.conf.setdefault('gcs', {})['use_listings_cache'] = False
 
+from train.base.errors import InputError  # noqa: E402
+
+# The environment variable of the longest a run waits on an object store
+# at a time, in seconds: an environment's setting (how long an outage of
+# its store may last), which changes no result, as the libraries' own
+# (STORAGE_EMULATOR_HOST, ...) are.
+TIMEOUT_VARIABLE = 'ATTNLAB_STORE_TIMEOUT_S'
+# Its default: twice the lease of a workdir's lock, and room for a
+# checkpoint of a few GiB to be written at GCS's pace.
+DEFAULT_TIMEOUT_S = 120.0
+_Result = TypeVar('_Result')
+# By bucket, the last operation that did not answer in time: while it
+# still waits, the store is taken as not answering, and every other
+# operation on it fails at once rather than wait again.
+_unanswered: dict[str, threading.Thread] = {}
+
 
 # The object stores a run may live on, by URL scheme.
 SCHEMES = ('gs',)
+
+
+def timeout_s() -> float:
+  """ATTNLAB_STORE_TIMEOUT_S's seconds (DEFAULT_TIMEOUT_S where it is not
+  set); InputError naming it unless it is a number of seconds above 0."""
+  text = os.environ.get(TIMEOUT_VARIABLE)
+  if text is None:
+    return DEFAULT_TIMEOUT_S
+  try:
+    seconds = float(text)
+  except ValueError:
+    seconds = math.nan
+  if not (math.isfinite(seconds) and seconds > 0):
+    raise InputError(
+        f'{TIMEOUT_VARIABLE}={text!r} is not a number of seconds above 0 '
+        '(the longest a run waits on an object store at a time).')
+  return seconds
+
+
+def bounded(work: Callable[[], _Result], location: str) -> _Result:
+  """work(), operations on the store of `location`: on an object store,
+  waited for up to timeout_s() seconds, then TimeoutError saying so
+  (`work` goes on in the background, its libraries retrying); at once
+  while an earlier operation there still waits past its time."""
+  if not is_object_store(location):
+    return work()
+  seconds, store = timeout_s(), bucket(location)
+  unanswered = TimeoutError(f'{store} did not answer within {seconds:g} s '
+                            f'({TIMEOUT_VARIABLE})')
+  if store in _unanswered and _unanswered[store].is_alive():
+    raise unanswered
+  outcome = {}
+
+  def run() -> None:
+    try:
+      outcome['result'] = work()
+    except BaseException as error:  # pylint: disable=broad-except
+      outcome['error'] = error
+
+  thread = threading.Thread(target=run, daemon=True, name='store operation')
+  thread.start()
+  thread.join(seconds)
+  if thread.is_alive():
+    _unanswered[store] = thread
+    raise unanswered
+  if 'error' in outcome:
+    raise outcome['error']
+  return outcome['result']
 
 
 def is_object_store(location: str) -> bool:
@@ -91,8 +165,12 @@ def write_whole(file: epath.Path, data: str | bytes) -> None:
   needed."""
   mode = 'wb' if isinstance(data, bytes) else 'w'
   if is_object_store(str(file)):
-    with file.open(mode) as f:
-      f.write(data)
+
+    def upload() -> None:
+      with file.open(mode) as f:
+        f.write(data)
+
+    bounded(upload, str(file))
     return
   file.parent.mkdir(parents=True, exist_ok=True)
   descriptor, temporary = tempfile.mkstemp(dir=file.parent,
@@ -131,14 +209,98 @@ def move(source: epath.Path, target: epath.Path) -> None:
   store.rm(name, recursive=True)
 
 
-def create(file: epath.Path, text: str) -> bool:
-  """Writes `file` on an object store unless it exists (a precondition the
-  store checks: GCS's ifGenerationMatch=0); False if it does."""
+def _object(file: epath.Path) -> tuple[fsspec.AbstractFileSystem, str, str]:
+  """(gcsfs, bucket, name in it) of a file on an object store."""
   store, name = fsspec.core.url_to_fs(str(file))
+  bucket_name, key, _ = store.split_path(name)
+  return store, bucket_name, key
+
+
+def read_versioned(file: epath.Path) -> tuple[str, str] | None:
+  """(text, generation) of `file` on an object store, read in one request
+  (None: there is none). GCS numbers each version of an object it stores,
+  its generation: a write, even of the same text, makes a new one."""
+  store, bucket_name, key = _object(file)
   try:
-    with store.open(name, 'xb') as f:
-      f.write(text.encode())
-  except FileExistsError:
+    headers, contents = bounded(lambda: store.call(
+        'GET', 'b/{}/o/{}', bucket_name, key, alt='media'), str(file))
+  except FileNotFoundError:
+    return None
+  return contents.decode(), headers['x-goog-generation']
+
+
+def write_if(file: epath.Path, text: str, generation: str) -> str | None:
+  """Writes `file` on an object store only if its generation is still
+  `generation` ('0': only if there is none), a precondition the store
+  checks (GCS's ifGenerationMatch); the generation written, or None if
+  the precondition failed."""
+  store, bucket_name, key = _object(file)
+  # The JSON API's uploads, beside gcsfs's base (https://.../storage/v1/).
+  uploads = store.base.replace('/storage/', '/upload/storage/', 1) + 'b/{}/o'
+  try:
+    written = bounded(lambda: store.call(
+        'POST', uploads, bucket_name, uploadType='media', name=key,
+        ifGenerationMatch=generation, data=text.encode(), json_out=True),
+        str(file))
+  except FileExistsError:  # gcsfs's word for 412 Precondition Failed.
+    return None
+  return written['generation']
+
+
+def delete_if(file: epath.Path, generation: str) -> None:
+  """Deletes `file` on an object store only if its generation is still
+  `generation` (an object written since is left alone, as is none)."""
+  store, bucket_name, key = _object(file)
+  try:
+    bounded(lambda: store.call('DELETE', 'b/{}/o/{}', bucket_name, key,
+                               ifGenerationMatch=generation), str(file))
+  except (FileExistsError, FileNotFoundError):
+    pass
+
+
+# What tensorstore logs (from C++, to stderr) where it finds no credentials
+# file and is not on Google Compute Engine.
+NO_CREDENTIALS = 'Could not find the credentials file'
+
+
+def check_credentials(location: str) -> None:
+  """Has tensorstore (a checkpoint's arrays) take its credentials for the
+  object store of `location` before anything else of this process asks:
+  it takes them once a process. Finding none, it logs an error, though a
+  store that wants none (an emulator, a public bucket) answers anyway:
+  that line is dropped where the store answers, and said where not."""
+  if is_object_store(location):
+    _check_credentials(bucket(location))
+
+
+@functools.cache
+def _check_credentials(bucket_url: str) -> None:
+  with tempfile.TemporaryFile() as captured:
+    sys.stderr.flush()
+    stderr = os.dup(2)
+    os.dup2(captured.fileno(), 2)
+    try:
+      answered = _answers(bucket_url)
+    finally:
+      sys.stderr.flush()
+      os.dup2(stderr, 2)
+      os.close(stderr)
+    captured.seek(0)
+    said = captured.read().decode(errors='replace')
+  sys.stderr.write(''.join(line for line in said.splitlines(keepends=True)
+                           if not (answered and NO_CREDENTIALS in line)))
+  sys.stderr.flush()
+
+
+def _answers(bucket_url: str) -> bool:
+  """Whether tensorstore reads from the bucket (an object it lacks)."""
+  import tensorstore  # pylint: disable=import-outside-toplevel
+  try:
+    store = tensorstore.KvStore.open(f'{bucket_url}/').result(
+        timeout=timeout_s())
+    store.read('.attnlab-credentials-check').result(timeout=timeout_s())
+  except Exception:  # pylint: disable=broad-except
+    # Any error of the store's: the run's own use of it says what it is.
     return False
   return True
 

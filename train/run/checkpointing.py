@@ -7,7 +7,10 @@ is a copy, it writes `<step>` and commits it by writing the file
 `commit_success.txt` last. One left behind by a run killed mid-save is
 reported and deleted when the next run starts. A save that fails
 (a full disk, a lost mount) stops the run with a TrainingError naming the
-step and the last complete checkpoint; there is no silent loss.
+step and the last complete checkpoint; there is no silent loss. On an
+object store, each wait on it (a save started, waited for, orbax closed)
+lasts at most storage.timeout_s() seconds: past it, the store did not
+answer, and the same holds (StoreFailure).
 
 Every process takes part in saving its shards of the state, and a state is
 restored into whatever shardings the caller asks for: a checkpoint written
@@ -53,7 +56,7 @@ import orbax.checkpoint as ocp
 
 from model import layer_stack
 from train.base import hosts, quiet, storage
-from train.base.errors import InputError, TrainingError
+from train.base.errors import InputError, StoreFailure, TrainingError
 from train.data import pipeline
 from train.program.steps import TrainState
 
@@ -185,6 +188,15 @@ def state_bytes(state: TrainState) -> int:
              for leaf in jax.tree.leaves(state))
 
 
+def _bytes_written(step_dir: str) -> int:
+  """Bytes of the files of a checkpoint (0 where they cannot be listed: a
+  damaged one, which its restore reports)."""
+  try:
+    return sum(storage.files(storage.path(step_dir)).values())
+  except OSError:
+    return 0
+
+
 def _megabytes(count: float) -> str:
   return f'{count / 2**20:,.1f} MiB'
 
@@ -201,6 +213,7 @@ class Checkpointer:
     self._workdir = storage.resolve(workdir)
     self.directory = f'{self._workdir}/checkpoints'
     self._keep = keep
+    storage.check_credentials(self._workdir)  # Before orbax's tensorstore.
     if not read_only:
       self._report_incomplete()
     # A reader is told that its directory is read only: it knows.
@@ -218,6 +231,8 @@ class Checkpointer:
     # The step of the save in flight, if any, and of the last complete one.
     self._saving = None
     self._complete = self._manager.latest_step()
+    # Once a save failed, orbax is left as it is (see `_failed`).
+    self._abandoned = False
 
   def _report_incomplete(self) -> None:
     directory = storage.path(self.directory)
@@ -234,10 +249,16 @@ class Checkpointer:
                      error: type[Exception]) -> tuple[int, int]:
     """(bytes of a checkpoint of `state`, bytes free on the disk of the
     fullest host, unbounded on an object store); raises `error` unless the
-    checkpoint fits."""
+    checkpoint fits. A checkpoint takes its arrays' bytes, or what the
+    last complete one took where that is more (orbax's metadata, the data
+    iterator's state and the checksums: most of a small model's)."""
     size = state_bytes(state)
     if storage.is_object_store(self.directory):
       return size, float('inf')
+    if self._complete is not None:
+      # The largest on any host: the hosts agree whether it fits.
+      size = -hosts.minimum_over_hosts(-max(size, _bytes_written(
+          f'{self.directory}/{self._complete}')))
     free = hosts.minimum_over_hosts(shutil.disk_usage(self.directory).free)
     if free < size:
       raise error(
@@ -258,34 +279,41 @@ class Checkpointer:
   def _last_complete(self) -> str:
     if self._complete is None:
       return 'There is no complete checkpoint yet.'
-    return (f'The last complete checkpoint is step {self._complete}; free '
-            'space and run the same command to resume from it.')
+    return (f'The last complete checkpoint is step {self._complete}; run '
+            'the same command to resume from it.')
 
-  def _failed(self, error: Exception) -> TrainingError:
-    """The error that stops the run when the save in flight failed."""
+  def _failed(self, error: Exception, doing: str | None = None
+              ) -> TrainingError:
+    """The error that stops the run when the save in flight (or `doing`)
+    failed: StoreFailure on an object store. Orbax is left as it is from
+    then on: its threads may still wait on the store, and its errors would
+    hide this one."""
     step, self._saving = self._saving, None
-    return TrainingError(
-        f'could not write the checkpoint of step {step} in {self.directory}: '
-        f'{error}. {self._last_complete()}')
+    self._abandoned = True
+    failure = (StoreFailure if storage.is_object_store(self.directory)
+               else TrainingError)
+    return failure(
+        f'could not {doing or f"write the checkpoint of step {step}"} in '
+        f'{self.directory}: {error}. {self._last_complete()}')
 
   def _finished(self) -> None:
     """Waits for the save in flight; raises TrainingError if it failed."""
+    if self._saving is None:
+      return
     try:
-      self._manager.wait_until_finished()
+      storage.bounded(self._manager.wait_until_finished, self.directory)
     except Exception as error:  # orbax re-raises the writer thread's error.
       raise self._failed(error) from error
-    if self._saving is not None:
-      if jax.process_index() == 0:
-        step_dir = f'{self.directory}/{self._saving}'
-        try:
-          _record_file_sizes(step_dir)
-        except Exception as error:  # pylint: disable=broad-except
-          # Any error of the store (gcsfs's are not all OSErrors).
-          print(f'warning: could not record the file sizes of {step_dir} '
-                f'({storage.reason(error)}); its checksums still verify '
-                'it.',
-                flush=True)
-      self._complete, self._saving = self._saving, None
+    if jax.process_index() == 0:
+      step_dir = f'{self.directory}/{self._saving}'
+      try:
+        storage.bounded(lambda: _record_file_sizes(step_dir), step_dir)
+      except Exception as error:  # pylint: disable=broad-except
+        # Any error of the store (gcsfs's are not all OSErrors).
+        print(f'warning: could not record the file sizes of {step_dir} '
+              f'({storage.reason(error)}); its checksums still verify it.',
+              flush=True)
+    self._complete, self._saving = self._saving, None
 
   def latest_step(self) -> int | None:
     """The step of the last complete checkpoint (None: there is none)."""
@@ -446,19 +474,24 @@ class Checkpointer:
       # a checkpoint holds every row's, to resume on any number of hosts.
       data_state = pipeline.merged_rows(hosts.gathered(data_state))
     sums = checksums(state, data_state)
-    if jax.process_index() == 0:
-      try:
-        _write_ledger(self.directory, step, sums)
-      except Exception as error:  # pylint: disable=broad-except
-        print(f'warning: could not add step {step} to the ledger '
-              f'{self.directory}/{LEDGER} ({storage.reason(error)}); '
-              'its own checksums still verify it.', flush=True)
-    try:
+
+    def start() -> None:
+      if jax.process_index() == 0:
+        try:
+          _write_ledger(self.directory, step, sums)
+        except Exception as error:  # pylint: disable=broad-except
+          print(f'warning: could not add step {step} to the ledger '
+                f'{self.directory}/{LEDGER} ({storage.reason(error)}); '
+                'its own checksums still verify it.', flush=True)
       self._manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
           data=ocp.args.JsonSave(data_state),
           checksums=ocp.args.JsonSave(sums)))
-    except OSError as error:  # Creating the directory failed at once.
+
+    try:
+      storage.bounded(start, self.directory)
+    # Creating the directory failed at once, or the store did not answer.
+    except OSError as error:
       raise self._failed(error) from error
 
   def wait(self) -> int | None:
@@ -467,8 +500,12 @@ class Checkpointer:
     return self._complete
 
   def close(self) -> None:
-    """Waits for any save in flight to finish, then releases orbax."""
+    """Waits for any save in flight to finish, then releases orbax; after
+    a failed save, leaves orbax as it is (see `_failed`)."""
+    if self._abandoned:
+      return
+    self._finished()
     try:
-      self._finished()
-    finally:
-      self._manager.close()
+      storage.bounded(self._manager.close, self.directory)
+    except Exception as error:  # orbax's errors have many types.
+      raise self._failed(error, 'close the checkpoints') from error

@@ -13,12 +13,13 @@ file are uploaded whole (train/base/storage.py; tensorboardX's own writer),
 so no line there is ever cut: at most every UPLOAD_EVERY_S seconds (GCS
 takes about one write of an object a second), before each checkpoint and
 at the end. A run killed there loses the lines of its last seconds, all
-after its last checkpoint, which the resumed run logs again.
+after its last checkpoint, which the resumed run logs again. An upload
+the store refuses keeps its lines for the next; lines still unwritten at
+the end fail the run (exit status 1), named in one line.
 """
 
 import json
 import math
-import os
 import sys
 import time
 from typing import Any
@@ -47,9 +48,9 @@ def final_summary(task, decode_splits=()) -> dict[str, str | None]:
   neither): the training summary, then the evaluation's."""
   names = {'loss': 'min', 'accuracy': 'max', 'learning_rate': None,
            'grad_norm': None, 'tokens_per_s': 'max', 'steps_per_s': 'max',
-           'mfu': 'max', 'skipped_steps': 'min', 'moe_aux_loss': 'min',
-           'moe_dropped_fraction': 'min', 'eval_loss': 'min',
-           'eval_accuracy': 'max'} | dict(task.quality)
+           'mfu': 'max', 'steps_averaged': None, 'skipped_steps': 'min',
+           'moe_aux_loss': 'min', 'moe_dropped_fraction': 'min',
+           'eval_loss': 'min', 'eval_accuracy': 'max'} | dict(task.quality)
   for split in decode_splits:
     for score in ('exact_match', 'token_accuracy', 'bleu'):
       names[f'decode_{split}_{score}'] = 'max'
@@ -164,20 +165,23 @@ def read_metrics(path: str) -> list[dict[str, float]]:
 
 def repair_cut_line(path: str) -> None:
   """Moves a last line without its newline (its writer was killed, or the
-  disk filled) to `<path>.partial`, and says so. (A file on an object
-  store is written whole.)"""
-  if storage.is_object_store(path) or not os.path.exists(path):
+  disk filled; on an object store, a file written whole by another tool)
+  to `<path>.partial`, and says so."""
+  file = storage.path(path)
+  if not file.exists():
     return
-  with open(path, 'rb+') as f:
-    data = f.read()
-    if not data or data.endswith(b'\n'):
-      return
-    cut = data.rfind(b'\n') + 1
-    with open(path + '.partial', 'ab') as partial:
-      partial.write(data[cut:] + b'\n')
-    f.truncate(cut)
-  print(f'warning: the last line of {path} was cut off (a run was killed or '
-        f'the disk was full); it is moved to {path}.partial.', flush=True)
+  data = file.read_bytes()
+  if not data or data.endswith(b'\n'):
+    return
+  cut = data.rfind(b'\n') + 1
+  partial = storage.path(path + '.partial')
+  # Set aside before it is cut off: a failure in between loses nothing.
+  storage.write_whole(partial, (partial.read_bytes() if partial.exists()
+                                else b'') + data[cut:] + b'\n')
+  storage.write_whole(file, data[:cut])
+  print(f'warning: the last line of {path} was cut off (its writer was '
+        f'killed, or ran out of room); it is moved to {path}.partial.',
+        flush=True)
 
 
 def tensorboard_tag(key: str) -> str:
@@ -218,6 +222,9 @@ class MetricWriter:
     self._flush_every = (UPLOAD_EVERY_S if storage.is_object_store(workdir)
                          else 0.0)
     self._flushed = time.monotonic()
+    # The steps of the lines not yet written out, and whether the last try
+    # failed (said once, until one succeeds).
+    self._unwritten_steps, self._refused = [], False
     self._progress = tqdm.tqdm(total=total_steps, initial=first_step,
                                unit='step', dynamic_ncols=True)
 
@@ -229,6 +236,7 @@ class MetricWriter:
       try:
         # The wall-clock time, in seconds since the epoch, in the file only.
         self._jsonl.write(json_line(step, summary | {'time': time.time()}))
+        self._unwritten_steps.append(step)
       except OSError as error:  # A full disk, a lost mount.
         self._stop_jsonl(f'could not write the metrics of step {step} to '
                          f'{self._jsonl.name} ({error.strerror or error})')
@@ -241,7 +249,7 @@ class MetricWriter:
 
   def flush(self) -> None:
     """Writes out what is written so far (before a checkpoint); a failure
-    is said, and training goes on."""
+    is said, training goes on, and the lines are written at the next try."""
     if not self._active:
       return
     self._flushed = time.monotonic()
@@ -250,31 +258,47 @@ class MetricWriter:
         self._jsonl.flush()
       except Exception as error:  # pylint: disable=broad-except
         # Any error of the store (gcsfs's are not all OSErrors).
-        self._stop_jsonl(f'could not write {self._jsonl.name} ({error})')
+        if not self._refused:
+          print(f'warning: could not write {self._jsonl.name} '
+                f'({storage.reason(error)}); its lines are kept, and '
+                'uploaded again at the next flush.', flush=True)
+        self._refused = True
+      else:
+        self._unwritten_steps, self._refused = [], False
     self._on_tensorboard('flush')
 
   def _on_tensorboard(self, action: str) -> None:
-    """Flushes or closes TensorBoard's writer; a failure is said."""
+    """Flushes or closes TensorBoard's writer, within the store's time
+    bound; a failure is said."""
     try:
-      getattr(self._tensorboard, action)()
+      storage.bounded(getattr(self._tensorboard, action),
+                      self._tensorboard.logdir)
     except Exception as error:  # pylint: disable=broad-except
       print(f"warning: could not write TensorBoard's events ({error}).",
             flush=True)
 
-  def _stop_jsonl(self, problem: str | None = None) -> None:
-    """Closes metrics.jsonl; says so if writing it failed (`problem`, or
-    the close). Training goes on, and the other hosts need not know:
+  def _stop_jsonl(self, problem: str) -> None:
+    """Closes metrics.jsonl on a disk that could not take a line, and says
+    so (`problem`). Training goes on, and the other hosts need not know:
     checkpoints check their own writes."""
     jsonl, self._jsonl = self._jsonl, None
     try:
       jsonl.close()
-    except Exception as error:  # pylint: disable=broad-except
-      # Flushing what it held failed.
-      problem = problem or (f'could not write {jsonl.name} '
-                            f'({storage.reason(error)})')
-    if problem:
-      print(f'warning: {problem}; metrics.jsonl is not written any more in '
-            'this run.', flush=True)
+    except OSError:  # The line it could not write, failing again.
+      pass
+    print(f'warning: {problem}; metrics.jsonl is not written any more in '
+          'this run.', flush=True)
+
+  def _lost(self, error: Exception) -> str:
+    """The line saying which summaries the last write of metrics.jsonl,
+    failing with `error`, lost."""
+    steps = self._unwritten_steps
+    lines = (f'its last {len(steps)} lines, the summaries of steps '
+             f'{steps[0]}-{steps[-1]} shown above, are' if len(steps) > 1
+             else f'its last line, the summary of step {steps[0]} shown '
+             'above, is')
+    return (f'could not write {self._jsonl.name} at the end of the run '
+            f'({storage.reason(error)}): {lines} lost.')
 
   def write_hparams(self, hparams: dict[str, Any],
                     final: dict[str, float]) -> None:
@@ -294,17 +318,26 @@ class MetricWriter:
     if self._active:
       self._progress.update(steps)
 
-  def close(self) -> None:
-    if self._active:
-      self._progress.close()
-      if self._jsonl is not None:
-        self._stop_jsonl()
-      self._on_tensorboard('close')
+  def close(self) -> str | None:
+    """Writes out and closes; what could not be written (None: all was),
+    for the run to fail with once it is done."""
+    if not self._active:
+      return None
+    self._progress.close()
+    lost = None
+    if self._jsonl is not None:
+      try:
+        self._jsonl.close()
+      except Exception as error:  # pylint: disable=broad-except
+        lost = self._lost(error)
+    self._on_tensorboard('close')
+    return lost
 
 
 class TrainLog:
   """Training-metric summaries every `log_every` steps, fetched one call
-  late.
+  late. A summary of fewer steps (the first after a resume in the middle
+  of an interval, the last of a run) says how many in `steps_averaged`.
 
   `add` is called right after a call (one step or several) is dispatched;
   it fetches the metrics of the call before, which waits for that call
@@ -376,6 +409,8 @@ class TrainLog:
     summary['grad_norm'] = float(values['grad_norm'])
     summary['tokens_per_s'] = self._sums['token_count'] / seconds
     summary['steps_per_s'] = self._steps / seconds
+    if self._steps != self._log_every:
+      summary['steps_averaged'] = self._steps
     if self._mfu_per_step_per_s is not None:
       summary['mfu'] = self._mfu_per_step_per_s * summary['steps_per_s']
     self._sums = dict.fromkeys(self._summed, 0.0)

@@ -48,11 +48,13 @@ def closing_summary(*, task: Task, steps: tuple[int, int], seconds: float,
                     final: dict[str, float], tokens_per_s: float | None,
                     checkpoint: str | None, workdir: str,
                     extendable: bool, cannot_decode: str | None) -> str:
-  """The lines a run ends with: steps and wall time, the final
-  evaluation (the quality metric's best of the run beside it), throughput,
-  the last checkpoint, and what to run next (`extendable`: a larger
-  num_train_steps may resume it; `cannot_decode`: why the task's decode
-  command does not apply, see decoding.cache_refusal)."""
+  """The lines a run trained to its last step ends with: steps and wall
+  time (or that it was trained before, `steps` (last, last), and only
+  evaluated), the final evaluation (the quality metric's best of the run
+  beside it), throughput, the last checkpoint, and what to run next: how
+  to train further (`extendable`: a larger num_train_steps, else a new
+  workdir starting from this one), and the task's decode command
+  (`cannot_decode`: why it does not apply, see decoding.cache_refusal)."""
   metric, direction = task.quality_metric(final)
   shown = [f'{metric} {final[metric]:.4g}']
   values = [(summary[metric], step) for step, summary in evaluations
@@ -63,12 +65,16 @@ def closing_summary(*, task: Task, steps: tuple[int, int], seconds: float,
   shown += [f'{key} {value:.4g}' for key, value in final.items()
             if key != metric]
   first, last = steps
-  lines = [f'Done: steps {first}-{last} in {_duration(seconds)}; '
-           + ', '.join(shown)
+  done = (f'Done: steps {first}-{last} in {_duration(seconds)}'
+          if first < last else f'Already trained to step {last}, evaluated '
+          f'again in {_duration(seconds)}')
+  lines = [f'{done}; ' + ', '.join(shown)
            + (f'; {tokens_per_s:,.0f} tokens/s' if tokens_per_s else '') + '.']
-  then = ['run the same command to resume' + (
-      ' (or extend it with a larger config.num_train_steps)' if extendable
-      else '')]
+  then = ['the run is complete: ' + (
+      'to train it further, run the same command with a larger '
+      'config.num_train_steps' if extendable else
+      'its schedule ends at config.num_train_steps, so to train it further, '
+      f'start a new --workdir from it with --config.init_from={workdir}')]
   if task.decode_command:
     action, module = task.decode_command
     then.append(f'{action}: python -m {module} --workdir={workdir}'
@@ -235,7 +241,9 @@ def train_and_evaluate(
   Raises train.base.errors.InputError, naming the key, for a bad config, a
   workdir in use or one that holds another config;
   TrainingError when non-finite values or a failed save stop the run;
-  Stopped when SIGTERM, SIGINT or a preemption notice did, after saving.
+  Stopped when SIGTERM, SIGINT or a preemption notice did, after saving,
+  and LeaseLost (a Stopped) when another run took the workdir's lock over,
+  before writing again.
   """
   started = time.perf_counter()
   problem = (isinstance(config.get('init_from'), str)
@@ -243,16 +251,17 @@ def train_and_evaluate(
   if problem:
     raise InputError(problem)
   program = Program.from_config(config)
+  init_from.check_fits(program, workdir)
   workdir = storage.resolve(workdir)
   # The config as given is the workdir's record (config.json) and the
   # run's hyperparameters in TensorBoard; the program's is what runs.
   hparams = metrics.flat_hparams(config.to_dict())
-  with workdir_lib.claim(config, workdir):
+  with workdir_lib.claim(config, workdir) as owned:
     # Listening from here on: a stop asked for while the dataset is read or
     # the steps compile is acted on after the first step.
     stop = preemption.StopRequest()
     try:
-      return _train(program, workdir, stop, started, on_evaluation,
+      return _train(program, workdir, stop, owned, started, on_evaluation,
                     on_compiled, hparams)
     finally:
       stop.close()
@@ -343,14 +352,16 @@ def training_batches(program: Program, dataset: datasets.Dataset):
 
 
 def _train(program: Program, workdir: str, stop: preemption.StopRequest,
-           started: float,
+           owned: Callable[..., None], started: float,
            on_evaluation: Callable[[int, dict[str, float]], bool] | None,
            on_compiled: Callable[[jax.stages.Compiled], None] | None,
            hparams: dict[str, Any]) -> dict[str, float]:
   """train_and_evaluate of a checked config's program in its claimed
   workdir, `stop` listening; `started`: when the run started
   (time.perf_counter); `hparams`: the config as given, flattened for
-  TensorBoard."""
+  TensorBoard; `owned(confirm=False)`: the check before each write of the
+  workdir (workdir.claim's), which raises LeaseLost once another run has
+  taken it over."""
   config, model_config = program.config, program.model_config
   dataset = datasets.load(config, workdir)
   config_validation.check_dataset_fits(config, dataset)
@@ -379,6 +390,7 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
     return batch
 
   final, evaluations, last_logged, pruned = None, [], {}, False
+  lost = None  # The LeaseLost that stopped the run.
   compiled = set()
   try:
     with program.scope():
@@ -409,6 +421,7 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
           with jax.profiler.TraceAnnotation('train_log'):
             logged = train_log.add(done, step_metrics, count)
             if logged:
+              owned()
               writer.write(*logged)
               last_logged = logged[1]
           # After the last step a stop changes nothing: the run is done.
@@ -424,6 +437,7 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
             summary = logged[1] if logged else {}
             last_logged = summary or last_logged
             if evaluate_now:
+              owned()  # It writes the decoded outputs.
               with jax.profiler.TraceAnnotation('evaluate'):
                 final = evaluate(state.params)
               evaluations.append((done, final))
@@ -431,6 +445,9 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
               pruned = (on_evaluation is not None and done < last_step
                         and on_evaluation(done, final))
               save_now = save_now or pruned
+            # A checkpoint asks the store whether the workdir is still
+            # this run's, right before it is written.
+            owned(confirm=save_now)
             if summary:
               writer.write(done, summary)
             if save_now:
@@ -445,7 +462,7 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
             _leave(done, checkpointer, stop.reason if stopping else None)
       if final is None:  # Trained to the end before; evaluate again only.
         final = evaluate(state.params)
-        _say(f'Already trained to step {last_step}: evaluated again.')
+    owned()
     writer.write_hparams(hparams, final)
   except metrics.NonFiniteStop as error:
     latest = checkpointer.wait()
@@ -453,14 +470,21 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
              f'the last checkpoint, step {latest} in '
              f'{checkpointer.directory}, is from before it')
     raise TrainingError(f'{error} Stopped; {where}.') from None
+  except workdir_lib.LeaseLost as error:
+    lost = error
+    _say(str(error))
+    raise
   finally:
     train_iterator.close()
-    writer.close()
-    checkpointer.close()
+    if lost is None:  # Else the workdir is another run's: nothing more.
+      unwritten = writer.close()
+      checkpointer.close()
 
   if stop.reason:  # Asked during the final evaluation: trained, done.
     _say(f'{stop.reason}: trained to the end; no sample.')
-  elif program.task.continues_text and config.sample_length:
+  # A run trained before sampled at its end; train.generate samples more.
+  elif (program.task.continues_text and config.sample_length
+        and first_step < last_step):
     _say_a_sample(config, program, dataset, state.params)
   latest = checkpointer.latest_step()
   _say(closing_summary(
@@ -471,5 +495,7 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
       f'{checkpointer.directory}/{latest}', workdir=workdir,
       extendable=optim.SCHEDULES[config.schedule].length_free,
       cannot_decode=decoding.cache_refusal(model_config)))
+  if unwritten:  # Only process 0 writes it: said once all hosts are done.
+    raise TrainingError(unwritten)
   return final
 

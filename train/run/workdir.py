@@ -7,18 +7,22 @@ stops, naming the holder; a killed run's lock is taken over with a warning.
 On a disk the lock is an advisory file lock, which the kernel lets go of
 when its holder dies, so the second run stops at once. An object store
 (gs://...) has no such lock: there the lock is a lease (`LeaseLock`), which
-a run that finds it watches for up to LEASE_S seconds.
+a run that finds it watches for up to LEASE_S seconds, and a holder whose
+lease another run took over stops before its next write.
 
 One config: `config.json` is written when the workdir holds no record of a
-run yet (no metrics, no checkpoint), and never rewritten after. A resume is
-compared with it, key by key, as later resumes changed it (each change is
-a line of `config_history.jsonl`): only the keys of RESUMABLE, which say
+run yet (RECORDS: no metrics, no checkpoint, no history), and never
+rewritten after; a workdir with a record but no config.json is refused
+(nothing would check its resume). A resume is compared with it, key by
+key, as later resumes changed it (each change is a line of
+`config_history.jsonl`): only the keys of RESUMABLE, which say
 how the run is observed, stopped or laid out on the devices, may change;
 the run's number of steps may change only under a schedule that does not
 depend on it. Any other difference stops the run before anything is
 written, listing each key with its old and new values.
 """
 
+from collections.abc import Callable, Iterator
 import contextlib
 import datetime
 import errno
@@ -29,7 +33,6 @@ import socket
 import threading
 import time
 from typing import Any
-import uuid
 
 import dataclasses
 import functools
@@ -39,7 +42,7 @@ import ml_collections
 
 from model.config import ModelConfig
 from train.base import hosts, storage, train_config
-from train.base.errors import InputError
+from train.base.errors import InputError, Stopped
 from train.program import optim
 
 # Keys (or dotted prefixes) a resume may change: logging, evaluation,
@@ -78,12 +81,18 @@ def _resumable(key: str) -> bool:
   return any(key == name or key.startswith(name + '.') for name in RESUMABLE)
 
 
-def _has_record(workdir: str) -> bool:
-  """Whether a run has left metrics or checkpoints in `workdir`."""
-  metrics = storage.path(workdir) / 'metrics.jsonl'
-  checkpoints = storage.path(workdir) / 'checkpoints'
-  return ((metrics.exists() and metrics.stat().length > 0)
-          or (checkpoints.is_dir() and any(checkpoints.iterdir())))
+# What records a run in its workdir, once it holds anything: a start
+# killed before its first step leaves an empty checkpoints/ and
+# metrics.jsonl, which bind nothing.
+RECORDS = ('checkpoints', 'metrics.jsonl', 'config_history.jsonl')
+
+
+def _run_record(workdir: str) -> list[str]:
+  """Those of RECORDS that hold anything in `workdir`."""
+  def holds(path) -> bool:
+    return (any(path.iterdir()) if path.is_dir()
+            else path.exists() and path.stat().length > 0)
+  return [name for name in RECORDS if holds(storage.path(workdir) / name)]
 
 
 def run_config(workdir: str) -> dict[str, Any]:
@@ -107,7 +116,8 @@ def run_config(workdir: str) -> dict[str, Any]:
         node[name] = new
   except (OSError, ValueError, KeyError, TypeError) as error:
     raise InputError(f'{path} cannot be read ({error}); it records this '
-                     "workdir's config.") from None
+                     "workdir's config: restore it from a copy, or use "
+                     'another workdir.') from None
   return config
 
 
@@ -241,6 +251,22 @@ class Lock:
 LEASE_S = 60.0
 
 
+class LeaseLost(Stopped):
+  """Another run took over this run's lock (this run could not renew it
+  for LEASE_S seconds: a stall, a partition); the message says so in one
+  line. The run stops without writing again, and entry points exit with
+  status 0, as for a stop: the other run owns the workdir."""
+
+
+def _parsed(text: str) -> Any:
+  """A lock's record; {} when the lock is empty (as a disk lock's release
+  leaves it, seen through a mount)."""
+  try:
+    return json.loads(text) if text.strip() else {}
+  except ValueError:
+    return {'unreadable': text[:80]}
+
+
 class LeaseLock:
   """`workdir/lock` on an object store: an object naming its holder, which
   a thread of the holder rewrites every LEASE_S / 4 seconds (counting its
@@ -250,98 +276,124 @@ class LeaseLock:
   clock: renewed, it is a live run's, and this run stops naming it (within
   about LEASE_S / 4 seconds); deleted, it was released; unchanged all that
   time, it is a killed run's, which this run deletes. It then creates the
-  lock only if no lock exists (a precondition the store checks), so of two
-  runs that start at once one stops. A run resumed after a kill so waits
-  LEASE_S seconds first; one resumed after a stop (SIGTERM, a preemption
-  notice), which releases the lock, does not wait.
+  lock only if no lock exists, so of two runs that start at once one
+  stops. A run resumed after a kill so waits LEASE_S seconds first; one
+  resumed after a stop (SIGTERM, a preemption notice), which releases the
+  lock, does not wait.
 
-  Renewals overwrite the lock. A holder that finds another run's lock
-  there (its own was deemed expired: it could not renew it for LEASE_S
-  seconds) says so and stops renewing; both runs then write the workdir.
+  Every write and deletion of the lock holds only for the version of it
+  read or written last (its generation, a precondition the store checks):
+  a run deletes the expired lock it watched, never one another run has
+  just created; a renewal fails where another run has taken the lock
+  over. The holder then stops before its next write of the workdir
+  (`check`, LeaseLost).
   """
 
   def __init__(self, workdir: str):
     self._object = storage.path(workdir) / 'lock'
     self._path = str(self._object)
-    found = self._read()
-    left = self._watch(found) if found else found
-    if left is not None:  # An expired lock, or an empty one.
-      self._object.unlink(missing_ok=True)
-    self._record = _holder_record() | {'token': uuid.uuid4().hex,
-                                       'renewals': 0}
-    if not storage.create(self._object, json.dumps(self._record) + '\n'):
-      raise _in_use(self._path, _described(self._read()) or 'another run')
+    found = storage.read_versioned(self._object)
+    if found is not None and _parsed(found[0]):
+      found = self._watch(found)
+    if found is not None:  # An expired lock, or an empty one.
+      storage.delete_if(self._object, found[1])
+    self._record = _holder_record() | {'renewals': 0}
+    self._generation = storage.write_if(self._object, self._text(), '0')
+    if self._generation is None:
+      raise _in_use(self._path, _described(self._holder()) or 'another run')
+    self._tried = time.monotonic()  # The last renewal's start or end.
+    self._taken_by = None  # Who has the lock, once a renewal failed.
+    self._writing = threading.Lock()
     self._released = threading.Event()
     self._renewing = threading.Thread(target=self._renew, daemon=True,
                                       name='workdir lock')
     self._renewing.start()
 
-  def _read(self) -> Any:
-    """The lock's record; None when there is no lock, {} when it is empty
-    (as a disk lock's release leaves it, seen through a mount)."""
-    try:
-      text = self._object.read_text()
-    except FileNotFoundError:
-      return None
-    try:
-      return json.loads(text) if text.strip() else {}
-    except ValueError:
-      return {'unreadable': text[:80]}
+  def _text(self) -> str:
+    return json.dumps(self._record) + '\n'
 
-  def _watch(self, found: Any) -> Any:
-    """What is left once the lock `found` is released (None, or {}) or
-    expires (`found`, with a warning); InputError once it is renewed."""
-    print(f'{self._path} is held by {_described(found)}; watching it for up '
-          f'to {LEASE_S:g} s to see whether that run is alive.', flush=True)
+  def _holder(self) -> Any:
+    """The record of the lock there now (None: there is none)."""
+    found = storage.read_versioned(self._object)
+    return None if found is None else _parsed(found[0])
+
+  def _watch(self, found: tuple[str, str]) -> tuple[str, str] | None:
+    """What is left of the lock `found` (text, generation) once it is
+    released (None, or an empty lock) or expires (`found`, with a
+    warning); InputError once it is renewed."""
+    holder = _described(_parsed(found[0]))
+    print(f'{self._path} is held by {holder}; watching it for up to '
+          f'{LEASE_S:g} s to see whether that run is alive.', flush=True)
     deadline = time.monotonic() + LEASE_S
     while time.monotonic() < deadline:
       time.sleep(min(LEASE_S / 8, max(deadline - time.monotonic(), 0)))
-      now = self._read()
-      if not now:
+      now = storage.read_versioned(self._object)
+      if now is None or not _parsed(now[0]):
         return now
-      if now != found:
-        raise _in_use(self._path, _described(now))
-    print(f'warning: taking over {self._path} from {_described(found)}, '
-          f'which has not renewed it for {LEASE_S:g} s (a run that was '
-          'killed).', flush=True)
+      if now[1] != found[1]:
+        raise _in_use(self._path, _described(_parsed(now[0])))
+    print(f'warning: taking over {self._path} from {holder}, which has not '
+          f'renewed it for {LEASE_S:g} s (a run that was killed).',
+          flush=True)
     return found
 
-  def _another(self) -> Any:
-    """Another run's record, if the lock holds one (None: it is this
-    run's, or gone)."""
-    current = self._read()
-    if not current or current.get('token') == self._record['token']:
-      return None
-    return current
+  def _lost(self) -> LeaseLost:
+    return LeaseLost(
+        f'{self._path} was taken over by {self._taken_by}: this run could '
+        f'not renew it for {LEASE_S:g} s (stalled, or cut off from the '
+        'store), and stopped without writing the workdir again; that run '
+        'now owns it.')
+
+  def renew(self) -> None:
+    """Rewrites the lock if it is still as this run last wrote it;
+    LeaseLost if another run has taken it over (or deleted it). An error
+    of the store is said, and tried again at the next renewal."""
+    with self._writing:
+      self._tried = time.monotonic()
+      if self._taken_by is None:
+        self._record['renewals'] += 1
+        try:
+          generation = storage.write_if(self._object, self._text(),
+                                        self._generation)
+          if generation is None:
+            self._taken_by = (_described(self._holder())
+                              or 'a run that deleted it')
+          else:
+            self._generation = generation
+        # Any error of the store (gcsfs's are not all OSErrors).
+        except Exception as error:  # pylint: disable=broad-except
+          print(f'warning: could not renew {self._path} '
+                f'({storage.reason(error)}).', flush=True)
+      self._tried = time.monotonic()
+      if self._taken_by is not None:
+        raise self._lost()
 
   def _renew(self) -> None:
-    while not self._released.wait(LEASE_S / 4):
-      # Any error of the store (gcsfs's are not all OSErrors): tried again
-      # at the next renewal, the thread alive.
-      try:
-        another = self._another()
-        if another is not None:
-          print(f'warning: {self._path} was taken over by '
-                f'{_described(another)}; this run no longer renews it, and '
-                'two runs now write this workdir.', flush=True)
-          return
-        self._record['renewals'] += 1
-        storage.write_whole(self._object, json.dumps(self._record) + '\n')
-      except Exception as error:  # pylint: disable=broad-except
-        print(f'warning: could not renew {self._path} ({error}).',
-              flush=True)
+    with contextlib.suppress(LeaseLost):  # Said by `check`, before a write.
+      while not self._released.wait(LEASE_S / 4):
+        self.renew()
+
+  def check(self, *, confirm: bool = False) -> None:
+    """Before a write of the workdir: LeaseLost if another run has taken
+    the lock over. Asks the store (renewing the lock) only when told to
+    `confirm` (before a checkpoint), or when the lease may have lapsed
+    unseen (no renewal tried for LEASE_S / 2 seconds: a stall)."""
+    if (confirm or self._taken_by is not None
+        or time.monotonic() - self._tried > LEASE_S / 2):
+      self.renew()
 
   def release(self) -> None:
     """Stops renewing the lock and deletes it, if it is still this run's;
-    a failure is said, not raised (the next run takes the lock over)."""
+    a failure is said, not raised (the next run takes it over)."""
     self._released.set()
     self._renewing.join(timeout=LEASE_S / 4)
     try:
-      if self._another() is None:
-        self._object.unlink(missing_ok=True)
+      with self._writing:
+        storage.delete_if(self._object, self._generation)
     except Exception as error:  # pylint: disable=broad-except
-      print(f'warning: could not release {self._path} ({error}); the next '
-            f'run takes it over after {LEASE_S:g} s.', flush=True)
+      print(f'warning: could not release {self._path} '
+            f'({storage.reason(error)}); the next run takes it over after '
+            f'{LEASE_S:g} s.', flush=True)
 
 
 def claim(config: ml_collections.ConfigDict, workdir: str
@@ -349,8 +401,11 @@ def claim(config: ml_collections.ConfigDict, workdir: str
   """Makes `workdir` this run's: creates it, takes its lock, and writes
   config.json (a new workdir) or checks the resume against it and records
   the allowed changes. Every host checks it can write there. Returns a
-  context that holds the lock; InputError before anything is written if
-  the workdir cannot be written, is locked, or holds another config."""
+  context that holds the lock and gives `check(confirm=False)`, to call
+  before each write of the workdir (LeaseLost once another run has taken
+  the lock over); InputError before anything is written if
+  the workdir cannot be written, is locked, holds another config, or
+  holds a run without its config.json."""
   problem, lock = None, None
   workdir = storage.resolve(workdir)
   try:
@@ -384,22 +439,45 @@ def claim(config: ml_collections.ConfigDict, workdir: str
       lock.release()
     raise InputError(problem or f'--workdir={workdir} was refused by '
                      'another host (see its output).')
-  stack = contextlib.ExitStack()
-  if lock is not None:
-    stack.callback(lock.release)
-  return stack
+  return _holding(lock)
+
+
+def _unleased(*, confirm: bool = False) -> None:
+  """The check before a write where no lease can be lost: a disk's lock
+  (the kernel's, held until released), or none (the other hosts: process 0
+  holds the lock)."""
+  del confirm
+
+
+@contextlib.contextmanager
+def _holding(lock: Lock | LeaseLock | None
+             ) -> Iterator[Callable[..., None]]:
+  """Holds `lock` (None on the hosts other than process 0) until the
+  context ends, giving the check to make before each write of the workdir
+  (LeaseLock.check)."""
+  try:
+    yield lock.check if isinstance(lock, LeaseLock) else _unleased
+  finally:
+    if lock is not None:
+      lock.release()
 
 
 def _record_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """config.json of a new workdir; else the resume checked and its changes
-  appended to config_history.jsonl."""
+  """config.json of a workdir without a record of a run; else the resume
+  checked and its changes appended to config_history.jsonl. InputError,
+  before anything is written, for a record without its config.json."""
   path = storage.path(workdir) / 'config.json'
   history = storage.path(workdir) / 'config_history.jsonl'
-  if not path.exists() or not _has_record(workdir):
+  record = _run_record(workdir)
+  if not record:
     storage.write_whole(path, _as_json(config))
-    if history.exists():
-      history.unlink()
     return
+  if not path.exists():
+    raise InputError(
+        f'--workdir={workdir} holds a run ({", ".join(record)}) but not its '
+        'config.json, which a resume is checked against: restore '
+        f'{path} from a copy to resume it, or give this run another '
+        '--workdir.')
   changes = check_resume(recorded_config(workdir),
                          _flat(json.loads(_as_json(config))),
                          f'--workdir={workdir}')

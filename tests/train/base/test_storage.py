@@ -2,8 +2,14 @@
 files of lines, and the sizes of a directory's files, the same on both
 (the object store a local GCS emulator)."""
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 
+from tests.helpers import REPO
 from train.base import storage
 
 
@@ -52,3 +58,28 @@ def test_a_failure_is_said_in_the_errors_own_words():
   assert storage.reason(ValueError('429 rate limit')) == '429 rate limit'
   assert storage.is_object_store('gs://bucket/run')
   assert not storage.is_object_store('/tmp/run')
+
+
+def test_tensorstores_missing_credentials_are_said_where_the_store_fails(
+    object_store, tmp_path):
+  """tensorstore, finding no credentials (none in gcloud's folder, not on
+  GCE), logs an error once a process: dropped where the store answers
+  (the emulator wants none), said where it does not (nothing listens)."""
+  with socket.socket() as probe:  # A port nothing listens on, once closed.
+    probe.bind(('localhost', 0))
+    closed = f'localhost:{probe.getsockname()[1]}'
+  environ = os.environ | {'CLOUDSDK_CONFIG': str(tmp_path),
+                          'GCE_METADATA_ROOT': closed}
+  environ.pop('GOOGLE_APPLICATION_CREDENTIALS', None)
+
+  def said(**changes) -> str:
+    return subprocess.run(
+        [sys.executable, '-c', 'from train.base import storage; '
+         f'storage.check_credentials("{object_store}/run")'],
+        cwd=REPO, env=environ | changes, capture_output=True, text=True,
+        timeout=120, check=True).stderr
+
+  assert storage.NO_CREDENTIALS not in said()
+  assert storage.NO_CREDENTIALS in said(
+      TENSORSTORE_GCS_HTTP_URL=f'http://{closed}',
+      ATTNLAB_STORE_TIMEOUT_S='1')

@@ -4,6 +4,7 @@ never deleted, and the run resumes from the newest one that verifies."""
 import glob
 import os
 import shutil
+import types
 
 import chex
 import jax
@@ -13,7 +14,7 @@ import pytest
 
 from tests.helpers.checkpoint_damage import flip_a_bit_orbax_reads_silently
 from tests.helpers.tiny_runs import tiny_config
-from train.base.errors import TrainingError
+from train.base.errors import InputError, TrainingError
 from train.run import checkpointing
 from train.run.program import Program
 from train.run.trainer import train_and_evaluate
@@ -180,3 +181,42 @@ def test_every_checkpoint_damaged_stops_every_run_and_moves_none(run):
     checkpointer.close()
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == [
       '2', '4', checkpointing.LEDGER]
+
+
+def bytes_under(directory: str) -> int:
+  return sum(os.path.getsize(os.path.join(folder, name))
+             for folder, _, names in os.walk(directory) for name in names)
+
+
+def test_the_space_a_checkpoint_needs_is_what_the_last_one_took(
+    run, monkeypatch):
+  """A small model's checkpoint is mostly orbax's metadata, the data
+  iterator's state and the checksums: its arrays' bytes underestimate it."""
+  _, workdir, abstract_state = run
+  written = bytes_under(os.path.join(workdir, 'checkpoints', '4'))
+  assert checkpointing.state_bytes(abstract_state) < written
+  free = (checkpointing.state_bytes(abstract_state) + written) // 2
+  monkeypatch.setattr(checkpointing.shutil, 'disk_usage',
+                      lambda path: types.SimpleNamespace(free=free))
+  checkpointer = checkpointing.Checkpointer(workdir, keep=3)
+  try:
+    with pytest.raises(InputError, match=(
+        'not enough disk space for a checkpoint in .*: one takes '
+        f'{written / 2**20:,.1f} MiB')):
+      checkpointer.check_space_to_train(abstract_state)
+  finally:
+    checkpointer.close()
+
+
+def test_a_run_trained_to_its_end_is_evaluated_again_and_said_complete(
+    run, capsys):
+  """Nothing is left to train: no sample again, no offer to resume (the
+  trainer's part of tests/train/run/test_trainer.py's closing summaries,
+  on this module's trained workdir)."""
+  config, workdir, _ = run
+  capsys.readouterr()
+  train_and_evaluate(config, workdir)
+  out = capsys.readouterr().out
+  assert 'Already trained to step 4, evaluated again in ' in out
+  assert 'the run is complete: to train it further' in out
+  assert '--- sample' not in out

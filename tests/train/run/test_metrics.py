@@ -7,12 +7,17 @@ import pathlib
 import struct
 import time
 import types
+from typing import Callable
 
+import gcsfs
 import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2, plugin_hparams_pb2
 
 from experiments import common
+from tests.helpers.tiny_runs import tiny_config
+from train import train
+from train.base import storage
 from train.run import metrics
 
 
@@ -25,20 +30,112 @@ def test_non_finite_values_are_written_as_strict_json_and_read_back():
                   'non_finite': {'grad_norm': 'nan', 'scale': '-inf'}}
 
 
-@pytest.mark.core
+@pytest.fixture
+def bucket_workdir(object_store, tmp_path, monkeypatch) -> str:
+  """A workdir in the emulator's bucket, TensorBoard's events written to a
+  local directory: tensorboardX uploads each event file once more when
+  the process exits, after the emulator has."""
+  tensorboard = metrics.tensorboardX.SummaryWriter
+  local = str(tmp_path / 'tensorboard')
+  monkeypatch.setattr(metrics.tensorboardX, 'SummaryWriter',
+                      lambda logdir: tensorboard(local))
+  return f'{object_store}/{tmp_path.name}'
+
+
+@pytest.fixture(params=[pytest.param('disk', marks=pytest.mark.core),
+                        'object store'])
+def workdir(request, tmp_path) -> str:
+  """A workdir on a disk (in the quick tier), or in the emulator's
+  bucket."""
+  if request.param == 'disk':
+    return str(tmp_path)
+  return request.getfixturevalue('bucket_workdir')
+
+
 def test_a_cut_last_line_is_moved_aside_before_the_next_run_writes(
-    tmp_path, capsys):
-  path = tmp_path / 'metrics.jsonl'
-  path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
-  writer = metrics.MetricWriter(str(tmp_path), total_steps=4, first_step=2)
+    workdir, capsys):
+  path = storage.path(workdir) / 'metrics.jsonl'
+  storage.write_whole(path, '{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+  writer = metrics.MetricWriter(workdir, total_steps=4, first_step=2)
   writer.write(3, {'loss': 1.0, 'grad_norm': math.nan})
-  writer.close()
+  assert writer.close() is None
   assert 'was cut off' in capsys.readouterr().out
-  assert (tmp_path / 'metrics.jsonl.partial').read_text() == (
+  assert (storage.path(workdir) / 'metrics.jsonl.partial').read_text() == (
       '{"step": 2, "lo\n')
-  [first, third] = common.read_metrics(str(tmp_path))
+  [first, third] = metrics.read_metrics(str(path))
   assert first == {'step': 1, 'loss': 2.0}
   assert third['step'] == 3 and math.isnan(third['grad_norm'])
+
+
+def unavailable(refused: Callable[[int], bool]) -> Callable:
+  """storage.write_whole, but a 503 (as gcsfs raises it) for an upload of
+  metrics.jsonl whose count of lines is `refused`."""
+  write_whole = storage.write_whole
+
+  def write_whole_or_fail(file, data):
+    if file.name == 'metrics.jsonl' and refused(data.count('\n')):
+      raise gcsfs.retry.HttpError({'code': 503,
+                                   'message': 'Service Unavailable'})
+    write_whole(file, data)
+  return write_whole_or_fail
+
+
+def test_metrics_the_store_refused_are_uploaded_at_the_next_flush(
+    bucket_workdir, monkeypatch, capsys):
+  """The first upload of metrics.jsonl refused (a 503): said once, its
+  line kept and uploaded by the next flush, every line there at the end."""
+  monkeypatch.setattr(storage, 'write_whole',
+                      unavailable(lambda lines: lines == 1))
+  writer = metrics.MetricWriter(bucket_workdir, total_steps=3, first_step=0)
+  for step in (1, 2, 3):
+    writer.write(step, {'loss': 1.0 / step})
+    writer.flush()
+  assert writer.close() is None
+  [said] = [line for line in capsys.readouterr().out.splitlines()
+            if 'could not write' in line]
+  assert said == (f'warning: could not write {bucket_workdir}/metrics.jsonl '
+                  '(Service Unavailable, 503); its lines are kept, and '
+                  'uploaded again at the next flush.')
+  assert [line['step'] for line in metrics.read_metrics(
+      f'{bucket_workdir}/metrics.jsonl')] == [1, 2, 3]
+
+
+def test_metrics_the_store_refuses_at_the_end_are_named_as_lost(
+    bucket_workdir, monkeypatch):
+  """Every upload after step 1's refused: the close says in one line
+  which summaries are lost; the store keeps step 1's."""
+  monkeypatch.setattr(storage, 'write_whole',
+                      unavailable(lambda lines: lines > 1))
+  writer = metrics.MetricWriter(bucket_workdir, total_steps=3, first_step=0)
+  for step in (1, 2, 3):
+    writer.write(step, {'loss': 1.0 / step})
+    writer.flush()
+  assert writer.close() == (
+      f'could not write {bucket_workdir}/metrics.jsonl at the end of the run '
+      '(Service Unavailable, 503): its last 2 lines, the summaries of steps '
+      '2-3 shown above, are lost.')
+  assert [line['step'] for line in metrics.read_metrics(
+      f'{bucket_workdir}/metrics.jsonl')] == [1]
+
+
+def test_a_run_whose_last_metrics_the_store_refuses_exits_1(
+    data_dir, bucket_workdir, monkeypatch, capsys):
+  """A tiny run on gs:// whose store refuses metrics.jsonl once it holds
+  step 4's line: trained to the end, then exit status 1 and one line
+  naming the summary lost."""
+  monkeypatch.setattr(storage, 'write_whole',
+                      unavailable(lambda lines: lines > 1))
+  config = tiny_config('lm_stdlib', data_dir)
+  config.sample_length = 0
+  with pytest.raises(SystemExit) as exit_:
+    train.run(config, bucket_workdir)
+  assert exit_.value.code == 1
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      f'error: could not write {bucket_workdir}/metrics.jsonl at the end of '
+      'the run (Service Unavailable, 503): its last line, the summary of '
+      'step 4 shown above, is lost.')
+  assert [line['step'] for line in metrics.read_metrics(
+      f'{bucket_workdir}/metrics.jsonl')] == [2]
 
 
 def test_readers_skip_and_report_a_bad_line(tmp_path, capsys):
@@ -124,3 +221,34 @@ def test_a_call_of_several_steps_is_logged_by_step_and_pauses_are_left_out(
   assert (summary['learning_rate'], summary['grad_norm']) == (0.2, 0.5)
   assert summary['steps_per_s'] == 2 / 3.0
   assert summary['tokens_per_s'] == 16 / 3.0
+
+
+def one_step(loss: float) -> dict:
+  return {'loss_sum': loss, 'correct_sum': 1.0, 'weight_sum': 1.0,
+          'token_count': 1.0, 'learning_rate': 0.1, 'grad_norm': 1.0}
+
+
+@pytest.mark.core
+def test_a_summary_of_fewer_steps_than_log_every_says_how_many():
+  """Resumed after step 3 of intervals of 2: the line of step 4 averages
+  step 4 alone, and says so; a whole interval's line needs no mark."""
+  log = metrics.TrainLog(types.SimpleNamespace(advance=lambda: None),
+                         log_every=2, last_step=6,
+                         guard=metrics.NonFiniteGuard('stop', 0))
+  logged = [log.add(step, one_step(float(step))) for step in (4, 5, 6)]
+  logged.append(log.complete())
+  [(first, resumed), (second, whole)] = [line for line in logged if line]
+  assert (first, second) == (4, 6)
+  assert resumed['loss'] == 4.0 and resumed['steps_averaged'] == 1
+  assert whole['loss'] == (5.0 + 6.0) / 2 and 'steps_averaged' not in whole
+
+
+def test_a_step_logged_again_by_a_resumed_run_is_read_once(tmp_path):
+  """Killed after step 6, resumed from step 5: the resumed run's line of
+  step 6 averages one step and says so, and replaces the first run's."""
+  (tmp_path / 'metrics.jsonl').write_text(
+      '{"step": 6, "loss": 2.0}\n{"step": 6, "eval_loss": 1.5}\n'
+      '{"step": 6, "loss": 3.0, "steps_averaged": 1}\n')
+  assert common.read_metrics(str(tmp_path)) == [
+      {'step': 6, 'eval_loss': 1.5},
+      {'step': 6, 'loss': 3.0, 'steps_averaged': 1}]

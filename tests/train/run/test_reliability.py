@@ -13,10 +13,13 @@ import json
 import os
 import pathlib
 import random
+import signal
 import subprocess
 import sys
+import time
 import types
 
+import fsspec
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -24,6 +27,8 @@ import pytest
 from configs import algorithmic, lm_stdlib
 from tests.helpers import REPO
 from tests.helpers import config_overrides
+from tests.helpers import interrupted_train
+from tests.helpers import object_store as emulator
 from tests.helpers import tolerance
 from tests.helpers.checkpoint_damage import flip_a_bit_orbax_reads_silently
 from tests.helpers.tiny_runs import tiny_config
@@ -34,6 +39,7 @@ from train.base.train_config import TrainConfig
 from train.config import validation as config_validation
 from train.data import datasets, pipeline
 from train.run import checkpointing
+from train.run import workdir as workdir_lib
 from train.run.program import Program
 from train.run.trainer import train_and_evaluate
 
@@ -62,15 +68,22 @@ def config_of(values: dict):
   return config_overrides.apply(lm_stdlib.get_config(), values)
 
 
+def interrupted_command(workdir, values: dict, interrupt: str | None
+                        ) -> list[str]:
+  """The command line of train.train interrupted on cue (see
+  tests/helpers/interrupted_train.py) unless `interrupt` is None."""
+  return [sys.executable, 'tests/helpers/interrupted_train.py',
+          f'--interrupt={interrupt or "none"}',
+          '--config=configs/lm_stdlib.py', f'--workdir={workdir}',
+          *[f'--config.{key}={value}' for key, value in values.items()]]
+
+
 def run_interrupted(workdir, values: dict, interrupt: str | None):
   """train.train in a subprocess (bounded in time), interrupted on cue
-  (see tests/helpers/interrupted_train.py) unless `interrupt` is None."""
-  flags = [f'--config.{key}={value}' for key, value in values.items()]
-  return subprocess.run(
-      [sys.executable, 'tests/helpers/interrupted_train.py',
-       f'--interrupt={interrupt or "none"}', '--config=configs/lm_stdlib.py',
-       f'--workdir={workdir}', *flags],
-      cwd=REPO, capture_output=True, text=True, timeout=300)
+  unless `interrupt` is None."""
+  return subprocess.run(interrupted_command(workdir, values, interrupt),
+                        cwd=REPO, capture_output=True, text=True,
+                        timeout=300)
 
 
 def checkpoints(workdir) -> list[str]:
@@ -166,6 +179,10 @@ def test_a_run_on_an_object_store_killed_and_damaged_resumes_bit_for_bit(
   finished = run_interrupted(workdir, values, None)
   assert finished.returncode == 0, finished.stderr[-2000:]
   assert f'taking over {workdir}/lock from the run of pid' in finished.stdout
+  # The emulator takes no credentials: tensorstore's error that it found
+  # none is not said where the store answers.
+  for run in (killed, finished):
+    assert storage.NO_CREDENTIALS not in run.stderr
   [damaged] = [line for line in finished.stdout.splitlines()
                if 'damaged' in line]
   assert damaged.startswith('warning: the checkpoint of step 6 is damaged: '
@@ -176,6 +193,110 @@ def test_a_run_on_an_object_store_killed_and_damaged_resumes_bit_for_bit(
   assert 'Resumed from the checkpoint at step 3.' in finished.stdout
   assert not storage.path(f'{workdir}/lock').exists()
   assert_same_run(workdir, uninterrupted)
+
+
+def wait_until_stopped(process: subprocess.Popen, errors) -> None:
+  """Returns once `process` is stopped (SIGSTOP); fails, showing the
+  file of its `errors`, if it ends or takes 300 s."""
+  deadline = time.monotonic() + 300
+  while time.monotonic() < deadline:
+    pid, status = os.waitpid(process.pid, os.WUNTRACED | os.WNOHANG)
+    if pid and os.WIFSTOPPED(status):
+      return
+    assert not pid, errors.read_text()[-2000:]
+    time.sleep(0.1)
+  process.kill()
+  pytest.fail('the run did not reach its stall in 300 s')
+
+
+def unchanging_objects(workdir) -> dict[str, str]:
+  """{name: generation} of the objects of a workdir on a store but its
+  lock and TensorBoard's events (tensorboardX flushes its own file as the
+  process exits)."""
+  store, root = fsspec.core.url_to_fs(workdir)
+  return {name: info['generation']
+          for name, info in store.find(root, detail=True).items()
+          if not name.endswith('/lock') and '/tensorboard/' not in name}
+
+
+def test_a_run_whose_lease_was_taken_over_stops_before_writing_again(
+    data_dir, object_store, tmp_path, monkeypatch):
+  """A run on gs:// stalled (SIGSTOP) for longer than its lease once the
+  checkpoint of step 6 is written, its lock taken over meanwhile by a
+  newcomer: let go on (SIGCONT), it stops before its next write, saying
+  so in one line, with exit status 0 as for a stop; the newcomer keeps
+  the lock, and no other object of the workdir changes."""
+  monkeypatch.setattr(workdir_lib, 'LEASE_S', interrupted_train.LEASE_S)
+  workdir = f'{object_store}/{tmp_path.name}'
+  output, errors = tmp_path / 'stdout', tmp_path / 'stderr'
+  with open(output, 'w') as out, open(errors, 'w') as err:
+    stalled = subprocess.Popen(
+        interrupted_command(workdir, overrides(data_dir), 'stall:7'),
+        cwd=REPO, stdout=out, stderr=err, text=True)
+  wait_until_stopped(stalled, errors)
+  newcomer = workdir_lib.LeaseLock(workdir)
+  try:
+    before = unchanging_objects(workdir)
+    stalled.send_signal(signal.SIGCONT)
+    assert stalled.wait(timeout=120) == 0, errors.read_text()[-2000:]
+    assert unchanging_objects(workdir) == before
+    holder = json.loads(storage.path(f'{workdir}/lock').read_text())
+  finally:
+    newcomer.release()
+  assert holder['pid'] == os.getpid()
+  [said] = [line for line in output.read_text().splitlines()
+            if 'taken over' in line]
+  assert said.startswith(f'{workdir}/lock was taken over by the run of pid '
+                         f'{os.getpid()} on ')
+  assert said.endswith('stopped without writing the workdir again; that '
+                       'run now owns it.')
+  assert checkpoints(workdir) == ['3', '6']
+
+
+# The store's time bound in the outage test, in seconds: more than a save
+# takes on shared cores.
+STORE_TIMEOUT_S = 10
+# What a run may take past it: two steps, and the writes the failed save
+# leaves (metrics, TensorBoard's events, the lock's release), which fail
+# at once once one operation on the store has waited past the bound.
+MARGIN_S = 10
+
+
+def test_a_store_that_stops_answering_stops_the_run_at_its_next_save(
+    data_dir, tmp_path):
+  """A run on gs:// whose store stops answering (an emulator of its own,
+  killed while the run is stalled once the checkpoint of step 6 is
+  written) fails its next save within the store's time bound
+  (ATTNLAB_STORE_TIMEOUT_S) and a margin: exit status 1, one line naming
+  the step and the last complete checkpoint."""
+  environ = dict(os.environ)
+  environ[storage.TIMEOUT_VARIABLE] = str(STORE_TIMEOUT_S)
+  server = emulator.emulate(environ)
+  workdir = f'gs://{emulator.BUCKET}/{tmp_path.name}'
+  errors = tmp_path / 'stderr'
+  try:
+    with open(errors, 'w') as err:
+      cut_off = subprocess.Popen(
+          interrupted_command(workdir, overrides(data_dir), 'stall:7'),
+          cwd=REPO, env=environ, stdout=subprocess.DEVNULL, stderr=err,
+          text=True)
+    wait_until_stopped(cut_off, errors)
+  finally:
+    server.kill()
+    server.wait()
+  cut_off.send_signal(signal.SIGCONT)
+  try:
+    assert cut_off.wait(timeout=STORE_TIMEOUT_S + MARGIN_S) == 1, (
+        errors.read_text()[-2000:])
+  finally:
+    cut_off.kill()
+  said = [line for line in errors.read_text().splitlines()
+          if line.startswith('error:')]
+  assert said == [
+      f'error: could not write the checkpoint of step 9 in {workdir}/'
+      f'checkpoints: gs://{emulator.BUCKET} did not answer within '
+      f'{STORE_TIMEOUT_S} s ({storage.TIMEOUT_VARIABLE}). The last complete '
+      'checkpoint is step 6; run the same command to resume from it.']
 
 
 def test_a_run_of_several_steps_a_call_resumes_at_another_bit_for_bit(

@@ -83,7 +83,8 @@ def test_config_trains_saves_and_resumes(name, data_dir, tmp_path, capsys,
   out = capsys.readouterr().out
   if name == 'lm_stdlib':  # The start-up line names the kernel.
     assert ('Attention kernels: decoder layer 0 chunked: pallas_gpu (as set; '
-            'float32, causal, packed rows)') in out
+            'float32, causal, packed rows; interpreted on the CPU: slow, for '
+            'tests)') in out
     assert read_metrics(workdir)[0]['steps_per_s'] > 0.02
   # The closing summary: steps, the final metric, the checkpoint.
   metric, _ = datasets.task_of(config.dataset).quality_metric(final)
@@ -91,8 +92,8 @@ def test_config_trains_saves_and_resumes(name, data_dir, tmp_path, capsys,
   assert f'{metric} {final[metric]:.4g}' in out
   assert f'Last checkpoint: {workdir}/checkpoints/4; ' in out
   # Only a schedule that does not depend on num_train_steps extends.
-  assert 'extend it with a larger config.num_train_steps' in out
-  assert 'extend' not in trainer.closing_summary(
+  assert 'run the same command with a larger config.num_train_steps' in out
+  assert 'a larger config.num_train_steps' not in trainer.closing_summary(
       task=tasks.LM, steps=(0, 4), seconds=1.0, evaluations=[],
       final={'eval_loss': 1.0}, tokens_per_s=None, checkpoint=None,
       workdir=workdir, extendable=False, cannot_decode=None)
@@ -118,10 +119,45 @@ def test_the_closing_summary_offers_no_decoder_that_cannot_serve_the_run():
       final={'eval_loss': 1.0}, tokens_per_s=None, checkpoint=None,
       workdir='w', extendable=False, cannot_decode=refusal)
   assert summary.endswith(
-      'run the same command to resume; python -m train.generate does not '
-      "apply: config.model.attention='local' cannot read a key/value cache "
+      'python -m train.generate does not apply: '
+      "config.model.attention='local' cannot read a key/value cache "
       '(additive, chunked and dense can).')
   assert decoding.cache_refusal(ModelConfig(attention='chunked')) is None
+
+
+def summary_of(steps, *, extendable):
+  return trainer.closing_summary(
+      task=tasks.LM, steps=steps, seconds=1.0, evaluations=[],
+      final={'eval_loss': 1.0}, tokens_per_s=None,
+      checkpoint='w/checkpoints/4', workdir='w', extendable=extendable,
+      cannot_decode=None)
+
+
+@pytest.mark.core
+@pytest.mark.parametrize('steps', [(0, 4), (4, 4)])
+def test_the_closing_summary_says_the_run_is_complete_and_how_to_extend_it(
+    steps):
+  """Nothing is left to resume: a larger num_train_steps extends a run
+  where its schedule allows it, else a new workdir starts from it."""
+  assert summary_of(steps, extendable=True).endswith(
+      'Last checkpoint: w/checkpoints/4; the run is complete: to train it '
+      'further, run the same command with a larger '
+      'config.num_train_steps; sample: python -m train.generate '
+      '--workdir=w.')
+  assert summary_of(steps, extendable=False).endswith(
+      'the run is complete: its schedule ends at config.num_train_steps, so '
+      'to train it further, start a new --workdir from it with '
+      '--config.init_from=w; sample: python -m train.generate --workdir=w.')
+  for extendable in (True, False):
+    assert 'resume' not in summary_of(steps, extendable=extendable)
+
+
+@pytest.mark.core
+def test_the_closing_summary_of_a_run_trained_before_says_so():
+  assert summary_of((4, 4), extendable=True).startswith(
+      'Already trained to step 4, evaluated again in 1s; eval_loss 1.')
+  assert summary_of((0, 4), extendable=True).startswith(
+      'Done: steps 0-4 in 1s; eval_loss 1')
 
 
 def transformer_xl_config(data_dir):

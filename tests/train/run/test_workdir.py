@@ -4,6 +4,7 @@ observed, stopped or laid out."""
 
 import json
 import os
+import threading
 
 import pytest
 
@@ -105,6 +106,83 @@ def test_on_an_object_store_a_renewed_lock_refuses_a_killed_one_is_taken(
       'can use; gs:// is.')
 
 
+@pytest.mark.parametrize('seconds', ['soon', '0'])
+def test_a_store_timeout_that_is_not_seconds_is_refused_by_name(
+    data_dir, object_store, tmp_path, monkeypatch, capsys, seconds):
+  monkeypatch.setenv(storage.TIMEOUT_VARIABLE, seconds)
+  path = f'{object_store}/{tmp_path.name}'
+  assert exit_status(tiny_config('lm_stdlib', data_dir), path) == 2
+  assert capsys.readouterr().err == (
+      f"error: {storage.TIMEOUT_VARIABLE}='{seconds}' is not a number of "
+      'seconds above 0 (the longest a run waits on an object store at a '
+      'time).\n')
+  assert not storage.path(f'{path}/lock').exists()
+
+
+def test_on_an_object_store_a_watched_lock_is_deleted_only_as_watched(
+    object_store, tmp_path, monkeypatch):
+  """A killed run's lock, watched until it expired, is replaced by another
+  run's before this run deletes it: the deletion holds only for the lock
+  watched (its generation), so the other run's stays, and this run is
+  refused naming it."""
+  monkeypatch.setattr(workdir, 'LEASE_S', 0.4)
+  lock = storage.path(f'{object_store}/{tmp_path.name}/lock')
+  storage.write_whole(lock, json.dumps(
+      {'host': 'node7', 'pid': 4242, 'since': '2026-01-01T00:00:00'}))
+  watch = workdir.LeaseLock._watch
+
+  def watched_then_taken(self, found):
+    left = watch(self, found)
+    storage.write_whole(lock, json.dumps(
+        {'host': 'node8', 'pid': 4343, 'since': '2026-01-01T00:01:00'}))
+    return left
+
+  monkeypatch.setattr(workdir.LeaseLock, '_watch', watched_then_taken)
+  with pytest.raises(InputError, match='in use by the run of pid 4343 on '
+                     'node8'):
+    workdir.LeaseLock(str(lock.parent))
+  assert json.loads(lock.read_text())['pid'] == 4343
+
+
+def test_on_an_object_store_of_two_runs_started_together_one_holds_it(
+    object_store, tmp_path, monkeypatch):
+  """Two claims of one lock, each past its look for a lock (none) before
+  either creates one: the store's create-only-if-absent (checked by the
+  emulator as GCS checks it) lets exactly one hold it, and the other is
+  refused naming it."""
+  monkeypatch.setattr(workdir, 'LEASE_S', 0.4)
+  path = f'{object_store}/{tmp_path.name}'
+  both_looked = threading.Barrier(2, timeout=30)
+  write_if = storage.write_if
+
+  def create_once_both_looked(file, text, generation):
+    if generation == '0':  # Created only where there is no lock.
+      both_looked.wait()
+    return write_if(file, text, generation)
+
+  monkeypatch.setattr(storage, 'write_if', create_once_both_looked)
+  outcomes = []
+
+  def claim():
+    try:
+      outcomes.append(workdir.LeaseLock(path))
+    except InputError as error:
+      outcomes.append(error)
+
+  claims = [threading.Thread(target=claim) for _ in range(2)]
+  for thread in claims:
+    thread.start()
+  for thread in claims:
+    thread.join()
+  holders = [lock for lock in outcomes if isinstance(lock, workdir.LeaseLock)]
+  refusals = [str(error) for error in outcomes
+              if isinstance(error, InputError)]
+  for lock in holders:
+    lock.release()
+  assert len(holders) == 1 and len(refusals) == 1, outcomes
+  assert f'in use by the run of pid {os.getpid()}' in refusals[0]
+
+
 @pytest.mark.core
 def test_a_resume_with_a_changed_model_key_exits_2_and_keeps_config_json(
     data_dir, tmp_path, capsys):
@@ -198,4 +276,55 @@ def test_a_cut_history_line_is_named_not_a_traceback(data_dir, tmp_path):
   config = a_recorded_run(data_dir, tmp_path)
   (tmp_path / 'config_history.jsonl').write_text('{"changes": {"log_ev')
   with pytest.raises(InputError, match='config_history.jsonl cannot be read'):
+    workdir.claim(config, str(tmp_path))
+
+
+def files_of(path) -> dict[str, bytes]:
+  return {str(file.relative_to(path)): file.read_bytes()
+          for file in sorted(path.rglob('*')) if file.is_file()}
+
+
+def test_a_run_without_its_config_json_is_refused_and_nothing_written(
+    data_dir, tmp_path, capsys):
+  """config.json lost (checkpoints, metrics and history present): another
+  config would resume unchecked, so the start is refused by name."""
+  config = a_recorded_run(data_dir, tmp_path)
+  config.log_every = 5
+  with workdir.claim(config, str(tmp_path)):  # A line of history.
+    pass
+  (tmp_path / 'checkpoints' / '16').mkdir(parents=True)
+  (tmp_path / 'config.json').unlink()
+  kept = files_of(tmp_path)
+  config.learning_rate *= 2
+  assert exit_status(config, str(tmp_path)) == 2
+  error = capsys.readouterr().err
+  assert error.startswith(
+      f'error: --workdir={tmp_path} holds a run (checkpoints, '
+      'metrics.jsonl, config_history.jsonl) but not its config.json')
+  assert error.rstrip().endswith(
+      f'restore {tmp_path}/config.json from a copy to resume it, or give '
+      'this run another --workdir.')
+  assert error.count('\n') == 1
+  assert files_of(tmp_path) == kept
+
+
+def test_a_run_killed_before_writing_config_json_binds_nothing(
+    data_dir, tmp_path):
+  """What a start leaves before its first step (the lock, an empty
+  checkpoints/ and metrics.jsonl) is no record of a run."""
+  (tmp_path / 'checkpoints').mkdir()
+  (tmp_path / 'metrics.jsonl').write_text('')
+  (tmp_path / 'lock').write_text('')
+  with workdir.claim(tiny_config('lm_stdlib', data_dir), str(tmp_path)):
+    pass
+  assert workdir.recorded_config(str(tmp_path))['model.d_model'] == 16
+
+
+def test_a_garbled_config_json_is_named_with_the_way_to_recover(
+    data_dir, tmp_path):
+  config = a_recorded_run(data_dir, tmp_path)
+  (tmp_path / 'config.json').write_text('{"model": {"d_mod')
+  with pytest.raises(InputError, match=(
+      r'config.json cannot be read \(.*\); it records this workdir\'s '
+      r'config: restore it from a copy, or use another workdir.')):
     workdir.claim(config, str(tmp_path))
