@@ -182,19 +182,21 @@ def _loss_sum(readout: Readout, targets_BxT: Array, weights_BxT: Array,
 
 def _loss_sum_forward(readout, targets_BxT, weights_BxT, label_smoothing,
                       z_loss):
-  """The values, and the sum's gradient as the residual."""
+  """The values, and as residuals the sum's gradients: the readout's, and
+  the weights' (each token's loss)."""
   total, losses, grads = _blockwise(readout, targets_BxT, weights_BxT,
                                     label_smoothing, z_loss, gradients=True)
-  return (total, losses), grads
+  return (total, losses), (grads, losses.loss)
 
 
-def _loss_sum_backward(_, __, grads, cotangents):
-  """The readout's gradient times the sum's cotangent; none for the
-  targets and weights. The per-token losses' cotangents are zero:
-  `readout_loss_sum` stops their gradient."""
+def _loss_sum_backward(_, __, residuals, cotangents):
+  """The readout's and the weights' gradients times the sum's cotangent;
+  none for the integer targets. The per-token losses' cotangents are
+  zero: `readout_loss_sum` stops their gradient."""
+  grads, loss_BxT = residuals
   d_total = cotangents[0]
   return (jax.tree.map(lambda g: (g * d_total).astype(g.dtype), grads),
-          None, None)
+          None, loss_BxT * d_total)
 
 
 _loss_sum.defvjp(_loss_sum_forward, _loss_sum_backward)
@@ -209,8 +211,8 @@ def readout_loss_sum(readout: Readout, targets_BxT: Array,
   most. The sum is differentiable with respect to the readout (its
   gradient taken with the forward pass where the logits take several
   blocks; in one block, autodiff's backward pass recomputes nothing
-  already); the per-token losses are values only (no gradient flows
-  through them)."""
+  already) and to the weights (each token's loss); the per-token losses
+  are values only (no gradient flows through them)."""
   weights_BxT = weights_BxT.astype(jnp.float32)
   if num_blocks(*targets_BxT.shape, readout.vocab_size) == 1:
     losses = token_losses(readout.logits(), targets_BxT, label_smoothing,

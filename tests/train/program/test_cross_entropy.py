@@ -64,22 +64,24 @@ def test_blockwise_loss_and_gradients_equal_optax(monkeypatch, smoothing,
                       batch * 2 * VOCAB)
   assert cross_entropy.num_blocks(batch, length, VOCAB) == 6
 
-  def blockwise(hidden, kernel, bias):
+  def blockwise(hidden, kernel, bias, weights=weights):
     return cross_entropy.readout_loss_sum(
         Readout(hidden, kernel, bias, divisor=2.0, cap=cap), targets,
         weights, smoothing, z_loss)
 
-  def reference(hidden, kernel, bias):
+  def reference(hidden, kernel, bias, weights):
     logits = jnp.einsum('btd,dv->btv', hidden, kernel,
                         precision='highest') / 2.0 + bias
     if cap:
       logits = cap * jnp.tanh(logits / cap)
     return _reference_sum(logits, targets, weights, smoothing, z_loss)
 
+  # The token weights' gradient too: each token's loss.
   (value, losses), grads = jax.value_and_grad(
-      blockwise, argnums=(0, 1, 2), has_aux=True)(hidden, kernel, bias)
+      blockwise, argnums=(0, 1, 2, 3), has_aux=True)(hidden, kernel, bias,
+                                                      weights)
   expected, expected_grads = jax.value_and_grad(
-      reference, argnums=(0, 1, 2))(hidden, kernel, bias)
+      reference, argnums=(0, 1, 2, 3))(hidden, kernel, bias, weights)
   np.testing.assert_allclose(value, expected, rtol=1e-5)
   chex.assert_trees_all_close(grads, expected_grads, rtol=1e-4, atol=1e-5)
   logits = Readout(hidden, kernel, bias, divisor=2.0, cap=cap).logits()
