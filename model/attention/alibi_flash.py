@@ -297,8 +297,7 @@ def padded(query: Array, key: Array, value: Array, q_positions_BxT: Array,
            kv_ids_BxT: Array | None, block: int) -> tuple[Array, ...]:
   """The inputs padded along T to a multiple of `block`: (q, k, v, query
   positions, key positions, query ids, key ids), positions and ids [B, T]
-  int32; ids default to one for all, and padded queries and keys take
-  ids no token has."""
+  int32, the ids as `padded_ids` gives them."""
   batch, length = query.shape[:2]
   padded_length = -(-length // block) * block
   positions = [
@@ -313,9 +312,19 @@ def padded_ids(q_ids_BxT: Array | None, kv_ids_BxT: Array | None,
                batch: int, length: int, padded_length: int
                ) -> tuple[Array, Array]:
   """(query ids, key ids) [B, padded_length] int32: one id for all where
-  None, and ids no token has for the padded queries and keys."""
+  neither is given, the queries' for the keys where only they are (as
+  SegmentMask: self-attention), and ids no token has for the padded
+  queries and keys. ValueError for key ids alone, which compare to no
+  query's."""
   if q_ids_BxT is None:
-    q_ids_BxT = kv_ids_BxT = jnp.zeros((batch, length), jnp.int32)
+    if kv_ids_BxT is not None:
+      raise ValueError(
+          'kv_ids_BxT without q_ids_BxT: key ids mean nothing without the '
+          "queries' to compare to; pass q_ids_BxT too (for key padding, "
+          'zeros, and key ids 0 where a key is real).')
+    q_ids_BxT = jnp.zeros((batch, length), jnp.int32)
+  if kv_ids_BxT is None:
+    kv_ids_BxT = q_ids_BxT
   return (pad_length(q_ids_BxT.astype(jnp.int32), padded_length, _PAD_QUERY),
           pad_length(kv_ids_BxT.astype(jnp.int32), padded_length, _PAD_KEY))
 
@@ -325,9 +334,10 @@ def attention(query: Array, key: Array, value: Array, q_positions_BxT: Array,
               is_causal: bool, q_ids_BxT: Array | None = None,
               kv_ids_BxT: Array | None = None) -> Array:
   """softmax(q.k * scale - slope_n |p_j - p_i|) v, [B, T, N, H], where
-  query i and key j have equal ids (default: all do) and, when causal,
-  j <= i. Positions and ids [B, T] int; slopes [N] float32 (constants: no
-  gradient flows to them or to the positions)."""
+  query i and key j have equal ids (default: all do; the keys' default to
+  the queries'; key ids alone are refused) and, when causal, j <= i.
+  Positions and ids [B, T] int; slopes [N] float32 (constants: no gradient
+  flows to them or to the positions)."""
   q, k, v, q_pos, kv_pos, q_ids, kv_ids = padded(
       query, key, value, q_positions_BxT, kv_positions_BxT, q_ids_BxT,
       kv_ids_BxT, block_size(query.shape[1]))

@@ -269,8 +269,9 @@ def attention(query: Array, key: Array, value: Array, pattern, *,
               scale: float, is_causal: bool, q_ids_BxT: Array | None = None,
               kv_ids_BxT: Array | None = None) -> Array:
   """softmax(q.k * scale) v over the pairs `pattern.allowed` (a patterns.py
-  Pattern) where query i and key j have equal ids (default: all do) and,
-  when causal, j <= i; [B, T, N, H]. A query that sees no key gives 0."""
+  Pattern) where query i and key j have equal ids (default: all do; the
+  keys' default to the queries'; key ids alone are refused) and, when
+  causal, j <= i; [B, T, N, H]. A query that sees no key gives 0."""
   batch, length = query.shape[:2]
   tile = tile_size(pattern, length)
   padded = -(-length // tile) * tile

@@ -315,6 +315,52 @@ def test_alibi_kernels_equal_dense_with_alibis_bias(kernel, name):
     np.testing.assert_array_equal(ours[0][1], 0.0)
 
 
+ALIBI_BIAS = positions.alibi_bias(jnp.asarray(ALIBI_POSITIONS),
+                                  jnp.asarray(ALIBI_POSITIONS), N)
+
+
+def alibi_call(module):
+  """ALiBi's kernel of `module` on ALIBI_POSITIONS, causal, given ids."""
+  return lambda q, k, v, **ids: module.attention(
+      q, k, v, *(ALIBI_BIAS.data[key] for key in (
+          'q_positions', 'kv_positions', 'slopes')), scale=0.25,
+      is_causal=True, **ids)
+
+
+# The kernels called directly with ids, (call, dense's bias, dense's mask
+# beside the ids'): ALiBi's, and the block-sparse one under a window of 8.
+DIRECT_CALLS = {
+    'alibi_flash': (alibi_call(alibi_flash), ALIBI_BIAS, True),
+    'alibi_flash_tpu': (alibi_call(alibi_flash_tpu), ALIBI_BIAS, True),
+    'sparse_flash': (lambda q, k, v, **ids: sparse_flash.attention(
+        q, k, v, patterns.Window(8), scale=0.25, is_causal=True, **ids),
+                     None, window_mask(40, 8, True)),
+}
+
+
+@pytest.mark.parametrize('name', DIRECT_CALLS)
+def test_kernels_refuse_key_ids_without_query_ids(name):
+  """Ids of the keys alone say no mask (SegmentMask needs the queries'):
+  refused, where the kernels dropped them and attended to every key."""
+  q, k, v = make_qkv(0, 40, 2)
+  with pytest.raises(ValueError, match='kv_ids_BxT without q_ids_BxT'):
+    DIRECT_CALLS[name][0](q, k, v, kv_ids_BxT=jnp.asarray(ALIBI_IDS))
+
+
+@pytest.mark.parametrize('name', DIRECT_CALLS)
+def test_kernels_give_the_keys_the_query_ids_without_key_ids(name):
+  """As SegmentMask without key ids: the keys are the queries' own
+  positions, so their ids are the queries'."""
+  call, bias, allowed = DIRECT_CALLS[name]
+  q, k, v = make_qkv(0, 40, 2)
+  ids = jnp.asarray(ALIBI_IDS)
+  same_ids = ids[:, None, :, None] == ids[:, None, None, :]
+  chex.assert_trees_all_close(
+      call(q, k, v, q_ids_BxT=ids),
+      dense(q, k, v, bias, allowed & same_ids, scale=0.25, is_causal=True),
+      **tolerance.KERNEL)
+
+
 def alibi_attention(module):
   """ALiBi's kernel of `module`, on rows whose positions are their ids."""
   return lambda q, k, v, ids_BxT: module.attention(
