@@ -7,7 +7,9 @@ query in the parallel chunk form (see `_causal_sums`): quadratic only
 inside a chunk, the states summed per chunk, so memory is
 O(T * (chunk + F * H / chunk)) rather than the O(T * F * H) of a prefix
 sum per position, in O(log(T / chunk)) dependent steps rather than
-T / chunk.
+T / chunk. Features that can overflow float32 (Performer's exponentials)
+carry stabilising shifts that cancel; linear's (elu + 1, at most 1 + x)
+are summed as they are.
 """
 
 import math
@@ -46,32 +48,46 @@ def _shifted_max(x: Array, axes) -> Array:
   return jnp.where(jnp.isfinite(top), top, 0.0)
 
 
-def _attend(phi_q: Array, log_phi_k: Array, value: Array, mask: Array | None,
-            *, is_causal: bool, chunk_size: int | None) -> Array:
+def _relative_to_largest(log_phi: Array) -> tuple[Array, Array]:
+  """(exp(log_phi - r), r): features [..., F] from their logs, relative to
+  their largest, whose log r [...] is taken under stop_gradient."""
+  top = _top(log_phi, -1)
+  return jnp.exp(log_phi - top), top[..., 0]
+
+
+def _attend(phi_q: Array, phi_k: Array, value: Array, mask: Array | None,
+            *, is_causal: bool, chunk_size: int | None,
+            key_top: Array | None = None) -> Array:
   """sum_j phi(q_i).phi(k_j) v_j / sum_j phi(q_i).phi(k_j) over the allowed j.
 
-  Heads first: phi_q [B, N, T, F] and the log of the key features
-  log_phi_k [B, K, S, F] (-inf where a feature is 0), value [B, K, S, H];
-  float32 out [B, N, T, H]. The matmuls take their operands in value's
-  dtype (bfloat16 where the compute dtype is) and sum in float32. A query
-  with no allowed key gets zeros.
+  Heads first: phi_q [B, N, T, F], the key features phi_k [B, K, S, F],
+  value [B, K, S, H]; float32 out [B, N, T, H]. Features that could
+  overflow float32 come in units of exp(key_top) [B, K, S] (each key's
+  relative to its largest, and that largest's log), and are summed
+  relative to a shift that cancels; without key_top, as they are. The
+  matmuls take their operands in value's dtype (bfloat16 where the
+  compute dtype is) and sum in float32. A query with no allowed key gets
+  zeros.
   """
   batch, num_heads, q_len, features = phi_q.shape
   num_kv_heads, kv_len, head_dim = value.shape[1:]
   if mask is not None:  # [B?, N?, 1, S]: drop the masked keys.
     if mask.shape[1] != 1 and num_kv_heads != num_heads:
       # A mask per query head: each head needs keys of its own.
-      repeats = num_heads // num_kv_heads
-      log_phi_k = jnp.repeat(log_phi_k, repeats, axis=1)
-      value = jnp.repeat(value, repeats, axis=1)
+      phi_k, key_top, value = jax.tree.map(
+          lambda x: jnp.repeat(x, num_heads // num_kv_heads, axis=1),
+          (phi_k, key_top, value))
       num_kv_heads = num_heads
     keep = jnp.broadcast_to(mask[:, :, 0], (batch, num_heads, kv_len))
     keep = keep.reshape(batch, num_kv_heads, -1, kv_len)[:, :, 0]
-    log_phi_k = jnp.where(keep[..., None], log_phi_k, -jnp.inf)
+    phi_k = jnp.where(keep[..., None], phi_k, 0.0)
+    if key_top is not None:  # Nor may a masked key set a shift.
+      key_top = jnp.where(keep, key_top, -jnp.inf)
   group = num_heads // num_kv_heads
   phi_q = phi_q.reshape(batch, num_kv_heads, group, q_len, features)
   if not is_causal:
-    phi_k = jnp.exp(log_phi_k - _shifted_max(log_phi_k, (2, 3)))
+    if key_top is not None:  # In units of the largest key's.
+      phi_k = phi_k * _ratio(key_top, _shifted_max(key_top, 2))[..., None]
     state = _dot('bksf,bksh->bkfh', phi_k, value)
     total = jnp.sum(phi_k, axis=2)  # [B, K, F]
     numerator = _dot('bkgtf,bkfh->bkgth', phi_q, state, value.dtype)
@@ -80,7 +96,7 @@ def _attend(phi_q: Array, log_phi_k: Array, value: Array, mask: Array | None,
     chunk = default_chunk_size() if chunk_size is None else chunk_size
     if chunk < 1:
       raise ValueError(f'chunk_size={chunk_size} must be positive.')
-    numerator, denominator = _causal_sums(phi_q, log_phi_k, value,
+    numerator, denominator = _causal_sums(phi_q, phi_k, value, key_top,
                                           chunk=min(chunk, q_len))
   denominator = jnp.where(denominator > 0, denominator, 1.0)
   # Both divided by the denominator's value first, the division's gradient
@@ -129,31 +145,39 @@ def _combine(earlier, later):
           total_a * a[..., None] + total_b * b[..., None])
 
 
-def _causal_sums(phi_q: Array, log_phi_k: Array, value: Array, *,
-                 chunk: int) -> tuple[Array, Array]:
+def _causal_sums(phi_q: Array, phi_k: Array, value: Array,
+                 key_top: Array | None, *, chunk: int) -> tuple[Array, Array]:
   """The causal numerator [B, K, G, T, H] and denominator [B, K, G, T]
   (float32, in units that cancel) of queries phi_q [B, K, G, T, F] over
-  keys log_phi_k [B, K, T, F] and values [B, K, T, H], in the parallel
-  chunk form (Lightning Attention-2; Mamba-2's SSD): per chunk of C
-  positions, the keys inside it as a masked [C, C] product, and the keys
-  of the chunks before it as the query times their summed states
+  keys phi_k [B, K, T, F] (in units of exp(key_top) [B, K, T] where given,
+  as `_attend` takes them) and values [B, K, T, H], in the parallel chunk
+  form (Lightning Attention-2; Mamba-2's SSD): per chunk of C positions,
+  the keys inside it as a masked [C, C] product, and the keys of the
+  chunks before it as the query times their summed states
   sum_j phi(k_j) v_j^T, every chunk's prefix at once by a parallel scan
   over the chunks (O(log(T / C)) steps, not T / C).
 
-  Exactness. Exponentiating key features can overflow or underflow
-  float32, so each quantity carries a shift that cancels between numerator
-  and denominator, under stop_gradient: each key's features are taken
-  relative to that key's largest (r_j), each chunk's state relative to
-  the chunk's largest r_j, and the scan adds two chunks' states relative to
-  the larger of their shifts. A query then weighs every key it sees
-  relative to the largest r_j among them (a running max): that key's
-  weight is exp(0) = 1, the others' at most 1, whatever the keys' norms,
-  and a later key (in its chunk or after it) changes nothing before it.
-  What can still round to zero: a key's feature more than ~87 nats
-  (float32's exponent range) below that key's largest, or a key whose
-  r_j lies that far below the query's reference; and the query's own
-  features, phi(q) against the features of the keys it sees, if those
-  products span more than that range (queries of very large norm).
+  Exactness without key_top: features summed as they are, exact while
+  their products and sums stay inside float32's range. Linear's grow only
+  as 1 + x, and a key's fall out of it only where every component is below
+  about -87 (-103 with subnormals): such a key counts as 0, and a query
+  that sees only such keys gets zeros.
+
+  Exactness with key_top. Exponentiated features can overflow or
+  underflow float32, so each quantity carries a shift that cancels
+  between numerator and denominator, under stop_gradient: each key's
+  features come relative to that key's largest (r_j = key_top), each
+  chunk's state is taken relative to the chunk's largest r_j, and the
+  scan adds two chunks' states relative to the larger of their shifts. A
+  query then weighs every key it sees relative to the largest r_j among
+  them (a running max): that key's weight is exp(0) = 1, the others' at
+  most 1, whatever the keys' norms, and a later key (in its chunk or after
+  it) changes nothing before it. What can still round to zero: a key's
+  feature more than ~87 nats (float32's exponent range) below that key's
+  largest, or a key whose r_j lies that far below the query's reference;
+  and the query's own features, phi(q) against the features of the keys
+  it sees, if those products span more than that range (queries of very
+  large norm).
   """
   batch, kv_heads, group, length, _ = phi_q.shape
   dtype = value.dtype
@@ -166,47 +190,56 @@ def _causal_sums(phi_q: Array, log_phi_k: Array, value: Array, *,
     x = jnp.pad(x, pad, constant_values=fill)
     return x.reshape(*x.shape[:-2], chunks, chunk, x.shape[-1])
 
-  # Queries [B, K, n, G, C, F] (a copy only where G > 1), keys [B, K, n,
-  # C, F], values [B, K, n, C, H]: each product below has its batch axes
-  # first and its free axes in operand order, so that XLA needs no copy
-  # (and XLA's CPU dot takes bfloat16 operands).
-  q = jnp.moveaxis(chunked(phi_q), 2, 3)
-  log_k = chunked(log_phi_k, -jnp.inf)
-  v = chunked(value)
-  k = jnp.exp(log_k - _shifted_max(log_k, -1))
-  key_top = _top(log_k, -1)[..., 0]  # [B, K, n, C], r_j.
-  # Each chunk's sum of phi(k_j) v_j^T and of phi(k_j), in units of its
-  # largest r_j.
-  chunk_top = _top(key_top, -1)[..., 0]  # [B, K, n]
-  weighted = k * _ratio(key_top, chunk_top[..., None])[..., None]
-  state = _dot('bkncf,bknch->bknfh', weighted, v, dtype)
-  total = jnp.sum(weighted, axis=3)  # [B, K, n, F]
-  # Inclusive prefix sums over the chunks, then shifted by one chunk.
-  tops, states, totals = jax.lax.associative_scan(
-      _combine, (chunk_top, state, total), axis=2)
-
   def earlier(x, fill=0.0):  # Chunk n's: chunk n - 1's inclusive sums.
     pad = [(0, 0)] * x.ndim
     pad[2] = (1, 0)
     return jnp.pad(x[:, :, :-1], pad, constant_values=fill)
 
-  earlier_top = earlier(tops, -jnp.inf)
-  # Each query's reference: the largest r_j it sees, [B, K, n, C].
-  reference = jnp.maximum(jax.lax.cummax(key_top, axis=3),
-                          earlier_top[..., None])
-  # Inside the chunk: scores [B, K, n, G, C (queries), C (keys)].
+  # Queries [B, K, n, G, C, F] (a copy only where G > 1), keys [B, K, n,
+  # C, F], values [B, K, n, C, H]: each product below has its batch axes
+  # first and its free axes in operand order, so that XLA needs no copy
+  # (and XLA's CPU dot takes bfloat16 operands).
+  q = jnp.moveaxis(chunked(phi_q), 2, 3)
+  k = chunked(phi_k)
+  v = chunked(value)
   causal = jnp.tril(jnp.ones((chunk, chunk), bool))
-  weight = _ratio(jnp.where(causal, key_top[..., None, :], -jnp.inf),
-                  reference[..., None])
-  scores = _dot('bkngcf,bkndf->bkngcd', q, k, dtype) * weight[:, :, :, None]
+  if key_top is None:
+    # Each chunk's sums, their inclusive prefix sums by a parallel scan
+    # (jnp.cumsum's reduce-window takes a quarter longer on the CPU).
+    states, totals = (jax.lax.associative_scan(jnp.add, x, axis=2) for x in (
+        _dot('bkncf,bknch->bknfh', k, v, dtype), jnp.sum(k, axis=3)))
+    # Every key a query sees weighs 1.
+    weight, before = causal, None
+  else:
+    key_top = chunked(key_top[..., None], -jnp.inf)[..., 0]  # [B, K, n, C]
+    # Each chunk's sum of phi(k_j) v_j^T and of phi(k_j), in units of its
+    # largest r_j.
+    chunk_top = _top(key_top, -1)[..., 0]  # [B, K, n]
+    weighted = k * _ratio(key_top, chunk_top[..., None])[..., None]
+    state = _dot('bkncf,bknch->bknfh', weighted, v, dtype)
+    total = jnp.sum(weighted, axis=3)  # [B, K, n, F]
+    # Inclusive prefix sums over the chunks.
+    tops, states, totals = jax.lax.associative_scan(
+        _combine, (chunk_top, state, total), axis=2)
+    earlier_top = earlier(tops, -jnp.inf)
+    # Each query's reference: the largest r_j it sees, [B, K, n, C].
+    reference = jnp.maximum(jax.lax.cummax(key_top, axis=3),
+                            earlier_top[..., None])
+    weight = _ratio(jnp.where(causal, key_top[..., None, :], -jnp.inf),
+                    reference[..., None])[:, :, :, None]
+    # The chunks before: in units of the query's reference.
+    before = _ratio(earlier_top[..., None], reference)[:, :, :, None]
+  # Inside the chunk: scores [B, K, n, G, C (queries), C (keys)].
+  scores = _dot('bkngcf,bkndf->bkngcd', q, k, dtype) * weight
   numerator = _dot('bkngcd,bkndh->bkngch', scores, v, dtype)
   denominator = jnp.sum(scores, axis=-1)  # [B, K, n, G, C]
-  # The chunks before: in units of the query's reference.
-  before = _ratio(earlier_top[..., None], reference)[:, :, :, None]
-  numerator += _dot('bkngcf,bknfh->bkngch', q, earlier(states),
-                    dtype) * before[..., None]
-  denominator += _dot('bkngcf,bknf->bkngc', q, earlier(totals),
-                      dtype) * before
+  numerator_before = _dot('bkngcf,bknfh->bkngch', q, earlier(states), dtype)
+  denominator_before = _dot('bkngcf,bknf->bkngc', q, earlier(totals), dtype)
+  if before is not None:
+    numerator_before *= before[..., None]
+    denominator_before *= before
+  numerator += numerator_before
+  denominator += denominator_before
 
   def unchunked(x):  # [B, K, n, G, C, ...] -> [B, K, G, T, ...]
     x = jnp.moveaxis(x, 3, 2)
@@ -220,7 +253,9 @@ def linear_attention(query: Array, key: Array, value: Array,
                      bias: Array | None = None, mask: Array | None = None, *,
                      scale: float | None = None, is_causal: bool = False,
                      chunk_size: int | None = None) -> Array:
-  """Linear attention with phi(x) = elu(x) + 1 (Katharopoulos et al. 2020).
+  """Linear attention with phi(x) = elu(x) + 1 (Katharopoulos et al. 2020),
+  the features summed unshifted (see `_causal_sums` for the one case that
+  loses: keys below about -87 in every component).
 
   Args:
     chunk_size: positions per chunk of causal attention (default:
@@ -230,12 +265,16 @@ def linear_attention(query: Array, key: Array, value: Array,
   if scale is not None:
     raise ValueError('linear attention has no logit scale; leave scale None.')
   query, key, value = (_heads_first(x) for x in (query, key, value))
-  key = key.astype(jnp.float32)
-  # log(elu(x) + 1): x below 0, log(1 + x) above.
-  log_phi_k = jnp.where(key < 0, key, jnp.log1p(jnp.maximum(key, 0.0)))
-  out = _attend(jax.nn.elu(query.astype(jnp.float32)) + 1.0, log_phi_k,
-                value, mask, is_causal=is_causal, chunk_size=chunk_size)
+  out = _attend(_elu_plus_one(query), _elu_plus_one(key), value, mask,
+                is_causal=is_causal, chunk_size=chunk_size)
   return _heads_first(out).astype(query.dtype)
+
+
+def _elu_plus_one(x: Array) -> Array:
+  """elu(x) + 1 in float32 as e^min(x, 0) + max(x, 0): e^x exact where
+  elu's expm1(x) + 1 rounds it to a multiple of 2^-24 (0 below x = -17)."""
+  x = x.astype(jnp.float32)
+  return jnp.exp(jnp.minimum(x, 0.0)) + jnp.maximum(x, 0.0)
 
 
 def orthogonal_features(rng: Array, num_features: int, head_dim: int) -> Array:
@@ -281,9 +320,10 @@ def performer_attention(query: Array, key: Array, value: Array,
             - math.log(num_features) / 2)
 
   query, key, value = (_heads_first(x) for x in (query, key, value))
-  # A shift per query cancels between numerator and denominator.
-  log_phi_q = log_features(query)
-  phi_q = jnp.exp(log_phi_q - _shifted_max(log_phi_q, -1))
-  out = _attend(phi_q, log_features(key), value, mask, is_causal=is_causal,
-                chunk_size=chunk_size)
+  # A shift per query cancels between numerator and denominator; the keys'
+  # go with them.
+  phi_q, _ = _relative_to_largest(log_features(query))
+  phi_k, key_top = _relative_to_largest(log_features(key))
+  out = _attend(phi_q, phi_k, value, mask, is_causal=is_causal,
+                chunk_size=chunk_size, key_top=key_top)
   return _heads_first(out).astype(query.dtype)

@@ -392,11 +392,21 @@ def log_performer_features(x, num_features, seed):
 
 # Key norms per position: the first queries (a whole chunk of 4, then
 # two at the start of the next, before key 6) see only keys of 20 to 40
-# times the others' norm, whose features lie hundreds of nats below theirs:
-# an unshifted exp underflows them all to zero, a shift shared by a chunk
-# or by the sequence leaves those queries nothing.
+# times the others' norm. Performer's features of those lie hundreds of
+# nats below the others': an unshifted exp underflows them all to zero, a
+# shift shared by a chunk or by the sequence leaves those queries nothing.
 NORMS = jnp.asarray([40, 30, 20, 40, 40, 30, 1, 1, 3, 1.0])[
     None, :, None, None]
+
+
+def large_negative(k, factor=1.0):
+  """Keys of NORMS below zero in every component: linear's features of the
+  first six, e^k, lie 20 to 50 nats below 1 at factor 1 (under the 2^-24
+  that elu's expm1(k) + 1 resolves), over 105 at factor 5 (under float32's
+  smallest, e^-103 with subnormals)."""
+  return -factor * (jnp.abs(k) + 1) * NORMS
+
+
 KERNEL_CASES = {
     # name: (variant, is_causal, kv heads, chunk_size, dtype, keys of k)
     'linear_causal_gqa_padding': ('linear', True, 2, 4, jnp.float32,
@@ -409,9 +419,12 @@ KERNEL_CASES = {
                                   lambda k: k),
     'performer_causal_large_keys': ('performer', True, 2, 4, jnp.float32,
                                     lambda k: k * NORMS),
+    # Features summed as they are: large of both signs (up to 1 + 100,
+    # down to e^-100 beside others), and far below 1 in every component.
+    'linear_causal_large_keys': ('linear', True, 2, 4, jnp.float32,
+                                 lambda k: k * NORMS),
     'linear_causal_large_negative_keys': ('linear', True, 2, 4, jnp.float32,
-                                          lambda k: -3 * (jnp.abs(k) + 1)
-                                          * NORMS),
+                                          large_negative),
 }
 
 
@@ -457,6 +470,30 @@ def test_parallel_chunk_kernel_attention_equals_the_quadratic_form(case):
                               atol=error, rtol=error)
   chex.assert_trees_all_close(as_float32(grads), as_float32(expected_grads),
                               atol=10 * error, rtol=10 * error)
+
+
+def test_linear_attention_drops_keys_whose_every_feature_underflows():
+  """linear sums its features unshifted: a key whose features all lie
+  below float32's range counts as 0, so queries that see only such keys
+  (the first six) get zeros, finite with finite gradients, and the queries
+  after them, which see a key of features near 1, stay exact."""
+  q, k, v = make_qkv(21)
+  k = large_negative(k, factor=5.0)
+  keep = jnp.ones((B, 1, 1, T), bool)
+
+  @jax.jit
+  def output_and_grads(q, k, v):
+    out, pullback = jax.vjp(functools.partial(
+        attention.get('linear'), is_causal=True, chunk_size=4), q, k, v)
+    return out, pullback(jnp.cos(out))
+
+  out, grads = output_and_grads(q, k, v)
+  chex.assert_tree_all_finite(grads)
+  np.testing.assert_array_equal(out[:, :6], 0.0)
+  chex.assert_trees_all_close(
+      out[:, 6:], log_space_kernel_reference(
+          log_elu_features(q), log_elu_features(k), v, True, keep)[:, 6:],
+      atol=2e-5, rtol=2e-5)
 
 
 def mean_error(fn, seeds=(0, 1, 2), **kwargs) -> float:
