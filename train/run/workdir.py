@@ -405,8 +405,10 @@ def claim(config: ml_collections.ConfigDict, workdir: str
   before each write of the workdir (LeaseLost once another run has taken
   the lock over); InputError before anything is written if
   the workdir cannot be written, is locked, holds another config, or
-  holds a run without its config.json."""
-  problem, lock = None, None
+  holds a run without its config.json. A workdir it made is removed again
+  where the start is refused, then or later in the context (InputError),
+  before the run recorded anything there."""
+  problem, lock, made = None, None, False
   workdir = storage.resolve(workdir)
   try:
     if storage.unsupported(workdir):
@@ -418,6 +420,9 @@ def claim(config: ml_collections.ConfigDict, workdir: str
       raise InputError(
           f'--workdir={workdir}: the bucket {storage.bucket(workdir)} does '
           'not exist, or these credentials cannot see it.')
+    # Made by this run: a start refused before it records anything
+    # removes it (`_holding`).
+    made = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
       lock = (LeaseLock if storage.is_object_store(workdir) else Lock)(
@@ -437,9 +442,10 @@ def claim(config: ml_collections.ConfigDict, workdir: str
   if not hosts.minimum_over_hosts(problem is None):
     if lock is not None:
       lock.release()
+    _remove_unrecorded(workdir, made)
     raise InputError(problem or f'--workdir={workdir} was refused by '
                      'another host (see its output).')
-  return _holding(lock)
+  return _holding(lock, workdir, made)
 
 
 def _unleased(*, confirm: bool = False) -> None:
@@ -449,17 +455,33 @@ def _unleased(*, confirm: bool = False) -> None:
   del confirm
 
 
+def _remove_unrecorded(workdir: str, made: bool) -> None:
+  """Removes `workdir` if this run `made` it and it holds no record of a
+  run (RECORDS): what a refused start wrote there (config.json, the lock,
+  an empty checkpoints/) is no use to the next, and would name a config
+  nothing trained. Process 0's work, as the lock is."""
+  if made and jax.process_index() == 0 and not _run_record(workdir):
+    storage.path(workdir).rmtree(missing_ok=True)
+
+
 @contextlib.contextmanager
-def _holding(lock: Lock | LeaseLock | None
+def _holding(lock: Lock | LeaseLock | None, workdir: str, made: bool
              ) -> Iterator[Callable[..., None]]:
   """Holds `lock` (None on the hosts other than process 0) until the
   context ends, giving the check to make before each write of the workdir
-  (LeaseLock.check)."""
+  (LeaseLock.check). A start refused (InputError) before it recorded
+  anything in a workdir it `made` leaves nothing there."""
+  refused = False
   try:
     yield lock.check if isinstance(lock, LeaseLock) else _unleased
+  except InputError:
+    refused = True
+    raise
   finally:
     if lock is not None:
       lock.release()
+    if refused:
+      _remove_unrecorded(workdir, made)
 
 
 def _record_config(config: ml_collections.ConfigDict, workdir: str) -> None:

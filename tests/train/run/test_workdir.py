@@ -328,3 +328,29 @@ def test_a_garbled_config_json_is_named_with_the_way_to_recover(
       r'config.json cannot be read \(.*\); it records this workdir\'s '
       r'config: restore it from a copy, or use another workdir.')):
     workdir.claim(config, str(tmp_path))
+
+
+def test_a_start_refused_after_its_claim_leaves_no_workdir(data_dir,
+                                                           tmp_path):
+  """A refusal once the workdir is claimed (here the dataset's vocabulary,
+  checked once it is read) removes the workdir the run made."""
+  config = tiny_config('lm_stdlib', data_dir)
+  config.model.vocab_size = 100
+  path = tmp_path / 'new'
+  assert exit_status(config, str(path)) == 2
+  assert not path.exists()
+
+
+def test_a_refusal_keeps_a_workdir_the_run_did_not_make_or_recorded_in(
+    data_dir, tmp_path):
+  config = tiny_config('lm_stdlib', data_dir)
+  with pytest.raises(InputError):
+    with workdir.claim(config, str(tmp_path)):  # It exists already.
+      raise InputError('refused')
+  assert (tmp_path / 'config.json').exists()
+  made = tmp_path / 'made'
+  with pytest.raises(InputError):
+    with workdir.claim(config, str(made)):
+      (made / 'metrics.jsonl').write_text('{"step": 1, "loss": 1.0}\n')
+      raise InputError('refused')
+  assert (made / 'config.json').exists()
