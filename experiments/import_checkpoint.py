@@ -43,7 +43,6 @@ import numpy as np
 from configs import default, published
 from model import layer_stack
 from train import cli
-from train.base import storage
 from train.base.errors import InputError
 from train.config import validation as config_validation
 from train.data import datasets
@@ -112,8 +111,7 @@ def _check_new(workdir: str) -> None:
   """InputError where `workdir` holds a run: an import writes step 0 of a
   new one, and a run's own checkpoint would be kept (orbax does not write
   a step twice) under the import's checksums."""
-  held = [name for name in ('config.json', 'checkpoints', 'metrics.jsonl')
-          if (storage.path(workdir) / name).exists()]
+  held = workdir_lib.run_record(workdir)
   if held:
     raise InputError(
         f'--workdir={workdir} already holds a run ({", ".join(held)}): an '

@@ -87,7 +87,7 @@ def _resumable(key: str) -> bool:
 RECORDS = ('checkpoints', 'metrics.jsonl', 'config_history.jsonl')
 
 
-def _run_record(workdir: str) -> list[str]:
+def run_record(workdir: str) -> list[str]:
   """Those of RECORDS that hold anything in `workdir`."""
   def holds(path) -> bool:
     return (any(path.iterdir()) if path.is_dir()
@@ -460,7 +460,7 @@ def _remove_unrecorded(workdir: str, made: bool) -> None:
   run (RECORDS): what a refused start wrote there (config.json, the lock,
   an empty checkpoints/) is no use to the next, and would name a config
   nothing trained. Process 0's work, as the lock is."""
-  if made and jax.process_index() == 0 and not _run_record(workdir):
+  if made and jax.process_index() == 0 and not run_record(workdir):
     storage.path(workdir).rmtree(missing_ok=True)
 
 
@@ -490,7 +490,7 @@ def _record_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   before anything is written, for a record without its config.json."""
   path = storage.path(workdir) / 'config.json'
   history = storage.path(workdir) / 'config_history.jsonl'
-  record = _run_record(workdir)
+  record = run_record(workdir)
   if not record:
     storage.write_whole(path, _as_json(config))
     return
