@@ -37,6 +37,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from typing import TypeVar
 
 # gcsfs behind gs:// even where TensorFlow is installed (to build tfds
@@ -275,30 +276,34 @@ def check_credentials(location: str) -> None:
 
 @functools.cache
 def _check_credentials(bucket_url: str) -> None:
+  answered = False
   with tempfile.TemporaryFile() as captured:
     sys.stderr.flush()
     stderr = os.dup(2)
     os.dup2(captured.fileno(), 2)
     try:
       answered = _answers(bucket_url)
-    finally:
+    finally:  # What was said meanwhile is said again, whatever happened.
       sys.stderr.flush()
       os.dup2(stderr, 2)
       os.close(stderr)
-    captured.seek(0)
-    said = captured.read().decode(errors='replace')
-  sys.stderr.write(''.join(line for line in said.splitlines(keepends=True)
-                           if not (answered and NO_CREDENTIALS in line)))
-  sys.stderr.flush()
+      captured.seek(0)
+      said = captured.read().decode(errors='replace')
+      sys.stderr.write(''.join(
+          line for line in said.splitlines(keepends=True)
+          if not (answered and NO_CREDENTIALS in line)))
+      sys.stderr.flush()
 
 
 def _answers(bucket_url: str) -> bool:
-  """Whether tensorstore reads from the bucket (an object it lacks)."""
+  """Whether tensorstore reads from the bucket (an object it lacks)
+  within timeout_s() seconds."""
   import tensorstore  # pylint: disable=import-outside-toplevel
+  deadline = time.monotonic() + timeout_s()
+  left = lambda: max(deadline - time.monotonic(), 0.0)
   try:
-    store = tensorstore.KvStore.open(f'{bucket_url}/').result(
-        timeout=timeout_s())
-    store.read('.attnlab-credentials-check').result(timeout=timeout_s())
+    store = tensorstore.KvStore.open(f'{bucket_url}/').result(timeout=left())
+    store.read('.attnlab-credentials-check').result(timeout=left())
   except Exception:  # pylint: disable=broad-except
     # Any error of the store's: the run's own use of it says what it is.
     return False

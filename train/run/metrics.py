@@ -289,10 +289,13 @@ class MetricWriter:
     print(f'warning: {problem}; metrics.jsonl is not written any more in '
           'this run.', flush=True)
 
-  def _lost(self, error: Exception) -> str:
+  def _lost(self, error: Exception) -> str | None:
     """The line saying which summaries the last write of metrics.jsonl,
-    failing with `error`, lost."""
+    failing with `error`, lost; None where every line was written before
+    (a disk's, flushed as written: only closing the file failed)."""
     steps = self._unwritten_steps
+    if not steps:
+      return None
     lines = (f'its last {len(steps)} lines, the summaries of steps '
              f'{steps[0]}-{steps[-1]} shown above, are' if len(steps) > 1
              else f'its last line, the summary of step {steps[0]} shown '

@@ -33,6 +33,7 @@ import socket
 import threading
 import time
 from typing import Any
+import uuid
 
 import dataclasses
 import functools
@@ -297,8 +298,9 @@ class LeaseLock:
       found = self._watch(found)
     if found is not None:  # An expired lock, or an empty one.
       storage.delete_if(self._object, found[1])
-    self._record = _holder_record() | {'renewals': 0}
-    self._generation = storage.write_if(self._object, self._text(), '0')
+    self._record = _holder_record() | {'token': uuid.uuid4().hex,
+                                       'renewals': 0}
+    self._generation = self._write('0')
     if self._generation is None:
       raise _in_use(self._path, _described(self._holder()) or 'another run')
     self._tried = time.monotonic()  # The last renewal's start or end.
@@ -311,6 +313,21 @@ class LeaseLock:
 
   def _text(self) -> str:
     return json.dumps(self._record) + '\n'
+
+  def _write(self, generation: str) -> str | None:
+    """Writes this run's record over the lock's version `generation` ('0':
+    over none); the version written, or None where another is there. A
+    write of this run's own that landed unseen (its answer lost and the
+    upload retried, or one finished after its time bound) is known by its
+    token, and taken as written."""
+    written = storage.write_if(self._object, self._text(), generation)
+    if written is not None:
+      return written
+    found = storage.read_versioned(self._object)
+    if (found is not None
+        and _parsed(found[0]).get('token') == self._record['token']):
+      return found[1]
+    return None
 
   def _holder(self) -> Any:
     """The record of the lock there now (None: there is none)."""
@@ -353,8 +370,7 @@ class LeaseLock:
       if self._taken_by is None:
         self._record['renewals'] += 1
         try:
-          generation = storage.write_if(self._object, self._text(),
-                                        self._generation)
+          generation = self._write(self._generation)
           if generation is None:
             self._taken_by = (_described(self._holder())
                               or 'a run that deleted it')
@@ -441,26 +457,44 @@ def claim(config: ml_collections.ConfigDict, workdir: str
     problem = f'--workdir={workdir}: {error!r}'
   if not hosts.minimum_over_hosts(problem is None):
     if lock is not None:
+      _remove_unrecorded(workdir, made)
       lock.release()
-    _remove_unrecorded(workdir, made)
     raise InputError(problem or f'--workdir={workdir} was refused by '
                      'another host (see its output).')
   return _holding(lock, workdir, made)
 
 
 def _unleased(*, confirm: bool = False) -> None:
-  """The check before a write where no lease can be lost: a disk's lock
-  (the kernel's, held until released), or none (the other hosts: process 0
-  holds the lock)."""
+  """The check before a write where no lease can be lost: a disk's lock,
+  the kernel's, held until released."""
   del confirm
+
+
+def _leased(lock: LeaseLock | None) -> Callable[..., None]:
+  """The check before a write on an object store, on every host (`lock`:
+  process 0's; None on the others): LeaseLost on all of them once process
+  0 finds the lock taken over, so that none goes on to a collective the
+  others have left."""
+  def check(*, confirm: bool = False) -> None:
+    lost = None
+    if lock is not None:
+      try:
+        lock.check(confirm=confirm)
+      except LeaseLost as error:
+        lost = error
+    if not hosts.minimum_over_hosts(lost is None):
+      raise lost or LeaseLost('process 0 found this workdir taken over by '
+                              'another run; stopped without writing again.')
+  return check
 
 
 def _remove_unrecorded(workdir: str, made: bool) -> None:
   """Removes `workdir` if this run `made` it and it holds no record of a
   run (RECORDS): what a refused start wrote there (config.json, the lock,
   an empty checkpoints/) is no use to the next, and would name a config
-  nothing trained. Process 0's work, as the lock is."""
-  if made and jax.process_index() == 0 and not run_record(workdir):
+  nothing trained. Called by the lock's holder while it holds it, so that
+  no other run's start is removed."""
+  if made and not run_record(workdir):
     storage.path(workdir).rmtree(missing_ok=True)
 
 
@@ -469,19 +503,18 @@ def _holding(lock: Lock | LeaseLock | None, workdir: str, made: bool
              ) -> Iterator[Callable[..., None]]:
   """Holds `lock` (None on the hosts other than process 0) until the
   context ends, giving the check to make before each write of the workdir
-  (LeaseLock.check). A start refused (InputError) before it recorded
-  anything in a workdir it `made` leaves nothing there."""
-  refused = False
+  (`_leased` on an object store). A start refused (InputError) before it
+  recorded anything in a workdir it `made` leaves nothing there."""
   try:
-    yield lock.check if isinstance(lock, LeaseLock) else _unleased
+    yield (_leased(lock) if storage.is_object_store(workdir)
+           else _unleased)
   except InputError:
-    refused = True
+    if lock is not None:
+      _remove_unrecorded(workdir, made)
     raise
   finally:
     if lock is not None:
       lock.release()
-    if refused:
-      _remove_unrecorded(workdir, made)
 
 
 def _record_config(config: ml_collections.ConfigDict, workdir: str) -> None:

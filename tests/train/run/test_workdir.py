@@ -354,3 +354,38 @@ def test_a_refusal_keeps_a_workdir_the_run_did_not_make_or_recorded_in(
       (made / 'metrics.jsonl').write_text('{"step": 1, "loss": 1.0}\n')
       raise InputError('refused')
   assert (made / 'config.json').exists()
+
+
+def test_on_an_object_store_a_renewal_written_unseen_keeps_the_lease(
+    object_store, tmp_path, monkeypatch):
+  """A renewal the store wrote but whose answer was lost (its library
+  retried it and met its own write: 412) is known by the lock's token:
+  the run keeps its lease, and releases it."""
+  path = f'{object_store}/{tmp_path.name}'
+  lock = workdir.LeaseLock(path)
+  write_if = storage.write_if
+
+  def written_unseen(file, text, generation):
+    write_if(file, text, generation)
+    return None
+
+  try:
+    monkeypatch.setattr(storage, 'write_if', written_unseen)
+    lock.renew()
+    monkeypatch.setattr(storage, 'write_if', write_if)
+    lock.renew()
+  finally:
+    lock.release()
+  assert not storage.path(f'{path}/lock').exists()
+
+
+def test_on_an_object_store_every_host_stops_once_process_0_lost_the_lease(
+    monkeypatch):
+  """The check before a write on a host other than process 0 (no lock of
+  its own) stops it too, so that no host waits in a collective the others
+  left."""
+  check = workdir._leased(None)
+  check(confirm=True)
+  monkeypatch.setattr(workdir.hosts, 'minimum_over_hosts', lambda ok: 0.0)
+  with pytest.raises(workdir.LeaseLost, match='process 0 found'):
+    check(confirm=True)
