@@ -119,18 +119,6 @@ def _check_new(workdir: str) -> None:
         'first.')
 
 
-def _check_vocabulary(source: str, keys: dict, config,
-                      dataset: datasets.Dataset) -> None:
-  """InputError, naming the checkpoint's vocab_size, unless the dataset's
-  token ids fit it."""
-  if dataset.vocab_size > keys['vocab_size']:
-    raise InputError(
-        f'--from={source}: its vocab_size={keys["vocab_size"]} (config.json)'
-        f' is smaller than the {dataset.vocab_size} token ids of '
-        f'config.dataset={config.dataset!r}: prepare a dataset with the '
-        "model's own tokenizer.")
-
-
 def import_checkpoint(source: str, format_name: str, workdir: str,
                       config=None, overrides: Iterable[str] = ()) -> str:
   """Writes `workdir` (config.json and the checkpoint of step 0) from the
@@ -149,8 +137,8 @@ def import_checkpoint(source: str, format_name: str, workdir: str,
   _check_tree(params, abstract, source)
   # The dataset's token ids (its tokenizer's) must fit the vocabulary.
   dataset = datasets.load(checked, workdir)
-  _check_vocabulary(source, keys, checked, dataset)
-  config_validation.check_dataset_fits(checked, dataset)
+  config_validation.check_dataset_fits(
+      checked, dataset, vocabulary=f'--from={source}: its vocab_size')
   state = program.start_from(jax.tree.map(
       lambda array, want: np.asarray(array, want.dtype), params, abstract))
   with workdir_lib.claim(config, workdir):

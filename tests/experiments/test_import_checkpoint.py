@@ -324,8 +324,7 @@ BAD = {
     'extra': 'holds tensors this format does not read (1: h.2.mlp.c_fc.bias)',
     'two files': 'the tensor h.1.mlp.c_fc.bias is in more than one file',
     # The tokenizer's ids (the dataset's) must fit the vocabulary.
-    'vocab_size': 'its vocab_size=100 (config.json) is smaller than the 258 '
-                  'token ids',
+    'vocab_size': 'its vocab_size=100 is smaller than the 258 token ids',
 }
 
 

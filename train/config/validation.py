@@ -231,7 +231,7 @@ def warnings_of(config: TrainConfig) -> list[str]:
         f'{steps}: the learning rate never leaves its warmup, reaching '
         f'{steps / warmup:.3g} of {peak}.')
   defaults = train_config.defaults()
-  for key, readers in optim.OPTIMIZER_KEYS.items():
+  for key, readers in optim.optimizer_keys().items():
     value = getattr(config, key)
     if config.optimizer not in readers and value != defaults[key]:
       found.append(
@@ -248,16 +248,18 @@ def model_positions(config: TrainConfig) -> int:
   return config.seq_len + family.extra_positions(config.model)
 
 
-def check_dataset_fits(config: TrainConfig,
-                       dataset: datasets.Dataset) -> None:
+def check_dataset_fits(config: TrainConfig, dataset: datasets.Dataset,
+                       vocabulary: str = 'config.model.vocab_size') -> None:
   """The dataset has the eval and decode splits, and the model's
-  vocabulary and classes cover the dataset's."""
+  vocabulary and classes cover the dataset's. `vocabulary`: what the
+  user set the vocabulary by, as the error names it (an import: the
+  checkpoint's vocab_size)."""
   if config.eval_split not in dataset.splits:
     _fail(f'config.eval_split={config.eval_split!r} is not a split of '
           f'config.dataset={config.dataset!r}; it has {sorted(dataset.splits)}.')
   if dataset.vocab_size > config.model.vocab_size:
-    _fail(f'config.model.vocab_size={config.model.vocab_size} is smaller '
-          f'than the {dataset.vocab_size} token ids of config.dataset='
+    _fail(f'{vocabulary}={config.model.vocab_size} is smaller than the '
+          f'{dataset.vocab_size} token ids of config.dataset='
           f'{config.dataset!r}.')
   if dataset.task.has_classes and (
       config.model.num_classes != dataset.num_classes):
