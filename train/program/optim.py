@@ -2,6 +2,7 @@
 
 from collections.abc import Callable
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -178,14 +179,37 @@ def _muon(config: TrainConfig, schedule: optax.Schedule, boxed_params
   }, labels)
 
 
-# config.optimizer: (config, the schedule, the parameters as declared) ->
-# the update, with weight decay (model/weight_decay.py) on what it reaches.
-OPTIMIZERS = {'adamw': _adamw, 'sgd': _sgd, 'muon': _muon}
-# The keys that only some of OPTIMIZERS read, and which.
-OPTIMIZER_KEYS = {
-    'adam_b1': ('adamw', 'muon'), 'adam_b2': ('adamw', 'muon'),
-    'adam_eps': ('adamw', 'muon'), 'sgd_momentum': ('sgd',),
-    'muon_learning_rate': ('muon',), 'muon_momentum': ('muon',)}
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+  """An optimizer (config.optimizer), with weight decay
+  (model/weight_decay.py) on what it reaches."""
+
+  # (config, the schedule, the parameters as declared) -> the update.
+  build: Callable[[TrainConfig, optax.Schedule, Any],
+                  optax.GradientTransformation]
+  # The config keys of its own that it reads (not every optimizer's, such
+  # as weight_decay), so that one set for another is warned of.
+  reads: tuple[str, ...] = ()
+
+
+_ADAM_KEYS = ('adam_b1', 'adam_b2', 'adam_eps')
+OPTIMIZERS = {
+    'adamw': Optimizer(_adamw, reads=_ADAM_KEYS),
+    'sgd': Optimizer(_sgd, reads=('sgd_momentum',)),
+    # AdamW on the parameters that are not hidden matrices.
+    'muon': Optimizer(_muon, reads=(*_ADAM_KEYS, 'muon_learning_rate',
+                                    'muon_momentum')),
+}
+
+
+def optimizer_keys() -> dict[str, list[str]]:
+  """Each key an optimizer reads of its own (Optimizer.reads): the
+  optimizers that read it."""
+  readers = {}
+  for name, optimizer in OPTIMIZERS.items():
+    for key in optimizer.reads:
+      readers.setdefault(key, []).append(name)
+  return readers
 
 
 def make_optimizer(config: TrainConfig, boxed_params
@@ -194,7 +218,8 @@ def make_optimizer(config: TrainConfig, boxed_params
   schedule. `boxed_params`: the parameters (or their shapes) as `init`
   made them, before nn.meta.unbox."""
   schedule = learning_rate_schedule(config)
-  optimizer = OPTIMIZERS[config.optimizer](config, schedule, boxed_params)
+  optimizer = OPTIMIZERS[config.optimizer].build(config, schedule,
+                                                 boxed_params)
   if config.grad_clip_norm > 0:
     optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm),
                             optimizer)

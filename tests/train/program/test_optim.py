@@ -115,6 +115,33 @@ def test_wsd_with_room_for_warmup_and_cooldown_is_the_trapezoid_bitwise(
 _QUINTIC = (3.4445, -4.775, 2.0315)
 
 
+class _Reading:
+  """A config that records the keys read of it."""
+
+  def __init__(self, config: TrainConfig):
+    self.config, self.read = config, set()
+
+  def __getattr__(self, key: str):
+    self.read.add(key)
+    return getattr(self.config, key)
+
+
+def test_each_optimizer_declares_the_keys_it_reads_that_others_do_not():
+  """Optimizer.reads is what building it reads beyond what every
+  optimizer reads (the schedule, weight decay, clipping): the keys that a
+  config of another optimizer is warned of setting."""
+  boxed = boxed_params(small(num_layers=1))
+  read = {}
+  for name in optim.OPTIMIZERS:
+    config = _Reading(TrainConfig(optimizer=name))
+    optim.make_optimizer(config, boxed)
+    read[name] = config.read
+  shared = set.intersection(*read.values())
+  assert {name: read[name] - shared for name in read} == {
+      name: set(optimizer.reads)
+      for name, optimizer in optim.OPTIMIZERS.items()}
+
+
 def _orthogonalised(momentum, matrix: Matrix):
   """Muon's direction for a parameter's (Nesterov) momentum, in float64:
   each matrix M = U S V^T (the parameter's axes flattened as `matrix`
