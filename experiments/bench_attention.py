@@ -368,8 +368,7 @@ def _write_summary(rows: list[dict], directory: str, peak: float | None, *,
 
 
 def main(argv: list[str]) -> None:
-  out = common.results_folder(FLAGS.out, 'bench_attention')
-  cli.run_main(argv, lambda: run(
+  common.results_main(argv, 'bench_attention', lambda out: run(
       out,
       variants=FLAGS.variants or attention_cases.default_variants(
           jax.default_backend()),
@@ -380,12 +379,11 @@ def main(argv: list[str]) -> None:
       rows=FLAGS.rows, memory_limit_mb=FLAGS.memory_limit_mb,
       command='python -m experiments.bench_attention '
       + ' '.join(sys.argv[1:])))
-  print(f'Results in {out}.')
 
 
 def _define_flags() -> None:
   """The command line, defined only when this runs as a script."""
-  flags.DEFINE_string('out', None, common.out_help('bench_attention'))
+  common.define_out_flag('bench_attention')
   flags.DEFINE_list('variants', [], 'Variants to measure; xla is '
                     'jax.nn.dot_product_attention, chunked[cudnn] chunked '
                     'by that fused kernel (any of model/attention/fused.py, '

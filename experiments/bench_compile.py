@@ -155,14 +155,12 @@ def run(base, out: str, *, size: str, layers: list[int], steps: int,
 
 
 def main(argv: list[str]) -> None:
-  out = common.results_folder(FLAGS.out, 'bench_compile')
-  cli.run_main(argv, lambda: run(
+  common.results_main(argv, 'bench_compile', lambda out: run(
       FLAGS.config, out, size=FLAGS.size,
       layers=common.parse_integers('--layers', FLAGS.layers),
       steps=FLAGS.steps, layouts=tuple(FLAGS.layouts),
       command='python -m experiments.bench_compile ' + ' '.join(
           sys.argv[1:])))
-  print(f'Results in {out}.')
 
 
 def _define_flags() -> None:
@@ -170,7 +168,7 @@ def _define_flags() -> None:
   config_flags.DEFINE_config_file(
       'config', lm_stdlib.__file__, 'Training config file; the size sets '
       'its shape, --layers its depth.', lock_config=True)
-  flags.DEFINE_string('out', None, common.out_help('bench_compile'))
+  common.define_out_flag('bench_compile')
   flags.DEFINE_enum('size', 'small', list(bench_train.SIZES),
                     "bench_train's shape.")
   flags.DEFINE_list('layers', ['2', '8', '24'], 'Depths measured.')

@@ -100,14 +100,12 @@ def run(base: ml_collections.ConfigDict, out: str, *, lengths: list[int],
 
 
 def main(argv: list[str]) -> None:
-  out = common.results_folder(FLAGS.out, 'bench_seq2seq')
-  cli.run_main(argv, lambda: run(
+  common.results_main(argv, 'bench_seq2seq', lambda out: run(
       FLAGS.config, out,
       lengths=common.parse_integers('--lengths', FLAGS.lengths),
       batch=FLAGS.batch, steps=FLAGS.steps, warmup=FLAGS.warmup,
       command='python -m experiments.bench_seq2seq '
       + ' '.join(sys.argv[1:])))
-  print(f'Results in {out}.')
 
 
 def _define_flags() -> None:
@@ -116,7 +114,7 @@ def _define_flags() -> None:
       'config', algorithmic.get_config('task=reverse'),
       'Training config (model, optimizer); --lengths and --batch override '
       'its seq_len and batch_size.')
-  flags.DEFINE_string('out', None, common.out_help('bench_seq2seq'))
+  common.define_out_flag('bench_seq2seq')
   flags.DEFINE_list('lengths', ['16', '32', '64', '128', '256'],
                     'Source (and target) lengths.')
   flags.DEFINE_integer('batch', 16, 'Rows a step (a multiple of the data '

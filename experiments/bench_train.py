@@ -304,15 +304,13 @@ def run(base: ml_collections.ConfigDict, out: str, *, sizes: list[str],
 
 
 def main(argv: list[str]) -> None:
-  out = common.results_folder(FLAGS.out, 'bench_train')
-  cli.run_main(argv, lambda: run(
+  common.results_main(argv, 'bench_train', lambda out: run(
       FLAGS.config, out, sizes=FLAGS.sizes, steps=FLAGS.steps,
       warmup=FLAGS.warmup, attention=FLAGS.attention, dtype=FLAGS.dtype,
       remat=FLAGS.remat,
       batch_sizes=common.parse_integers('--batch_sizes', FLAGS.batch_sizes),
       loop=FLAGS.loop,
       command='python -m experiments.bench_train ' + ' '.join(sys.argv[1:])))
-  print(f'Results in {out}.')
 
 
 def _define_flags() -> None:
@@ -322,7 +320,7 @@ def _define_flags() -> None:
       '(optimizer and the rest; e.g. configs/published.py:gpt2 for GPT-2\'s '
       'exact architecture); sizes override its shape and what StockLM '
       'builds.', lock_config=True)
-  flags.DEFINE_string('out', None, common.out_help('bench_train'))
+  common.define_out_flag('bench_train')
   flags.DEFINE_list('sizes', ['small', 'medium'],
                     f'Model sizes, of {", ".join(SIZES)}.')
   flags.DEFINE_list('batch_sizes', [], 'Rows a step, each measured; '

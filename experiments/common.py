@@ -1,9 +1,9 @@
-"""What the experiment scripts share: their flags' values checked, config
-overrides, a run's metrics, result tables and plots, and a description of
-the machine."""
+"""What the experiment scripts share: their flags' values checked, where
+their results go, config overrides, a run's metrics, result tables and
+plots, and a description of the machine."""
 
 import ast
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import copy
 import csv
 import json
@@ -12,6 +12,7 @@ import platform
 import time
 from typing import Any
 
+from absl import flags
 import jax
 import matplotlib
 import matplotlib.ticker
@@ -19,12 +20,17 @@ import numpy as np
 
 from model import attention
 from model.attention import options as variant_options
+from train import cli
 from train.base import storage
 from train.base.errors import InputError, did_you_mean
 from train.run import metrics
 
 matplotlib.use('Agg')
 from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)
+
+# The flags defined here (define_out_flag) are the calling script's: its
+# --help lists them.
+flags.disclaim_key_flags()
 
 
 def parse_value(text: str) -> Any:
@@ -111,11 +117,22 @@ def results_folder(out: str | None, experiment: str) -> str:
   return path
 
 
-def out_help(experiment: str) -> str:
-  """The help of an experiment's --out flag."""
-  return (f'Where the results go; default: a fresh folder '
-          f'workdirs/{experiment}-<date>-<time>. The committed ones: '
-          f'--out=experiments/results/{experiment}.')
+def define_out_flag(experiment: str) -> None:
+  """Defines an experiment's --out flag, which results_main reads."""
+  flags.DEFINE_string(
+      'out', None, f'Where the results go; default: a fresh folder '
+      f'workdirs/{experiment}-<date>-<time>. The committed ones: '
+      f'--out=experiments/results/{experiment}.')
+
+
+def results_main(argv: list[str], experiment: str,
+                 work: Callable[[str], Any]) -> None:
+  """The body of an experiment's main (cli.run_main): `work(OUT)`, OUT the
+  folder of its results (results_folder of --out), then a line saying
+  where they are."""
+  out = results_folder(flags.FLAGS['out'].value, experiment)
+  cli.run_main(argv, lambda: work(out))
+  print(f'Results in {out}.')
 
 
 def load_json(path: str):

@@ -215,7 +215,7 @@ def report(workdir: str, out: str, command: str) -> str:
 
 
 def main(argv: list[str]) -> None:
-  def work():
+  def work(out: str):
     started = time.perf_counter()
     workdir = common.local_workdir(FLAGS.workdir)
     sweep.sweep(CONFIG, workdir, parallel=FLAGS.parallel)
@@ -223,11 +223,10 @@ def main(argv: list[str]) -> None:
                f'--workdir={FLAGS.workdir}'
                + (f' --parallel={FLAGS.parallel}' if FLAGS.parallel > 1
                   else '') + (f' --out={FLAGS.out}' if FLAGS.out else ''))
-    out = common.results_folder(FLAGS.out, 'length_generalisation')
     print(report(workdir, out, command))
     print(f'This sitting: {(time.perf_counter() - started) / 60:.1f} '
-          f'minutes; results in {out}.')
-  cli.run_main(argv, work)
+          'minutes.')
+  common.results_main(argv, 'length_generalisation', work)
 
 
 def _define_flags() -> None:
@@ -235,7 +234,7 @@ def _define_flags() -> None:
   flags.DEFINE_string('workdir', None, 'Directory of the study\'s cells.')
   flags.DEFINE_integer('parallel', 1, 'Cells trained at once.',
                        lower_bound=1)
-  flags.DEFINE_string('out', None, common.out_help('length_generalisation'))
+  common.define_out_flag('length_generalisation')
   flags.mark_flags_as_required(['workdir'])
 
 

@@ -5,6 +5,7 @@ import csv
 import json
 import os
 
+from absl import flags
 import jax
 import jax.numpy as jnp
 import pytest
@@ -298,6 +299,27 @@ def test_a_benchmark_writes_the_committed_results_only_when_told(
   assert chosen.startswith('workdirs/bench_compile-')
   os.makedirs(chosen)
   assert common.results_folder(None, 'bench_compile') not in (chosen, None)
+
+
+def test_a_benchmark_works_in_the_folder_out_names_and_says_so(
+    tmp_path, monkeypatch, capsys):
+  """One --out flag and one main for every benchmark: the work gets the
+  folder (a fresh one of workdirs/ without --out), then a line names it."""
+  monkeypatch.chdir(tmp_path)
+  if 'out' not in flags.FLAGS:
+    common.define_out_flag('bench_compile')
+  assert 'experiments/results/bench_compile' in flags.FLAGS['out'].help
+  # The benchmark's own flag, which its --help lists.
+  assert flags.FLAGS.find_module_defining_flag('out') == __name__
+  # As if --verbosity were given: run_main leaves the log level alone.
+  monkeypatch.setattr(flags.FLAGS['verbosity'], 'present', 1)
+  given = []
+  for out in (str(tmp_path / 'results'), None):
+    monkeypatch.setattr(flags.FLAGS['out'], 'value', out)
+    common.results_main(['bench_compile'], 'bench_compile', given.append)
+    assert capsys.readouterr().out == f'Results in {given[-1]}.\n'
+  assert given[0] == str(tmp_path / 'results')
+  assert given[1].startswith('workdirs/bench_compile-')
 
 
 @pytest.mark.slow
