@@ -17,8 +17,10 @@ from train.base.errors import InputError, did_you_mean
 # Variants that compute softmax(q k^T) v exactly (the FLOP count applies).
 EXACT = ('xla', 'dense', 'chunked', 'ring')
 # The rows a run can measure: no mask, packed documents, right padding,
-# and plain rows under ALiBi's position bias (Press et al. 2022).
-ROWS = ('plain', 'packed', 'padded', 'alibi')
+# and plain rows under ALiBi's position bias (Press et al. 2022), T5's
+# learned buckets (Raffel et al. 2020) or logits capped at CAP (Gemma 2).
+ROWS = ('plain', 'packed', 'padded', 'alibi', 't5', 'capped')
+CAP = 30.0
 # Runs of one id in each packed row of `segment_ids` (7 // 2 + 1).
 PACKED_SEGMENTS = 4
 
@@ -79,12 +81,17 @@ def rows_mask(rows: str, batch: int, length: int):
 
 
 def rows_bias(rows: str, batch: int, length: int, heads: int):
-  """The position bias of `rows`: ALiBi's (a PositionBias) for 'alibi'
-  rows, else None."""
-  if rows != 'alibi':
+  """The position bias of `rows` (a PositionBias): ALiBi's for 'alibi'
+  rows, T5's (causal buckets, a table drawn once) for 't5' rows, else
+  None."""
+  if rows not in ('alibi', 't5'):
     return None
   positions_BxT = jnp.broadcast_to(jnp.arange(length), (batch, length))
-  return positions.alibi_bias(positions_BxT, positions_BxT, heads)
+  if rows == 'alibi':
+    return positions.alibi_bias(positions_BxT, positions_BxT, heads)
+  table = 0.1 * jax.random.normal(jax.random.key(2), (32, heads))
+  return positions.T5Bias(heads, 32, 128, bidirectional=False).apply(
+      {'params': {'embedding': table}}, positions_BxT, positions_BxT)
 
 
 def xla_attention(q, k, v, mask, bias, *, causal: bool) -> jax.Array:
@@ -136,14 +143,19 @@ def variant_fn(name: str, rows: str, length: int, options: dict, *,
   variant = attention.spec(base)
   if rows == 'packed' and variant.masks != 'any':
     return f'{name} takes key padding masks only, not packed rows'
-  if rows == 'alibi' and not variant.bias:
+  if rows in ('alibi', 't5') and not variant.bias:
     return f'{name} takes no position bias'
+  if rows == 'capped' and 'logit_cap' not in variant_options.option_names(
+      base):
+    return f'{name} takes no cap on its logits'
   if causal and not variant.causal:
     return f'{name} is not causal'
   if base == 'ring':
     return ('ring needs a mesh with a sequence axis '
             '(tests/model/attention/test_ring.py)')
   options = options.get(base, {}) | ({'kernel': kernel} if kernel else {})
+  if rows == 'capped':
+    options['logit_cap'] = CAP
   config = ModelConfig(attention=base, num_heads=heads, head_dim=head_dim,
                        d_model=heads * head_dim, max_len=length,
                        attention_options=tuple(options.items()))

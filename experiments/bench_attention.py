@@ -1,11 +1,12 @@
 r"""Attention speed and memory against sequence length: every registered
 variant and XLA's `jax.nn.dot_product_attention` ('xla'), on whatever
-backend runs this, over plain, packed, padded or ALiBi-biased rows.
+backend runs this, over plain, packed or padded rows, rows under ALiBi's
+or T5's bias, or capped logits.
 
   python -m experiments.bench_attention \
       --out=experiments/results/bench_attention \
       [--lengths=1024,2048,4096,8192,16384,32768,65536] [--variants=xla,...] \
-      [--rows=plain,packed,padded,alibi] \
+      [--rows=plain,packed,padded,alibi,t5,capped] \
       [--causal=True --batch=1 --heads=8 --head_dim=64 --dtype=float32] \
       [--options=local.window=256,...] [--reps=3] [--max_seconds=60]
 
@@ -23,8 +24,13 @@ SegmentMask, and for xla the [B, 1, T, S] mask their ids compare to;
 'padded' rows, whose first 3T/4 + 1 keys are real and the rest right
 padding (its start inside any block), as a key padding mask [B, 1, 1, S],
 and for xla each row's number of keys; 'alibi' rows, no mask and ALiBi's
-bias -slope_n |i - j|, as a position bias computed by blocks, and for xla
-the [B, N, T, S] array it stands for.
+bias -slope_n |i - j|, 't5' rows T5's learned bias (causal buckets, a
+table drawn once), each as a score function computed by blocks (on a
+Pallas kernel, inside its tiles), and for xla the [B, N, T, S] array it
+stands for; 'capped' rows, no mask and the logits capped at 30 (the
+`logit_cap` option of the variants that take it; xla uncapped, a time
+reference only). A window per layer is measured as `local` at each of
+its windows (--options=local.window=W, one run each).
 
 For each rows kind, variant and length: the compiled temporary memory of
 the forward pass and of forward+backward (`memory_analysis()` of the
@@ -73,7 +79,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import attention_cases, common
-from model.attention import fused, fused_kernels, patterns, sparse_flash
+from model.attention import flex, flex_gpu, fused, fused_kernels, patterns
 from train import cli
 from train.base.errors import InputError
 from train.program import device_memory, flops
@@ -183,10 +189,9 @@ def tile_flops(decisions: list[fused.Decision], *, batch: int, heads: int,
     if decision.kernel == 'pallas_tpu':
       padded, tile = fused_kernels.splash_tiles(case.q_len, case.pattern)
     else:
-      tile = sparse_flash.tile_size(pattern, case.q_len)
+      tile = flex_gpu.tile_size(pattern, case.q_len)
       padded = -(-case.q_len // tile) * tile
-    tiles = sparse_flash.touched_tiles(pattern, padded, tile,
-                                       case.is_causal).sum()
+    tiles = flex.touched_tiles(pattern, padded, tile, case.is_causal).sum()
     total += 4.0 * tiles * tile**2 * head_dim * batch * heads
   return total * 3.5 if decisions else None
 
@@ -343,8 +348,9 @@ def _write_summary(rows: list[dict], directory: str, peak: float | None, *,
       '(`jax.nn.dot_product_attention`) on the same rows at the same '
       'length in this run (speedup > 1: faster). Rows: plain (no mask), '
       'packed (documents of about 2T/7 positions, as segment ids), '
-      'padded (the first 3T/4 + 1 keys real, the rest right padding) or '
-      "alibi (no mask, ALiBi's position bias). fwd_bwd_gflop_per_s and "
+      'padded (the first 3T/4 + 1 keys real, the rest right padding), '
+      "alibi or t5 (no mask, ALiBi's or T5's position bias) or capped (no "
+      'mask, logits capped at 30; xla uncapped). fwd_bwd_gflop_per_s and '
       "fraction_of_peak: exact attention's FLOPs over the time (the dense "
       'equivalent, whatever the variant computes); own_gflop: the '
       "variant's own forward+backward matmul GFLOP (exact attention's, or "
@@ -392,7 +398,8 @@ def _define_flags() -> None:
                     'TPU.')
   flags.DEFINE_list('rows', ['plain'], 'Kinds of rows to measure each on: '
                     'plain (no mask), packed (segment ids), padded (right '
-                    "padding), alibi (ALiBi's position bias).")
+                    "padding), alibi or t5 (ALiBi's or T5's position bias), "
+                    'capped (logits capped at 30).')
   flags.DEFINE_list('lengths', ['1024', '2048', '4096', '8192', '16384',
                                 '32768', '65536'], 'Sequence lengths.')
   flags.DEFINE_list('options', [], 'Variant options as variant.option=value '

@@ -106,24 +106,25 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
   return np.asarray(slopes, np.float32)
 
 
-def _relative(data, q_index, k_index) -> Array:
-  """key position - query position at index pairs: [B, *I]."""
-  return (jnp.take(data['kv_positions'], k_index, axis=1)
-          - jnp.take(data['q_positions'], q_index, axis=1))
+# The axes of the positions a position bias reads (PositionBias.axes).
+_POSITION_AXES = {'q_positions': ('batch', 'query'),
+                  'kv_positions': ('batch', 'key')}
 
 
-def _at_distance(scores_BxNxLxR: Array, rows, distance_BxI: Array) -> Array:
-  """scores[b, n, row, distance] at each pair's row (a query or key index)
-  and distance bucket: [B, N, *I]."""
-  flat = scores_BxNxLxR.reshape(*scores_BxNxLxR.shape[:2], -1)
-  index = rows * scores_BxNxLxR.shape[-1] + distance_BxI
-  return jax.vmap(lambda s, i: s[:, i])(flat, index)
+def _relative(data) -> Array:
+  """key position - query position of a score function's pairs."""
+  return data['kv_positions'] - data['q_positions']
 
 
-def _alibi_at(data, q_index, k_index) -> Array:
-  distance = jnp.abs(_relative(data, q_index, k_index)).astype(jnp.float32)
-  slopes = data['slopes'].reshape((1, -1) + (1,) * (distance.ndim - 1))
-  return -slopes * distance[:, None]
+def _at_distance(table_RxI: Array, distance_I: Array) -> Array:
+  """table[distance, i] for each pair i: a per-query (or per-key) table of
+  scores by distance, read at each pair's distance bucket."""
+  return jnp.take_along_axis(table_RxI, distance_I[None], axis=0)[0]
+
+
+def _alibi(s, data, q_index, k_index, head) -> Array:
+  del q_index, k_index, head
+  return s - data['slopes'] * jnp.abs(_relative(data)).astype(jnp.float32)
 
 
 def alibi_bias(q_positions_BxT: Array, kv_positions_BxS: Array,
@@ -131,8 +132,8 @@ def alibi_bias(q_positions_BxT: Array, kv_positions_BxS: Array,
   """-slope_n * |i - j| for head n: a penalty growing with distance."""
   return attention.PositionBias(
       {'q_positions': q_positions_BxT, 'kv_positions': kv_positions_BxS,
-       'slopes': jnp.asarray(alibi_slopes(num_heads))}, _alibi_at,
-      kind='alibi')
+       'slopes': jnp.asarray(alibi_slopes(num_heads))}, _alibi,
+      _POSITION_AXES | {'slopes': ('head',)}, name="ALiBi's bias")
 
 
 def t5_buckets(relative_BxTxS: Array, *, bidirectional: bool,
@@ -175,14 +176,14 @@ class T5Bias(nn.Module):
         t5_buckets, bidirectional=self.bidirectional,
         num_buckets=self.num_buckets, max_distance=self.max_distance)
 
-    def at(data, q_index, k_index):
-      bucket = buckets(_relative(data, q_index, k_index))  # [B, *I]
-      values = jnp.take(data['table'].astype(jnp.float32), bucket, axis=0)
-      return jnp.moveaxis(values, -1, 1)  # [B, N, *I]
+    def score(s, data, q_index, k_index, head):
+      del q_index, k_index, head
+      return s + attention.lookup(data['table'], buckets(_relative(data)))
 
     return attention.PositionBias(
         {'q_positions': q_positions_BxT, 'kv_positions': kv_positions_BxS,
-         'table': table}, at)
+         'table': table}, score, _POSITION_AXES | {'table': (None, 'head')},
+        name="T5's bias")
 
 
 class ShawRelative(nn.Module):
@@ -208,14 +209,17 @@ class ShawRelative(nn.Module):
         table.astype(jnp.float32))
     max_distance = self.max_distance
 
-    def at(data, q_index, k_index):
-      distance = jnp.clip(_relative(data, q_index, k_index), -max_distance,
+    def score(s, data, q_index, k_index, head):
+      del q_index, k_index, head
+      distance = jnp.clip(_relative(data), -max_distance,
                           max_distance) + max_distance
-      return _at_distance(data['scores'], q_index, distance)
+      return s + _at_distance(data['scores'], distance)
 
     return attention.PositionBias(
         {'q_positions': q_positions_BxT, 'kv_positions': kv_positions_BxS,
-         'scores': scores_BxNxTxR}, at)
+         'scores': scores_BxNxTxR}, score,
+        _POSITION_AXES | {'scores': ('batch', 'head', 'query', None)},
+        name="Shaw's relative scores")
 
 
 def deberta_scale(head_dim: int) -> float:
@@ -273,16 +277,20 @@ class DisentangledBias(nn.Module):
                                      query_positions_RxNxH)
     max_distance = self.max_distance
 
-    def at(data, q_index, k_index):
-      key_minus_query = _relative(data, q_index, k_index)  # j - i: [B, *I]
-      return (_at_distance(data['c2p'], q_index,
-                           deberta_buckets(-key_minus_query, max_distance))
-              + _at_distance(data['p2c'], k_index,
+    def score(s, data, q_index, k_index, head):
+      del q_index, k_index, head
+      key_minus_query = _relative(data)  # j - i
+      return (s + _at_distance(data['c2p'],
+                               deberta_buckets(-key_minus_query, max_distance))
+              + _at_distance(data['p2c'],
                              deberta_buckets(key_minus_query, max_distance)))
 
     return attention.PositionBias(
         {'q_positions': q_positions_BxT, 'kv_positions': kv_positions_BxS,
-         'c2p': c2p_BxNxTxR, 'p2c': p2c_BxNxSxR}, at)
+         'c2p': c2p_BxNxTxR, 'p2c': p2c_BxNxSxR}, score,
+        _POSITION_AXES | {'c2p': ('batch', 'head', 'query', None),
+                          'p2c': ('batch', 'head', 'key', None)},
+        name="DeBERTa's disentangled scores")
 
 
 def random_positions(key: Array, batch: int, length: int,
@@ -315,8 +323,6 @@ class PositionScheme:
   # the layer holding its parameters (None: it has none).
   bias: Callable[..., attention.PositionBias] | None = None
   bias_layer: Callable[[Any, bool], nn.Module] | None = None
-  # The `kind` of its PositionBias: 'alibi' where a fused kernel computes it.
-  bias_kind: str = 'function'
   # Rotates self-attention's queries and keys by position (config -> the
   # keyword arguments of `rotate`: the largest wavelength, the fraction of
   # each head rotated).
@@ -406,7 +412,7 @@ SCHEMES: dict[str, PositionScheme] = {scheme.name: scheme for scheme in (
                    rotation=lambda config: dict(
                        max_wavelength=config.rope_max_wavelength,
                        fraction=config.rope_fraction)),
-    PositionScheme('alibi', bias=_alibi_bias, bias_kind='alibi'),
+    PositionScheme('alibi', bias=_alibi_bias),
     # Content logits take DeBERTa's scale too.
     PositionScheme('deberta', bias_layer=_deberta_layer, bias=_deberta_bias,
                    logit_scale=lambda config: deberta_scale(config.head_dim)),

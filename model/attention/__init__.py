@@ -20,7 +20,7 @@ from model.attention import (additive, chunked, compressed, kernel,
                              linformer, ring, sparse)
 from model.attention.core import (PositionBias, SegmentMask,
                                   attention_weights, causal_attention,
-                                  causal_mask, cross_attention,
+                                  causal_mask, cross_attention, lookup,
                                   scaled_dot_product_attention)
 
 Array = jax.Array
@@ -97,6 +97,15 @@ _REGISTRY: dict[str, Variant] = {
 }
 
 
+def register(name: str, variant: Variant) -> None:
+  """Adds `variant` under a new `name` (e.g. one of flex_variant.variant,
+  a variant given by its score function and pattern): configs, models and
+  the benchmarks then take it as any other. ValueError for a name taken."""
+  if name in _REGISTRY or name == 'auto':
+    raise ValueError(f'attention {name!r} is registered already.')
+  _REGISTRY[name] = variant
+
+
 def names() -> list[str]:
   """Names of the registered attention functions, sorted."""
   return sorted(_REGISTRY)
@@ -128,5 +137,6 @@ def get(name: str) -> Callable[..., Array]:
 
 __all__ = ['PositionBias', 'SegmentMask', 'Variant', 'attention_weights',
            'causal_attention', 'causal_mask', 'cross_attention',
-           'fastest_exact', 'get', 'names', 'scaled_dot_product_attention',
+           'fastest_exact', 'get', 'lookup', 'names', 'register',
+           'scaled_dot_product_attention',
            'spec']

@@ -145,24 +145,43 @@ class Plan:
   def starts(self, q_index: Array, kv_index: Array) -> tuple[Array, Array]:
     return q_index * self.q_chunk, kv_index * self.kv_chunk
 
-  def bias_block(self, bias, q_index: Array, kv_index: Array):
-    """The bias of block (q_index, kv_index), [B?, K?, G?, Tq?, Tk?]."""
+  def bias_block(self, bias: Array, q_index: Array, kv_index: Array):
+    """The bias array's block (q_index, kv_index), [B?, K?, G?, Tq?,
+    Tk?]."""
+    return _block(bias, self.starts(q_index, kv_index),
+                  (self.q_chunk, self.kv_chunk))
+
+  def scored(self, scores_BxKxGxQxC: Array, bias, q_index: Array,
+             kv_index: Array) -> Array:
+    """The block's scores under the bias: plus a bias array's block, or
+    through a PositionBias's score function."""
+    if bias is None:
+      return scores_BxKxGxQxC
     if not isinstance(bias, core.PositionBias):
-      return _block(bias, self.starts(q_index, kv_index),
-                    (self.q_chunk, self.kv_chunk))
+      return scores_BxKxGxQxC + self.bias_block(bias, q_index, kv_index
+                                                ).astype(jnp.float32)
     # Padded queries and keys read the last real one (and are masked).
     queries = jnp.minimum(q_index * self.q_chunk + jnp.arange(self.q_chunk),
                           self.q_len - 1)
     keys = jnp.minimum(kv_index * self.kv_chunk + jnp.arange(self.kv_chunk),
                        self.kv_len - 1)
-    return split_heads(bias.at(queries[:, None], keys[None, :]),
-                       self.num_kv_heads)
+    logits = bias.apply(scores_BxKxGxQxC.reshape(
+        self.batch, self.num_heads, self.q_chunk, self.kv_chunk),
+                        queries[:, None], keys[None, :])
+    return logits.reshape(scores_BxKxGxQxC.shape)
 
   def mask_block(self, mask, q_index: Array, kv_index: Array):
     """The mask of block (q_index, kv_index), [B?, K?, G?, Tq?, Tk?]."""
+    if isinstance(mask, core.PatternMask):
+      queries = q_index * self.q_chunk + jnp.arange(self.q_chunk)
+      keys = kv_index * self.kv_chunk + jnp.arange(self.kv_chunk)
+      allowed = jnp.asarray(mask.pattern.allowed(queries[:, None],
+                                                 keys[None, :]))
+      inner = self.mask_block(mask.mask, q_index, kv_index)
+      return allowed if inner is None else inner & allowed
     if not isinstance(mask, core.SegmentMask):
-      return _block(mask, self.starts(q_index, kv_index),
-                    (self.q_chunk, self.kv_chunk))
+      return None if mask is None else _block(
+          mask, self.starts(q_index, kv_index), (self.q_chunk, self.kv_chunk))
     # Slices of the (padded) ids, compared: [B, 1, 1, Q, C].
     q_start, kv_start = self.starts(q_index, kv_index)
     q_ids = jax.lax.dynamic_slice_in_dim(mask.q_segment_ids_BxT, q_start,
@@ -177,18 +196,16 @@ class Plan:
                         k_BxCxKxH.astype(jnp.float32)) * self.scale
     return core.softcap(scores, self.logit_cap)
 
-  def logits(self, q_BxKxGxQxH, k_BxCxKxH, bias_block, mask, q_index,
-             kv_index):
+  def logits(self, q_BxKxGxQxH, k_BxCxKxH, bias, mask, q_index, kv_index):
     """Masked logits of block (q_index, kv_index), [B, K, G, Q, C], -inf
     where excluded."""
-    return self.masked(self.scores(q_BxKxGxQxH, k_BxCxKxH), bias_block, mask,
+    return self.masked(self.scores(q_BxKxGxQxH, k_BxCxKxH), bias, mask,
                        q_index, kv_index)
 
-  def masked(self, scores, bias_block, mask, q_index, kv_index):
-    """The block's `scores` plus its bias, -inf where excluded."""
-    logits = scores
-    if bias_block is not None:
-      logits = logits + bias_block.astype(jnp.float32)
+  def masked(self, scores, bias, mask, q_index, kv_index):
+    """The block's `scores` under the bias (`scored`), -inf where
+    excluded."""
+    logits = self.scored(scores, bias, q_index, kv_index)
     queries = q_index * self.q_chunk + jnp.arange(self.q_chunk)
     keys = kv_index * self.kv_chunk + jnp.arange(self.kv_chunk)
     # The padding of the last block and chunk.

@@ -59,9 +59,8 @@ def _forward(plan: chunk_plan.Plan, query, key, value, bias, mask):
     q_block = plan.query_block(q, q_index)
 
     def visit(kv_index, stats):
-      logits = plan.logits(q_block, plan.key_chunk(key, kv_index),
-                           plan.bias_block(bias, q_index, kv_index), mask,
-                           q_index, kv_index)
+      logits = plan.logits(q_block, plan.key_chunk(key, kv_index), bias,
+                           mask, q_index, kv_index)
       return online_softmax.step(stats, logits, plan.key_chunk(value,
                                                                kv_index))
 
@@ -145,14 +144,14 @@ def _attend_bwd(plan, residuals, d_out):
       d_query, d_key, d_value, d_bias = inner
       q_block = plan.query_block(q, q_index)
       d_out_block = plan.query_block(d_out_5, q_index)
-      if position_bias:
-        bias_block, pull_back = jax.vjp(
-            lambda data: plan.bias_block(dataclasses.replace(bias, data=data),
-                                         q_index, kv_index), bias.data)
-      else:
-        bias_block = plan.bias_block(bias, q_index, kv_index)
       scores = plan.scores(q_block, k_c)
-      logits = plan.masked(scores, bias_block, mask, q_index, kv_index)
+      if position_bias:  # The score function's pull-back: to s and data.
+        logits, pull_back = jax.vjp(
+            lambda s, data: plan.masked(
+                s, dataclasses.replace(bias, data=data), mask, q_index,
+                kv_index), scores, bias.data)
+      else:
+        logits = plan.masked(scores, bias, mask, q_index, kv_index)
       weights = jnp.exp(logits - plan.query_block(log_sum_exp, q_index)[
           ..., None])
       d_value = d_value + jnp.einsum('bkgqc,bkgqh->bckh', weights,
@@ -161,21 +160,22 @@ def _attend_bwd(plan, residuals, d_out):
       d_logits = weights * (d_weights - plan.query_block(
           correction, q_index)[..., None])
       d_scores = d_logits
+      if position_bias:
+        d_scores, d_data = pull_back(d_logits)
+        d_bias = _add_inexact(d_bias, d_data)
+      elif bias is not None:
+        d_bias = chunk_plan.add_block(
+            d_bias, _reduce_to(d_logits, plan.bias_block(
+                bias, q_index, kv_index).shape),
+            plan.starts(q_index, kv_index))
       if plan.logit_cap:  # Through cap * tanh(s / cap): 1 - tanh^2.
-        d_scores = d_logits * (1 - (scores / plan.logit_cap) ** 2)
+        d_scores = d_scores * (1 - (scores / plan.logit_cap) ** 2)
       d_query = jax.lax.dynamic_update_slice_in_dim(
           d_query, plan.query_block(d_query, q_index) + plan.scale
           * jnp.einsum('bkgqc,bckh->bkgqh', d_scores, k_c),
           q_index * plan.q_chunk, axis=3)
       d_key = d_key + plan.scale * jnp.einsum('bkgqc,bkgqh->bckh', d_scores,
                                               q_block)
-      if position_bias:
-        d_bias = _add_inexact(
-            d_bias, pull_back(_reduce_to(d_logits, bias_block.shape))[0])
-      elif bias is not None:
-        d_bias = chunk_plan.add_block(
-            d_bias, _reduce_to(d_logits, bias_block.shape),
-            plan.starts(q_index, kv_index))
       return d_query, d_key, d_value, d_bias
 
     d_query, d_bias = carry
@@ -243,8 +243,22 @@ def chunked_attention(query: Array, key: Array, value: Array,
     kernel: one of fused.KERNELS: 'xla' for the JAX code, a fused kernel
       by name (KernelError where it cannot compute the case), or 'auto'
       for the fastest that can on this backend.
-    logit_cap: as `scaled_dot_product_attention`'s (the JAX code only).
+    logit_cap: as `scaled_dot_product_attention`'s.
   """
+  return attend(query, key, value, bias, mask, scale=scale,
+                is_causal=is_causal, chunk_size=chunk_size,
+                query_chunk_size=query_chunk_size, kernel=kernel,
+                logit_cap=logit_cap)
+
+
+def attend(query: Array, key: Array, value: Array, bias, mask, *,
+           scale: float | None, is_causal: bool, kernel: str,
+           chunk_size: int | None = None,
+           query_chunk_size: int | None = None, logit_cap: float = 0.0,
+           pattern=None) -> Array:
+  """`chunked_attention` over the pairs a pattern allows too (patterns.py's
+  interface; None: every pair): on the fused kernel chosen for the case,
+  or by the JAX code under the pattern as a core.PatternMask."""
   core.check_inputs(query, key, value, bias, mask)
   core.check_logit_cap(logit_cap)
   for name, size in (('chunk_size', chunk_size),
@@ -253,12 +267,15 @@ def chunked_attention(query: Array, key: Array, value: Array,
       raise ValueError(f'{name}={size} must be positive.')
   batch, q_len, num_heads, head_dim = query.shape
   scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-  kernel = fused.choose(kernel, fused.case_of(query, key, bias, mask,
-                                              is_causal=is_causal,
-                                              logit_cap=logit_cap))
+  kernel = fused.choose(kernel, fused.case_of(
+      query, key, bias, mask, is_causal=is_causal, pattern=pattern,
+      logit_cap=logit_cap))
   if kernel != 'xla':
     return fused.run(kernel, query, key, value, bias, mask, scale=scale,
-                     is_causal=is_causal)
+                     is_causal=is_causal, pattern=pattern,
+                     logit_cap=logit_cap)
+  if pattern is not None:
+    mask = core.PatternMask(mask, pattern)
   chunk_size = chunk_size or default_chunk_size(batch, num_heads, q_len,
                                                 key.shape[1])
   plan = chunk_plan.Plan(batch, q_len, num_heads, head_dim, kv_len=key.shape[1],
@@ -271,10 +288,15 @@ def chunked_attention(query: Array, key: Array, value: Array,
   if not isinstance(bias, core.PositionBias):
     bias = pad(pad(split(bias, plan.num_kv_heads), -1, plan.padded_kv_len),
                -2, plan.padded_q_len)
-  if isinstance(mask, core.SegmentMask):
-    mask = core.SegmentMask(pad(mask.q_segment_ids_BxT, 1, plan.padded_q_len),
-                            pad(mask.kv_ids, 1, plan.padded_kv_len))
-  else:
-    mask = pad(pad(split(mask, plan.num_kv_heads), -1, plan.padded_kv_len),
+
+  def padded(mask):
+    if isinstance(mask, core.PatternMask):
+      return dataclasses.replace(mask, mask=padded(mask.mask))
+    if isinstance(mask, core.SegmentMask):
+      return core.SegmentMask(pad(mask.q_segment_ids_BxT, 1,
+                                  plan.padded_q_len),
+                              pad(mask.kv_ids, 1, plan.padded_kv_len))
+    return pad(pad(split(mask, plan.num_kv_heads), -1, plan.padded_kv_len),
                -2, plan.padded_q_len)
-  return _attend(plan, query, key, value, bias, mask)
+
+  return _attend(plan, query, key, value, bias, padded(mask))

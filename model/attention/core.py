@@ -29,29 +29,159 @@ import numpy as np
 Array = jax.Array
 
 
+# The roles an axis of a score function's data plays (PositionBias.axes);
+# None: a free axis (a table's rows).
+ROLES = ('batch', 'head', 'query', 'key', None)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PositionBias:
-  """A bias given as a function of (query index, key index), not an array.
+  """A score function: the logits of the (query, key) pairs as a function
+  of their scores s = q . k * scale, their indices and the head, given as
+  that function rather than as a bias array [B, N, T, S] (FlexAttention's
+  score_mod). A variant that visits blocks of pairs evaluates it on those
+  blocks only, and the fused kernels (flex.py) inside their tiles.
 
-  `at(q_index, k_index)` is the bias at those pairs, float32 [B?, N?, *I]
-  where I is the broadcast shape of the two index arrays. A variant that
-  visits blocks of pairs asks for those blocks only, so relative position
-  biases never make it build the whole [B, N, T, S]. `data` holds the arrays
-  the function reads (positions, learned tables) and is differentiated.
-  `kind` 'alibi' marks ALiBi's bias, -slopes[n] |kv_positions -
-  q_positions| from `data`'s arrays of those names, which a fused kernel
-  computes itself (alibi_flash.py); any other is 'function'.
+  fn(s, data, q_index, k_index, head) -> float32 logits of s's shape, for
+  one example and one query head: s float32 [*I], I the broadcast shape of
+  the int32 index arrays q_index and k_index (within a kernel's tile, [bq,
+  1] and [1, bk]), head an int32 scalar (the index along the data's head
+  axes: under a mesh that splits the heads, a device's own), and `data`
+  the entries of `data` as this example and head read them: an axis of
+  role 'query' indexed by q_index and one of role 'key' by k_index (so
+  positions [B, T] come as [*I]-broadcastable arrays), free axes (None)
+  leading. An additive bias returns s + bias.
+
+  `axes` names, for each entry of `data`, the role of each of its axes
+  (ROLES): e.g. {'q_positions': ('batch', 'query'), 'slopes': ('head',),
+  'table': (None, 'head')}; a 'batch' or 'head' axis of size 1 is
+  broadcast. The float entries are differentiated. A fused kernel computes
+  a score function whose entries are, beside their batch and head axes,
+  integer per-token arrays (one 'query' or 'key' axis), or float scalars
+  and tables (no axis, or one free axis: read with `lookup` or a constant
+  index); others (Shaw's and DeBERTa's scores of the queries and keys) run
+  in XLA only (`kernel_ready`).
   """
 
-  data: Any
-  fn: Callable[[Any, Array, Array], Array] = dataclasses.field(
-      metadata={'static': True})
-  kind: str = dataclasses.field(default='function',
+  data: dict[str, Any]
+  fn: Callable[..., Array] = dataclasses.field(metadata={'static': True})
+  axes: Any = dataclasses.field(metadata={'static': True})
+  # What it is called in a kernel's choice (fused.Case.describe).
+  name: str = dataclasses.field(default='a position bias',
                                 metadata={'static': True})
 
+  def __post_init__(self):
+    if isinstance(self.axes, dict):  # Hashable, as a static field must be.
+      object.__setattr__(self, 'axes', tuple(sorted(
+          (name, tuple(roles)) for name, roles in self.axes.items())))
+
+  def roles(self, name: str) -> tuple[str | None, ...]:
+    return dict(self.axes)[name]
+
+  def check(self) -> None:
+    """ValueError unless every entry's axes are named, once each."""
+    named = dict(self.axes)
+    if set(named) != set(self.data):
+      raise ValueError(f'{self.name}: axes names {sorted(named)}, data '
+                       f'holds {sorted(self.data)}; they must be the same.')
+    for name, roles in named.items():
+      shape = jnp.shape(self.data[name])
+      bad = [role for role in roles if role not in ROLES]
+      once = [role for role in ROLES[:4] if roles.count(role) > 1]
+      if len(roles) != len(shape) or bad or once:
+        raise ValueError(
+            f'{self.name}: data[{name!r}] has shape {shape} and axes '
+            f'{roles}; give one role of {ROLES} per axis, each of '
+            f'{ROLES[:4]} at most once.')
+
+  @property
+  def kernel_ready(self) -> bool:
+    """Whether a fused kernel can compute it: each entry, beside its batch
+    and head axes, a per-token array (its one axis 'query' or 'key'), a
+    scalar or a table (one free axis)."""
+    return all(_free(roles) in ((), (None,), ('query',), ('key',))
+               for _, roles in self.axes)
+
+  def apply(self, s_BxNxI: Array, q_index, k_index) -> Array:
+    """The logits [B, N, *I] of scores s [B, N, *I] at index pairs that
+    broadcast to I: fn for each example and head (vmapped)."""
+    batch, heads = s_BxNxI.shape[:2]
+    data, by_example, by_head = {}, {}, {}
+    for name, roles in self.axes:
+      x, roles = jnp.asarray(self.data[name]), list(roles)
+      for role, size, axes in (('batch', batch, by_example),
+                               ('head', heads, by_head)):
+        axes[name] = None
+        if role in roles:
+          x = jnp.moveaxis(x, roles.index(role), 0)
+          roles.insert(0, roles.pop(roles.index(role)))
+          if x.shape[0] not in (1, size):
+            raise ValueError(
+                f'{self.name}: data[{name!r}] has {x.shape[0]} along its '
+                f'{role} axis, the scores {size}.')
+          if x.shape[0] == size and size > 1:
+            axes[name] = 0
+          else:
+            x, _ = x[0], roles.pop(0)
+      # Batch leads, then the head: each vmap below takes axis 0.
+      if by_example[name] == 0 and by_head[name] == 0:
+        x = jnp.swapaxes(x, 0, 1)
+      data[name] = (x, tuple(roles[(by_example[name] == 0)
+                                   + (by_head[name] == 0):]))
+
+    def one(s_I, arrays, head):
+      views = {name: _view(arrays[name], data[name][1], q_index, k_index)
+               for name in arrays}
+      return self.fn(s_I, views, q_index, k_index, head).astype(jnp.float32)
+
+    arrays = {name: x for name, (x, _) in data.items()}
+    over_heads = jax.vmap(one, in_axes=(0, by_head, 0))
+    return jax.vmap(over_heads, in_axes=(0, by_example, None))(
+        s_BxNxI.astype(jnp.float32), arrays,
+        jnp.arange(heads, dtype=jnp.int32))
+
   def at(self, q_index, k_index) -> Array:
-    return self.fn(self.data, q_index, k_index)
+    """The logits of scores 0, [B, N, *I] (B and N as the data's axes
+    have them, else 1): the bias an additive score function adds."""
+    sizes = {role: 1 for role in ('batch', 'head')}
+    for name, roles in self.axes:
+      for role in sizes:
+        if role in roles:
+          sizes[role] = max(sizes[role],
+                            jnp.shape(self.data[name])[roles.index(role)])
+    shape = np.broadcast_shapes(np.shape(q_index), np.shape(k_index))
+    return self.apply(jnp.zeros((sizes['batch'], sizes['head'], *shape)),
+                      q_index, k_index)
+
+
+def _free(roles) -> tuple[str | None, ...]:
+  """An entry's roles but its batch and head axes."""
+  return tuple(role for role in roles if role not in ('batch', 'head'))
+
+
+def _view(x: Array, roles, q_index, k_index) -> Array:
+  """An entry of one example and head (its `roles` those left) at the
+  pairs: its query axis read at q_index, its key axis at k_index, free
+  axes leading."""
+  order = ([i for i, role in enumerate(roles) if role is None]
+           + [roles.index(role) for role in ('query', 'key')
+              if role in roles])
+  x = jnp.transpose(x, order)
+  index = tuple(i for role, i in (('query', q_index), ('key', k_index))
+                if role in roles)
+  return x[(Ellipsis, *index)] if index else x
+
+
+def lookup(table, index: Array) -> Array:
+  """table[index]: a score function's free-axis entry (a table) read at an
+  int array of rows, as XLA gathers it and as a fused kernel computes it
+  (where the table comes as a tuple of scalars: a sum of selects, whose
+  gradient is a sum per row)."""
+  if isinstance(table, tuple):
+    return sum(jnp.where(index == row, value, 0.0)
+               for row, value in enumerate(table))
+  return jnp.take(table, index, mode='clip')
 
 
 @jax.tree_util.register_dataclass
@@ -92,20 +222,69 @@ class SegmentMask:
             == self.kv_ids[:, k_index])[:, None]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PatternMask:
+  """True where a pattern allows the pair (`pattern.allowed(q, k)` on
+  query and key positions that broadcast, jax arrays: patterns.py's
+  interface) and `mask` (None, an array broadcastable to [B, N, T, S] or
+  a SegmentMask) does; evaluated on the pairs a variant visits, never as
+  a whole [T, S] array."""
+
+  mask: Any = None
+  pattern: Any = dataclasses.field(default=None, metadata={'static': True})
+
+  def at(self, q_index, k_index) -> Array:
+    """bool [B?, N?, *I] at pairs (q_index, k_index) of broadcast shape I."""
+    allowed = jnp.asarray(self.pattern.allowed(q_index, k_index))[None, None]
+    if self.mask is None:
+      return allowed
+    return mask_at(self.mask, q_index, k_index) & allowed
+
+
+def chained(first: 'PositionBias', then) -> 'PositionBias':
+  """The score function `first`, then `then` (a PositionBias, e.g. the
+  model's position bias; None for none) on its logits: one PositionBias
+  whose data are both's, named apart."""
+  if then is None:
+    return first
+  if not isinstance(then, PositionBias):
+    raise ValueError(f'{first.name} takes a position bias beside it, not a '
+                     'bias array.')
+  parts = (('0', first), ('1', then))
+
+  def score(s, data, q_index, k_index, head):
+    for prefix, part in parts:
+      s = part.fn(s, {name: data[f'{prefix}.{name}'] for name in part.data},
+                  q_index, k_index, head)
+    return s
+
+  return PositionBias(
+      {f'{prefix}.{name}': x for prefix, part in parts
+       for name, x in part.data.items()}, score,
+      {f'{prefix}.{name}': roles for prefix, part in parts
+       for name, roles in part.axes}, name=f'{first.name} and {then.name}')
+
+
 def mask_at(mask, q_index, k_index) -> Array:
   """The mask (an array broadcastable to [B, N, T, S] or a SegmentMask) at
   pairs (q_index, k_index): [B?, N?, *I]; a broadcast axis reads index 0."""
-  if isinstance(mask, SegmentMask):
+  if isinstance(mask, (SegmentMask, PatternMask)):
     return mask.at(q_index, k_index)
   return pairs(mask, q_index, k_index)
 
 
-def bias_at(bias, q_index, k_index) -> Array:
-  """The bias (an array broadcastable to [B, N, T, S] or a PositionBias) at
-  pairs (q_index, k_index): [B?, N?, *I]; a broadcast axis reads index 0."""
+def scored(logits_BxNxI: Array, bias, q_index, k_index) -> Array:
+  """float32 logits [B, N, *I] of pairs (q_index, k_index) (int arrays
+  broadcasting to I) under `bias`: plus a bias array (broadcastable to
+  [B, N, T, S]; a broadcast axis reads index 0) at those pairs, or through
+  a PositionBias's score function; unchanged for None."""
+  logits_BxNxI = logits_BxNxI.astype(jnp.float32)
+  if bias is None:
+    return logits_BxNxI
   if isinstance(bias, PositionBias):
-    return bias.at(q_index, k_index)
-  return pairs(bias, q_index, k_index)
+    return bias.apply(logits_BxNxI, q_index, k_index)
+  return logits_BxNxI + pairs(bias, q_index, k_index).astype(jnp.float32)
 
 
 def pairs(x: Array, q_index, k_index) -> Array:
@@ -155,6 +334,8 @@ def check_inputs(query, key, value, bias, mask) -> tuple[int, ...]:
         f'key/value heads K={num_kv_heads} (key shape {key.shape}) must divide '
         f'query heads N={num_heads} (query shape {query.shape}).')
   full_shape = (batch, num_heads, q_len, kv_len)
+  if isinstance(mask, PatternMask):
+    mask = mask.mask
   if isinstance(mask, SegmentMask):
     _checked(chex.assert_shape, [mask.q_segment_ids_BxT, mask.kv_ids],
              [(batch, q_len), (batch, kv_len)],
@@ -165,7 +346,9 @@ def check_inputs(query, key, value, bias, mask) -> tuple[int, ...]:
     _check_rank4('mask', mask, full_shape)
     _checked(chex.assert_type, mask, bool,
              message=f'mask must be boolean (True = attend), got {mask.dtype}.')
-  if bias is not None and not isinstance(bias, PositionBias):
+  if isinstance(bias, PositionBias):
+    bias.check()
+  elif bias is not None:
     _check_rank4('bias', bias, full_shape)
   return full_shape
 
@@ -216,15 +399,11 @@ def weights_from_logits(logits_BxNxTxS: Array, bias: Array | None,
                         mask: Array | None, is_causal: bool) -> Array:
   """Adds the bias, applies the mask and causality, and takes the softmax:
   float32 [B, N, T, S], rows of zeros where nothing may be attended."""
-  logits_BxNxTxS = logits_BxNxTxS.astype(jnp.float32)
   every_pair = (np.arange(logits_BxNxTxS.shape[-2])[:, None],
                 np.arange(logits_BxNxTxS.shape[-1])[None, :])
-  if isinstance(bias, PositionBias):
-    bias = bias.at(*every_pair)
-  if isinstance(mask, SegmentMask):
+  if isinstance(mask, (SegmentMask, PatternMask)):
     mask = mask.at(*every_pair)
-  if bias is not None:
-    logits_BxNxTxS = logits_BxNxTxS + bias.astype(jnp.float32)
+  logits_BxNxTxS = scored(logits_BxNxTxS, bias, *every_pair)
   if is_causal:
     causal = causal_mask(*logits_BxNxTxS.shape[-2:])
     mask = causal if mask is None else jnp.logical_and(mask, causal)

@@ -1,7 +1,8 @@
 """Fused attention kernels, and which one computes a case.
 
-`chunked`, and the block-sparse variants for their patterns (`local`,
-`strided`, `fixed`, `bigbird`), compute exact attention with one of:
+`chunked`, the block-sparse variants for their patterns (`local`,
+`strided`, `fixed`, `bigbird`) and the variants given by their functions
+(flex_variant.py) compute exact attention with one of:
 
   xla         the JAX code of chunked.py (the block-sparse variants: their
               gathered parts in sparse.py); every case, on every backend.
@@ -11,13 +12,13 @@
               window as its sliding window.
   pallas_tpu  Pallas splash attention (`jax.experimental.pallas.ops.tpu.
               splash_attention`), a block-sparse pattern as its block mask;
-              under ALiBi's bias the project's own (alibi_flash_tpu.py);
-              TPU, and the CPU in interpret mode.
+              under a score function (a position bias, a cap on the
+              logits) the project's general kernel (flex_tpu.py); TPU, and
+              the CPU in interpret mode.
   pallas_gpu  Pallas flash attention (`jax.experimental.pallas.ops.gpu.
-              attention.mha`); a window or a block-sparse pattern by the
-              project's block-sparse kernel (sparse_flash.py), and ALiBi's
-              bias by its own (alibi_flash.py); GPU, and the CPU in
-              interpret mode.
+              attention.mha`); under a score function, a cap, a window, a
+              block-sparse pattern or key padding the project's general
+              kernel (flex_gpu.py); GPU, and the CPU in interpret mode.
 
 A kernel takes a case only where it computes it as `dense` does;
 `refusal(kernel, case)` says why it does not. `kernel='auto'` takes the
@@ -50,7 +51,8 @@ import jax
 import jax.numpy as jnp
 
 from model import logical_axes
-from model.attention import core, cudnn_packed, fused_kernels, patterns
+from model.attention import (core, cudnn_packed, flex, fused_kernels,
+                             patterns)
 
 Array = jax.Array
 
@@ -70,8 +72,10 @@ class Case:
   mask: 'none'; 'segments' (a SegmentMask of self-attention: one id array
     for queries and keys); 'key_padding' (a bool array [B, 1, 1, S]);
     'other' (any other mask).
-  bias: 'none', 'array', 'alibi' (ALiBi's PositionBias) or 'function'
-    (any other PositionBias).
+  bias: 'none', 'array' or 'function' (a PositionBias: a score function).
+  score_name: the score function's name (PositionBias.name).
+  score_refusal: why the general kernels (flex.py) cannot compute the
+    score function (flex.refusal); None where they can.
   window: local attention's window (query i sees keys j with |i - j| <
     window; causal: 0 <= i - j < window); None for none.
   length_shards: the devices the mesh splits the length over.
@@ -80,8 +84,8 @@ class Case:
     (SegmentMask.max_segments), where the data bounds it.
   pattern: a block-sparse variant's pattern (patterns.py: Strided, Fixed,
     BigBird); None for none.
-  logit_cap: a tanh cap on the scores (core.softcap), which no fused
-    kernel computes; 0 for none.
+  logit_cap: a tanh cap on the scores (core.softcap), which the general
+    kernels compute; 0 for none.
   """
 
   backend: str
@@ -98,14 +102,17 @@ class Case:
   max_segments: int | None = None
   pattern: patterns.Pattern | None = None
   logit_cap: float = 0.0
+  score_name: str | None = None
+  score_refusal: str | None = None
 
   def describe(self) -> str:
     """e.g. 'bfloat16, causal, packed rows'."""
     parts = [self.dtype, 'causal' if self.is_causal else 'bidirectional']
     parts += {'segments': ['packed rows'], 'key_padding': ['padded rows'],
               'other': ['a mask array'], 'none': []}[self.mask]
-    parts += {'array': ['a bias array'], 'function': ['a position bias'],
-              'alibi': ["ALiBi's bias"], 'none': []}[self.bias]
+    parts += {'array': ['a bias array'],
+              'function': [self.score_name or 'a score function'],
+              'none': []}[self.bias]
     if self.window:
       parts.append(f'window {self.window}')
     if self.pattern:
@@ -126,6 +133,8 @@ def _mask_kind(mask) -> str:
   """`Case.mask` of a mask argument."""
   if mask is None:
     return 'none'
+  if isinstance(mask, core.PatternMask):
+    return 'other'
   if isinstance(mask, core.SegmentMask):
     return 'segments' if mask.kv_segment_ids_BxS is None else 'other'
   return 'key_padding' if mask.shape[1:3] == (1, 1) else 'other'
@@ -145,11 +154,9 @@ def case_of(query: Array, key: Array, bias, mask, *, is_causal: bool,
             pattern: patterns.Pattern | None = None,
             logit_cap: float = 0.0) -> Case:
   """The Case of a call on the default backend."""
-  if bias is None:
-    bias_kind = 'none'
-  else:
-    bias_kind = (bias.kind if isinstance(bias, core.PositionBias)
-                 else 'array')
+  score = isinstance(bias, core.PositionBias)
+  bias_kind = 'none' if bias is None else 'function' if score else 'array'
+
   dtype = jnp.dtype(query.dtype).name
   if key.dtype != query.dtype:  # The fused kernels take one dtype.
     dtype += f' queries, {jnp.dtype(key.dtype).name} keys'
@@ -159,7 +166,9 @@ def case_of(query: Array, key: Array, bias, mask, *, is_causal: bool,
               is_causal, _mask_kind(mask), bias_kind, window,
               math.prod(jax.sharding.get_abstract_mesh().shape[axis]
                         for axis in length_axes), capability,
-              getattr(mask, 'max_segments', None), pattern, logit_cap)
+              getattr(mask, 'max_segments', None), pattern, logit_cap,
+              bias.name if score else None,
+              flex.refusal(bias) if score else None)
 
 
 def _cudnn_refusal(case: Case) -> str | None:
@@ -179,8 +188,10 @@ def _cudnn_refusal(case: Case) -> str | None:
     return _cudnn_packed_refusal(case)
   if case.mask == 'other':
     return 'takes no mask but right padding (a row it masks whole differs)'
-  if case.bias in ('function', 'alibi'):
-    return 'takes a bias array, not a position bias computed by blocks'
+  if case.bias == 'function':
+    return 'takes a bias array, not a score function'
+  if case.logit_cap:
+    return 'computes no cap on the attention logits (logit_cap)'
   if case.window and not case.is_causal:
     return 'takes a window only under a causal mask'
   if case.window and case.mask == 'key_padding':
@@ -214,12 +225,12 @@ def _pallas_tpu_refusal(case: Case) -> str | None:
     return f'takes float32 or bfloat16 inputs, not {case.dtype}'
   if case.is_causal and case.q_len != case.kv_len:
     return 'is causal only with as many queries as keys'
-  if case.bias == 'alibi':
-    return _alibi_flash_refusal(case)
   if case.mask == 'other':
     return 'takes segment ids or a key padding mask, not a mask array'
-  if case.bias != 'none':
-    return "takes no bias but ALiBi's"
+  if case.bias != 'none' or case.logit_cap or (
+      case.mask == 'key_padding' and case.pattern is not None
+      and not hasattr(case.pattern, 'sees_keys')):
+    return _general_refusal(case, tiles=(128,))  # The general kernel's.
   return None
 
 
@@ -231,40 +242,35 @@ def _pallas_gpu_refusal(case: Case) -> str | None:
   if case.q_len != case.kv_len:
     return ('computes self-attention only (one array of segment ids serves '
             'queries and keys)')
-  if case.bias == 'alibi':
-    return _alibi_flash_refusal(case)
   if case.mask == 'other':
     return 'takes segment ids or a key padding mask, not a mask array'
-  if case.mask == 'key_padding' and not (case.window or case.pattern):
-    return ('takes a key padding mask only under a window or a '
-            'block-sparse pattern (its own kernel; the flash kernel takes '
-            'one array of segment ids for queries and keys)')
-  if case.bias != 'none':
-    return "takes no bias but ALiBi's"
   if case.head_dim > 128:
     return f'takes head dims up to 128, not {case.head_dim}'
-  if (case.window or case.pattern) and case.head_dim not in (16, 32, 64, 128):
-    return (f'takes head dims of 16, 32, 64 or 128 under a window or a '
-            f'block-sparse pattern, not {case.head_dim}')
-  tile = getattr(case.pattern, 'tile', None)
-  if tile is not None and tile not in (16, 32, 64, 128):
-    return (f"takes {pattern_name(case.pattern)}'s block as its tile: 16, "
-            f'32, 64 or 128, not {tile}')
+  if (case.bias != 'none' or case.logit_cap or case.window or case.pattern
+      or case.mask == 'key_padding'):  # The general kernel's.
+    return _general_refusal(case, tiles=(16, 32, 64, 128))
   return None
 
 
-def _alibi_flash_refusal(case: Case) -> str | None:
-  """ALiBi's bias, by the project's own kernels (alibi_flash.py, and
-  alibi_flash_tpu.py)."""
+def _general_refusal(case: Case, tiles: tuple[int, ...]) -> str | None:
+  """The general kernel's (flex_gpu.py, flex_tpu.py), whose tiles are
+  `tiles` long."""
+  if case.bias == 'array':
+    return ('takes no bias array (a score function instead: '
+            'core.PositionBias)')
+  if case.score_refusal:
+    return case.score_refusal
   if case.q_len != case.kv_len:
-    return 'computes self-attention only under ALiBi'
-  if case.mask == 'other':
-    return 'takes packed rows or a key padding mask, not a mask array'
-  if case.window or case.pattern:
-    return 'takes no window or block-sparse pattern under ALiBi'
+    return ('computes self-attention only under a score function, a '
+            'window, a block-sparse pattern or key padding')
   if case.head_dim not in (16, 32, 64, 128):
-    return (f'takes head dims of 16, 32, 64 or 128 under ALiBi, not '
-            f'{case.head_dim}')
+    return (f'takes head dims of 16, 32, 64 or 128 in its general kernel, '
+            f'not {case.head_dim}')
+  tile = getattr(case.pattern, 'tile', None)
+  if tile is not None and not (tile in tiles or tile % max(tiles) == 0):
+    return (f"takes {pattern_name(case.pattern)}'s block as its tile: "
+            f"{', '.join(map(str, tiles))} or a multiple of {max(tiles)}, "
+            f'not {tile}')
   return None
 
 
@@ -278,8 +284,6 @@ def refusal(kernel: str, case: Case) -> str | None:
   if kernel != 'xla' and case.length_shards > 1:
     return (f'cannot split the length over {case.length_shards} devices '
             "(sequence parallelism; the 'ring' attention computes that)")
-  if kernel != 'xla' and case.logit_cap:
-    return 'computes no cap on the attention logits (logit_cap)'
   return _REFUSALS[kernel](case)
 
 
@@ -361,14 +365,16 @@ def choose(kernel: str, case: Case) -> str:
 
 def run(kernel: str, query: Array, key: Array, value: Array, bias, mask, *,
         scale: float, is_causal: bool, window: int | None = None,
-        pattern: patterns.Pattern | None = None) -> Array:
+        pattern: patterns.Pattern | None = None,
+        logit_cap: float = 0.0) -> Array:
   """Attention [B, T, N, H] by fused `kernel` (as `choose` returned it),
-  under local's `window` or a block-sparse `pattern` (patterns.py)."""
+  under local's `window` or a block-sparse `pattern` (patterns.py), the
+  scores capped by `logit_cap` (core.softcap)."""
   fn = {'cudnn': fused_kernels.cudnn_attention,
         'pallas_tpu': fused_kernels.splash,
         'pallas_gpu': fused_kernels.pallas_gpu}[kernel]
   return fused_kernels.over_shards(
       lambda q, k, v, b, m: fn(q, k, v, b, m, scale=scale,
                                is_causal=is_causal, window=window,
-                               pattern=pattern),
+                               pattern=pattern, logit_cap=logit_cap),
       query, key, value, bias, mask)

@@ -1,7 +1,7 @@
 """The fused kernels that model/attention/fused.py chooses among, each
 called as `dense` would be: cuDNN's, Pallas splash attention (TPU) and
-Pallas flash attention (GPU), with the project's own for ALiBi's bias and,
-on a GPU, for block-sparse patterns. Under a mesh each runs in a
+Pallas flash attention (GPU), with the project's general kernel (flex.py)
+for score functions and, on a GPU, block-sparse patterns. Under a mesh each runs in a
 `shard_map` that splits the batch and the heads as the model's arrays are
 split (`over_shards`). Rows that see no key give zeros, as `dense` does.
 """
@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from model import logical_axes
-from model.attention import (alibi_flash, alibi_flash_tpu, core, cudnn_packed,
-                             patterns, sparse_flash)
+from model.attention import (core, cudnn_packed, flex, flex_gpu, flex_tpu,
+                             patterns)
 
 Array = jax.Array
 # A padding id no packed row uses.
@@ -54,14 +54,15 @@ def _key_valid(mask: Array, batch: int) -> Array:
 
 def cudnn_attention(query: Array, key: Array, value: Array, bias, mask, *,
                     scale: float, is_causal: bool, window: int | None,
-                    pattern=None, implementation: str = 'cudnn') -> Array:
+                    pattern=None, logit_cap: float = 0.0,
+                    implementation: str = 'cudnn') -> Array:
   """cuDNN's fused attention (tests run the same call with `implementation`
   'xla'). A key padding mask goes in as each row's number of keys, which is
   the mask only where rows are padded on the right (as every pipeline of
   train/data pads them): a row padded anywhere else comes out NaN, loudly,
   rather than differing from dense. A row with no key at all comes out 0,
   as from dense. Packed rows go in as cuDNN's packed layout."""
-  assert pattern is None  # Refused (fused.py).
+  assert pattern is None and not logit_cap  # Refused (fused.py).
   if isinstance(mask, core.SegmentMask):
     return cudnn_packed.attention(
         query, key, value, mask.q_segment_ids_BxT, scale=scale,
@@ -143,14 +144,18 @@ class PatternMask(splash_ops.Mask):
 
 
 def splash(query, key, value, bias, mask, *, scale, is_causal, window,
-           pattern=None):
+           pattern=None, logit_cap=0.0):
   """Splash attention, vmapped over the batch; queries and keys padded to
   multiples of 128 (the TPU's lanes); local's window as its LocalMask, a
-  block-sparse pattern as a PatternMask. Under ALiBi's bias, the project's
-  own kernel (alibi_flash_tpu.py)."""
-  if bias is not None:
-    return _alibi(alibi_flash_tpu.attention, query, key, value, bias, mask,
-                  scale=scale, is_causal=is_causal)
+  block-sparse pattern as a PatternMask. Under a score function or a cap,
+  and under key padding a pattern that cannot say which queries see no
+  key (no `sees_keys`), the project's general kernel (flex_tpu.py)."""
+  if bias is not None or logit_cap or (
+      pattern is not None and not hasattr(pattern, 'sees_keys')
+      and mask is not None and not isinstance(mask, core.SegmentMask)):
+    return _general(flex_tpu.attention, query, key, value, bias, mask,
+                    scale=scale, is_causal=is_causal, window=window,
+                    pattern=pattern, logit_cap=logit_cap)
   batch, q_len, num_heads, _ = query.shape
   kv_len = key.shape[1]
   (padded_q, block_q), (padded_kv, block_kv) = (
@@ -176,7 +181,7 @@ def splash(query, key, value, bias, mask, *, scale, is_causal, window,
   # Splash takes no scale: the queries are scaled in float32 first.
   q = (query.astype(jnp.float32) * scale).astype(query.dtype)
   heads_first = lambda x, length: jnp.transpose(
-      alibi_flash.pad_length(x, length), (0, 2, 1, 3))
+      flex.pad_length(x, length), (0, 2, 1, 3))
   q = heads_first(q, padded_q)
   k, v = heads_first(key, padded_kv), heads_first(value, padded_kv)
   ids = _segment_ids(mask, batch, q_len, kv_len, padded_q, padded_kv)
@@ -203,35 +208,30 @@ def _pallas_gpu_length(length: int) -> int:
   return _padded_length(length, 128)
 
 
-def _alibi(attend, query, key, value, bias, mask, *, scale, is_causal):
-  """ALiBi's bias by `attend` (alibi_flash's or alibi_flash_tpu's
-  `attention`); the mask as segment ids, as splash takes it."""
+def _general(attend, query, key, value, bias, mask, *, scale, is_causal,
+             window, pattern, logit_cap):
+  """The general kernel `attend` (flex_gpu's or flex_tpu's `attention`):
+  the mask as segment ids, local's window as its pattern."""
   batch, length = query.shape[:2]
   ids = _segment_ids(mask, batch, length, length, length, length)
   return attend(
-      query, key, value, bias.data['q_positions'],
-      bias.data['kv_positions'], bias.data['slopes'], scale=scale,
-      is_causal=is_causal,
+      query, key, value, score=bias,
+      pattern=patterns.Window(window) if window else pattern, scale=scale,
+      is_causal=is_causal, logit_cap=logit_cap,
       **({} if ids is None else dict(q_ids_BxT=ids[0], kv_ids_BxT=ids[1])))
 
 
 def pallas_gpu(query, key, value, bias, mask, *, scale, is_causal, window,
-               pattern=None):
-  """The Pallas (Triton) flash attention; self-attention only. Under
-  ALiBi's bias, the project's own kernel (alibi_flash.py); under a window
-  or a block-sparse pattern, the project's block-sparse one
-  (sparse_flash.py)."""
-  if window:  # local's: a window or a pattern, never both.
-    pattern = patterns.Window(window)
-  if bias is not None:
-    return _alibi(alibi_flash.attention, query, key, value, bias, mask,
-                  scale=scale, is_causal=is_causal)
+               pattern=None, logit_cap=0.0):
+  """The Pallas (Triton) flash attention; self-attention only. Under a
+  score function, a cap, a window, a block-sparse pattern or key padding,
+  the project's general kernel (flex_gpu.py)."""
+  if (bias is not None or logit_cap or window or pattern is not None
+      or (mask is not None and not isinstance(mask, core.SegmentMask))):
+    return _general(flex_gpu.attention, query, key, value, bias, mask,
+                    scale=scale, is_causal=is_causal, window=window,
+                    pattern=pattern, logit_cap=logit_cap)
   batch, length, num_heads, _ = query.shape
-  if pattern is not None:
-    ids = _segment_ids(mask, batch, length, length, length, length)
-    return sparse_flash.attention(
-        query, key, value, pattern, scale=scale, is_causal=is_causal,
-        **({} if ids is None else dict(q_ids_BxT=ids[0], kv_ids_BxT=ids[1])))
   padded = _pallas_gpu_length(length)
   block = min(128, padded)
   blocks = pallas_gpu_ops.BlockSizes(
@@ -239,12 +239,12 @@ def pallas_gpu(query, key, value, bias, mask, *, scale, is_causal, window,
       block_kv_dkv=min(32, block), block_q_dq=min(32, block),
       block_kv_dq=min(32, block))
   group = num_heads // key.shape[2]
-  key, value = (jnp.repeat(alibi_flash.pad_length(x, padded), group, axis=2)
+  key, value = (jnp.repeat(flex.pad_length(x, padded), group, axis=2)
                 for x in (key, value))
   ids = _segment_ids(mask, batch, length, length, padded, padded)
   if ids is not None:  # One array for queries and keys: the keys'.
     ids = ids[1]
-  out = pallas_gpu_ops.mha(alibi_flash.pad_length(query, padded), key, value,
+  out = pallas_gpu_ops.mha(flex.pad_length(query, padded), key, value,
                            ids, sm_scale=scale, causal=is_causal,
                            block_sizes=blocks,
                            interpret=jax.default_backend() == 'cpu')
@@ -298,15 +298,14 @@ def over_shards(fn, query: Array, key: Array, value: Array, bias, mask):
              (head_axes or None) if array.shape[1] > 1 else None)
 
   def bias_spec_of(bias):
-    """ALiBi's: positions [B?, T] by example, slopes [N] by head."""
+    """A score function's data: each axis split as its role says."""
     if not isinstance(bias, core.PositionBias):
       return spec(bias)
-    by_example = lambda x: P((batch_axes or None) if x.shape[0] > 1
-                             else None)
+    split = {'batch': batch_axes or None, 'head': head_axes or None}
     return dataclasses.replace(bias, data={
-        'q_positions': by_example(bias.data['q_positions']),
-        'kv_positions': by_example(bias.data['kv_positions']),
-        'slopes': P(head_axes or None)})
+        name: P(*(split.get(role) if jnp.shape(bias.data[name])[axis] > 1
+                  else None for axis, role in enumerate(roles)))
+        for name, roles in bias.axes})
 
   mask_spec = (jax.tree.map(lambda _: rows, mask)
                if isinstance(mask, core.SegmentMask)

@@ -95,8 +95,13 @@ class Fixed:
   in_tiles = False
 
   def allowed(self, q, k):
-    return ((q // self.block == k // self.block)
-            | (k % self.block >= self.block - self.summary))
+    same_block = (q // self.block == k // self.block
+                  if isinstance(q, np.ndarray) else
+                  # Positions are >= 0: lax.div's truncation floors them
+                  # (`//` floors by way of `sign`, whose lowering asks
+                  # for the TPU it compiles on).
+                  jax.lax.div(q, self.block) == jax.lax.div(k, self.block))
+    return same_block | (k % self.block >= self.block - self.summary)
 
   def sees_keys(self, valid_BxT: Array, is_causal: bool) -> Array:
     t = np.arange(valid_BxT.shape[1])

@@ -78,8 +78,9 @@ def _ring_body(query, key, value, bias, mask, *, scale: float,
     logits = jnp.einsum('bkgth,bckh->bkgtc', q_BxKxGxTxH,
                         k_blk.astype(jnp.float32)) * scale
     if isinstance(bias, core.PositionBias):
-      logits = logits + online_softmax.split_heads(
-          bias.at(q_positions[:, None], k_positions[None, :]), num_kv_heads)
+      logits = bias.apply(logits.reshape(batch, num_heads, block, block),
+                          q_positions[:, None], k_positions[None, :]
+                          ).reshape(logits.shape)
     elif bias is not None:
       logits = logits + _columns(bias, source * block, block).astype(
           jnp.float32)

@@ -3,8 +3,7 @@
 Each pattern is said twice, for two kinds of implementation. As a
 patterns.Pattern, the pairs it allows as a predicate on positions, which
 the fused kernels read (model/attention/fused.py: splash attention's block
-masks on a TPU, the project's block-sparse kernel, sparse_flash.py, on a
-GPU). And for the JAX code ('xla'), as a list of *parts*. A part splits
+masks on a TPU, the project's general kernel, flex_gpu.py, on a GPU). And for the JAX code ('xla'), as a list of *parts*. A part splits
 the padded query positions into groups that read one shared, gathered list
 of keys, and says with a predicate which (query, key) pairs among those it
 allows. The parts of a pattern never allow the same pair twice, so joining
@@ -84,8 +83,7 @@ def attend_parts(query: Array, key: Array, value: Array,
                         preferred_element_type=jnp.float32) * scale
     logits = logits.reshape(batch, num_heads, *logits.shape[3:])
     inside = (q_pos.clip(0, length - 1), k_pos.clip(0, length - 1))
-    if bias is not None:
-      logits = logits + core.bias_at(bias, *inside).astype(jnp.float32)
+    logits = core.scored(logits, bias, *inside)
     valid = jnp.asarray(valid)
     if mask is not None:
       valid = valid & core.mask_at(mask, *inside)
@@ -304,9 +302,10 @@ def bigbird_attention(query: Array, key: Array, value: Array,
   if mask is not None:
     gathered = core.mask_at(mask, rows[:, None], np.arange(length)[None, :])
     row_mask = gathered if row_mask is None else row_mask & gathered
-  row_bias = None
-  if bias is not None:
-    row_bias = core.bias_at(bias, rows[:, None], np.arange(length)[None, :])
+  # The rows are the first ones: a score function reads them as dense does.
+  row_bias = bias
+  if bias is not None and not isinstance(bias, core.PositionBias):
+    row_bias = core.pairs(bias, rows[:, None], np.arange(length)[None, :])
   if rows.size:
     global_out = core.scaled_dot_product_attention(
         query[:, rows], key, value, row_bias, row_mask, scale=scale)

@@ -22,22 +22,22 @@ PNG = b'\x89PNG'
 
 
 def test_bench_attention_measures_skips_and_writes_its_results(tmp_path):
-  # Pallas's GPU kernels (ALiBi's needs heads of 16) run interpreted on CPU;
-  # cuDNN's refuses.
+  # Pallas's GPU kernels (the general kernel, under T5's bias or the cap,
+  # needs heads of 16) run interpreted on CPU; cuDNN's refuses.
   rows = bench_attention.run(
       str(tmp_path), variants=['xla', 'chunked', 'chunked[pallas_gpu]',
                                'chunked[cudnn]', 'linformer', 'ring'],
       lengths=[16], options={'chunked': {'chunk_size': 8}}, causal=True,
       batch=1, heads=2, head_dim=16, dtype='float32', reps=1,
-      max_seconds=60.0, rows=['packed', 'alibi'])
+      max_seconds=60.0, rows=['packed', 't5', 'capped'])
   [directory] = [entry.path for entry in os.scandir(tmp_path)]
   with open(os.path.join(directory, 'results.jsonl')) as f:
     lines = [json.loads(line) for line in f]
-  assert lines == rows and len(rows) == 12
+  assert lines == rows and len(rows) == 18
   measured = {(row['rows'], row['variant']): row for row in rows
               if 'fwd_bwd_s' in row}
   assert set(measured) == {
-      (kind, name) for kind in ('packed', 'alibi')
+      (kind, name) for kind in ('packed', 't5', 'capped')
       for name in ('xla', 'chunked', 'chunked[pallas_gpu]')}
   for row in measured.values():
     assert row['fwd_s'] > 0 and row['fwd_bwd_temp_mb'] >= 0
@@ -45,25 +45,27 @@ def test_bench_attention_measures_skips_and_writes_its_results(tmp_path):
   skipped = {(row['rows'], row['variant']): row['skipped'] for row in rows
              if 'skipped' in row}
   assert set(skipped) == {
-      (kind, name) for kind in ('packed', 'alibi')
+      (kind, name) for kind in ('packed', 't5', 'capped')
       for name in ('chunked[cudnn]', 'linformer', 'ring')}
-  assert skipped['alibi', 'linformer'] == 'linformer takes no position bias'
+  assert skipped['t5', 'linformer'] == 'linformer takes no position bias'
+  assert skipped['capped', 'linformer'] == (
+      'linformer takes no cap on its logits')
   assert skipped['packed', 'linformer'] == (
       'linformer takes key padding masks only, not packed rows')
   assert skipped['packed', 'ring'] == (
       'ring needs a mesh with a sequence axis '
       '(tests/model/attention/test_ring.py)')
-  assert "kernel='cudnn' needs a GPU" in skipped['alibi', 'chunked[cudnn]']
+  assert "kernel='cudnn' needs a GPU" in skipped['t5', 'chunked[cudnn]']
   with open(os.path.join(directory, 'results.md')) as f:
     table = f.read()
   # Each ratio is to xla on the same kind of rows.
   assert 'speedup_vs_xla' in table and '| packed | xla | 16 |' in table
   assert '| packed | chunked[pallas_gpu] | 16 |' in table
-  assert '| alibi | chunked[pallas_gpu] | 16 |' in table
+  assert '| t5 | chunked[pallas_gpu] | 16 |' in table
   with open(os.path.join(directory, 'results.csv')) as f:
     by_key = {(line['rows'], line['variant']): line
               for line in csv.DictReader(f)}
-  for kind in ('packed', 'alibi'):
+  for kind in ('packed', 't5', 'capped'):
     assert float(by_key[kind, 'chunked']['speedup_vs_xla']) == pytest.approx(
         measured[kind, 'xla']['fwd_bwd_s']
         / measured[kind, 'chunked']['fwd_bwd_s'], rel=1e-3)

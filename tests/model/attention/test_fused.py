@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from model import attention, logical_axes, positions
-from model.attention import (alibi_flash, alibi_flash_tpu, cudnn_packed,
-                             fused, fused_kernels, patterns, sparse,
-                             sparse_flash)
+from model.attention import (cudnn_packed, flex, flex_gpu, flex_tpu, fused,
+                             fused_kernels, patterns, sparse)
 from model.attention.fused import Case
 from tests.helpers import tolerance
 from tests.helpers.sparse_patterns import (bigbird_pattern, fixed_pattern,
@@ -231,7 +230,7 @@ def test_touched_tiles_match_brute_force(is_causal):
   for pattern, allowed in cases:
     for tile in (8, 16):
       np.testing.assert_array_equal(
-          sparse_flash.touched_tiles(pattern, 96, tile, is_causal),
+          flex.touched_tiles(pattern, 96, tile, is_causal),
           allowed.reshape(96 // tile, tile, 96 // tile, tile).any((1, 3)),
           err_msg=f'{pattern}, tile {tile}')
 
@@ -284,21 +283,15 @@ ALIBI_CASES = {
     'causal_packed_gqa': (2, True, attention.SegmentMask(
         jnp.asarray(ALIBI_IDS)), ALIBI_POSITIONS, jnp.float32,
                           tolerance.KERNEL),
-    # Right padding, row 1 all padding (it comes out 0), MQA.
-    'bidirectional_padded_mqa': (1, False, jnp.asarray(
-        np.arange(40) < np.array([29, 0])[:, None])[:, None, None],
-                                 np.arange(40)[None], jnp.float32,
-                                 tolerance.KERNEL),
-    'causal_bfloat16': (4, True, None, np.arange(40)[None], jnp.bfloat16,
-                        tolerance.BFLOAT16),
 }
 
 
 @pytest.mark.parametrize('name', ALIBI_CASES)
 @pytest.mark.parametrize('kernel', ['pallas_gpu', 'pallas_tpu'])
 def test_alibi_kernels_equal_dense_with_alibis_bias(kernel, name):
-  """T = 40, no multiple of the kernels' blocks: outputs and q/k/v
-  gradients equal dense's under the same PositionBias."""
+  """Through `chunked`'s kernel option, ALiBi's bias on the general kernel
+  (test_flex.py checks it case by case): outputs and q/k/v gradients
+  equal dense's under the same PositionBias."""
   num_kv_heads, is_causal, mask, positions_, dtype, tolerated = (
       ALIBI_CASES[name])
   q, k, v = (x.astype(dtype) for x in make_qkv(len(name), 40, num_kv_heads))
@@ -319,22 +312,22 @@ ALIBI_BIAS = positions.alibi_bias(jnp.asarray(ALIBI_POSITIONS),
                                   jnp.asarray(ALIBI_POSITIONS), N)
 
 
-def alibi_call(module):
-  """ALiBi's kernel of `module` on ALIBI_POSITIONS, causal, given ids."""
-  return lambda q, k, v, **ids: module.attention(
-      q, k, v, *(ALIBI_BIAS.data[key] for key in (
-          'q_positions', 'kv_positions', 'slopes')), scale=0.25,
-      is_causal=True, **ids)
+def alibi_call(attend):
+  """The general kernel `attend` under ALiBi on ALIBI_POSITIONS, causal,
+  given ids."""
+  return lambda q, k, v, **ids: attend(q, k, v, score=ALIBI_BIAS, scale=0.25,
+                                       is_causal=True, **ids)
 
 
 # The kernels called directly with ids, (call, dense's bias, dense's mask
-# beside the ids'): ALiBi's, and the block-sparse one under a window of 8.
+# beside the ids'): the general kernels under ALiBi's bias, the GPU's
+# under a window of 8.
 DIRECT_CALLS = {
-    'alibi_flash': (alibi_call(alibi_flash), ALIBI_BIAS, True),
-    'alibi_flash_tpu': (alibi_call(alibi_flash_tpu), ALIBI_BIAS, True),
-    'sparse_flash': (lambda q, k, v, **ids: sparse_flash.attention(
-        q, k, v, patterns.Window(8), scale=0.25, is_causal=True, **ids),
-                     None, window_mask(40, 8, True)),
+    'flex_gpu': (alibi_call(flex_gpu.attention), ALIBI_BIAS, True),
+    'flex_tpu': (alibi_call(flex_tpu.attention), ALIBI_BIAS, True),
+    'flex_gpu_window': (lambda q, k, v, **ids: flex_gpu.attention(
+        q, k, v, pattern=patterns.Window(8), scale=0.25, is_causal=True,
+        **ids), None, window_mask(40, 8, True)),
 }
 
 
@@ -361,11 +354,16 @@ def test_kernels_give_the_keys_the_query_ids_without_key_ids(name):
       **tolerance.KERNEL)
 
 
-def alibi_attention(module):
-  """ALiBi's kernel of `module`, on rows whose positions are their ids."""
-  return lambda q, k, v, ids_BxT: module.attention(
-      q, k, v, ids_BxT, ids_BxT, jnp.ones(4), scale=0.125, is_causal=True,
-      q_ids_BxT=ids_BxT, kv_ids_BxT=ids_BxT)
+def general_attention(attend, **kwargs):
+  """The general kernel `attend` on packed rows whose positions are their
+  ids, under T5's bias and a cap on the logits."""
+  def call(q, k, v, ids_BxT):
+    layer = positions.T5Bias(4, 8, 16, bidirectional=False)
+    table = jnp.ones((8, 4)) / 8
+    score = layer.apply({'params': {'embedding': table}}, ids_BxT, ids_BxT)
+    return attend(q, k, v, score=score, scale=0.125, is_causal=True,
+                  logit_cap=30.0, q_ids_BxT=ids_BxT, **kwargs)
+  return call
 
 
 def variant_attention(name, **options):
@@ -378,9 +376,11 @@ def variant_attention(name, **options):
 TRITON, MOSAIC = '__gpu$xla.gpu.triton', 'tpu_custom_call'
 # name: (backend, platform, the kernel's custom call, attention).
 LOWERED = {
-    'alibi_triton': ('gpu', 'cuda', TRITON, alibi_attention(alibi_flash)),
-    'alibi_mosaic': ('tpu', 'tpu', MOSAIC, alibi_attention(alibi_flash_tpu)),
-    # The block-sparse kernel, testing strided's pairs inside tiles.
+    't5_capped_triton': ('gpu', 'cuda', TRITON,
+                         general_attention(flex_gpu.attention)),
+    't5_capped_window_mosaic': ('tpu', 'tpu', MOSAIC, general_attention(
+        flex_tpu.attention, pattern=patterns.Window(200))),
+    # The general kernel, testing strided's pairs inside tiles.
     'strided_triton': ('gpu', 'cuda', TRITON,
                        variant_attention('strided', stride=48,
                                          kernel='pallas_gpu')),
@@ -510,6 +510,8 @@ def case(backend, dtype='bfloat16', head_dim=64, q_len=256, kv_len=256,
 
 
 STRIDED = patterns.Strided(64)
+# A score function of the queries (Shaw's), which the kernels leave to xla.
+SHAW = 'computes no score function of the queries or keys'
 bigbird = lambda block: patterns.BigBird(block, 1, ((-1,),) * 4)
 
 # (case, what 'auto' runs).
@@ -521,7 +523,7 @@ AUTO = [
     (case('tpu', mask='key_padding', is_causal=False), 'pallas_tpu'),
     (case('tpu', window=128), 'pallas_tpu'),
     (case('tpu', dtype='float32'), 'pallas_tpu'),
-    (case('tpu', bias='function'), 'xla'),
+    (case('tpu', bias='function'), 'pallas_tpu'),
     (case('tpu', mask='other'), 'xla'),
     (case('tpu', q_len=1, kv_len=256), 'xla'),  # A query after a cache.
     (case('gpu'), 'cudnn'),
@@ -539,8 +541,8 @@ AUTO = [
     (case('gpu', q_len=128, kv_len=256), 'xla'),  # Diagonal alignment.
     (case('gpu', is_causal=False, q_len=128, kv_len=256), 'cudnn'),
     (case('gpu', mask='other'), 'xla'),
-    (case('gpu', bias='function'), 'xla'),
-    (case('gpu', dtype='float32', mask='key_padding'), 'xla'),
+    (case('gpu', bias='function'), 'pallas_gpu'),
+    (case('gpu', dtype='float32', mask='key_padding'), 'pallas_gpu'),
     (case('gpu', dtype='bfloat16 queries, float32 keys'), 'xla'),
     (case('tpu', dtype='float16'), 'xla'),
     # Packed rows: cuDNN's packed layout on Hopper and newer, bounded rows.
@@ -553,19 +555,22 @@ AUTO = [
     (case('gpu', mask='segments', compute_capability='9.0'), 'pallas_gpu'),
     (case('gpu', dtype='float32', mask='segments', compute_capability='9.0',
           max_segments=33), 'pallas_gpu'),
-    # ALiBi: the project's own Pallas kernel on a GPU; none on a TPU.
-    (case('gpu', bias='alibi'), 'pallas_gpu'),
-    (case('gpu', bias='alibi', mask='segments', compute_capability='9.0',
+    # A score function (ALiBi's, T5's bias): the general kernel on both,
+    # with a window or a pattern too; one of the queries or keys on xla.
+    (case('gpu', bias='function', mask='segments', compute_capability='9.0',
           max_segments=33), 'pallas_gpu'),
-    (case('gpu', bias='alibi', mask='key_padding', is_causal=False),
+    (case('gpu', bias='function', mask='key_padding', is_causal=False),
      'pallas_gpu'),
-    (case('gpu', bias='alibi', head_dim=96), 'xla'),
-    (case('gpu', bias='alibi', window=64), 'xla'),
-    (case('gpu', bias='alibi', q_len=1), 'xla'),
-    (case('tpu', bias='alibi'), 'pallas_tpu'),
-    (case('tpu', bias='alibi', mask='segments'), 'pallas_tpu'),
-    (case('tpu', bias='alibi', head_dim=96), 'xla'),
-    (case('tpu', bias='alibi', window=64), 'xla'),
+    (case('gpu', bias='function', head_dim=96), 'xla'),
+    (case('gpu', bias='function', window=64), 'pallas_gpu'),
+    (case('gpu', bias='function', q_len=1), 'xla'),
+    (case('gpu', bias='function', score_refusal=SHAW), 'xla'),
+    (case('tpu', bias='function', mask='segments'), 'pallas_tpu'),
+    (case('tpu', bias='function', head_dim=96), 'xla'),
+    (case('tpu', bias='function', window=64), 'pallas_tpu'),
+    (case('tpu', bias='function', pattern=bigbird(256)), 'pallas_tpu'),
+    (case('tpu', bias='function', pattern=bigbird(64)), 'xla'),
+    (case('tpu', bias='function', score_refusal=SHAW), 'xla'),
     # Block-sparse patterns: splash's block masks, the project's kernel
     # (BigBird's block its tile), never cuDNN; strided's and fixed's, whose
     # columns reach nearly every tile, on xla.
@@ -583,9 +588,9 @@ AUTO = [
     # A length split over the mesh: no fused kernel (ring computes it).
     (case('tpu', length_shards=2), 'xla'),
     (case('gpu', length_shards=4), 'xla'),
-    # Capped attention logits: the JAX code only.
-    (case('tpu', logit_cap=30.0), 'xla'),
-    (case('gpu', logit_cap=30.0), 'xla'),
+    # Capped attention logits: the general kernel's.
+    (case('tpu', logit_cap=30.0), 'pallas_tpu'),
+    (case('gpu', logit_cap=30.0), 'pallas_gpu'),
 ]
 
 
@@ -613,19 +618,20 @@ def test_a_named_kernel_that_cannot_compute_the_case_raises():
   with pytest.raises(fused.KernelError, match='sequence parallelism'):
     fused.choose('pallas_tpu', case('tpu', length_shards=2))
   with pytest.raises(fused.KernelError, match='no cap on the attention'):
-    fused.choose('pallas_gpu', case('gpu', logit_cap=30.0))
+    fused.choose('cudnn', case('gpu', logit_cap=30.0))
   with pytest.raises(ValueError, match='must be one of'):
     fused.choose('flash', case('cpu'))
   with pytest.raises(fused.KernelError, match='no block-sparse pattern'):
     fused.choose('cudnn', case('gpu', pattern=STRIDED))
-  with pytest.raises(fused.KernelError, match='key padding mask only'):
-    fused.choose('pallas_gpu', case('gpu', mask='key_padding'))
+  with pytest.raises(fused.KernelError, match='no score function of the'):
+    fused.choose('pallas_gpu', case('gpu', bias='function',
+                                    score_refusal=SHAW))
   q, k, v = make_qkv(9, 8, 2)
   with pytest.raises(fused.KernelError, match='needs a GPU'):
     attention.get('chunked')(q, k, v, kernel='cudnn')
   with pytest.raises(fused.KernelError,
-                     match="bigbird's block as its tile: 16, 32, 64 or 128, "
-                           'not 2'):
+                     match="bigbird's block as its tile: 16, 32, 64, 128 or "
+                           'a multiple of 128, not 2'):
     attention.get('bigbird')(q, k, v, kernel='pallas_gpu', block=2)
   assert fused.choose('pallas_gpu', case('cpu')) == 'pallas_gpu'
   assert fused.choose('pallas_tpu', case('tpu', pattern=STRIDED)) == (

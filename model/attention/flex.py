@@ -1,0 +1,286 @@
+"""The general fused kernel's parts that its two backends share
+(flex_gpu.py: Triton; flex_tpu.py: Mosaic): which tiles a pattern
+visits, the rows' ids, and a score function (core.PositionBias) as a
+kernel reads it.
+
+A kernel computes softmax(score(q.k * scale)) v over the pairs a pattern
+(patterns.py; None: every pair) and causality allow, where query and key
+ids are equal, with FlashAttention-2's online softmax and the gradients
+recomputed from the saved log-sum-exp (Dao 2023). The score function is
+traced into the kernel's body: its per-token entries (integers, e.g.
+positions) come in as [B, T] arrays read tile by tile, its scalars and
+tables as one float32 row per head (`Layout`), whose gradient the dq
+kernel sums over the tiles it visits (the pull-back of the score
+function, taken inside the kernel), so that learned slopes, tables or
+temperatures train through it.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.attention import core
+
+Array = jax.Array
+# A logit no softmax weight survives, finite so that a row of them stays
+# finite; such weights are also zeroed where they are masked.
+MASKED = -0.7 * float(np.finfo(np.float32).max)
+# Ids of padded queries and keys: no real token and no each other.
+_PAD_QUERY, _PAD_KEY = np.iinfo(np.int32).min, np.iinfo(np.int32).min + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How a score function's data reaches a kernel: `tokens`, its per-token
+  entries (name, 'query' or 'key'), each a [B, T] int32 input; `params`,
+  its scalars and tables (name, first column, rows or None for a scalar)
+  as the columns of one float32 [N, width] input."""
+
+  tokens: tuple[tuple[str, str], ...] = ()
+  params: tuple[tuple[str, int, int | None], ...] = ()
+  width: int = 1
+
+
+def refusal(score: core.PositionBias | None) -> str | None:
+  """Why a kernel cannot compute `score`; None if it can."""
+  if score is None:
+    return None
+  if not score.kernel_ready:
+    return (f'computes no score function of the queries or keys ('
+            f'{score.name}: XLA only)')
+  for name, roles in score.axes:
+    free = [role for role in roles if role not in ('batch', 'head')]
+    if free and free[0] in ('query', 'key') and not jnp.issubdtype(
+        jnp.result_type(score.data[name]), jnp.integer):
+      return (f"reads per-token entries as integers only ({score.name}'s "
+              f'{name!r} is not)')
+    if 'batch' in roles and not (free and free[0] in ('query', 'key')):
+      return (f"reads scalars and tables per head, not per example "
+              f"({score.name}'s {name!r})")
+  return None
+
+
+def layout_of(score: core.PositionBias | None, columns: int = 1) -> Layout:
+  """The Layout of `score` (kernel-ready), its width padded to a multiple
+  of `columns`."""
+  if score is None:
+    return Layout()
+  tokens, params, width = [], [], 0
+  for name, roles in score.axes:
+    free = [role for role in roles if role != 'batch' and role != 'head']
+    if free and free[0] in ('query', 'key'):
+      tokens.append((name, free[0]))
+    else:
+      rows = jnp.shape(score.data[name])[roles.index(None)] if free else None
+      params.append((name, width, rows))
+      width += rows or 1
+  return Layout(tuple(tokens), tuple(params),
+                max(-(-width // columns) * columns, columns))
+
+
+def inputs(score: core.PositionBias | None, layout: Layout, batch: int,
+           heads: int, length: int) -> tuple[list[Array], Array]:
+  """(the per-token entries [B, length] int32, padded with 0; the scalars
+  and tables as columns [N, width] float32): differentiable in
+  score.data, so the kernel's gradient of the columns reaches it."""
+  tokens, columns = [], []
+  for name, _ in layout.tokens:
+    x, roles = score.data[name], score.roles(name)
+    if 'batch' not in roles:
+      x = x[None]
+    x = jnp.broadcast_to(x, (batch, x.shape[-1])).astype(jnp.int32)
+    tokens.append(jnp.pad(x, ((0, 0), (0, length - x.shape[1]))))
+  for name, _, rows in layout.params:
+    x, roles = jnp.asarray(score.data[name], jnp.float32), score.roles(name)
+    # [N, rows] (a table) or [N, 1] (a scalar).
+    x = (jnp.moveaxis(x, roles.index('head'), -1) if 'head' in roles
+         else x[..., None])
+    columns.append(jnp.broadcast_to(x.reshape(rows or 1, -1).T,
+                                    (heads, rows or 1)))
+  used = sum(x.shape[1] for x in columns)
+  columns.append(jnp.zeros((heads, layout.width - used), jnp.float32))
+  return tokens, jnp.concatenate(columns, axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+  """What a kernel's body computes of a tile's q.k: the cap (core.softcap),
+  then the score function `fn` (None: none) on the data of `layout`."""
+
+  fn: object = None
+  layout: Layout = Layout()
+  logit_cap: float = 0.0
+
+  def logits(self, s, tokens, params, q_index, k_index, head) -> Array:
+    """`fn` reads the per-token entries as given ([bq, 1] and [1, bk]), a
+    scalar column as itself, a table as a tuple of its rows' scalars
+    (core.lookup)."""
+    s = core.softcap(s, self.logit_cap)
+    if self.fn is None:
+      return s
+    data = dict(tokens)
+    for name, first, rows in self.layout.params:
+      data[name] = (params[first] if rows is None
+                    else tuple(params[first:first + rows]))
+    return self.fn(s, data, q_index, k_index, head).astype(jnp.float32)
+
+
+def scores_of(score: core.PositionBias | None, logit_cap: float,
+              columns: int = 1) -> Scores:
+  return Scores(None if score is None else score.fn,
+                layout_of(score, columns), logit_cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A kernel call's static parameters: its Scores, and the pattern (None:
+  every pair), tile, scale of q.k and causality."""
+
+  scores: Scores
+  pattern: object
+  tile: int
+  scale: float
+  is_causal: bool
+
+  def tables(self, length: int):
+    return tile_tables(self.pattern, length, self.tile, self.is_causal)
+
+  def masked(self, qk, q_ids, k_ids, tokens, params, q_index, k_index,
+             head):
+    """(logits [bq, bk] masked to MASKED, the mask, their pull-back:
+    d_logits -> (d(q.k * scale), d_params tuple)) of a tile's q.k: the
+    pairs that ids, causality and the pattern allow (ids and indices [bq,
+    1] and [1, bk])."""
+    logits, pull_back = jax.vjp(lambda s, params: self.scores.logits(
+        s, tokens, params, q_index, k_index, head), qk * self.scale, params)
+    mask = q_ids == k_ids
+    if self.is_causal:
+      mask &= q_index >= k_index
+    if self.pattern is not None and not whole_tiles(self.pattern, self.tile):
+      mask &= self.pattern.allowed(q_index, k_index)
+    return jnp.where(mask, logits, MASKED), mask, pull_back
+
+
+def d_logits(s, mask, lse, delta, dp):
+  """(weights, the gradient of a tile's logits s [bq, bk]) from that of
+  the weights, dp: FlashAttention-2's recomputation of the weights from
+  the log-sum-exp; lse and delta (rowsum(out * d_out)) [bq, 1]."""
+  p = jnp.where(mask, jnp.exp(s - lse), 0.0)
+  return p, p * (dp - delta)
+
+
+def whole_tiles(pattern, tile: int) -> bool:
+  """Whether every tile of `tile` positions lies inside one of the
+  pattern's own tiles, so that its pairs need no test."""
+  return bool(pattern.tile) and pattern.tile % tile == 0
+
+
+def _pairs(pattern, queries, keys, is_causal: bool) -> np.ndarray:
+  """The allowed pairs of query positions [q, 1] and key positions [1, k]."""
+  pairs = pattern.allowed(queries, keys)
+  return pairs & (keys <= queries) if is_causal else pairs
+
+
+def touched_tiles(pattern, length: int, tile: int,
+                  is_causal: bool) -> np.ndarray:
+  """[n, n] bool, n = length // tile: whether query tile i and key tile j
+  hold a pair that the pattern (None: every pair) and causality allow."""
+  n = length // tile
+  within = np.arange(tile)
+  if pattern is None:
+    return np.tri(n, dtype=bool) if is_causal else np.ones((n, n), bool)
+  if whole_tiles(pattern, tile):  # One pair says a tile's.
+    starts = np.arange(n) * tile
+    return _pairs(pattern, starts[:, None], starts[None, :], is_causal)
+  if pattern.by_offset:  # A tile's pairs depend on j - i alone.
+    offsets = np.arange(1 - n, n)
+    seen = np.array([_pairs(pattern, within[:, None],
+                            within[None, :] + offset * tile, is_causal).any()
+                     for offset in offsets])
+    return seen[np.arange(n)[None, :] - np.arange(n)[:, None] + n - 1]
+  keys = np.arange(length)[None, :]
+  seen = np.empty((n, n), bool)
+  for i in range(n):
+    pairs = _pairs(pattern, i * tile + within[:, None], keys, is_causal)
+    seen[i] = pairs.reshape(tile, n, tile).any(axis=(0, 2))
+  return seen
+
+
+def _lists(seen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(lists [n, width] int32, counts [n] int32): each row's True columns in
+  order, padded with the last one (0 for none) to a width that is a power
+  of two (Triton's)."""
+  counts = seen.sum(axis=1).astype(np.int32)
+  width = 1 << (max(int(counts.max(initial=1)), 1) - 1).bit_length()
+  lists = np.zeros((len(seen), width), np.int32)
+  for row, columns in enumerate(seen):
+    found = np.flatnonzero(columns)
+    lists[row, :len(found)] = found
+    lists[row, len(found):] = found[-1] if len(found) else 0
+  return lists, counts
+
+
+@functools.lru_cache(maxsize=64)
+def tile_tables(pattern, length: int, tile: int, is_causal: bool):
+  """(visits, counts, visitors, visitor_counts): each query tile's key
+  tiles, and each key tile's query tiles, as `_lists`."""
+  seen = touched_tiles(pattern, length, tile, is_causal)
+  return (*_lists(seen), *_lists(seen.T))
+
+
+def pad_length(x: Array, length: int, value=0) -> Array:
+  """[B, T, ...] padded along T to `length` with `value`."""
+  return jnp.pad(x, [(0, 0), (0, length - x.shape[1])]
+                 + [(0, 0)] * (x.ndim - 2), constant_values=value)
+
+
+def padded_ids(q_ids_BxT: Array | None, kv_ids_BxT: Array | None,
+               batch: int, length: int, padded_length: int
+               ) -> tuple[Array, Array]:
+  """(query ids, key ids) [B, padded_length] int32: one id for all where
+  neither is given, the queries' for the keys where only they are (as
+  SegmentMask: self-attention), and ids no token has for the padded
+  queries and keys. ValueError for key ids alone, which compare to no
+  query's."""
+  if q_ids_BxT is None:
+    if kv_ids_BxT is not None:
+      raise ValueError(
+          'kv_ids_BxT without q_ids_BxT: key ids mean nothing without the '
+          "queries' to compare to; pass q_ids_BxT too (for key padding, "
+          'zeros, and key ids 0 where a key is real).')
+    q_ids_BxT = jnp.zeros((batch, length), jnp.int32)
+  if kv_ids_BxT is None:
+    kv_ids_BxT = q_ids_BxT
+  return (pad_length(q_ids_BxT.astype(jnp.int32), padded_length, _PAD_QUERY),
+          pad_length(kv_ids_BxT.astype(jnp.int32), padded_length, _PAD_KEY))
+
+
+def padded_inputs(plan: Plan, score: core.PositionBias | None, query: Array,
+                  key: Array, value: Array, q_ids_BxT: Array | None,
+                  kv_ids_BxT: Array | None) -> tuple:
+  """(q, k, v, ids (padded_ids), per-token entries, columns (inputs)), T
+  padded to a multiple of plan.tile; [B, T, N, H] in."""
+  batch, length, num_heads, _ = query.shape
+  padded = -(-length // plan.tile) * plan.tile
+  return (*(pad_length(x, padded) for x in (query, key, value)),
+          padded_ids(q_ids_BxT, kv_ids_BxT, batch, length, padded),
+          *inputs(score, plan.scores.layout, batch, num_heads, padded))
+
+
+def differentiable(forward, backward):
+  """attention(plan, q, k, v, ids, tokens, params): the output of
+  `forward` (-> out, lse), its gradients by `backward(plan, (q, k, v, ids,
+  tokens, params, out, lse), d_out)`."""
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+  def attention(plan, *args):
+    return forward(plan, *args)[0]
+
+  def attention_forward(plan, *args):
+    out, lse = forward(plan, *args)
+    return out, (*args, out, lse)
+
+  attention.defvjp(attention_forward, backward)
+  return attention
