@@ -33,7 +33,10 @@ def attention_options() -> ml_collections.ConfigDict:
   the same under each attention's name, for a config that cycles several
   (config.model.attention_options.local.window). An unset option (None)
   takes the attention's default; a set one must be an option of the
-  attention it reaches (train/config/validation.py)."""
+  attention it reaches (train/config/validation.py). Under a name an
+  option may give one value per occurrence of the attention in the
+  pattern ('local,local': window=(1024, 128), or '1024,128' on the command
+  line), so its type is checked there (ModelConfig), not here."""
   taken = {name: variant_options.option_types(name)
            for name in attention.names()}
   every = {}
@@ -43,8 +46,7 @@ def attention_options() -> ml_collections.ConfigDict:
             for option, kind in sorted(every.items())}
   for name, types in taken.items():
     values[name] = ml_collections.ConfigDict(
-        {option: config_dict.placeholder(kind)
-         for option, kind in sorted(types.items())})
+        {option: config_dict.placeholder(object) for option in sorted(types)})
   return ml_collections.ConfigDict(values)
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from model import attention
 from model.activations import ACTIVATIONS
+from model.attention import options as variant_options
 from model.positions import SCHEMES
 
 # The token id of padding, in every family.
@@ -44,6 +45,31 @@ def _set_options(options: Mapping[str, Any]) -> dict[str, Any]:
     if value not in (None, {}):
       kept[key] = value
   return kept
+
+
+def _values(value: Any) -> tuple | None:
+  """The values of an option given one per occurrence of its attention in
+  the pattern: a tuple or list, or a string of them separated by commas
+  (the command line's form, '1024,128'); None for a single value."""
+  if isinstance(value, (tuple, list)):
+    return tuple(value)
+  if isinstance(value, str) and ',' in value:
+    return tuple(part.strip() for part in value.split(','))
+  return None
+
+
+def _typed(value: Any, kind: type | None) -> Any:
+  """`value` as an option of type `kind` (None: unknown, taken as it is),
+  a string read as the number it spells; ValueError where it is not one."""
+  if kind is None:
+    return value
+  if isinstance(value, str) and kind in (int, float):
+    value = kind(value)
+  accepted = (int, float) if kind is float else kind
+  if not isinstance(value, accepted) or (
+      isinstance(value, bool) and kind is not bool):
+    raise ValueError(value)
+  return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +220,9 @@ class ModelConfig:
   # pallas_gpu, see model/attention/fused.py), as (name, value) pairs, or a
   # dict: {'window': 64}. Options may also be keyed by the attention's
   # name, {'local': {'window': 64}}, which is how several attentions take
-  # theirs (held as one tuple of pairs per entry).
+  # theirs (held as one tuple of pairs per entry). An attention the pattern
+  # names m times takes an option as one value or m, the k-th occurrence
+  # the k-th: 'local,local' with {'local': {'window': (1024, 128)}}.
   attention_options: tuple = ()
   # Output projection shares the token embedding matrix (Press & Wolf 2017).
   tie_embeddings: bool = True
@@ -416,9 +444,47 @@ class ModelConfig:
       fail(f'config.model.attention_options sets {sorted(options)} and '
            f'{self.attention}: {sorted(by_name[self.attention])}; give the '
            'options of one attention in one of the two places.')
-    per_entry = tuple(tuple(sorted(by_name.get(name, options).items()))
-                      for name in names)
+    occurrences = {
+        name: self._by_occurrence(name, names, by_name.get(name, options),
+                                  name in by_name, fail)
+        for name in dict.fromkeys(names)}
+    per_entry = tuple(
+        tuple(sorted((option, values[names[:index].count(name)])
+                     for option, values in occurrences[name].items()))
+        for index, name in enumerate(names))
     return per_entry if several else per_entry[0]
+
+  def _by_occurrence(self, name: str, names: tuple[str, ...],
+                     options: Mapping[str, Any], keyed: bool,
+                     fail) -> dict[str, tuple]:
+    """{option: its value at each occurrence of attention `name` in the
+    pattern `names`}: one value repeated, or one given per occurrence
+    (`_values`). `keyed`: the options were set under the attention's
+    name."""
+    count = names.count(name)
+    resolved = name if name != 'auto' else attention.fastest_exact(
+        dropout=self.attention_dropout_rate > 0)
+    types = (variant_options.option_types(resolved)
+             if resolved in attention.names() else {})
+    found = {}
+    for option, value in options.items():
+      key = ('config.model.attention_options.' + (f'{name}.' if keyed else '')
+             + option)
+      values = _values(value)
+      if values is None:
+        values = (value,) * count
+      elif len(values) != count:
+        wanted = ('once: give one value' if count == 1 else
+                  f'{count} times: give one value, or one per occurrence')
+        fail(f'{key}={value!r} gives {len(values)} values; config.model.'
+             f'attention={",".join(names)!r} names {name} {wanted}.')
+      kind = types.get(option)
+      try:
+        found[option] = tuple(_typed(one, kind) for one in values)
+      except ValueError:
+        fail(f'{key}={value!r} must be of type {kind.__name__}'
+             + (f', one per occurrence of {name}.' if count > 1 else '.'))
+    return found
 
   def _check_pattern(self, fail) -> None:
     """Several attentions: each entry, with its options, is checked as the

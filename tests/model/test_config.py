@@ -4,11 +4,15 @@ import dataclasses
 import inspect
 import re
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from configs import default
-from model import ModelConfig, families
+from model import DecoderLM, ModelConfig, families
 from model import config as config_module
+from train import cli
 
 
 def test_defaults_resolve_head_dim_and_kv_heads():
@@ -36,6 +40,64 @@ def test_attention_options_are_read_flat_or_under_the_attention_name():
   config.model.attention = 'dense,local'
   assert ModelConfig.from_mapping(config.model).attention_options == (
       (), (('window', 8),))
+
+
+def test_an_option_takes_one_value_per_occurrence_of_its_attention():
+  config = default.get_config()
+  config.model.attention = 'local,local'
+  config.model.attention_options = {'local': {'window': (1024, 128)}}
+  model_config = ModelConfig.from_mapping(config.model)
+  assert model_config.attention_options == ((('window', 1024),),
+                                            (('window', 128),))
+  assert [dict(model_config.for_layer(layer).attention_options)['window']
+          for layer in range(4)] == [1024, 128, 1024, 128]
+  config.model.attention = 'local,local,local,dense'
+  config.model.attention_options = {'local': {'window': [1024, 128, 64],
+                                              'kernel': 'xla'}}
+  assert ModelConfig.from_mapping(config.model).attention_options == (
+      (('kernel', 'xla'), ('window', 1024)),
+      (('kernel', 'xla'), ('window', 128)),
+      (('kernel', 'xla'), ('window', 64)), ())
+
+
+def test_the_command_line_gives_an_option_per_occurrence_as_one_string():
+  """--config.model.attention_options.local.window=1024,128 and
+  .kernel=xla,auto: the flag's value, split; a number's string read as the
+  number."""
+  config = cli.load_config('configs/lm_stdlib.py:baseline', {
+      'model.attention': 'local,local',
+      'model.attention_options.local.window': '1024,128',
+      'model.attention_options.local.kernel': 'xla,auto'})
+  assert ModelConfig.from_mapping(config.model).attention_options == (
+      (('kernel', 'xla'), ('window', 1024)),
+      (('kernel', 'auto'), ('window', 128)))
+  assert ModelConfig(
+      attention='local,local',
+      attention_options={'local': {'window': '1024,128'}}
+  ).attention_options == ((('window', 1024),), (('window', 128),))
+
+
+def test_a_window_per_occurrence_reaches_each_layer():
+  """Windows (8, 2) over four layers: the model of the same entries
+  written out, not that of (8, 8)."""
+  def logits(attention, attention_options):
+    config = ModelConfig(vocab_size=32, d_model=16, num_heads=2, mlp_dim=32,
+                         num_layers=4, max_len=16, attention=attention,
+                         attention_options=attention_options)
+    model = DecoderLM(config)
+    return config, model.apply(variables, tokens_1xT)[0]
+
+  tokens_1xT = jnp.arange(1, 17)[None] % 32
+  variables = DecoderLM(ModelConfig(
+      vocab_size=32, d_model=16, num_heads=2, mlp_dim=32, num_layers=4,
+      max_len=16)).init(jax.random.key(0), tokens_1xT)
+  config, alternating = logits('local,local', {'local': {'window': (8, 2)}})
+  written, explicit = logits(('local', 'local'),
+                             ((('window', 8),), (('window', 2),)))
+  _, same = logits('local,local', {'local': {'window': (8, 8)}})
+  assert config == written
+  np.testing.assert_array_equal(alternating, explicit)
+  assert not np.allclose(alternating, same)
 
 
 def test_every_model_field_has_a_comment():
@@ -111,6 +173,31 @@ def test_every_model_field_has_a_comment():
      "config.model.attention_options sets ['window'] and local: "
      "['window']; give the options of one attention in one of the two "
      'places.'),
+    (dict(attention='local,local',
+          attention_options={'local': {'window': (1024, 128, 64)}}),
+     'config.model.attention_options.local.window=(1024, 128, 64) gives 3 '
+     "values; config.model.attention='local,local' names local 2 times: "
+     'give one value, or one per occurrence.'),
+    (dict(attention='dense,local',
+          attention_options={'local': {'window': (1024, 128)}}),
+     'config.model.attention_options.local.window=(1024, 128) gives 2 '
+     "values; config.model.attention='dense,local' names local once: give "
+     'one value.'),
+    (dict(attention='local', attention_options={'window': '1024,128'}),
+     "config.model.attention_options.window='1024,128' gives 2 values; "
+     "config.model.attention='local' names local once: give one value."),
+    (dict(attention='local,local',
+          attention_options={'local': {'window': (1024, 12.8)}}),
+     'config.model.attention_options.local.window=(1024, 12.8) must be of '
+     'type int, one per occurrence of local.'),
+    (dict(attention='local,local',
+          attention_options={'local': {'window': '1024,wide'}}),
+     "config.model.attention_options.local.window='1024,wide' must be of "
+     'type int, one per occurrence of local.'),
+    (dict(attention='dense,local',
+          attention_options={'local': {'window': 'wide'}}),
+     "config.model.attention_options.local.window='wide' must be of type "
+     'int.'),
     (dict(dtype='float64'), "config.model.dtype='float64'"),
     (dict(dropout_rate=1.0), 'config.model.dropout_rate=1.0'),
     (dict(attention_dropout_rate=-0.1),

@@ -32,8 +32,13 @@ def _attention_setting(model_config: ModelConfig) -> str:
   if model_config.num_attentions == 1:
     return (f'attention={model_config.attention!r}, attention_options='
             f'{dict(model_config.attention_options)}')
-  options = {c.attention: dict(c.attention_options)
-             for c in model_config.layer_configs() if c.attention_options}
+  given = {}  # {attention: {option: its value at each occurrence}}
+  for c in model_config.layer_configs():
+    for option, value in c.attention_options:
+      given.setdefault(c.attention, {}).setdefault(option, []).append(value)
+  options = {name: {option: values[0] if len(set(values)) == 1
+                    else tuple(values) for option, values in found.items()}
+             for name, found in given.items()}
   return (f'attention={",".join(model_config.attention)!r}, '
           f'attention_options={options}')
 

@@ -44,8 +44,9 @@ def test_each_family_asks_its_own_cases(monkeypatch):
                                                      'cudnn')
   assert decoder[0] == 'decoder' and decoder[2:] == ('none', True, 'cudnn')
   wmt.model.dtype = 'float32'  # cuDNN takes half precision only.
+  # Padded source rows, in float32: the general kernel.
   assert [row[-1] for row in summary(wmt, monkeypatch, 'gpu')] == [
-      'xla', 'pallas_gpu']
+      'pallas_gpu', 'pallas_gpu']
   # A pattern: only the entries that take a kernel, each on its layers.
   classifier = listops.get_config()
   classifier.model.update(attention='dense,local', num_layers=4)
@@ -70,13 +71,13 @@ def test_packed_rows_take_cudnn_on_hopper_and_newer(monkeypatch):
     assert choice.case.max_segments == lm.model.max_segments_per_row + 1
 
 
-def test_alibi_layers_run_the_alibi_kernels_on_a_gpu_or_tpu(monkeypatch):
+def test_alibi_layers_run_the_general_kernel_on_a_gpu_or_tpu(monkeypatch):
   """make train's model: ALiBi, attention 'auto' (chunked)."""
   config = lm_stdlib.get_config()
   for backend in ('gpu', 'tpu'):
     found = traced(config, monkeypatch, backend)
     assert found and {(c.case.bias, c.kernel) for c in found} == {
-        ('alibi', f'pallas_{backend}')}
+        ('function', f'pallas_{backend}')}
     assert found[0].describe().endswith("ALiBi's bias)")
 
 
@@ -115,14 +116,14 @@ def test_a_refusal_names_the_kernel_key_as_it_was_typed():
   key, not the flat one."""
   config = lm_stdlib.get_config()  # ALiBi.
   config.sample_length = 0
-  config.model.update(attention='bigbird', attention_options={
-      'bigbird': {'kernel': 'pallas_gpu'}})
+  config.model.attention = 'bigbird'
+  config.model.attention_options = {
+      'bigbird': {'kernel': 'pallas_gpu', 'block': 8}}
   with pytest.raises(InputError, match=(
       r"^config.model.attention_options.bigbird.kernel='pallas_gpu' takes "
-      'no window or block-sparse pattern under ALiBi')):
+      "bigbird's block as its tile")):
     config_validation.check(config)
-  config.model.attention_options.bigbird.kernel = None
-  config.model.attention_options.kernel = 'palas_gpu'
+  config.model.attention_options = {'kernel': 'palas_gpu'}
   with pytest.raises(InputError, match=(
       r"^config.model.attention_options.kernel='palas_gpu' must be")):
     config_validation.check(config)
@@ -141,3 +142,19 @@ def test_a_pallas_kernel_on_the_cpu_is_said_to_run_interpreted():
   checked = config_validation.check(config)
   (auto,) = kernels.grouped(checked.config, checked.kernels)
   assert 'interpreted' not in auto.describe()
+
+
+def test_a_window_per_occurrence_gives_each_local_layer_its_kernel(
+    monkeypatch):
+  """'local,local' with windows (256, 64): two groups of layers, each on a
+  fused kernel with its own window."""
+  config = lm_stdlib.get_config('baseline')
+  config.sample_length = 0  # Local attention reads no key/value cache.
+  config.model.update(attention='local,local', dtype='bfloat16')
+  config.model.attention_options = {'local': {'window': (256, 64)}}
+  for backend, fused_kernels in (('gpu', {'cudnn', 'pallas_gpu'}),
+                                 ('tpu', {'pallas_tpu'})):
+    found = traced(config, monkeypatch, backend)
+    assert [(c.attention, c.layers, c.case.window) for c in found] == [
+        ('local', (0, 2), 256), ('local', (1, 3), 64)]
+    assert {c.kernel for c in found} <= fused_kernels, backend

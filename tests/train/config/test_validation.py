@@ -315,6 +315,11 @@ INVALID_ELSEWHERE = [
      "config.model.attention_options.kernel='cudnn' needs a GPU: the "
      "decoder's self-attention is float32, causal, packed rows, window 128 "
      "on cpu; set it to 'auto'"),
+    # Windows per layer: the message gives each occurrence's.
+    ('local_twice', 'model.attention_options.local.window', (64, 0),
+     "config.model does not build (attention='local,local', "
+     "attention_options={'local': {'window': (64, 0)}}): window=0 must be "
+     'positive'),
     ('alternating', 'model.attention_options.local.kernel', 'cudnn',
      "config.model.attention_options.local.kernel='cudnn' needs a GPU"),
     ('local', 'model.attention_options.window', 0,
@@ -357,8 +362,8 @@ SHIPPED = {'lm_stdlib': lm_stdlib.get_config,
 def base_config(name: str, data_dir: str):
   config = (SHIPPED[name] if name in SHIPPED and name != 'lm_stdlib'
             else BASELINE)()
-  if name == 'local':  # It cannot read a cache: no sample.
-    config.model.attention = 'local'
+  if name in ('local', 'local_twice'):  # No cache to read: no sample.
+    config.model.attention = 'local' if name == 'local' else 'local,local'
     config.sample_length = 0
   if name == 'algorithmic':  # Quick to build, where a case gets that far.
     config.dataset_options.update(num_train=200, num_eval=20)
