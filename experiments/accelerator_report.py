@@ -1,9 +1,11 @@
 r"""One markdown report of what the accelerator at hand does with attnlab:
-the `make train` job's speed (one step a call, and 16; on a GPU also with
-XLA's command buffers off), profiles of its step and of GPT-2 small's
-(device time by kind: attention, matmuls, readout and loss, optimizer,
-elementwise), training throughput against stock Flax (GPT-2 small at
-batch 8 and 32 on an accelerator), and attention against sequence length.
+first whether its fused attention kernels compute what dense attention
+does (experiments/kernel_check.py), then the `make train` job's speed (one
+step a call, and 16; on a GPU also with XLA's command buffers off),
+profiles of its step and of GPT-2 small's (device time by kind: attention,
+matmuls, readout and loss, optimizer, elementwise), training throughput
+against stock Flax (GPT-2 small at batch 8 and 32 on an accelerator), and
+attention against sequence length.
 
   python -m experiments.accelerator_report --out=DIR [--budget_s=450] \
       [--data_dir=~/tensorflow_datasets] [--parts=main_job,profile]
@@ -18,9 +20,10 @@ of the time left of --budget_s less RESERVE_S, against the shares of the
 parts after it, so that time one leaves unused goes to the later ones.
 
 Writes DIR/report.md, again after each part (what was measured survives a
-kill): the date, the machine, the versions, and for each part its command,
-its status (with the end of its stderr if it failed or timed out) and the
-tables it wrote. Prints its path.
+kill): the date, the machine, the versions, which kernels failed the check,
+and for each part its command, its status (with the end of its stderr if it
+failed or timed out) and the tables it wrote, where a row of a later part
+that names a kernel that failed is marked FAILED_MARK. Prints its path.
 """
 
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +33,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -42,7 +46,7 @@ from typing import NamedTuple
 from absl import flags
 
 from configs import lm_stdlib
-from experiments import bench_train, common
+from experiments import bench_train, common, kernel_check
 from train import cli
 from train.base.errors import InputError
 
@@ -52,6 +56,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESERVE_S = 20
 PROBE_TIMEOUT_S = 60
 STDERR_LINES = 15
+# Follows a kernel's name in the rows of a part after the check.
+FAILED_MARK = ' (failed the device check)'
 PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'grain',
             'ml_collections')
 # Prints one JSON line: the machine, the backend and its device kind.
@@ -65,9 +71,11 @@ PROBE = [sys.executable, '-c',
 # Each part's own flags: profiles of make train's step and of GPT-2
 # small's, GPT-2 small's throughput (at llm.c's 32 rows as well as 8; the
 # loop's efficiency is main_job's to say) and long attention (on plain,
-# packed, padded and ALiBi rows) on a GPU or TPU; on a CPU, short runs
-# that fit --budget_s=400 on 2 cores.
+# packed and padded rows, under ALiBi's and T5's biases, and capped: the
+# score functions on the general kernel) on a GPU or TPU; on a CPU, short
+# runs that fit --budget_s=400 on 2 cores.
 ACCELERATOR_FLAGS = {
+    'kernel_check': [],
     'main_job': [],
     # The same job, 16 steps a call (config.steps_per_call): the same
     # steps, logged every 64, evaluated and saved at the end only.
@@ -83,10 +91,12 @@ ACCELERATOR_FLAGS = {
     'bench_train': ['--sizes=gpt2', '--batch_sizes=8,32',
                     '--dtype=bfloat16', '--steps=10', '--noloop'],
     'bench_attention': ['--lengths=4096,16384,65536', '--dtype=bfloat16',
-                        '--rows=plain,packed,padded,alibi']}
+                        '--rows=plain,packed,padded,alibi,t5,capped']}
 # XLA flags a part adds to this process's (its environment's XLA_FLAGS).
 XLA_FLAGS = {'main_job_no_command_buffer': '--xla_gpu_enable_command_buffer='}
 CPU_FLAGS = {
+    # Interpreted, each case compiles for seconds: one dtype.
+    'kernel_check': ['--dtypes=float32'],
     'main_job': [f'--config.{key}={value}' for key, value in (
         ('num_train_steps', 30), ('log_every', 10), ('eval_every', 30),
         ('checkpoint_every', 30), ('warmup_steps', 10),
@@ -117,6 +127,9 @@ class Part(NamedTuple):
   markdown: Callable[[], str | None]
   # Added to this process's environment.
   env: Mapping[str, str] = types.MappingProxyType({})
+  # Of a kernel check: the kernels that failed it, read back after it
+  # ended ({kernel: [its failed cases]}; None if it wrote no verdict).
+  failed_kernels: Callable[[], dict[str, list[str]] | None] | None = None
 
 
 def read_file(path: str) -> str | None:
@@ -187,6 +200,14 @@ def default_parts(out: str, backend: str, data_dir: str) -> list[Part]:
   if backend == 'gpu':
     jobs['main_job_no_command_buffer'] = 0.2
   return [
+      # Before any timing: a kernel that computes wrongly is not fast.
+      Part('kernel_check', [*module, 'experiments.kernel_check',
+                            f'--out={where["kernel_check"]}',
+                            *sized['kernel_check']], 0.5,
+           functools.partial(read_file, os.path.join(where['kernel_check'],
+                                                     'results.md')),
+           failed_kernels=functools.partial(kernel_check.read_failed,
+                                            where['kernel_check'])),
       *(Part(name, [*module, 'train.train', *config,
                     f'--workdir={where[name]}', *sized[name]], share,
              functools.partial(throughput_markdown, where[name]),
@@ -278,15 +299,44 @@ def _header(machine: dict[str, str], command: str) -> str:
       '', 'Versions:', '', *versions, '', f'Command: `{command}`', ''])
 
 
-def _section(part: Part, status: str) -> str:
-  """A part's command, status and markdown, its headings put below the
-  report's."""
+def mark_failed(markdown: str, kernels) -> str:
+  """`markdown` with FAILED_MARK after each cell of its tables that names
+  one of `kernels` (e.g. bench_attention's 'chunked[pallas_gpu]')."""
+  if not kernels:
+    return markdown
+  name = re.compile(r'\b(' + '|'.join(map(re.escape, kernels)) + r')\b')
+  mark = lambda row: '|'.join(cell.rstrip() + FAILED_MARK + ' '
+                              if name.search(cell) else cell
+                              for cell in row.split('|'))
+  return '\n'.join(mark(line) if line.startswith('|') else line
+                   for line in markdown.splitlines())
+
+
+def kernel_verdict(failed: dict[str, list[str]] | None) -> str:
+  """What the kernel check found, for the top of the report."""
+  if failed is None:
+    return ('**Kernel check: it wrote no verdict (see its section); the '
+            "fused kernels' results below are unchecked.**\n")
+  if not failed:
+    return ('Kernel check: every fused kernel checked computes what dense '
+            'attention does.\n')
+  return ('**Kernel check: failed: '
+          + '; '.join(f'{kernel} ({", ".join(cases)})'
+                      for kernel, cases in failed.items())
+          + f'. Rows below naming them are marked "{FAILED_MARK.strip()}"'
+          '.**\n')
+
+
+def _section(part: Part, status: str, failed: dict[str, list[str]]) -> str:
+  """A part's command, status and markdown, the rows naming a kernel of
+  `failed` marked, its headings put below the report's."""
   try:
     markdown = part.markdown()
   except (OSError, ValueError, KeyError) as error:
     markdown = f'Its tables could not be read: {error!r}.\n'
   if markdown is None:
     markdown = 'It wrote no table.\n'
+  markdown = mark_failed(markdown, failed)
   markdown = '\n'.join('##' + line if line.startswith('#') else line
                        for line in markdown.splitlines())
   environment = ''.join(f'{key}={shlex.quote(value)} '
@@ -327,10 +377,12 @@ def run(out: str, *, budget_s: float, data_dir: str,
                    f'--out={out} --budget_s={budget_s:g} --data_dir={data_dir}'
                    + (f' --parts={",".join(names)}' if names else ''))
   path, sections = os.path.join(out, 'report.md'), []
+  # The kernels that failed the check, and its verdict (none if none ran).
+  failed, verdict = {}, []
 
   def write(*footer: str) -> None:
     with open(path, 'w') as f:
-      f.write('\n'.join([header, *sections, *footer]))
+      f.write('\n'.join([header, *verdict, *sections, *footer]))
 
   write()
   for i, part in enumerate(parts):
@@ -338,7 +390,10 @@ def run(out: str, *, budget_s: float, data_dir: str,
     share = part.share / sum(later.share for later in parts[i:])
     status = run_part(part, out, left * share)
     print(f'{part.name}: {status.splitlines()[0]}', flush=True)
-    sections.append(_section(part, status))
+    sections.append(_section(part, status, failed))
+    if part.failed_kernels is not None:
+      found = part.failed_kernels()
+      failed, verdict = found or {}, [kernel_verdict(found)]
     write()
   write(f'The report took {time.monotonic() - start:.0f} s; the parts\' '
         f'output is in {out}/<part>.log.\n')

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from experiments import accelerator_report
+from experiments import accelerator_report, kernel_check
 from experiments.accelerator_report import Part
 from train.base.errors import InputError
 
@@ -163,3 +163,82 @@ def test_the_parts_that_read_data_get_the_data_dir(backend):
   if backend == 'gpu':
     [bench_train] = [part for part in parts if part.name == 'bench_train']
     assert '--batch_sizes=8,32' in bench_train.argv
+
+
+BENCH = ('| variant | ms |\n|---|---|\n| chunked[pallas_gpu] | 2.5 |\n'
+         '| chunked[cudnn] | 1.0 |\n')
+
+
+def checked_parts(out: str, failed) -> list[Part]:
+  """A kernel check that writes `failed` as its verdict (None: writes
+  none) beside a table naming pallas_gpu, then a benchmark whose rows name
+  kernels."""
+  check = os.path.join(out, 'kernel_check')
+  verdict = os.path.join(check, kernel_check.FAILED_FILE)
+  check_table = os.path.join(check, 'results.md')
+  bench = os.path.join(out, 'bench', 'results.md')
+  write_verdict = ('' if failed is None else
+                   f'open({verdict!r}, "w").write({json.dumps(failed)!r}); ')
+  return [
+      Part('kernel_check', python(
+          f'import os; os.makedirs({check!r}); {write_verdict}'
+          f'open({check_table!r}, "w").write("| pallas_gpu | False |\\n")'),
+           0.5, functools.partial(accelerator_report.read_file, check_table),
+           failed_kernels=functools.partial(kernel_check.read_failed, check)),
+      Part('bench', python(
+          f'import os; os.makedirs({os.path.dirname(bench)!r}); '
+          f'open({bench!r}, "w").write({BENCH!r})'), 0.5,
+           functools.partial(accelerator_report.read_file, bench))]
+
+
+# (the check's verdict, what the report says at its top).
+VERDICTS = {
+    'failed': ({'pallas_gpu': ['alibi bfloat16', 'plain float32']},
+               '**Kernel check: failed: pallas_gpu (alibi bfloat16, plain '
+               'float32). Rows below naming them are marked "(failed the '
+               'device check)".**'),
+    'passed': ({}, 'Kernel check: every fused kernel checked computes what '
+                   'dense attention does.'),
+    'none': (None, '**Kernel check: it wrote no verdict (see its section); '
+                   "the fused kernels' results below are unchecked.**"),
+}
+
+
+@pytest.mark.parametrize('name', VERDICTS)
+def test_the_rows_of_a_kernel_that_failed_the_check_are_marked(tmp_path,
+                                                               name):
+  """The report says at its top what the check found; a later part's rows
+  naming a kernel that failed are marked, the check's own are not."""
+  failed, top = VERDICTS[name]
+  out = str(tmp_path)
+  path = accelerator_report.run(out, budget_s=BUDGET_S, data_dir='/data',
+                                parts=checked_parts(out, failed),
+                                probe_argv=PROBE)
+  with open(path) as f:
+    text = f.read()
+  assert top in text.split('\n## ', 1)[0]
+  assert '| pallas_gpu | False |' in section(text, 'kernel_check')
+  bench = section(text, 'bench')
+  marked = '| chunked[pallas_gpu] (failed the device check) | 2.5 |'
+  assert (marked in bench) == (name == 'failed')
+  assert '| chunked[cudnn] | 1.0 |' in bench
+
+
+@pytest.mark.core
+def test_only_table_rows_naming_the_kernel_are_marked():
+  markdown = ('pallas_gpu in prose\n| cudnn_packed | pallas_gpu |\n'
+              '| chunked[pallas_gpu] |')
+  assert accelerator_report.mark_failed(markdown, {'pallas_gpu': []}) == (
+      'pallas_gpu in prose\n'
+      '| cudnn_packed | pallas_gpu (failed the device check) |\n'
+      '| chunked[pallas_gpu] (failed the device check) |')
+  assert accelerator_report.mark_failed(markdown, {}) == markdown
+
+
+@pytest.mark.parametrize('backend', ['cpu', 'gpu', 'tpu'])
+def test_the_kernel_check_comes_before_every_timing_part(backend):
+  first, *_ = accelerator_report.default_parts('/out', backend, '/data')
+  assert first.name == 'kernel_check'
+  assert first.argv[2:4] == ['experiments.kernel_check',
+                             '--out=/out/kernel_check']
+  assert first.failed_kernels.args == ('/out/kernel_check',)
