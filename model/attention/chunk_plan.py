@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.attention import core
-from model.attention.online_softmax import split_heads
 
 Array = jax.Array
 

@@ -143,7 +143,8 @@ class PositionBias:
 
   def at(self, q_index, k_index) -> Array:
     """The logits of scores 0, [B, N, *I] (B and N as the data's axes
-    have them, else 1): the bias an additive score function adds."""
+    have them, else 1: a function that reads `head` of no data then sees
+    head 0 only): the bias an additive score function adds."""
     sizes = {role: 1 for role in ('batch', 'head')}
     for name, roles in self.axes:
       for role in sizes:
@@ -178,7 +179,8 @@ def lookup(table, index: Array) -> Array:
   int array of rows, as XLA gathers it and as a fused kernel computes it
   (where the table comes as a tuple of scalars: a sum of selects, whose
   gradient is a sum per row)."""
-  if isinstance(table, tuple):
+  if isinstance(table, tuple):  # Out of range reads the nearest row.
+    index = jnp.clip(index, 0, len(table) - 1)
     return sum(jnp.where(index == row, value, 0.0)
                for row, value in enumerate(table))
   return jnp.take(table, index, mode='clip')

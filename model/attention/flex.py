@@ -53,10 +53,11 @@ def refusal(score: core.PositionBias | None) -> str | None:
             f'{score.name}: XLA only)')
   for name, roles in score.axes:
     free = [role for role in roles if role not in ('batch', 'head')]
-    if free and free[0] in ('query', 'key') and not jnp.issubdtype(
-        jnp.result_type(score.data[name]), jnp.integer):
-      return (f"reads per-token entries as integers only ({score.name}'s "
-              f'{name!r} is not)')
+    if free and free[0] in ('query', 'key') and (
+        'head' in roles or not jnp.issubdtype(
+            jnp.result_type(score.data[name]), jnp.integer)):
+      return (f'reads per-token entries as integers of no head axis only '
+              f"({score.name}'s {name!r} is not)")
     if 'batch' in roles and not (free and free[0] in ('query', 'key')):
       return (f"reads scalars and tables per head, not per example "
               f"({score.name}'s {name!r})")
@@ -88,9 +89,9 @@ def inputs(score: core.PositionBias | None, layout: Layout, batch: int,
   score.data, so the kernel's gradient of the columns reaches it."""
   tokens, columns = [], []
   for name, _ in layout.tokens:
-    x, roles = score.data[name], score.roles(name)
-    if 'batch' not in roles:
-      x = x[None]
+    x, roles = jnp.asarray(score.data[name]), score.roles(name)
+    x = (jnp.moveaxis(x, roles.index('batch'), 0) if 'batch' in roles
+         else x[None])
     x = jnp.broadcast_to(x, (batch, x.shape[-1])).astype(jnp.int32)
     tokens.append(jnp.pad(x, ((0, 0), (0, length - x.shape[1]))))
   for name, _, rows in layout.params:
@@ -145,8 +146,9 @@ class Plan:
   scale: float
   is_causal: bool
 
-  def tables(self, length: int):
-    return tile_tables(self.pattern, length, self.tile, self.is_causal)
+  def tables(self, length: int, power_of_two: bool = True):
+    return tile_tables(self.pattern, length, self.tile, self.is_causal,
+                       power_of_two)
 
   def masked(self, qk, q_ids, k_ids, tokens, params, q_index, k_index,
              head):
@@ -209,12 +211,15 @@ def touched_tiles(pattern, length: int, tile: int,
   return seen
 
 
-def _lists(seen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _lists(seen: np.ndarray, power_of_two: bool
+           ) -> tuple[np.ndarray, np.ndarray]:
   """(lists [n, width] int32, counts [n] int32): each row's True columns in
-  order, padded with the last one (0 for none) to a width that is a power
-  of two (Triton's)."""
+  order, padded with the last one (0 for none) to the longest row's
+  length, a power of two where asked (Triton's blocks)."""
   counts = seen.sum(axis=1).astype(np.int32)
-  width = 1 << (max(int(counts.max(initial=1)), 1) - 1).bit_length()
+  width = max(int(counts.max(initial=1)), 1)
+  if power_of_two:
+    width = 1 << (width - 1).bit_length()
   lists = np.zeros((len(seen), width), np.int32)
   for row, columns in enumerate(seen):
     found = np.flatnonzero(columns)
@@ -224,11 +229,12 @@ def _lists(seen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @functools.lru_cache(maxsize=64)
-def tile_tables(pattern, length: int, tile: int, is_causal: bool):
+def tile_tables(pattern, length: int, tile: int, is_causal: bool,
+                power_of_two: bool = True):
   """(visits, counts, visitors, visitor_counts): each query tile's key
   tiles, and each key tile's query tiles, as `_lists`."""
   seen = touched_tiles(pattern, length, tile, is_causal)
-  return (*_lists(seen), *_lists(seen.T))
+  return (*_lists(seen, power_of_two), *_lists(seen.T, power_of_two))
 
 
 def pad_length(x: Array, length: int, value=0) -> Array:

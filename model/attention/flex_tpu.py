@@ -5,10 +5,12 @@ time, so the loop over the other side's tiles is the grid's last axis
 ('arbitrary': in order), its t-th step fetching the tile its row of the
 tile table lists (prefetched as scalars), with the online softmax in
 VMEM scratch; the steps past the row's count repeat its last tile (no
-new copy) and compute nothing. Query ids and per-token entries come as
-columns [B, T, 1], key ones as rows [B, 1, T]; the score's scalars and
-tables whole in SMEM, read as scalars per head. A pattern of whole tiles
-(BigBird's) needs a block that is a multiple of 128.
+new copy) and compute nothing. Without a pattern step t is tile t,
+clamped to the diagonal when causal: no table. Query ids and per-token
+entries come as columns [B, T, 1], key ones as rows [B, 1, T]; the
+score's scalars and tables whole in SMEM, read as scalars per head. A
+pattern of whole tiles (BigBird's) needs a block that is a multiple of
+128.
 """
 
 import functools
@@ -18,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
+import numpy as np
 
 from model.attention import flex
 
@@ -33,17 +36,32 @@ def _dot(a, b, dims):
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
+def _other(plan, by_key: bool, x, t, table):
+  """The other side's tile at step t of tile x's program (grid (b, n, x,
+  t)): its row of the table, or without a pattern step t itself, which
+  causal attention clamps to the diagonal (the steps past it fetch
+  nothing new)."""
+  if plan.pattern is not None:
+    return table[x, t]
+  if not plan.is_causal:
+    return t
+  return jnp.maximum(t, x) if by_key else jnp.minimum(t, x)
+
+
 def _program(plan, table_ref, counts_ref, params_ref, by_key: bool):
   """(head, query tile i, key tile j, step t, whether the step visits a
   tile, the head's columns), read where the kernel starts: the
-  interpreter reads program ids outside `pl.when` only. Grid (b, n, x,
-  t): x the program's own tile, table[x, t] the other side's."""
+  interpreter reads program ids outside `pl.when` only."""
   head, own, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
-  other = table_ref[own, t]
+  other = _other(plan, by_key, own, t, table_ref)
   i, j = (other, own) if by_key else (own, other)
   params = tuple(params_ref[head, c]
                  for c in range(plan.scores.layout.width))
-  return head, i, j, t, t < counts_ref[own], params
+  if plan.pattern is not None:
+    visits = t < counts_ref[own]
+  else:
+    visits = (t >= own if by_key else t <= own) if plan.is_causal else True
+  return head, i, j, t, visits, params
 
 
 def _tile(plan, q, k, q_ids, k_ids, token_refs, params, i, j, head):
@@ -162,10 +180,11 @@ def _dkv_kernel(table_ref, counts_ref, q_ref, k_ref, v_ref, q_ids_ref,
 def _specs(plan: flex.Plan, head_dim: int, group: int, by_key: bool):
   """BlockSpecs of (q, k, v, query ids, key ids, the columns, the
   per-token entries, d_out, lse, delta) over the grid (b, n, x, t) with
-  the tables prefetched: x the program's query tile and table[x, t] its
-  key tile, or x the key tile and table[x, t] its query tile (`by_key`)."""
+  the tables prefetched: x the program's query tile and `_other` its key
+  tile, or x the key tile and `_other` its query tile (`by_key`)."""
   def tiles(x, t, table):
-    return (table[x, t], x) if by_key else (x, table[x, t])
+    other = _other(plan, by_key, x, t, table)
+    return (other, x) if by_key else (x, other)
 
   def spec(shape, index):
     return pl.BlockSpec(shape, lambda b, n, x, t, table, counts: index(
@@ -205,12 +224,22 @@ def _call(kernel, tables, inputs, in_specs, out_specs, out_shape, scratch,
           jnp.asarray(table), jnp.asarray(counts), *inputs)
 
 
+def _tables(plan, length: int):
+  """The tile tables the grid steps over (plan.tables, as long as their
+  longest row); without a pattern a row of every tile, which `_other`
+  computes, so that no table of (T / 128)^2 entries fills the SMEM."""
+  if plan.pattern is None:
+    every = np.zeros((1, length // BLOCK), np.int32)
+    return every, np.zeros(1, np.int32), every, np.zeros(1, np.int32)
+  return plan.tables(length, power_of_two=False)
+
+
 def _forward(plan, q, k, v, ids, tokens, params):
   batch, num_heads, length, head_dim = q.shape
   specs = _specs(plan, head_dim, num_heads // k.shape[1], False)
   inputs = (q, k, v, *ids, params, *tokens)
   return _call(
-      _forward_kernel, plan.tables(length)[:2], inputs,
+      _forward_kernel, _tables(plan, length)[:2], inputs,
       specs[:len(inputs)], [specs[0], specs[-1]],
       [jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct((batch, num_heads, length, 1), jnp.float32)],
@@ -223,7 +252,7 @@ def _backward(plan, residuals, d_out):
   group = num_heads // k.shape[1]
   width = params.shape[1]
   lanes = -(-width // BLOCK) * BLOCK  # The column gradients' row.
-  tables = plan.tables(length)
+  tables = _tables(plan, length)
   delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32),
                   axis=-1, keepdims=True)
   inputs = (q, k, v, *ids, params, *tokens, d_out, lse, delta)

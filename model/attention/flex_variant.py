@@ -66,11 +66,13 @@ def variant(*, name: str, pattern: Callable[..., Any] | None = None,
   def attend(query, key, value, bias=None, mask=None, *, scale=None,
              is_causal=False, kernel='auto', chunk_size=None, data=None,
              **options):
+    if options and pattern is None:
+      raise TypeError(f'{name} takes no options {sorted(options)}.')
     if score:
       bias = core.chained(core.PositionBias(
-          data or {}, score, {key: entry.roles
-                              for key, entry in learned.items()}, name=name),
-                          bias)
+          data or {}, score, {entry: spec.roles
+                              for entry, spec in learned.items()},
+          name=name), bias)
     return chunked.attend(query, key, value, bias, mask, scale=scale,
                           is_causal=is_causal, kernel=kernel,
                           chunk_size=chunk_size,
@@ -93,8 +95,8 @@ def variant(*, name: str, pattern: Callable[..., Any] | None = None,
   attend.__name__ = attend.__qualname__ = name
 
   def parameters(module, config, **options):
-    return {'data': {key: entry.create(module, key, config.num_heads)
-                     for key, entry in learned.items()}, **options}
+    return {'data': {entry: spec.create(module, entry, config.num_heads)
+                     for entry, spec in learned.items()}, **options}
 
   return attention.Variant(
       attend, causal=True, masks='any', bias=True, dropout=False,

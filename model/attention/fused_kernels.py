@@ -1,9 +1,10 @@
 """The fused kernels that model/attention/fused.py chooses among, each
 called as `dense` would be: cuDNN's, Pallas splash attention (TPU) and
 Pallas flash attention (GPU), with the project's general kernel (flex.py)
-for score functions and, on a GPU, block-sparse patterns. Under a mesh each runs in a
-`shard_map` that splits the batch and the heads as the model's arrays are
-split (`over_shards`). Rows that see no key give zeros, as `dense` does.
+for score functions and, on a GPU, block-sparse patterns. Under a mesh
+each runs in a `shard_map` that splits the batch and the heads as the
+model's arrays are split (`over_shards`). Rows that see no key give
+zeros, as `dense` does.
 """
 
 import dataclasses

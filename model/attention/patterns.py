@@ -8,7 +8,11 @@ that a kernel skipping the tiles it leaves empty saves the work the
 algorithm saves (strided's and fixed's every-stride-th columns reach
 nearly every tile); and, but for local's window (fused_kernels.py's
 rows_with_keys), `sees_keys(valid_BxT, is_causal)`: which queries see a
-key that a key padding mask leaves, which dense gives zeros where none. Frozen and hashable: a kernel's tables are cached by pattern.
+key that a key padding mask leaves, which dense gives zeros where none
+(a pattern without it runs on the general kernel there). The general
+kernel and the variants given by their functions (flex_variant.py) take
+any pattern of this interface. Frozen and hashable: a kernel's tables are
+cached by pattern.
 """
 
 import dataclasses

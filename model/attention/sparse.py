@@ -3,8 +3,9 @@
 Each pattern is said twice, for two kinds of implementation. As a
 patterns.Pattern, the pairs it allows as a predicate on positions, which
 the fused kernels read (model/attention/fused.py: splash attention's block
-masks on a TPU, the project's general kernel, flex_gpu.py, on a GPU). And for the JAX code ('xla'), as a list of *parts*. A part splits
-the padded query positions into groups that read one shared, gathered list
+masks on a TPU, the project's general kernel, flex_gpu.py, on a GPU).
+And for the JAX code ('xla'), as a list of *parts*. A part splits the
+padded query positions into groups that read one shared, gathered list
 of keys, and says with a predicate which (query, key) pairs among those it
 allows. The parts of a pattern never allow the same pair twice, so joining
 all parts' logits per query under one softmax gives exactly dense

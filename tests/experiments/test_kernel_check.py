@@ -14,11 +14,12 @@ from model.attention import fused_kernels
 # positions), in bfloat16, the dtype with the least room: flash's own path
 # and the general kernel's scores, cap and patterns, T5's table gradient
 # and ALiBi's; on the TPU's, splash's own paths and the general kernel's
-# windows, in float32.
+# windows and BigBird's blocks of 128, in float32.
 SELECTIONS = {
     'pallas_gpu': (('plain', 'packed', 't5_padded', 'logit_cap',
                     'bigbird_alibi', 'windows_alibi'), 'bfloat16'),
-    'pallas_tpu': (('plain', 'bigbird', 'windows_alibi'), 'float32'),
+    'pallas_tpu': (('plain', 'bigbird', 'bigbird_alibi', 'windows_alibi'),
+                   'float32'),
 }
 
 

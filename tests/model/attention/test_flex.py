@@ -17,8 +17,8 @@ import pytest
 
 from experiments import attention_cases
 from model import ModelConfig, attention, build, positions
-from model.attention import (chunked, flex_gpu, flex_tpu, fused, patterns,
-                             sparse)
+from model.attention import (chunked, flex_gpu, flex_tpu, flex_variant, fused,
+                             patterns, sparse)
 from tests.helpers import tolerance
 from train.data import tasks
 from train.program import steps
@@ -405,3 +405,53 @@ def test_a_pattern_that_cannot_find_blind_queries_leaves_splash_under_padding():
   chex.assert_trees_all_close(ours, attention.scaled_dot_product_attention(
       q, k, v, mask=jnp.asarray(allowed_pairs(pattern, False, 'padded')),
       scale=SCALE), **tolerance.KERNEL)
+
+
+@pytest.mark.parametrize('is_causal', [True, False])
+def test_the_tpu_kernel_steps_over_every_tile_without_a_table(is_causal):
+  """Without a pattern the TPU's kernel computes each step's tile (no
+  table): over three tiles of 128, causal and not, under ALiBi on packed
+  rows, as the float64 reference."""
+  length = 300
+  ids = np.repeat([[1, 2, 3]], [100, 150, 50], axis=1).repeat(B, 0)
+  positions_BxT = jnp.asarray(np.concatenate(
+      [np.arange(100), np.arange(150), np.arange(50)])[None].repeat(B, 0))
+  q, k, v = (jax.random.normal(key, (B, length, N, H))
+             for key in jax.random.split(jax.random.key(9), 3))
+  data = data_of('alibi', np.random.default_rng(9))
+  ours = loss_and_grads(lambda q, k, v, data: flex_tpu.attention(
+      q, k, v, score=score_of('alibi', data, positions_BxT), scale=SCALE,
+      is_causal=is_causal, q_ids_BxT=jnp.asarray(ids)), q, k, v, data)
+  allowed = (ids[:, :, None] == ids[:, None, :])[:, None]
+  if is_causal:
+    allowed = allowed & np.tri(length, dtype=bool)
+  with jax.enable_x64(True):
+    def reference(q, k, v, data):
+      s = jnp.einsum('btnh,bsnh->bnts', q, k) * SCALE
+      logits = jnp.where(allowed, reference_logits(
+          'alibi', s, data, positions_BxT, 0.0), -jnp.inf)
+      return jnp.einsum('bnts,bsnh->btnh', jax.nn.softmax(logits), v)
+    want = loss_and_grads(reference, *jax.tree.map(
+        lambda x: jnp.asarray(x, jnp.float64), (q, k, v, data)))
+    want = jax.tree.map(lambda x: np.asarray(x, np.float32), want)
+  chex.assert_trees_all_close(ours, want, **tolerance.KERNEL)
+
+
+def test_a_variant_of_a_score_function_alone_sees_every_pair(monkeypatch):
+  """No pattern: every pair (under causality), on xla as on the kernel;
+  an option it does not take is refused by name."""
+  monkeypatch.setattr(attention, '_REGISTRY', dict(attention._REGISTRY))
+  attention.register('tempered', flex_variant.variant(
+      name='tempered', score=_temperature,
+      learned={'temperature': flex_variant.Learned(('head',), 1.0)}))
+  q = jax.random.normal(jax.random.key(3), (B, T, N, H))
+  data = data_of('temperature', np.random.default_rng(3))
+  tempered = attention.get('tempered')
+  want = attention.scaled_dot_product_attention(
+      q * data['temperature'][:, None], q, q, scale=SCALE, is_causal=True)
+  for kernel in ('xla', 'pallas_gpu'):
+    chex.assert_trees_all_close(
+        tempered(q, q, q, data=data, scale=SCALE, is_causal=True,
+                 kernel=kernel), want, **tolerance.KERNEL)
+  with pytest.raises(TypeError, match=r"tempered takes no options \['window'\]"):
+    tempered(q, q, q, data=data, window=3)
