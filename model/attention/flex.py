@@ -138,13 +138,16 @@ def scores_of(score: core.PositionBias | None, logit_cap: float,
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """A kernel call's static parameters: its Scores, and the pattern (None:
-  every pair), tile, scale of q.k and causality."""
+  every pair), tile, scale of q.k and causality; whether the backward pass
+  computes the gradient of the score's columns (not where they are
+  constants, as ALiBi's slopes are: `differentiable` says)."""
 
   scores: Scores
   pattern: object
   tile: int
   scale: float
   is_causal: bool
+  data_grads: bool = True
 
   def tables(self, length: int, power_of_two: bool = True):
     return tile_tables(self.pattern, length, self.tile, self.is_causal,
@@ -156,8 +159,11 @@ class Plan:
     d_logits -> (d(q.k * scale), d_params tuple)) of a tile's q.k: the
     pairs that ids, causality and the pattern allow (ids and indices [bq,
     1] and [1, bk])."""
-    logits, pull_back = jax.vjp(lambda s, params: self.scores.logits(
-        s, tokens, params, q_index, k_index, head), qk * self.scale, params)
+    logits_of = lambda s, grads: self.scores.logits(
+        s, tokens, grads if self.data_grads else params, q_index, k_index,
+        head)
+    logits, pull_back = jax.vjp(logits_of, qk * self.scale,
+                                params if self.data_grads else ())
     mask = q_ids == k_ids
     if self.is_causal:
       mask &= q_index >= k_index
@@ -279,14 +285,27 @@ def padded_inputs(plan: Plan, score: core.PositionBias | None, query: Array,
 def differentiable(forward, backward):
   """attention(plan, q, k, v, ids, tokens, params): the output of
   `forward` (-> out, lse), its gradients by `backward(plan, (q, k, v, ids,
-  tokens, params, out, lse), d_out)`."""
+  tokens, params, out, lse), d_out)`, which computes the columns' only
+  where they are differentiated (plan.data_grads)."""
   @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
   def attention(plan, *args):
     return forward(plan, *args)[0]
 
   def attention_forward(plan, *args):
-    out, lse = forward(plan, *args)
-    return out, (*args, out, lse)
+    primal = jax.custom_derivatives.CustomVJPPrimal
+    values = jax.tree.map(lambda arg: arg.value, args,
+                          is_leaf=lambda x: isinstance(x, primal))
+    out, lse = forward(plan, *values)
+    # A pytree marker, () or None: residuals hold no Python values.
+    return out, (*values, out, lse, () if args[-1].perturbed else None)
 
-  attention.defvjp(attention_forward, backward)
+  def attention_backward(plan, residuals, d_out):
+    *residuals, perturbed = residuals
+    if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
+      d_out = jnp.zeros(d_out.aval.shape, d_out.aval.dtype)
+    return backward(
+        dataclasses.replace(plan, data_grads=perturbed is not None),
+        tuple(residuals), d_out)
+
+  attention.defvjp(attention_forward, attention_backward, symbolic_zeros=True)
   return attention

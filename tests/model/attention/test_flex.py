@@ -17,8 +17,8 @@ import pytest
 
 from experiments import attention_cases
 from model import ModelConfig, attention, build, positions
-from model.attention import (chunked, flex_gpu, flex_tpu, flex_variant, fused,
-                             patterns, sparse)
+from model.attention import (chunked, flex, flex_gpu, flex_tpu, flex_variant,
+                             fused, patterns, sparse)
 from tests.helpers import tolerance
 from train.data import tasks
 from train.program import steps
@@ -455,3 +455,25 @@ def test_a_variant_of_a_score_function_alone_sees_every_pair(monkeypatch):
                  kernel=kernel), want, **tolerance.KERNEL)
   with pytest.raises(TypeError, match=r"tempered takes no options \['window'\]"):
     tempered(q, q, q, data=data, window=3)
+
+
+def test_the_backward_pass_sums_no_gradient_of_constant_data(monkeypatch):
+  """ALiBi's slopes as models hold them, constants: the kernels' backward
+  pass computes no gradient of them (a product and a reduction per tile
+  saved); learned, it does."""
+  plans = []
+  masked = flex.Plan.masked
+  monkeypatch.setattr(flex.Plan, 'masked', lambda plan, *args: (
+      plans.append(plan.data_grads), masked(plan, *args))[1])
+  q = jax.random.normal(jax.random.key(4), (1, 16, N, H))
+  positions_1xT = jnp.arange(16)[None]
+  alibi = positions.alibi_bias(positions_1xT, positions_1xT, N)
+  attend = lambda q, slopes: flex_gpu.attention(
+      q, q, q, score=dataclasses.replace(alibi, data={
+          **alibi.data, 'slopes': slopes}), scale=SCALE, is_causal=True)
+  jax.grad(lambda q: jnp.sum(attend(q, alibi.data['slopes'])))(q)
+  assert plans[-1] is False  # The dk/dv kernel's trace, after dq's.
+  plans.clear()
+  jax.grad(lambda q, slopes: jnp.sum(attend(q, slopes)), argnums=(0, 1))(
+      q, alibi.data['slopes'])
+  assert set(plans) == {True}
