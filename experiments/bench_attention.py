@@ -79,7 +79,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import attention_cases, common
-from model.attention import flex, flex_gpu, fused, fused_kernels, patterns
+from model.attention import flex, flex_gpu, fused, fused_kernels
 from train import cli
 from train.base.errors import InputError
 from train.program import device_memory, flops
@@ -182,8 +182,7 @@ def tile_flops(decisions: list[fused.Decision], *, batch: int, heads: int,
   total = 0.0
   for decision in decisions:
     case = decision.case
-    pattern = case.pattern or (patterns.Window(case.window) if case.window
-                               else None)
+    pattern = case.seen
     if pattern is None or decision.kernel not in ('pallas_tpu', 'pallas_gpu'):
       return None
     if decision.kernel == 'pallas_tpu':

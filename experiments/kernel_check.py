@@ -43,7 +43,7 @@ import numpy as np
 
 from experiments import attention_cases, common
 from model import attention, positions
-from model.attention import fused, patterns
+from model.attention import core, fused
 from train import cli
 from train.base.errors import InputError
 
@@ -162,41 +162,17 @@ def attend_by(case: Case, kernel: str, length: int):
   return attend
 
 
-def pattern_mask(mask, allowed_TxS: np.ndarray | None):
-  """A rows' mask (None, a SegmentMask or an array broadcastable to [B, 1,
-  T, S]) beside a pattern's allowed pairs [T, S], as dense takes it."""
-  if allowed_TxS is None:
-    return mask
-  allowed = jnp.asarray(allowed_TxS)[None, None]
-  if mask is None:
-    return allowed
-  if isinstance(mask, attention.SegmentMask):
-    mask = mask.at(*np.ix_(np.arange(allowed_TxS.shape[0]),
-                           np.arange(allowed_TxS.shape[1])))
-  return mask & allowed
-
-
-def reference_by(case: Case, length: int, allowed: list):
-  """attend(q, k, v, data): dense under each call's pattern (`allowed`,
-  [T, S] bool or None per call), summed."""
+def reference_by(case: Case, length: int, seen: list):
+  """attend(q, k, v, data): dense under each call's pattern (`seen`, a
+  pattern or None per call, as a core.PatternMask beside the rows' mask),
+  summed."""
   def attend(q, k, v, data):
     bias, mask = bias_and_mask(case, data, length)
     return sum(attention.scaled_dot_product_attention(
-        q, k, v, bias, pattern_mask(mask, pairs), is_causal=case.is_causal,
-        logit_cap=case.logit_cap) for pairs in allowed)
+        q, k, v, bias, mask if pattern is None else core.PatternMask(
+            mask, pattern), is_causal=case.is_causal,
+        logit_cap=case.logit_cap) for pattern in seen)
   return attend
-
-
-def allowed_pairs(decision: fused.Decision, length: int) -> np.ndarray | None:
-  """[T, T] bool: the pairs the pattern (or window) of a recorded call
-  allows, causality aside; None for none."""
-  case = decision.case
-  pattern = case.pattern or (patterns.Window(case.window) if case.window
-                             else None)
-  if pattern is None:
-    return None
-  return np.asarray(pattern.allowed(np.arange(length)[:, None],
-                                    np.arange(length)[None]))
 
 
 def loss_and_grads(attend, q, k, v, data):
@@ -249,8 +225,7 @@ def case_errors(case: Case, kernel: str, length: int, dtype: str
   refused = [d for d in decisions if d.kernel != kernel]
   if refused:
     return f'{refused[0].refusal} ({refused[0].case.describe()})'
-  reference = reference_by(case, length, [allowed_pairs(d, length)
-                                          for d in decisions])
+  reference = reference_by(case, length, [d.case.seen for d in decisions])
 
   @jax.jit
   def compare(q, k, v, data):

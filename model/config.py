@@ -462,8 +462,7 @@ class ModelConfig:
     (`_values`). `keyed`: the options were set under the attention's
     name."""
     count = names.count(name)
-    resolved = name if name != 'auto' else attention.fastest_exact(
-        dropout=self.attention_dropout_rate > 0)
+    resolved = self._resolved(name)
     types = (variant_options.option_types(resolved)
              if resolved in attention.names() else {})
     found = {}
@@ -507,15 +506,20 @@ class ModelConfig:
         fail(f'config.model.attention[{index}]: {error}')
     object.__setattr__(self, 'attention', tuple(resolved))
 
+  def _resolved(self, name: str) -> str:
+    """The attention `name` stands for: 'auto' the fastest exact one for
+    this config's attention dropout, any other itself."""
+    if name != 'auto':
+      return name
+    return attention.fastest_exact(dropout=self.attention_dropout_rate > 0)
+
   def _check_attention(self, fail) -> None:
     """The one attention: a registered name (`auto` resolved) and its
     dropout. What it must honour in the model: model.families.check."""
     if self.attention not in ['auto'] + attention.names():
       fail(f'config.model.attention={self.attention!r} must be one of '
            f"{['auto'] + attention.names()}.")
-    if self.attention == 'auto':
-      object.__setattr__(self, 'attention', attention.fastest_exact(
-          dropout=self.attention_dropout_rate > 0))
+    object.__setattr__(self, 'attention', self._resolved(self.attention))
     variant = attention.spec(self.attention)
     if self.attention_dropout_rate > 0 and not variant.dropout:
       fail(f'config.model.attention={self.attention!r} has no attention '

@@ -100,7 +100,7 @@ class PositionBias:
     """Whether a fused kernel can compute it: each entry, beside its batch
     and head axes, a per-token array (its one axis 'query' or 'key'), a
     scalar or a table (one free axis)."""
-    return all(_free(roles) in ((), (None,), ('query',), ('key',))
+    return all(free_roles(roles) in ((), (None,), ('query',), ('key',))
                for _, roles in self.axes)
 
   def apply(self, s_BxNxI: Array, q_index, k_index) -> Array:
@@ -156,8 +156,9 @@ class PositionBias:
                       q_index, k_index)
 
 
-def _free(roles) -> tuple[str | None, ...]:
-  """An entry's roles but its batch and head axes."""
+def free_roles(roles) -> tuple[str | None, ...]:
+  """A data entry's roles but its batch and head axes: ('query',) or
+  ('key',) for a per-token entry, (None,) for a table, () for a scalar."""
   return tuple(role for role in roles if role not in ('batch', 'head'))
 
 

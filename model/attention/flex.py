@@ -52,7 +52,7 @@ def refusal(score: core.PositionBias | None) -> str | None:
     return (f'computes no score function of the queries or keys ('
             f'{score.name}: XLA only)')
   for name, roles in score.axes:
-    free = [role for role in roles if role not in ('batch', 'head')]
+    free = core.free_roles(roles)
     if free and free[0] in ('query', 'key') and (
         'head' in roles or not jnp.issubdtype(
             jnp.result_type(score.data[name]), jnp.integer)):
@@ -71,7 +71,7 @@ def layout_of(score: core.PositionBias | None, columns: int = 1) -> Layout:
     return Layout()
   tokens, params, width = [], [], 0
   for name, roles in score.axes:
-    free = [role for role in roles if role != 'batch' and role != 'head']
+    free = core.free_roles(roles)
     if free and free[0] in ('query', 'key'):
       tokens.append((name, free[0]))
     else:

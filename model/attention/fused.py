@@ -105,6 +105,13 @@ class Case:
   score_name: str | None = None
   score_refusal: str | None = None
 
+  @property
+  def seen(self) -> patterns.Pattern | None:
+    """The pattern of the pairs it sees: its block-sparse pattern, or
+    local's window as one; None for every pair."""
+    return self.pattern or (patterns.Window(self.window) if self.window
+                            else None)
+
   def describe(self) -> str:
     """e.g. 'bfloat16, causal, packed rows'."""
     parts = [self.dtype, 'causal' if self.is_causal else 'bidirectional']
