@@ -4,9 +4,11 @@ dataset's task (train/data/tasks.py) makes its rows with these.
 
 Row b of a batch of B rows is read from its own stream: example i of the
 (shuffled) examples goes to row i mod B, and each row lays out its own
-share alone (`RowBatches`). A host thus prepares only the rows it places
-on its devices, and the batches, and the data position a checkpoint
-keeps (row by row), do not depend on how many hosts share them.
+share alone (`RowBatches`; a language model's packed and padded rows are
+computed together by train/data/packing.py, each row still its own). A
+host thus prepares only the rows it places on its devices, and the
+batches, and the data position a checkpoint keeps (row by row), do not
+depend on how many hosts share them.
 
 Language-model documents are laid out in one of three ways (LAYOUTS):
   packed:  cut into windows of at most L + 1 tokens (inputs tokens[:-1],
@@ -17,7 +19,8 @@ Language-model documents are laid out in one of three ways (LAYOUTS):
   streams: each row a stream of whole documents, one after another, cut
            into consecutive rows of L: row b of a batch continues row b of
            the batch before, as Transformer-XL's memory needs.
-A packed row is first-fit packed among PACKING_BINS rows of its stream.
+A packed row is first-fit packed among packing.PACKING_BINS rows of its
+stream.
 Shuffling is by document, or window by window for a corpus held in memory
 (`Dataset.shuffle_windows`), so that a batch mixes many documents.
 Sequence-to-sequence and classification examples are one a row, padded;
@@ -26,8 +29,8 @@ their meaning.
 """
 
 import collections
+from collections.abc import Callable
 import concurrent.futures
-import functools
 
 import grain
 import jax
@@ -36,28 +39,11 @@ import numpy as np
 from train.base.errors import InputError
 
 LAYOUTS = ('packed', 'padded', 'streams')
-# Rows a row's packer fills at once (first-fit): more waste less of a row
-# on padding, at the price of mixing documents from further apart. Every
-# row packs a round on the same step, so the pipeline prefetches one.
-PACKING_BINS = 8
-
-class _DocumentWindows(grain.experimental.FlatMapTransform):
-  """Splits an LM document into (inputs, targets) windows of <= L tokens."""
-
-  def __init__(self, seq_len: int):
-    self.seq_len = seq_len
-    self.max_fan_out = np.iinfo(np.int32).max  # Documents have any length.
-
-  def flat_map(self, example):
-    tokens = example['tokens']
-    last = len(tokens) - 1  # The last token is a target only.
-    return [{'inputs': tokens[start:min(start + self.seq_len, last)],
-             'targets': tokens[start + 1:min(start + self.seq_len, last) + 1]}
-            for start in range(0, last, self.seq_len)]
 
 
-class _WindowSource(grain.sources.RandomAccessDataSource):
-  """The L + 1-token windows of in-memory documents, by index."""
+class WindowSource(grain.sources.RandomAccessDataSource):
+  """The L + 1-token windows of in-memory documents, by index; `tokens(i)`
+  is window i itself."""
 
   def __init__(self, documents: list[np.ndarray], seq_len: int):
     self._documents, self._length = documents, seq_len + 1
@@ -65,21 +51,24 @@ class _WindowSource(grain.sources.RandomAccessDataSource):
     # is the last target of one window and the first input of the next.
     starts = [(d, start) for d, document in enumerate(documents)
               for start in range(0, len(document) - 1, seq_len)]
-    self._starts = np.array(starts, np.int64).reshape(-1, 2)
+    self._starts = np.array(starts, np.int64).reshape(-1, 2).tolist()
 
   def __len__(self) -> int:
     return len(self._starts)
 
-  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+  def tokens(self, index: int) -> np.ndarray:
     document, start = self._starts[index]
-    return {'tokens': self._documents[document][start:start + self._length]}
+    return self._documents[document][start:start + self._length]
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    return {'tokens': self.tokens(index)}
 
 
-def in_memory_windows(documents, seq_len: int) -> grain.MapDataset:
+def in_memory_windows(documents, seq_len: int) -> WindowSource:
   """The windows of LM examples {'tokens': document} held in memory, as the
   pipeline's own windowing would cut them, but shuffled one by one."""
-  tokens = [documents[i]['tokens'] for i in range(len(documents))]
-  return grain.MapDataset.source(_WindowSource(tokens, seq_len))
+  return WindowSource([documents[i]['tokens']
+                       for i in range(len(documents))], seq_len)
 
 
 class _ShareIterator(grain.DatasetIterator):
@@ -231,27 +220,35 @@ class _RowBatchesIterator(grain.DatasetIterator):
                      for row, stream in self._rows.items()}}
 
   def set_state(self, state) -> None:
-    if 'rows' not in state:
-      # An older attnlab read each batch whole (but for the streams
-      # layout): its position has no counterpart in these streams.
-      if jax.process_index() == 0:
-        print('warning: the checkpoint\'s data position is that of an '
-              'older attnlab\'s pipeline, which read each batch whole; the '
-              'training data starts again from the beginning of its '
-              'shuffled order.', flush=True)
-      return
-    saved = state['rows']
-    if isinstance(saved, list):  # An older attnlab's streams, in order.
-      saved = {str(row): row_state for row, row_state in enumerate(saved)}
-    missing = [row for row in self._rows if str(row) not in saved]
-    if missing:
-      raise InputError(
-          f'the data position saved with the checkpoint has no state for '
-          f'row {missing[0]} of the batch: it holds {len(saved)} rows, '
-          'saved with another config.batch_size.')
-    for row, stream in self._rows.items():
-      stream.set_state(saved[str(row)])
+    restore_rows(state, self._rows)
     self._ended.clear()
+
+
+def restore_rows(state: dict, rows: dict) -> None:
+  """Sets each of `rows` ({row index: its stream}) to its position in a
+  saved `state` of a batch's rows; InputError if the state lacks one. A
+  position an older attnlab saved for the whole batch starts the streams
+  again, saying so."""
+  if 'rows' not in state:
+    # An older attnlab read each batch whole (but for the streams
+    # layout): its position has no counterpart in these streams.
+    if jax.process_index() == 0:
+      print('warning: the checkpoint\'s data position is that of an '
+            'older attnlab\'s pipeline, which read each batch whole; the '
+            'training data starts again from the beginning of its '
+            'shuffled order.', flush=True)
+    return
+  saved = state['rows']
+  if isinstance(saved, list):  # An older attnlab's streams, in order.
+    saved = {str(row): row_state for row, row_state in enumerate(saved)}
+  missing = [row for row in rows if str(row) not in saved]
+  if missing:
+    raise InputError(
+        f'the data position saved with the checkpoint has no state for '
+        f'row {missing[0]} of the batch: it holds {len(saved)} rows, '
+        'saved with another config.batch_size.')
+  for row, stream in rows.items():
+    stream.set_state(saved[str(row)])
 
 
 class RowBatches(grain.IterDataset):
@@ -268,31 +265,6 @@ class RowBatches(grain.IterDataset):
     return _RowBatchesIterator({row: iter(stream) for row, stream
                                 in self._row_streams.items()},
                                self._threads)
-
-
-def check_segments(segment_ids_BxT: np.ndarray,
-                   max_segments: int | None) -> None:
-  """InputError naming the key if a packed row holds more windows (runs of
-  one nonzero id) than `max_segments`, which attention may rely on."""
-  if max_segments is None:
-    return
-  starts = np.concatenate(
-      [np.ones_like(segment_ids_BxT[:, :1], bool),
-       segment_ids_BxT[:, 1:] != segment_ids_BxT[:, :-1]], axis=1)
-  most = int(np.max(np.sum(starts & (segment_ids_BxT > 0), axis=1)))
-  if most > max_segments:
-    raise InputError(
-        f'a packed row holds {most} windows, more than '
-        f'config.model.max_segments_per_row={max_segments}.')
-
-
-def _packed_lm_row(packed, max_segments: int | None
-                   ) -> dict[str, np.ndarray]:
-  segment_ids = packed['inputs_segment_ids']
-  check_segments(segment_ids[None], max_segments)
-  return {'inputs': packed['inputs'], 'targets': packed['targets'],
-          'positions': packed['inputs_positions'], 'segment_ids': segment_ids,
-          'weights': (segment_ids > 0).astype(np.float32)}
 
 
 def _pad_to(x: np.ndarray, length: int) -> np.ndarray:
@@ -320,45 +292,26 @@ def _fits(example, seq_len: int) -> bool:
              for key in ('inputs', 'targets') if key in example)
 
 
-def _unpacked_lm_example(window, seq_len: int) -> dict[str, np.ndarray]:
-  """One window in a row of its own, padded; no segment ids are needed."""
-  length = len(window['inputs'])
-  return {'inputs': _pad_to(window['inputs'], seq_len),
-          'targets': _pad_to(window['targets'], seq_len),
-          'positions': np.arange(seq_len, dtype=np.int32),
-          'weights': (np.arange(seq_len) < length).astype(np.float32)}
+def lm_reader(documents: grain.MapDataset, seq_len: int, *,
+              in_memory: bool) -> tuple[Callable[[int], np.ndarray | None],
+                                        int]:
+  """What gets shuffled, as (read, count): `read(i)` is the tokens of
+  example i of `count`, or None for one left out. The windows one by one
+  for documents held in memory, else the documents (but those of EOS
+  alone, which have no target)."""
+  if in_memory:
+    windows = in_memory_windows(documents, seq_len)
+    return windows.tokens, len(windows)
+  kept = documents.filter(lambda doc: len(doc['tokens']) > 1)
+  return (lambda index: None if (document := kept[index]) is None
+          else document['tokens']), len(kept)
 
 
-def lm_examples(documents: grain.MapDataset, seq_len: int, *, layout: str,
-                in_memory: bool) -> grain.MapDataset:
-  """What gets shuffled: the windows one by one for documents held in
-  memory (except for streams, which need whole documents), else the
-  documents."""
-  if in_memory and layout != 'streams':
-    return in_memory_windows(documents, seq_len)
-  # A document of EOS alone has no target.
-  return documents.filter(lambda doc: len(doc['tokens']) > 1)
-
-
-def lm_rows(examples: grain.MapDataset, *, seq_len: int, seed: int,
-            train: bool, layout: str, max_segments: int | None = None
+def streams(documents: grain.MapDataset, *, seq_len: int
             ) -> grain.IterDataset:
-  """One row's stream of rows of LM examples (its share of them) in
-  `layout`; a packed row closes at `max_segments` windows (None: never),
-  and the packer's bins are shuffled in training."""
-  documents = _Share(examples)
-  if layout == 'streams':
-    return _Stream(documents, seq_len)
-  windows = grain.experimental.FlatMapIterDataset(
-      documents, _DocumentWindows(seq_len))
-  if layout == 'padded':
-    return windows.map(lambda w: _unpacked_lm_example(w, seq_len))
-  packed = grain.experimental.FirstFitPackIterDataset(
-      windows, length_struct={'inputs': seq_len, 'targets': seq_len},
-      num_packing_bins=PACKING_BINS, seed=seed, shuffle_bins=train,
-      max_sequences_per_bin=max_segments)
-  return packed.map(functools.partial(_packed_lm_row,
-                                      max_segments=max_segments))
+  """One row's stream of rows: its share of the documents, whole, one
+  after another, cut into consecutive rows of `seq_len`."""
+  return _Stream(_Share(documents), seq_len)
 
 
 def example_rows(examples: grain.MapDataset, row, *, seq_len: int

@@ -19,6 +19,7 @@ Batches (see train/data/pipeline.py) are dicts of arrays [b, L]:
   classification: inputs [b, L]; targets, weights [b]
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 import grain
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train.base.train_config import TrainConfig
-from train.data import layouts
+from train.data import layouts, packing
 
 Array = jax.Array
 Batch = dict[str, Any]
@@ -94,13 +95,28 @@ class Task:
     del seq_len, layout
     return dataset.splits[split]
 
+  def batches(self, dataset, split: str, *, seq_len: int, batch_size: int,
+              rows: Sequence[int], seed: int, train: bool, layout: str,
+              max_segments: int | None) -> grain.IterDataset:
+    """Batches of `rows` of `batch_size` of `split`: in training, endless
+    and shuffled anew each epoch (from `seed`), else each example once, in
+    order. Row r reads examples r, r + B, r + 2B, ... of that order (see
+    train/data/layouts.py); packed rows (LM) hold at most `max_segments`
+    windows."""
+    examples = self.examples(dataset, split, seq_len=seq_len, layout=layout)
+    if train:
+      examples = examples.seed(seed).shuffle().repeat()
+    return layouts.RowBatches({row: self.rows(
+        dataset, examples[row::batch_size], seq_len=seq_len, seed=seed,
+        train=train, layout=layout, max_segments=max_segments)
+                               for row in rows},
+                              threads=dataset.reader_threads)
+
   def rows(self, dataset, examples: grain.MapDataset, *, seq_len: int,
            seed: int, train: bool, layout: str,
            max_segments: int | None) -> grain.IterDataset:
-    """One row's stream of rows from its share of the examples (see
-    train/data/layouts.py); packed rows (LM) of at most `max_segments`
-    windows."""
-    del seed, train, layout, max_segments
+    """One row's stream of rows from its share of the examples."""
+    del dataset, seed, train, layout, max_segments
     return layouts.example_rows(examples, self._row, seq_len=seq_len)
 
   def _row(self, example, seq_len: int) -> dict[str, np.ndarray]:
@@ -138,14 +154,33 @@ class LanguageModelling(Task):
     return batch
 
   def examples(self, dataset, split, *, seq_len, layout):
-    return layouts.lm_examples(dataset.splits[split], seq_len, layout=layout,
-                               in_memory=dataset.shuffle_windows)
+    """The documents (streams; those of EOS alone, which have no target,
+    left out)."""
+    del seq_len, layout
+    return dataset.splits[split].filter(lambda doc: len(doc['tokens']) > 1)
+
+  def batches(self, dataset, split, *, seq_len, batch_size, rows, seed,
+              train, layout, max_segments):
+    """Streams as every task's rows; packed and padded rows computed
+    together (train/data/packing.py), the windows of documents held in
+    memory shuffled one by one."""
+    if layout == 'streams':
+      return super().batches(dataset, split, seq_len=seq_len,
+                             batch_size=batch_size, rows=rows, seed=seed,
+                             train=train, layout=layout,
+                             max_segments=max_segments)
+    read, count = layouts.lm_reader(dataset.splits[split], seq_len,
+                                    in_memory=dataset.shuffle_windows)
+    return packing.Batches(
+        read, packing.Order(count, seed if train else None), rows=rows,
+        batch_size=batch_size, seq_len=seq_len, packed=layout == 'packed',
+        seed=seed, max_segments=max_segments,
+        threads=dataset.reader_threads, restore=layouts.restore_rows)
 
   def rows(self, dataset, examples, *, seq_len, seed, train, layout,
            max_segments):
-    return layouts.lm_rows(examples, seq_len=seq_len, seed=seed,
-                           train=train, layout=layout,
-                           max_segments=max_segments)
+    del dataset, seed, train, layout, max_segments
+    return layouts.streams(examples, seq_len=seq_len)
 
 
 class SequenceToSequence(Task):

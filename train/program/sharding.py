@@ -88,13 +88,19 @@ def batch_sharding(mesh: Mesh, *, stacked: bool = False) -> NamedSharding:
                        else P(BATCH_AXES))
 
 
-def global_batch(batch, sharding: NamedSharding, rows: int):
-  """The global arrays of a batch of `rows` rows of which this host holds
-  its own (`process_rows`) or all: each host places the rows of its
-  devices."""
+def global_batch(batch, sharding: NamedSharding, rows: int, *,
+                 stacked: bool = False):
+  """The global arrays of a batch of `rows` rows ([K, rows, ...] where
+  `stacked`) of which this host holds its own (`process_rows`) or all:
+  each host places the rows of its devices, in one transfer of the whole
+  tree on a single host."""
+  if jax.process_count() == 1:
+    return jax.device_put(batch, sharding)
+  lead = 2 if stacked else 1
   return jax.tree.map(
       lambda x: jax.make_array_from_process_local_data(
-          sharding, x, (rows,) + x.shape[1:]), batch)
+          sharding, x, x.shape[:lead - 1] + (rows,) + x.shape[lead:]),
+      batch)
 
 
 def process_rows(sharding: NamedSharding, rows: int) -> tuple[int, ...]:

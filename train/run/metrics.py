@@ -18,14 +18,17 @@ the store refuses keeps its lines for the next; lines still unwritten at
 the end fail the run (exit status 1), named in one line.
 """
 
+import functools
 import json
 import math
+import operator
 import sys
 import time
 from typing import Any
 
 import jax
 import tensorboardX
+import numpy as np
 import tqdm
 
 from train.base import storage
@@ -96,22 +99,32 @@ class NonFiniteGuard:
     """Whether steps report `skipped` (train_step's skip_nonfinite)."""
     return self._policy == 'skip'
 
-  def __call__(self, step: int, values: dict) -> None:
+  def check(self, first_step: int, values: dict[str, np.ndarray]) -> None:
+    """The policy applied to consecutive steps from `first_step`, each
+    metric an array of their values [steps]."""
     if self.skips:
-      self._skipped_in_a_row = (self._skipped_in_a_row + 1
-                                if values['skipped'] else 0)
-      if self._skipped_in_a_row > self._max_skipped:
-        raise NonFiniteStop(
-            f'steps {step - self._skipped_in_a_row + 1}-{step}: '
-            f'{self._skipped_in_a_row} updates in a row had a non-finite '
-            f'loss or gradient and were skipped, more than config.'
-            f'max_skipped_steps={self._max_skipped}.')
+      skipped = values['skipped']
+      if not skipped.any():
+        self._skipped_in_a_row = 0
+        return
+      for step, flag in enumerate(skipped.tolist(), start=first_step):
+        self._skipped_in_a_row = self._skipped_in_a_row + 1 if flag else 0
+        if self._skipped_in_a_row > self._max_skipped:
+          raise NonFiniteStop(
+              f'steps {step - self._skipped_in_a_row + 1}-{step}: '
+              f'{self._skipped_in_a_row} updates in a row had a non-finite '
+              f'loss or gradient and were skipped, more than config.'
+              f'max_skipped_steps={self._max_skipped}.')
       return
-    for key, name in self._CHECKED:
-      if not math.isfinite(float(values[key])):
-        raise NonFiniteStop(
-            f'step {step}: the {name} is {float(values[key])} '
-            "(config.nan_policy='stop').")
+    finite = [np.isfinite(values[key]) for key, _ in self._CHECKED]
+    if np.logical_and.reduce(finite).all():
+      return
+    index = int(np.argmin(np.logical_and.reduce(finite)))
+    key, name = next(checked for checked, ok in zip(self._CHECKED, finite)
+                     if not ok[index])
+    raise NonFiniteStop(
+        f'step {first_step + index}: the {name} is '
+        f"{float(values[key][index])} (config.nan_policy='stop').")
 
 
 def summarize_eval(sums: dict[str, float], *, byte_level: bool
@@ -317,7 +330,7 @@ class MetricWriter:
     if self._active:
       self._progress.write(message)
 
-  def advance(self, steps: int = 1) -> None:
+  def advance(self, steps: int) -> None:
     if self._active:
       self._progress.update(steps)
 
@@ -380,36 +393,58 @@ class TrainLog:
   def complete(self) -> tuple[int, dict] | None:
     """Waits for the last dispatched call (one transfer of its metrics);
     returns (step, summary) if one of its steps ends a logging interval
-    (the last one does, where intervals are multiples of its steps)."""
+    (the last one does, where intervals are multiples of its steps). The
+    call's steps are checked, summed and counted at once."""
     if self._pending is None:
       return None
     last, metrics, count = self._pending
     self._pending = None
-    values = jax.device_get(metrics)
-    completed = None
-    for index in range(count):
-      step_values = values if count == 1 else {
-          key: value[index] for key, value in values.items()}
-      completed = self._record(last - count + 1 + index,
-                               step_values) or completed
+    values = {key: np.reshape(value, count)
+              for key, value in jax.device_get(metrics).items()}
+    first = last - count + 1
+    self._guard.check(first, values)
+    self._writer.advance(count)
+    completed, start = None, 0
+    for step in self._due_steps(first, last):
+      end = step - first + 1
+      self._add(values, start, end)
+      completed = self._summary(step, values, end - 1)
+      start = end
+    self._add(values, start, count)
     return completed
 
-  def _record(self, step: int, values: dict) -> tuple[int, dict] | None:
-    """Adds one step's metrics; (step, summary) if it ends an interval."""
-    self._guard(step, values)
+  def _due_steps(self, first: int, last: int) -> list[int]:
+    """The steps from `first` to `last` that end a logging interval."""
+    every = self._log_every
+    due = (list(range(-(-first // every) * every, last + 1, every))
+           if every > 0 else [])
+    if first <= self._last_step <= last and self._last_step not in due:
+      due.append(self._last_step)
+    return due
+
+  def _add(self, values: dict[str, np.ndarray], start: int, end: int
+           ) -> None:
+    """Adds steps [start, end) of a call's metrics to the interval's sums,
+    in order (as float64, one step after the other)."""
+    if start == end:
+      return
     # Mixture-of-experts models also report their routing (moe_*).
     for key in self._summed + tuple(k for k in values
                                     if k.startswith('moe_')):
-      self._sums[key] = self._sums.get(key, 0.0) + float(values[key])
-    self._steps += 1
-    self._writer.advance()
-    if not is_due(step, self._log_every, self._last_step):
-      return None
+      self._sums[key] = functools.reduce(
+          operator.add, values[key][start:end].tolist(),
+          self._sums.get(key, 0.0))
+    self._steps += end - start
+
+  def _summary(self, step: int, values: dict[str, np.ndarray],
+               index: int) -> tuple[int, dict]:
+    """The summary of the interval ending at `step` (the call's step
+    `index`), which starts the next interval."""
     seconds = max(time.perf_counter() - self._interval_start
                   - self._excluded, 1e-9)
     summary = summarize_train(self._sums)
-    summary['learning_rate'] = float(values['learning_rate'])
-    summary['grad_norm'] = float(values['grad_norm'])
+    summary['learning_rate'] = float(values['learning_rate'][index])
+    summary['grad_norm'] = float(values['grad_norm'][index])
     summary['tokens_per_s'] = self._sums['token_count'] / seconds
     summary['steps_per_s'] = self._steps / seconds
     if self._steps != self._log_every:

@@ -340,15 +340,20 @@ def row_layout(config: TrainConfig) -> str:
 
 
 def training_batches(program: Program, dataset: datasets.Dataset):
-  """The run's iterator of training batches, placed on its devices (its
-  state is what a checkpoint saves beside the train state)."""
+  """The run's iterator of training batches, this host's rows of each, as
+  numpy arrays (its state is what a checkpoint saves beside the train
+  state). Batches of a corpus held in memory are made in the loop's own
+  thread, a call ahead of the devices: a thread of their own would only
+  contend with it for Python's lock. Batches read from files are made
+  ahead in a thread, whose reads release it."""
   config = program.config
   return pipeline.train_iterator(
       dataset, seq_len=config.seq_len, batch_size=config.batch_size,
       seed=config.seed, layout=row_layout(config),
       max_segments=config.model.max_segments_per_row,
-      rows=program.local_rows, place=program.batch,
-      prefetch=max(pipeline.PREFETCH_BATCHES, config.steps_per_call + 1))
+      rows=program.local_rows,
+      prefetch=0 if dataset.shuffle_windows else max(
+          pipeline.PREFETCH_BATCHES, config.steps_per_call + 1))
 
 
 def _train(program: Program, workdir: str, stop: preemption.StopRequest,
@@ -381,13 +386,15 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
   train_log = _train_log(config, program, writer)
   dropout_rng = program.key(1)
 
-  def placed_batch(step: int):
-    """The batch of `step` (1-based), on the devices."""
+  def placed_batches(first: int, last: int):
+    """The batches of steps `first` to `last` (1-based) on the devices, one
+    batch or stacked [K, B, ...]."""
     with jax.profiler.TraceAnnotation('next_batch'):
-      batch = next(train_iterator)
-    if step == config.debug_poison_step:
-      batch = pipeline.poisoned(batch)
-    return batch
+      batches = [next(train_iterator) for _ in range(first, last + 1)]
+      if first <= config.debug_poison_step <= last:
+        index = config.debug_poison_step - first
+        batches[index] = pipeline.poisoned(batches[index])
+      return program.place(batches)
 
   final, evaluations, last_logged, pruned = None, [], {}, False
   lost = None  # The LeaseLost that stopped the run.
@@ -400,9 +407,8 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
         # A call in a jax.profiler trace, numbered by its first step
         # (experiments/profile.py).
         with jax.profiler.StepTraceAnnotation('train', step_num=step + 1):
-          batches = [placed_batch(s) for s in range(step + 1, done + 1)]
+          batch = placed_batches(step + 1, done)
           run = program.train_step if count == 1 else program.train_steps
-          batch = batches[0] if count == 1 else program.stack(*batches)
           if count not in compiled:  # Compiled once: the calls reuse it.
             # The call before ends first, so that its time stays in its
             # interval and the compilation's does not.

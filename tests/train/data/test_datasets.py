@@ -230,15 +230,6 @@ def test_lm_batches_hold_each_document_once_with_shifted_targets(
   assert most_segments == (max_segments or 4)
 
 
-def test_a_packed_row_over_the_bound_is_refused_naming_the_key():
-  rows = np.array([[1, 1, 2, 3, 0], [4, 4, 4, 5, 5]])
-  layouts.check_segments(rows, 3)
-  with pytest.raises(InputError, match=(
-      r'a packed row holds 3 windows, more than '
-      r'config.model.max_segments_per_row=2')):
-    layouts.check_segments(rows, 2)
-
-
 def test_eval_batches_pad_to_the_requested_count():
   documents = [np.arange(2, 2 + n) for n in (3, 5)]
   batches = list(pipeline.eval_batches(_lm_dataset(documents), 'validation',
@@ -430,7 +421,8 @@ def test_in_memory_windows_cover_documents_as_the_pipeline_does():
                                     batch_size=2, num_batches=-1)
     return sorted(t for b in batches for t in b['targets'][b['weights'] > 0])
 
-  as_windows = datasets.Dataset(tasks.LM, {'validation': windows}, 100)
+  as_windows = datasets.Dataset(
+      tasks.LM, {'validation': grain.MapDataset.source(windows)}, 100)
   as_documents = datasets.Dataset(
       tasks.LM, {'validation': grain.MapDataset.source(
           [{'tokens': d} for d in documents])}, 100)

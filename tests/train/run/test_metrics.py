@@ -200,7 +200,7 @@ def test_a_call_of_several_steps_is_logged_by_step_and_pauses_are_left_out(
   now = [0.0]
   monkeypatch.setattr(metrics, 'time', types.SimpleNamespace(
       perf_counter=lambda: now[0], time=time.time))
-  log = metrics.TrainLog(types.SimpleNamespace(advance=lambda: None),
+  log = metrics.TrainLog(types.SimpleNamespace(advance=lambda steps: None),
                          log_every=2, last_step=2,
                          guard=metrics.NonFiniteGuard('stop', 0))
   stacked = {'loss_sum': np.array([4.0, 2.0]),
@@ -223,6 +223,24 @@ def test_a_call_of_several_steps_is_logged_by_step_and_pauses_are_left_out(
   assert summary['tokens_per_s'] == 16 / 3.0
 
 
+@pytest.mark.core
+def test_the_guard_checks_each_step_of_a_call_in_order():
+  """Stacked calls of 4 steps: the first non-finite step is named (its
+  first non-finite metric); skips in a row are counted across calls."""
+  guard = metrics.NonFiniteGuard('stop', 0)
+  guard.check(1, {'loss_sum': np.ones(4), 'grad_norm': np.ones(4)})
+  with pytest.raises(metrics.NonFiniteStop, match=(
+      r"step 6: the gradient norm is inf \(config.nan_policy='stop'\)")):
+    guard.check(5, {'loss_sum': np.array([1.0, 1.0, np.nan, 1.0]),
+                    'grad_norm': np.array([1.0, np.inf, 1.0, 1.0])})
+  guard = metrics.NonFiniteGuard('skip', 2)
+  guard.check(1, {'skipped': np.array([0.0, 1.0, 1.0, 0.0])})
+  guard.check(5, {'skipped': np.array([0.0, 0.0, 1.0, 1.0])})
+  with pytest.raises(metrics.NonFiniteStop, match=(
+      r'steps 7-9: 3 updates in a row .* config.max_skipped_steps=2')):
+    guard.check(9, {'skipped': np.array([1.0, 0.0, 0.0, 0.0])})
+
+
 def one_step(loss: float) -> dict:
   return {'loss_sum': loss, 'correct_sum': 1.0, 'weight_sum': 1.0,
           'token_count': 1.0, 'learning_rate': 0.1, 'grad_norm': 1.0}
@@ -232,7 +250,7 @@ def one_step(loss: float) -> dict:
 def test_a_summary_of_fewer_steps_than_log_every_says_how_many():
   """Resumed after step 3 of intervals of 2: the line of step 4 averages
   step 4 alone, and says so; a whole interval's line needs no mark."""
-  log = metrics.TrainLog(types.SimpleNamespace(advance=lambda: None),
+  log = metrics.TrainLog(types.SimpleNamespace(advance=lambda steps: None),
                          log_every=2, last_step=6,
                          guard=metrics.NonFiniteGuard('stop', 0))
   logged = [log.add(step, one_step(float(step))) for step in (4, 5, 6)]

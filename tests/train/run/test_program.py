@@ -35,11 +35,11 @@ def bytes_of(tree) -> list[bytes]:
 def test_steps_in_one_call_equal_one_call_each_bitwise(name):
   config = config_overrides.apply(lm_stdlib.get_config(), TINY | CASES[name])
   program = Program.from_config(config, jax.devices()[:2])
-  batches = [program.batch(program.task.synthetic_batch(program.config,
-                                                        seed=seed))
-             for seed in range(K)]
+  host = [program.task.synthetic_batch(program.config, seed=seed)
+          for seed in range(K)]
   if program.config.nan_policy == 'skip':
-    batches[2] = pipeline.poisoned(batches[2])
+    host[2] = pipeline.poisoned(host[2])
+  batches = [program.batch(batch) for batch in host]
   rng = program.key(1)
   with program.scope():
     state, each = program.init(), []
@@ -47,7 +47,7 @@ def test_steps_in_one_call_equal_one_call_each_bitwise(name):
       state, metrics = program.train_step(state, batch, rng)
       each.append(jax.device_get(metrics))
     called, stacked = program.train_steps(program.init(),
-                                          program.stack(*batches), rng)
+                                          program.place(host), rng)
   assert bytes_of(jax.device_get(called)) == bytes_of(jax.device_get(state))
   stacked = jax.device_get(stacked)
   for index, metrics in enumerate(each):
