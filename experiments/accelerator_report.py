@@ -90,6 +90,8 @@ ACCELERATOR_FLAGS = {
                                    dtype='bfloat16', remat='none').items()],
     'bench_train': ['--sizes=gpt2', '--batch_sizes=8,32',
                     '--dtype=bfloat16', '--steps=10', '--noloop'],
+    # The host's side of make train's job: its batches and its loop.
+    'bench_input': ['--steps_per_call=1,16', '--batches=3200'],
     'bench_attention': ['--lengths=4096,16384,65536', '--dtype=bfloat16',
                         '--rows=plain,packed,padded,alibi,t5,capped']}
 # XLA flags a part adds to this process's (its environment's XLA_FLAGS).
@@ -112,6 +114,8 @@ CPU_FLAGS = {
         bench_train.size_overrides('tiny', attention='auto',
                                    dtype='float32', remat='none').items()],
     'bench_train': ['--sizes=tiny,small', '--dtype=float32', '--steps=5'],
+    'bench_input': ['--steps_per_call=1,16', '--batches=320',
+                    '--warmup=32'],
     'bench_attention': ['--lengths=512,1024,2048', '--dtype=float32']}
 # Starts the stderr a part's log ends with.
 STDERR_MARK = '\n--- stderr ---\n'
@@ -218,7 +222,12 @@ def default_parts(out: str, backend: str, data_dir: str) -> list[Part]:
              0.1, functools.partial(read_file, os.path.join(where[name],
                                                             'profile.md')))
         for name in ('profile', 'profile_gpt2')),
-      # Its --config is lm_stdlib's, built in: only the override is given.
+      # Their --config is lm_stdlib's, built in: only the override is given.
+      Part('bench_input', [*module, 'experiments.bench_input', config[1],
+                           f'--out={where["bench_input"]}',
+                           *sized['bench_input']], 0.05,
+           functools.partial(read_file, os.path.join(where['bench_input'],
+                                                     'results.md'))),
       Part('bench_train', [*module, 'experiments.bench_train', config[1],
                            f'--out={where["bench_train"]}', '--warmup=2',
                            *sized['bench_train']], 0.3,

@@ -154,7 +154,7 @@ def test_the_parts_that_read_data_get_the_data_dir(backend):
   # On a GPU, make train's job also runs with XLA's command buffers off.
   ab = {'main_job_no_command_buffer'} if backend == 'gpu' else set()
   assert reading == {'main_job', 'main_job_16', 'profile', 'profile_gpt2',
-                     'bench_train'} | ab
+                     'bench_input', 'bench_train'} | ab
   for part in parts:
     flags = os.environ.get('XLA_FLAGS', '').split()
     assert part.env == ({'XLA_FLAGS': ' '.join(

@@ -12,7 +12,7 @@ import pytest
 
 from configs import algorithmic, lm_stdlib
 from experiments import attention_cases, bench_attention, bench_seq2seq
-from experiments import bench_compile, bench_train, common
+from experiments import bench_compile, bench_input, bench_train, common
 from model import attention
 from model.attention import sparse
 from tests.helpers.sparse_patterns import bigbird_pattern
@@ -287,6 +287,30 @@ def test_bench_compile_refuses_a_depth_before_measuring_any(tmp_path,
     bench_compile.run(config, str(tmp_path / 'out'), size='tiny',
                       layers=[2, 3], steps=1)
   assert not (tmp_path / 'out').exists()
+
+
+def test_bench_input_times_the_pipeline_and_the_loop_and_splits_the_time(
+    tmp_path, data_dir):
+  """Two steps a call (its intervals rounded up to multiples): the
+  pipeline's, the loop's and the profiled rows, the profile's stages
+  adding up to its time."""
+  config = lm_stdlib.get_config()
+  config.update(data_dir=data_dir, seq_len=32, batch_size=8, log_every=5)
+  config.model.max_len = 32
+  assert bench_input.with_steps_per_call(config, 2).log_every == 6
+  rows = bench_input.run(config, str(tmp_path), batches=6, warmup=2,
+                         steps_per_call=[2])
+  assert [row['row'] for row in rows] == ['pipeline', 'loop', 'profiled']
+  for row in rows:
+    assert row['batches_per_s'] > 0 and row['steps_per_call'] == 2
+    assert row['tokens_per_s'] == pytest.approx(row['batches_per_s'] * 256)
+  profiled = rows[2]
+  stages = [f'{stage} ms' for stage in (*bench_input.STAGES, 'other')]
+  assert all(profiled[stage] > 0 for stage in stages[:-1])
+  assert sum(profiled[stage] for stage in stages) == pytest.approx(
+      profiled['ms_per_batch'])
+  with open(tmp_path / 'results.md') as f:
+    assert '| profiled | 6 | 2 |' in f.read()
 
 
 @pytest.mark.core
