@@ -27,9 +27,9 @@ import numpy as np
 from train.data import packing
 from train.data.datasets import Dataset
 
-# Batches prepared ahead of the training step, in a background thread: a
-# packing round (every row packs its next packing.PACKING_BINS rows on the
-# same step, a burst the steps between must not wait for).
+# Batches a pipeline that reads files prepares ahead, in a thread of its
+# own: a packing round (every row packs its next packing.PACKING_BINS rows
+# on the same step, a burst the steps between must not wait for).
 PREFETCH_BATCHES = packing.PACKING_BINS + 1
 
 

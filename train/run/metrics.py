@@ -27,8 +27,8 @@ import time
 from typing import Any
 
 import jax
-import tensorboardX
 import numpy as np
+import tensorboardX
 import tqdm
 
 from train.base import storage

@@ -386,9 +386,9 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
   train_log = _train_log(config, program, writer)
   dropout_rng = program.key(1)
 
-  def placed_batches(first: int, last: int):
-    """The batches of steps `first` to `last` (1-based) on the devices, one
-    batch or stacked [K, B, ...]."""
+  def call_batches(first: int, last: int):
+    """The batch argument of the call of steps `first` to `last` (1-based):
+    one batch, or stacked [K, B, ...] (Program.place)."""
     with jax.profiler.TraceAnnotation('next_batch'):
       batches = [next(train_iterator) for _ in range(first, last + 1)]
       if first <= config.debug_poison_step <= last:
@@ -407,7 +407,7 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
         # A call in a jax.profiler trace, numbered by its first step
         # (experiments/profile.py).
         with jax.profiler.StepTraceAnnotation('train', step_num=step + 1):
-          batch = placed_batches(step + 1, done)
+          batch = call_batches(step + 1, done)
           run = program.train_step if count == 1 else program.train_steps
           if count not in compiled:  # Compiled once: the calls reuse it.
             # The call before ends first, so that its time stays in its
