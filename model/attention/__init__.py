@@ -85,6 +85,10 @@ _REGISTRY: dict[str, Variant] = {
     'linear': Variant(kernel.linear_attention, causal=True,
                       masks='key_padding', bias=False, dropout=False,
                       dot_product=False),
+    'hedgehog': Variant(kernel.hedgehog_attention, causal=True,
+                        masks='key_padding', bias=False, dropout=False,
+                        dot_product=False,
+                        parameters=kernel.hedgehog_parameters),
     'ring': Variant(ring.ring_attention, causal=True, masks='any', bias=True,
                     dropout=False, self_only=True),
     'memory_compressed': Variant(

@@ -1,4 +1,5 @@
-"""Kernelised (linear-time) attention: `linear` and `performer`.
+"""Kernelised (linear-time) attention: `linear`, `performer` and
+`hedgehog`.
 
 softmax(q k^T) is replaced by a feature map phi with phi(q) . phi(k) as the
 similarity, so attention regroups as phi(q) (sum_j phi(k_j) v_j^T): O(T)
@@ -9,11 +10,13 @@ O(T * (chunk + F * H / chunk)) rather than the O(T * F * H) of a prefix
 sum per position, in O(log(T / chunk)) dependent steps rather than
 T / chunk. Features that can overflow float32 (Performer's exponentials)
 carry stabilising shifts that cancel; linear's (elu + 1, at most 1 + x)
-are summed as they are.
+and hedgehog's (a softmax, at most 1) are summed as they are.
 """
 
 import math
+from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -327,3 +330,65 @@ def performer_attention(query: Array, key: Array, value: Array,
   out = _attend(phi_q, phi_k, value, mask, is_causal=is_causal,
                 chunk_size=chunk_size, key_top=key_top)
   return _heads_first(out).astype(query.dtype)
+
+
+def hedgehog_attention(query: Array, key: Array, value: Array,
+                       bias: Array | None = None, mask: Array | None = None,
+                       *, scale: float | None = None,
+                       is_causal: bool = False, feature_map: Array,
+                       chunk_size: int | None = None) -> Array:
+  """Linear attention whose feature map is learned (Zhang et al. 2024,
+  "The Hedgehog & the Porcupine"): phi(x) = softmax(x W_k) over F
+  features, W_k [H, F] of key/value head k applied to its keys and to the
+  queries of its group, so that phi(q) . phi(k) can be taught to imitate
+  softmax attention's weights.
+
+  Args:
+    feature_map: W [K, H, F], one per key/value head (see `parameters`).
+    chunk_size: positions per chunk of causal attention (default:
+      `default_chunk_size()`).
+  """
+  _check('hedgehog', query, key, value, bias, mask, is_causal)
+  if scale is not None:
+    raise ValueError('hedgehog attention has no logit scale; leave scale '
+                     'None.')
+  batch, q_len, num_heads, head_dim = query.shape
+  num_kv_heads = key.shape[2]
+  if feature_map.ndim != 3 or feature_map.shape[:2] != (num_kv_heads,
+                                                        head_dim):
+    raise ValueError(f'feature_map {feature_map.shape} must be [K, H, F] '
+                     f'with K = {num_kv_heads} key/value heads and H = '
+                     f'{head_dim}.')
+  weights = feature_map.astype(jnp.float32)
+  grouped = query.astype(jnp.float32).reshape(
+      batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
+  phi_q = jax.nn.softmax(
+      jnp.einsum('btkgh,khf->bkgtf', grouped, weights), axis=-1)
+  phi_k = jax.nn.softmax(
+      jnp.einsum('bskh,khf->bksf', key.astype(jnp.float32), weights),
+      axis=-1)
+  out = _attend(phi_q.reshape(batch, num_heads, q_len, -1), phi_k,
+                _heads_first(value), mask, is_causal=is_causal,
+                chunk_size=chunk_size)
+  return _heads_first(out).astype(query.dtype)
+
+
+def hedgehog_parameters(module: nn.Module, config, *,
+                        num_features: int | None = None,
+                        **options) -> dict[str, Any]:
+  """W [K, H, F], F = `num_features` (default H), created in `module` for
+  a layer of `config` (a ModelConfig), starting as the identity on the
+  first min(H, F) features (phi(x) = softmax(x) where F = H); with the
+  other `options`, the keyword arguments of hedgehog_attention."""
+  features = config.head_dim if num_features is None else num_features
+  if features < 1:
+    raise ValueError(f'num_features={num_features} must be positive.')
+
+  def identity(rng, shape, dtype):
+    del rng
+    return jnp.broadcast_to(jnp.eye(shape[1], shape[2], dtype=dtype), shape)
+
+  init = nn.with_logical_partitioning(identity, ('kv_heads', 'kv', None))
+  return options | {'feature_map': module.param(
+      'hedgehog_feature_map', init,
+      (config.num_kv_heads, config.head_dim, features), config.weight_dtype)}

@@ -25,6 +25,9 @@ def parameters(name: str, heads: int, length: int, dtype) -> dict:
     return dict(query_weight=jax.random.normal(rng[0], (heads, H, 2), dtype),
                 key_weight=jax.random.normal(rng[1], (heads, H, 2), dtype),
                 score_weight=jax.random.normal(rng[2], (heads, 2), dtype))
+  if name == 'hedgehog':
+    return dict(feature_map=jax.random.normal(rng[0], (heads, H, H), dtype)
+                / H**0.5)
   if name == 'memory_compressed':  # Each window about a mean of its keys.
     kernel = jax.random.normal(rng[0], (3, heads, H, heads, H), dtype) / (
         3 * heads * H)**0.5

@@ -2,8 +2,10 @@
 equals, and the memory each needs."""
 
 import functools
+import types
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,9 +51,9 @@ def grads(fn, q, k, v, bias=None, **kwargs):
 @pytest.mark.core
 def test_registry_lists_every_variant():
   assert attention.names() == sorted([
-      'additive', 'bigbird', 'chunked', 'dense', 'fixed', 'linear',
-      'linformer', 'local', 'memory_compressed', 'performer', 'ring',
-      'strided'])
+      'additive', 'bigbird', 'chunked', 'dense', 'fixed', 'hedgehog',
+      'linear', 'linformer', 'local', 'memory_compressed', 'performer',
+      'ring', 'strided'])
   assert attention.get('chunked') is attention.spec('chunked').fn
 
 
@@ -425,7 +427,22 @@ KERNEL_CASES = {
                                  lambda k: k * NORMS),
     'linear_causal_large_negative_keys': ('linear', True, 2, 4, jnp.float32,
                                           large_negative),
+    # A feature map of its own per key/value head, more features than H.
+    'hedgehog_causal_gqa_padding': ('hedgehog', True, 2, 4, jnp.float32,
+                                    lambda k: k),
+    'hedgehog_bidirectional_mqa': ('hedgehog', False, 1, None, jnp.float32,
+                                   lambda k: k),
+    'hedgehog_causal_bfloat16': ('hedgehog', True, 4, 3, jnp.bfloat16,
+                                 lambda k: k),
 }
+
+
+def log_hedgehog_features(x, feature_map):
+  """log phi(x) = log softmax(x W) of hedgehog, each of x's heads read
+  through the map of its key/value head (x: queries or keys)."""
+  weights = jnp.repeat(feature_map, x.shape[2] // feature_map.shape[0], 0)
+  return jax.nn.log_softmax(jnp.einsum(
+      'bthd,hdf->bthf', x.astype(jnp.float32), weights), axis=-1)
 
 
 @pytest.mark.parametrize('case', KERNEL_CASES)
@@ -439,6 +456,11 @@ def test_parallel_chunk_kernel_attention_equals_the_quadratic_form(case):
   keep = padding()
   if name == 'linear':
     options, features = {}, log_elu_features
+  elif name == 'hedgehog':
+    feature_map = jax.random.normal(jax.random.key(23), (kv_heads, H, 12))
+    options = dict(feature_map=feature_map)
+    features = functools.partial(log_hedgehog_features,
+                                 feature_map=feature_map)
   else:
     options = dict(num_features=16, seed=5)
     features = functools.partial(log_performer_features, num_features=16,
@@ -470,6 +492,28 @@ def test_parallel_chunk_kernel_attention_equals_the_quadratic_form(case):
                               atol=error, rtol=error)
   chex.assert_trees_all_close(as_float32(grads), as_float32(expected_grads),
                               atol=10 * error, rtol=10 * error)
+
+
+def test_hedgehog_starts_as_softmax_features_and_learns_its_map():
+  """Its parameter starts as the identity on the first min(H, F) features
+  of each key/value head (phi(x) = softmax(x) where F = H), and the
+  output's gradient reaches it."""
+  class Layer(nn.Module):
+    @nn.compact
+    def __call__(self):
+      return kernel.hedgehog_parameters(self, types.SimpleNamespace(
+          head_dim=H, num_kv_heads=2, weight_dtype=jnp.float32),
+                                        num_features=6, chunk_size=4)
+
+  options = nn.meta.unbox(Layer().init_with_output(jax.random.key(0))[0])
+  assert options['chunk_size'] == 4
+  feature_map = options['feature_map']
+  np.testing.assert_array_equal(feature_map, np.broadcast_to(
+      np.eye(H, 6), (2, H, 6)))
+  q, k, v = make_qkv(24)
+  gradient = jax.grad(lambda w: jnp.sum(jnp.sin(kernel.hedgehog_attention(
+      q, k, v, is_causal=True, feature_map=w, chunk_size=4))))(feature_map)
+  assert np.all(np.abs(gradient).sum(axis=(1, 2)) > 0)
 
 
 def test_linear_attention_drops_keys_whose_every_feature_underflows():

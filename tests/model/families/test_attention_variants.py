@@ -28,6 +28,7 @@ OPTIONS = {
     'linformer': {'rank': 4},
     'performer': {'num_features': 16},
     'linear': {},
+    'hedgehog': {'num_features': 8},
     'additive': {'hidden': 8},
     'memory_compressed': {'stride': 3, 'width': 3},
     'ring': {},
