@@ -93,15 +93,20 @@ def _no_step(program: Program, guard: metrics.NonFiniteGuard):
   return to_devices
 
 
+def _compile(to_devices, iterator, counts) -> None:
+  """The no-work step compiled once for each count of `counts`, on
+  batches of `iterator` (untimed)."""
+  for count in sorted(set(counts)):
+    jax.block_until_ready(to_devices([next(iterator) for _ in range(count)]))
+
+
 def _pipeline(program: Program, dataset: datasets.Dataset, counts):
   """Seconds of the calls of `counts` batches: the run's iterator, each
   call's batches handed to a step that does no work."""
   to_devices = _no_step(program, metrics.NonFiniteGuard('stop', 0))
   iterator = trainer.training_batches(program, dataset)
   try:
-    for count in sorted(set(counts)):  # Compiled once for each count.
-      jax.block_until_ready(to_devices(
-          [next(iterator) for _ in range(count)]))
+    _compile(to_devices, iterator, counts)
     start, done = time.perf_counter(), None
     for count in counts:
       done = to_devices([next(iterator) for _ in range(count)])
@@ -124,9 +129,7 @@ def _loop(program: Program, dataset: datasets.Dataset, counts,
   iterator = trainer.training_batches(program, dataset)
   done = 0
   try:
-    for count in sorted(set(counts)):  # Compiled once for each count.
-      jax.block_until_ready(to_devices(
-          [next(iterator) for _ in range(count)]))
+    _compile(to_devices, iterator, counts)
     start = time.perf_counter()
     for count in counts:
       done += count
