@@ -100,18 +100,25 @@ def _compile(to_devices, iterator, counts) -> None:
     jax.block_until_ready(to_devices([next(iterator) for _ in range(count)]))
 
 
-def _pipeline(program: Program, dataset: datasets.Dataset, counts):
+def _pipeline(program: Program, dataset: datasets.Dataset, counts,
+              profile: cProfile.Profile | None = None) -> float:
   """Seconds of the calls of `counts` batches: the run's iterator, each
-  call's batches handed to a step that does no work."""
+  call's batches handed to a step that does no work; `profile`, if
+  given, profiles them (not the compilations before)."""
   to_devices = _no_step(program, metrics.NonFiniteGuard('stop', 0))
   iterator = trainer.training_batches(program, dataset)
   try:
     _compile(to_devices, iterator, counts)
+    if profile is not None:
+      profile.enable()
     start, done = time.perf_counter(), None
     for count in counts:
       done = to_devices([next(iterator) for _ in range(count)])
     jax.block_until_ready(done)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if profile is not None:
+      profile.disable()
+    return seconds
   finally:
     iterator.close()
 
@@ -173,9 +180,7 @@ def _measure(config: ml_collections.ConfigDict, *, batches: int,
     seconds = _pipeline(program, dataset, counts)
     loop_seconds = _loop(program, dataset, counts, workdir)
     profile = cProfile.Profile()
-    profile.enable()
-    profiled = _pipeline(program, dataset, counts)
-    profile.disable()
+    profiled = _pipeline(program, dataset, counts, profile)
   tokens = config.batch_size * config.seq_len
   rows = []
   for name, time_s in (('pipeline', seconds), ('loop', loop_seconds),

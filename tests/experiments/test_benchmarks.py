@@ -298,7 +298,7 @@ def test_bench_input_times_the_pipeline_and_the_loop_and_splits_the_time(
   config.update(data_dir=data_dir, seq_len=32, batch_size=8, log_every=5)
   config.model.max_len = 32
   assert bench_input.with_steps_per_call(config, 2).log_every == 6
-  rows = bench_input.run(config, str(tmp_path), batches=6, warmup=2,
+  rows = bench_input.run(config, str(tmp_path), batches=20, warmup=2,
                          steps_per_call=[2])
   assert [row['row'] for row in rows] == ['pipeline', 'loop', 'profiled']
   for row in rows:
@@ -310,7 +310,7 @@ def test_bench_input_times_the_pipeline_and_the_loop_and_splits_the_time(
   assert sum(profiled[stage] for stage in stages) == pytest.approx(
       profiled['ms_per_batch'])
   with open(tmp_path / 'results.md') as f:
-    assert '| profiled | 6 | 2 |' in f.read()
+    assert '| profiled | 20 | 2 |' in f.read()
 
 
 @pytest.mark.core
