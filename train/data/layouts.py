@@ -31,6 +31,7 @@ their meaning.
 import collections
 from collections.abc import Callable
 import concurrent.futures
+from typing import Any
 
 import grain
 import jax
@@ -184,15 +185,29 @@ def _next_or_none(stream: grain.DatasetIterator):
   return next(stream, None)
 
 
-class _RowBatchesIterator(grain.DatasetIterator):
-  """Batches whose row r is the next element of row r's stream; a row
-  whose stream has ended is zeros (no weight) until every one has. Its
-  state is each row's. With `threads`, the rows are read at once (each
-  stream is its own, so the batches are the same)."""
+def _stacked(elements: list[dict | None]) -> dict[str, np.ndarray]:
+  """The rows' elements stacked, zeros for a row that has none."""
+  blank = {key: np.zeros_like(value) for key, value in
+           next(e for e in elements if e is not None).items()}
+  return {key: np.stack([(blank if e is None else e)[key]
+                         for e in elements]) for key in blank}
 
-  def __init__(self, rows: dict[int, grain.DatasetIterator], threads: int):
-    super().__init__(list(rows.values()))
-    self._rows = rows
+
+class RowBatchesIterator(grain.DatasetIterator):
+  """Batches made by `assemble` (of the rows' elements in order of the
+  row, None for a row whose stream has ended) from the next element of
+  each row's stream (`take(stream)`, None once it has ended), until every
+  one has. Its state is each row's (`restore_rows`). With `threads`, the
+  rows are read at once (each stream is its own, so the batches are the
+  same)."""
+
+  def __init__(self, rows: dict[int, Any], threads: int, *,
+               take: Callable[[Any], Any] = _next_or_none,
+               assemble: Callable[[list], dict] = _stacked):
+    # grain's own iterators among the streams are its parents.
+    super().__init__([stream for stream in rows.values()
+                      if isinstance(stream, grain.DatasetIterator)])
+    self._rows, self._take, self._assemble = rows, take, assemble
     self._ended = set()
     self._pool = (concurrent.futures.ThreadPoolExecutor(threads)
                   if threads else None)
@@ -200,20 +215,12 @@ class _RowBatchesIterator(grain.DatasetIterator):
   def __next__(self) -> dict[str, np.ndarray]:
     live = [row for row in self._rows if row not in self._ended]
     streams = [self._rows[row] for row in live]
-    read = (self._pool.map(_next_or_none, streams) if self._pool
-            else map(_next_or_none, streams))
-    got = {}
-    for row, element in zip(live, read):
-      if element is None:
-        self._ended.add(row)
-      else:
-        got[row] = element
-    if not got:
+    got = dict(zip(live, self._pool.map(self._take, streams) if self._pool
+                   else map(self._take, streams)))
+    self._ended.update(row for row, element in got.items() if element is None)
+    if len(self._ended) == len(self._rows):
       raise StopIteration
-    blank = {key: np.zeros_like(value)
-             for key, value in next(iter(got.values())).items()}
-    return {key: np.stack([got.get(row, blank)[key] for row in self._rows])
-            for key in blank}
+    return self._assemble([got.get(row) for row in self._rows])
 
   def get_state(self):
     return {'rows': {str(row): stream.get_state()
@@ -254,17 +261,16 @@ def restore_rows(state: dict, rows: dict) -> None:
 class RowBatches(grain.IterDataset):
   """Batches of the rows in `rows` ({row index: its stream of rows}), in
   order of the index, read by `threads` threads (0: in the calling one);
-  see `_RowBatchesIterator`."""
+  see `RowBatchesIterator`."""
 
   def __init__(self, rows: dict[int, grain.IterDataset], threads: int = 0):
     super().__init__(list(rows.values()))
     self._row_streams = dict(sorted(rows.items()))
     self._threads = threads
 
-  def __iter__(self) -> _RowBatchesIterator:
-    return _RowBatchesIterator({row: iter(stream) for row, stream
-                                in self._row_streams.items()},
-                               self._threads)
+  def __iter__(self) -> RowBatchesIterator:
+    return RowBatchesIterator({row: iter(stream) for row, stream
+                               in self._row_streams.items()}, self._threads)
 
 
 def _pad_to(x: np.ndarray, length: int) -> np.ndarray:

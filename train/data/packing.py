@@ -18,11 +18,12 @@ tests/train/data/test_pipeline_batches.py compares and resumes from.
 """
 
 from collections.abc import Callable, Sequence
-import concurrent.futures
 import functools
 
 import grain
 import numpy as np
+
+from train.data import layouts
 
 # Rows a row's packer fills at once (first-fit): more waste less of a row
 # on padding, at the price of mixing documents from further apart. Every
@@ -276,61 +277,29 @@ def assemble(rows: Sequence[list[np.ndarray] | None], seq_len: int, *,
           'weights': weights}
 
 
-class _BatchesIterator(grain.DatasetIterator):
-  """See `Batches`."""
-
-  def __init__(self, rows: dict[int, _Row], *, seq_len: int, packed: bool,
-               threads: int, restore: Callable[[dict, dict], None]):
-    super().__init__()
-    self._rows, self._seq_len, self._packed = rows, seq_len, packed
-    self._restore = restore
-    self._ended = set()
-    self._pool = (concurrent.futures.ThreadPoolExecutor(threads)
-                  if threads else None)
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    live = [row for row in self._rows if row not in self._ended]
-    streams = [self._rows[row] for row in live]
-    got = dict(zip(live, self._pool.map(_Row.take, streams)
-                   if self._pool else map(_Row.take, streams)))
-    self._ended.update(row for row, windows in got.items() if windows is None)
-    if len(self._ended) == len(self._rows):
-      raise StopIteration
-    return assemble([got.get(row) for row in self._rows], self._seq_len,
-                    packed=self._packed)
-
-  def get_state(self) -> dict:
-    return {'rows': {str(row): stream.get_state()
-                     for row, stream in self._rows.items()}}
-
-  def set_state(self, state: dict) -> None:
-    self._restore(state, self._rows)
-    self._ended.clear()
-
-
 class Batches(grain.IterDataset):
   """Batches of `rows` (of a batch of `batch_size`) of a language model's
   examples, packed or padded (see the module's docstring): example i of
   the `order` is `read(i)`'s tokens (None: left out). Rows are read by
-  `threads` threads (0: in the calling one). `restore(state, rows)` sets
-  each row's stream from a saved position (layouts.restore_rows)."""
+  `threads` threads (0: in the calling one)."""
 
   def __init__(self, read: Callable[[int], np.ndarray | None], order: Order,
                *, rows: Sequence[int], batch_size: int, seq_len: int,
                packed: bool, seed: int, max_segments: int | None,
-               threads: int, restore: Callable[[dict, dict], None]):
+               threads: int):
     super().__init__()
     self._read, self._order, self._rows = read, order, sorted(rows)
     self._batch_size, self._seq_len, self._packed = (batch_size, seq_len,
                                                      packed)
     self._seed, self._max_segments = seed, max_segments
-    self._threads, self._restore = threads, restore
+    self._threads = threads
 
-  def __iter__(self) -> _BatchesIterator:
-    return _BatchesIterator(
+  def __iter__(self) -> layouts.RowBatchesIterator:
+    return layouts.RowBatchesIterator(
         {row: _Row(row, self._batch_size, self._order, self._read,
                    seq_len=self._seq_len, packed=self._packed,
                    seed=self._seed, shuffle_bins=self._order.endless,
                    max_segments=self._max_segments) for row in self._rows},
-        seq_len=self._seq_len, packed=self._packed, threads=self._threads,
-        restore=self._restore)
+        self._threads, take=_Row.take,
+        assemble=functools.partial(assemble, seq_len=self._seq_len,
+                                   packed=self._packed))

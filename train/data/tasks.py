@@ -175,7 +175,7 @@ class LanguageModelling(Task):
         read, packing.Order(count, seed if train else None), rows=rows,
         batch_size=batch_size, seq_len=seq_len, packed=layout == 'packed',
         seed=seed, max_segments=max_segments,
-        threads=dataset.reader_threads, restore=layouts.restore_rows)
+        threads=dataset.reader_threads)
 
   def rows(self, dataset, examples, *, seq_len, seed, train, layout,
            max_segments):
