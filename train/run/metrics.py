@@ -405,22 +405,14 @@ class TrainLog:
     self._guard.check(first, values)
     self._writer.advance(count)
     completed, start = None, 0
-    for step in self._due_steps(first, last):
+    for step in (step for step in range(first, last + 1)
+                 if is_due(step, self._log_every, self._last_step)):
       end = step - first + 1
       self._add(values, start, end)
       completed = self._summary(step, values, end - 1)
       start = end
     self._add(values, start, count)
     return completed
-
-  def _due_steps(self, first: int, last: int) -> list[int]:
-    """The steps from `first` to `last` that end a logging interval."""
-    every = self._log_every
-    due = (list(range(-(-first // every) * every, last + 1, every))
-           if every > 0 else [])
-    if first <= self._last_step <= last and self._last_step not in due:
-      due.append(self._last_step)
-    return due
 
   def _add(self, values: dict[str, np.ndarray], start: int, end: int
            ) -> None:
