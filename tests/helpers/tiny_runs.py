@@ -1,12 +1,15 @@
 """Every config at toy size, for the tests that train: a few steps of a
-one-layer model on small local data."""
+one-layer model on small local data; and a run's workdir written without
+training."""
 
 import json
 import os
+import pathlib
 
 import tensorflow_datasets as tfds
 
 from configs import algorithmic, listops, lm1b, lm_stdlib, wmt14_ende
+from train.run import checkpointing
 
 
 def shrink(config, data_dir: str, **overrides):
@@ -102,3 +105,22 @@ def get_config():
                                 num_eval=20)
   return config
 '''
+
+
+class _NoData:
+  """A data iterator with no position (a checkpoint's 'data' item)."""
+
+  def get_state(self) -> dict:
+    return {}
+
+
+def saved_run(config, workdir, states: dict) -> None:
+  """A run's workdir without training: `config`'s config.json and a
+  checkpoint of each {step: train state}, as a run writes them."""
+  checkpointer = checkpointing.Checkpointer(str(workdir),
+                                            keep=len(states))
+  for step, state in states.items():
+    checkpointer.save(step, state, _NoData())
+  checkpointer.close()
+  (pathlib.Path(workdir) / 'config.json').write_text(
+      config.to_json_best_effort())

@@ -42,11 +42,13 @@ restores unverified, with a notice; one without checksums and without that
 record is damaged.
 """
 
+from collections.abc import Callable
 import contextlib
 import hashlib
 import itertools
 import json
 import shutil
+from typing import Any
 
 import grain
 import jax
@@ -74,6 +76,8 @@ FILE_SIZES = 'file_sizes.json'
 # In the checkpoints directory: {step: checksums} of the checkpoints saved.
 LEDGER = 'checksums.json'
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+# The parameters' paths in a state's checksums.
+_PARAMS = '.params'
 
 
 class Damaged(Exception):
@@ -99,13 +103,17 @@ def _array_sums(state):
   return jax.tree.map(sums, state)
 
 
+def _arrays_checksums(tree: Any) -> dict[str, list[int]]:
+  """{path: [sum, sum]} of a tree's arrays (see _array_sums)."""
+  sums = jax.device_get(_array_sums(tree))
+  return {jax.tree_util.keystr(path): [int(v) for v in value]
+          for path, value in jax.tree_util.tree_leaves_with_path(sums)}
+
+
 def checksums(state: TrainState, data_state: dict) -> dict:
   """{'arrays': {path: [sum, sum]}, 'data': sha256} of a state and the data
   iterator's state."""
-  sums = jax.device_get(_array_sums(state))
-  return {'arrays': {jax.tree_util.keystr(path): [int(v) for v in value]
-                     for path, value in
-                     jax.tree_util.tree_leaves_with_path(sums)},
+  return {'arrays': _arrays_checksums(state),
           # Over the state as JSON gives it back, keys sorted.
           'data': hashlib.sha256(json.dumps(
               json.loads(json.dumps(data_state)),
@@ -181,6 +189,33 @@ def _mismatch(saved: dict, got: dict) -> str | None:
   return None
 
 
+def _params_mismatch(saved: dict, params: Any) -> str | None:
+  """What differs between the saved checksums of a state's parameters and
+  those of `params`, restored alone (None: nothing)."""
+  got = _arrays_checksums(params)
+  want = {path[len(_PARAMS):]: value
+          for path, value in saved['arrays'].items()
+          if path.startswith(_PARAMS)}
+  if len(want) != len(got):
+    return f'{len(want)} parameter arrays were saved, {len(got)} restored'
+  for path, value in got.items():
+    if want.get(path) != value:
+      return f'the array {_PARAMS}{path} does not match its checksum'
+  return None
+
+
+def _placed(tree: Any, saved_as: Any, abstract: Any) -> Any:
+  """`tree`, restored in the layout `saved_as`, in `abstract`'s layout and
+  shardings (itself where they are one layout). Both layouts are on the
+  devices while this runs (donating the saved one would not help: its
+  stacked and unstacked arrays share no shape)."""
+  if saved_as is abstract:
+    return tree
+  return jax.jit(lambda tree: layer_stack.relayout(tree, abstract),
+                 out_shardings=jax.tree.map(lambda leaf: leaf.sharding,
+                                            abstract))(tree)
+
+
 def state_bytes(state: TrainState) -> int:
   """Bytes of a checkpoint of `state`, arrays or their shapes (all shards,
   all hosts)."""
@@ -224,7 +259,11 @@ class Checkpointer:
           options=ocp.CheckpointManagerOptions(
               max_to_keep=keep, create=not read_only, read_only=read_only,
               cleanup_tmp_directories=not read_only),
-          item_handlers={'state': ocp.StandardCheckpointHandler(),
+          # A reader restores parameters only: orbax's partial restore is
+          # the pytree handler's (the files are the standard handler's).
+          item_handlers={'state': (ocp.PyTreeCheckpointHandler()
+                                   if read_only else
+                                   ocp.StandardCheckpointHandler()),
                          'data': ocp.JsonCheckpointHandler(),
                          'checksums': ocp.JsonCheckpointHandler()})
     self._read_only = read_only
@@ -330,6 +369,42 @@ class Checkpointer:
     other (config.model.scan_layers changed on a resume) is restored and
     verified as saved, then converted (model/layer_stack.py).
     """
+    saved_tree = self._saved_tree(step)
+    saved_as = (abstract_state if saved_tree is None
+                else layer_stack.relayout(abstract_state, saved_tree))
+    restored = self._read(
+        step, ocp.args.StandardRestore(saved_as), data=True,
+        mismatch=lambda saved, restored: _mismatch(
+            saved, checksums(restored['state'], restored['data'])))
+    if data_iterator is not None:
+      data_iterator.set_state(restored['data'])
+    return _placed(restored['state'], saved_as, abstract_state)
+
+  def restore_params(self, step: int, abstract_params: Any) -> Any:
+    """The parameters saved at `step`, and nothing else of the state (not
+    the optimizer's), read straight into `abstract_params`' shardings and
+    dtypes and verified against their checksums; a reader's restore (see
+    `restore` for the layout of the blocks). Raises Damaged."""
+    saved_tree = self._saved_tree(step)
+    saved_as = (abstract_params if saved_tree is None
+                else layer_stack.relayout(abstract_params,
+                                          saved_tree['params']))
+    item = {'params': saved_as}
+    restored = self._read(
+        step, ocp.args.PyTreeRestore(
+            item=item, partial_restore=True,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(item)),
+        data=False, mismatch=lambda saved, restored: _params_mismatch(
+            saved, restored['state']['params']))
+    return _placed(restored['state']['params'], saved_as, abstract_params)
+
+  def _read(self, step: int, state_args, *, data: bool,
+            mismatch: Callable[[dict, dict], str | None]) -> dict:
+    """orbax's items of `step`: 'state' read with `state_args`, 'data' if
+    `data`, verified by `mismatch(saved checksums, items)` (what differs,
+    or None) unless an older attnlab wrote it without checksums. Raises
+    Damaged for missing or cut files, what orbax cannot read, checksums
+    missing and a mismatch."""
     step_dir = f'{self.directory}/{step}'
     own = (storage.path(step_dir) / 'checksums').is_dir()
     # One that lost its own checksums is verified against the ledger.
@@ -338,11 +413,9 @@ class Checkpointer:
                               else 'checksums')
     if problem:
       raise Damaged(problem)
-    saved_tree = self._saved_tree(step)
-    saved_as = (abstract_state if saved_tree is None
-                else layer_stack.relayout(abstract_state, saved_tree))
-    items = {'state': ocp.args.StandardRestore(saved_as),
-             'data': ocp.args.JsonRestore()}
+    items = {'state': state_args}
+    if data:
+      items['data'] = ocp.args.JsonRestore()
     if own:
       items['checksums'] = ocp.args.JsonRestore()
     try:
@@ -357,26 +430,15 @@ class Checkpointer:
           'its checksums are missing, the ledger '
           f'{self.directory}/{LEDGER} has no entry for it, '
           "and orbax's metadata does not show it was written without them")
-    if saved is not None:
-      problem = _mismatch(saved, checksums(restored['state'],
-                                           restored['data']))
-      if problem:
-        raise Damaged(problem)
+    problem = saved is not None and mismatch(saved, restored)
+    if problem:
+      raise Damaged(problem)
     if jax.process_index() == 0 and not own:
       print(f'warning: the checkpoint of step {step} has no checksums '
             + ('(an older attnlab wrote it); restored unverified.'
                if saved is None else
                'of its own; verified against the ledger.'), flush=True)
-    if data_iterator is not None:
-      data_iterator.set_state(restored['data'])
-    if saved_as is abstract_state:
-      return restored['state']
-    # Both layouts are on the devices while this runs (donating the saved
-    # one would not help: its stacked and unstacked arrays share no shape).
-    return jax.jit(lambda state: layer_stack.relayout(state, abstract_state),
-                   out_shardings=jax.tree.map(lambda leaf: leaf.sharding,
-                                              abstract_state)
-                   )(restored['state'])
+    return restored
 
   def _saved_tree(self, step: int):
     """orbax's metadata of the state saved at `step`, in its tree (None if
@@ -400,17 +462,31 @@ class Checkpointer:
                      data_iterator: grain.DatasetIterator | None = None
                      ) -> tuple[int, TrainState] | None:
     """(step, state) of the newest checkpoint that restores and verifies
-    on every host (see `restore`); None when there is no checkpoint. The
-    damaged ones newer than it are reported, and moved to
-    corrupt_checkpoints unless `read_only`. When none verifies, nothing is
-    moved (a rerun must not find an empty directory and start from
-    scratch): TrainingError naming each problem."""
+    on every host (see `restore` and `_newest`); None when there is no
+    checkpoint."""
+    return self._newest(
+        lambda step: self.restore(step, abstract_state, data_iterator))
+
+  def restore_latest_params(self, abstract_params: Any
+                            ) -> tuple[int, Any] | None:
+    """(step, parameters) of the newest checkpoint whose parameters
+    restore and verify on every host (see `restore_params`)."""
+    return self._newest(
+        lambda step: self.restore_params(step, abstract_params))
+
+  def _newest(self, read: Callable[[int], Any]) -> tuple[int, Any] | None:
+    """(step, `read(step)`) of the newest checkpoint that `read` restores
+    on every host; None when there is no checkpoint. The damaged ones newer
+    than it are reported, and moved to corrupt_checkpoints unless
+    `read_only`. When none verifies, nothing is moved (a rerun must not
+    find an empty directory and start from scratch): TrainingError naming
+    each problem."""
     steps = sorted(self._manager.all_steps(), reverse=True)
     damaged = []
     for step in steps:
       problem = None
       try:
-        state = self.restore(step, abstract_state, data_iterator)
+        restored = read(step)
       except Damaged as damage:
         problem = str(damage)
       # Every host restores the same step or none does.
@@ -420,7 +496,7 @@ class Checkpointer:
       for damaged_step, damaged_problem in damaged:
         self._set_aside(damaged_step, damaged_problem)
       self._complete = step
-      return step, state
+      return step, restored
     if damaged:
       listed = '; '.join(f'step {step}: {problem}'
                          for step, problem in damaged)

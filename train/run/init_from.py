@@ -9,20 +9,25 @@ lacks (one an attention variant or position scheme adds) starts fresh,
 and one the target lacks is left out. Any other change of shape is
 refused, naming the parameters and the config.model keys that differ:
 `check_fits` compares the shapes before the run claims its workdir.
+
+`load` reads the source's parameters alone (never its optimizer state),
+sharded on the target's mesh as they arrive, and transfers them there in
+one compiled function: a model larger than one device starts from another.
 """
 
 import dataclasses
+import math
 from typing import Any
 
 import flax
 from flax import traverse_util
 import jax
-import numpy as np
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from model import ModelConfig, layer_stack
 from train.base import storage
 from train.base.errors import InputError, TrainingError
-from train.base.train_config import TrainConfig
 from train.run import trained_run
 from train.run.program import Program
 
@@ -75,7 +80,7 @@ def _poolable(path: str, have: tuple[int, ...], want: tuple[int, ...]
           and not have[axis] % want[axis])
 
 
-def _pooled(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+def _pooled(array: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """A key/value projection pooled to `shape`'s fewer heads (_poolable)."""
   axis = array.ndim - 2
   heads, target = array.shape[axis], shape[axis]
@@ -137,23 +142,40 @@ def transfer(source_params: Any, fresh_params: Any, source: ModelConfig,
   change of depth keeps the blocks both have), then stacked as the target
   stacks them."""
   have = _flat(layer_stack.unstacked(source_params))
-  want = _flat(layer_stack.unstacked(fresh_params))
-  ways = _ways(have, want, source, target, origin)
+  ways = _ways(have, _flat(layer_stack.unstacked(fresh_params)), source,
+               target, origin)
+  return _described(_transferred(source_params, fresh_params, ways,
+                                 fresh_params), ways, have)
+
+
+def _described(params: Any, ways: dict[str, str], have: dict[str, Any]
+               ) -> Transferred:
+  by_way = lambda name: tuple(p for p, way in ways.items() if way == name)
+  return Transferred(params, by_way('taken'), by_way('pooled'),
+                     by_way('fresh'), tuple(sorted(set(have) - set(ways))))
+
+
+def _transferred(source_params: Any, fresh_params: Any, ways: dict[str, str],
+                 like: Any) -> Any:
+  """The target's parameters, in the layout, shapes and dtypes of `like`
+  (arrays or their shapes), each obtained from the source's or
+  `fresh_params` (None where none is 'fresh') as `ways` says; traceable."""
+  have = _flat(layer_stack.unstacked(source_params))
+  want = _flat(layer_stack.unstacked(like))
+  fresh = (None if fresh_params is None
+           else _flat(layer_stack.unstacked(fresh_params)))
   values = {}
   for path, way in ways.items():
     leaf = want[path]
     if way == 'fresh':
-      values[path] = leaf
+      values[path] = fresh[path]
     elif way == 'taken':
-      values[path] = np.asarray(have[path]).astype(leaf.dtype)
+      values[path] = jnp.asarray(have[path]).astype(leaf.dtype)
     else:
-      values[path] = _pooled(np.asarray(have[path]),
+      values[path] = _pooled(jnp.asarray(have[path]),
                              leaf.shape).astype(leaf.dtype)
-  params = layer_stack.relayout(traverse_util.unflatten_dict(values, sep='/'),
-                                fresh_params)
-  by_way = lambda name: tuple(p for p, way in ways.items() if way == name)
-  return Transferred(params, by_way('taken'), by_way('pooled'),
-                     by_way('fresh'), tuple(sorted(set(have) - set(want))))
+  return layer_stack.relayout(traverse_util.unflatten_dict(values, sep='/'),
+                              like)
 
 
 def run_source(path: str) -> tuple[str, int | None]:
@@ -216,20 +238,45 @@ def check_fits(program: Program, workdir: str) -> None:
         source.model_config, program.model_config, init_from)
 
 
-def load(init_from: str, fresh_params: Any, target: TrainConfig
-         ) -> tuple[Transferred, str]:
-  """(this run's parameters from the source's checkpoint, a line saying
-  where they came from), restored on one of this process's devices;
-  InputError, naming config.init_from, when the source has no checkpoint
-  that verifies or its parameters do not fit."""
-  run, step, program = _source(init_from)
+def _on_mesh(leaf: jax.ShapeDtypeStruct, mesh: Mesh) -> jax.ShapeDtypeStruct:
+  """`leaf` (laid out on another mesh with the same axis names) sharded
+  alike on `mesh`, replicated where its sizes do not divide there."""
+  spec = leaf.sharding.spec
+  divides = all(
+      size % math.prod(mesh.shape[axis] for axis in
+                       ((axes,) if isinstance(axes, str) else axes or ()))
+      == 0 for size, axes in zip(leaf.shape, spec))
+  return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(
+      mesh, spec if divides else P()))
+
+
+def load(init_from: str, program: Program) -> tuple[Any, str]:
+  """(`program`'s parameters from the source's checkpoint, a line saying
+  where they came from): the source's parameters alone (not its optimizer
+  state) are read straight onto `program`'s mesh, sharded as there, and
+  mapped onto its parameters there (`transfer`), none of them gathered
+  onto one device; fresh ones are initialised only where a parameter is
+  new. InputError, naming config.init_from, when the source has no
+  checkpoint that verifies or its parameters do not fit."""
+  run, step, source = _source(init_from)
+  abstract = program.abstract_state.params
+  have = _flat(layer_stack.unstacked(source.abstract_state.params))
+  ways = _ways(have, _flat(layer_stack.unstacked(abstract)),
+               source.model_config, program.model_config, init_from)
   try:
-    step, state = trained_run.restore(run, program, step)
+    step, source_params = trained_run.restore_params(
+        run, jax.tree.map(lambda leaf: _on_mesh(leaf, program.mesh),
+                          source.abstract_state.params), step)
   except (InputError, TrainingError) as error:
     raise InputError(f'config.init_from={init_from}: {error}') from None
-  transferred = transfer(state.params, fresh_params, program.model_config,
-                         target.model, init_from)
+  fresh = program.init_params() if 'fresh' in ways.values() else None
+  params = jax.jit(
+      lambda source_params, fresh: _transferred(source_params, fresh, ways,
+                                                abstract),
+      out_shardings=jax.tree.map(lambda leaf: leaf.sharding, abstract))(
+          source_params, fresh)
+  transferred = _described(params, ways, have)
   said = f'the parameters of {init_from} at step {step}'
-  if program.config.dataset != target.dataset:
-    said += f' (trained on config.dataset={program.config.dataset!r})'
-  return transferred, f'{said}: {transferred.summary()}'
+  if source.config.dataset != program.config.dataset:
+    said += f' (trained on config.dataset={source.config.dataset!r})'
+  return params, f'{said}: {transferred.summary()}'

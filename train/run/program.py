@@ -83,6 +83,8 @@ class Program:
   batch_sharding: NamedSharding
   # () -> TrainState: fresh, laid out on the mesh.
   init: Callable[[], TrainState]
+  # () -> the fresh state's parameters alone, laid out on the mesh.
+  init_params: Callable[[], Any]
   # params -> TrainState: step 0 and a fresh optimizer state with these
   # parameters (shaped as abstract_state's), laid out on the mesh.
   start_from: Callable[[Any], TrainState]
@@ -221,18 +223,21 @@ def compile_program(config: TrainConfig, task: Task, mesh: Mesh, *,
       in_shardings=(state_sharding.params, batch, state_sharding.memory),
       out_shardings=(replicated, state_sharding.memory))
   seed = config.seed
-  init = jax.jit(
-      lambda: fresh_state(steps.init_params(
-          model, task, jax.random.split(jax.random.key(seed), 3)[0],
-          config.seq_len)),
-      out_shardings=state_sharding)
+
+  def fresh_params():
+    return steps.init_params(model, task,
+                             jax.random.split(jax.random.key(seed), 3)[0],
+                             config.seq_len)
   return Program(
       config=config, task=task, model=model, mesh=mesh,
       abstract_state=jax.tree.map(
           lambda leaf, leaf_sharding: jax.ShapeDtypeStruct(
               leaf.shape, leaf.dtype, sharding=leaf_sharding),
           abstract_state, state_sharding),
-      state_sharding=state_sharding, batch_sharding=batch, init=init,
+      state_sharding=state_sharding, batch_sharding=batch,
+      init=jax.jit(lambda: fresh_state(fresh_params()),
+                   out_shardings=state_sharding),
+      init_params=jax.jit(fresh_params, out_shardings=state_sharding.params),
       start_from=jax.jit(fresh_state, out_shardings=state_sharding),
       train_step=train_step, train_steps=train_steps,
       eval_step=eval_step,

@@ -1,6 +1,7 @@
 """A training run's workdir, loaded for use: its config, dataset and the
-parameters of its latest checkpoint, on one device whatever mesh it trained
-on (generation, translation, attention maps)."""
+parameters of its latest checkpoint (read alone, without the optimizer's
+state), on one device whatever mesh it trained on (generation, translation,
+attention maps)."""
 
 import dataclasses
 from typing import Any
@@ -52,21 +53,22 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   return config
 
 
-def restore(workdir: str, program: Program, step: int | None = None
-            ) -> tuple[int, Any]:
-  """(step, state) of the run in `workdir` at checkpoint `step` (default:
-  its newest that verifies), in `program`'s layout; InputError where it
+def restore_params(workdir: str, abstract_params: Any,
+                   step: int | None = None) -> tuple[int, Any]:
+  """(step, parameters) of the run in `workdir` at checkpoint `step`
+  (default: its newest that verifies), read alone (not the optimizer's
+  state) into `abstract_params`' shardings and dtypes; InputError where it
   has none, or that one does not verify."""
-  checkpointer = checkpointing.Checkpointer(
-      workdir, keep=program.config.keep_checkpoints, read_only=True)
+  # A reader deletes nothing: what it keeps does not matter.
+  checkpointer = checkpointing.Checkpointer(workdir, keep=1, read_only=True)
   try:
     if step is None:
-      restored = checkpointer.restore_latest(program.abstract_state)
+      restored = checkpointer.restore_latest_params(abstract_params)
       if restored is None:
         raise InputError(f'{workdir} has no checkpoint yet.')
       return restored
     try:
-      return step, checkpointer.restore(step, program.abstract_state)
+      return step, checkpointer.restore_params(step, abstract_params)
     except checkpointing.Damaged as damage:
       raise InputError(f'the checkpoint of step {step} in {workdir} does '
                        f'not verify: {damage}') from None
@@ -95,5 +97,5 @@ def load(workdir: str, decoder: str | None = None) -> TrainedRun:
                      f'run in {workdir} {refusal}.')
   config = program.config
   dataset = datasets.load(config, workdir)
-  step, state = restore(workdir, program)
-  return TrainedRun(config, program.model, dataset, state.params, step)
+  step, params = restore_params(workdir, program.abstract_state.params)
+  return TrainedRun(config, program.model, dataset, params, step)

@@ -275,13 +275,11 @@ def _restore_or_init(program: Program,
   restored = checkpointer.restore_latest(program.abstract_state,
                                         train_iterator)
   if restored is None:
-    state = program.init()
     if program.config.init_from is None:
-      return state
-    transferred, said = init_from.load(program.config.init_from,
-                                       state.params, program.config)
+      return program.init()
+    params, said = init_from.load(program.config.init_from, program)
     _say(f'Starting from {said}.')
-    return program.start_from(transferred.params)
+    return program.start_from(params)
   latest, state = restored
   _say(f'Resumed from the checkpoint at step {latest}.')
   return state

@@ -2,6 +2,7 @@
 never deleted, and the run resumes from the newest one that verifies."""
 
 import glob
+import json
 import os
 import shutil
 import types
@@ -15,7 +16,7 @@ import pytest
 from tests.helpers.checkpoint_damage import flip_a_bit_orbax_reads_silently
 from tests.helpers.tiny_runs import tiny_config
 from train.base.errors import InputError, TrainingError
-from train.run import checkpointing
+from train.run import checkpointing, trained_run
 from train.run.program import Program
 from train.run.trainer import train_and_evaluate
 
@@ -220,3 +221,26 @@ def test_a_run_trained_to_its_end_is_evaluated_again_and_said_complete(
   assert 'Already trained to step 4, evaluated again in ' in out
   assert 'the run is complete: to train it further' in out
   assert '--- sample' not in out
+
+
+def test_a_reader_verifies_the_parameters_it_restores_alone(run, capsys):
+  """train.generate's restore reads the parameters without the optimizer
+  state, each checked against its saved checksum: one that does not match
+  skips its checkpoint (left where it is: a reader moves nothing)."""
+  _, workdir, abstract_state = run
+  step_dir = os.path.join(workdir, 'checkpoints', '4')
+  os.remove(os.path.join(step_dir, checkpointing.FILE_SIZES))
+  sums_path = os.path.join(step_dir, 'checksums', 'metadata')
+  with open(sums_path) as f:
+    sums = json.load(f)
+  name = next(path for path in sums['arrays'] if path.startswith('.params'))
+  sums['arrays'][name][0] += 1
+  with open(sums_path, 'w') as f:
+    json.dump(sums, f)
+  step, params = trained_run.restore_params(workdir, abstract_state.params)
+  assert step == 2
+  chex.assert_trees_all_equal_shapes(params, abstract_state.params)
+  assert capsys.readouterr().out == (
+      f'warning: the checkpoint of step 4 ({step_dir}) is damaged: the array '
+      f'{name} does not match its checksum; skipped.\n')
+  assert os.path.isdir(step_dir)

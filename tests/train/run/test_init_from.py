@@ -1,6 +1,7 @@
 """config.init_from's transfer of parameters between model configs."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -9,7 +10,8 @@ import pytest
 from model import ModelConfig
 from tests.helpers import tiny_runs
 from train.base.errors import InputError
-from train.run import init_from
+from train.run import checkpointing, init_from
+from train.run.program import Program
 from train.run.trainer import train_and_evaluate
 
 SOURCE = ModelConfig(d_model=8, num_heads=4, head_dim=2, num_layers=1,
@@ -123,3 +125,46 @@ def test_a_source_that_does_not_fit_is_refused_before_the_workdir_is_made(
       r'mlp_dim \(32 -> 48\)')):
     train_and_evaluate(target, str(tmp_path / 'tuned'))
   assert not (tmp_path / 'tuned').exists()
+
+
+def test_a_sharded_target_starts_from_the_parameters_alone_on_its_mesh(
+    tmp_path, data_dir):
+  """A source saved on one device starts an 8-device FSDP target that
+  scans its 2 blocks and has half the key/value heads: every parameter
+  arrives in the target's sharding, taken or pooled from the source's; the
+  source's optimizer state is not read (its checksums, made wrong, are
+  not looked at)."""
+  source_config = tiny_runs.tiny_config('lm_stdlib', data_dir)
+  source_config.model.num_layers = 2
+  source = Program.from_config(source_config, jax.devices()[:1])
+  state = source.init()
+  workdir = tmp_path / 'source'
+  tiny_runs.saved_run(source_config, workdir, {0: state})
+  sums_path = workdir / 'checkpoints' / '0' / 'checksums' / 'metadata'
+  sums = json.loads(sums_path.read_text())
+  for path in sums['arrays']:
+    if path.startswith('.opt_state'):
+      sums['arrays'][path] = [0, 0]
+  sums_path.write_text(json.dumps(sums))
+  (workdir / 'checkpoints' / '0' / checkpointing.FILE_SIZES).unlink()
+
+  target_config = tiny_runs.tiny_config('lm_stdlib', data_dir)
+  target_config.model.update(num_layers=2, num_kv_heads=1, scan_layers=True)
+  target_config.parallelism.update(data=1, fsdp=8)
+  target = Program.from_config(target_config, jax.devices())
+  params, said = init_from.load(str(workdir), target)
+  assert said.endswith('mean-pooled to fewer heads')
+  for got, want in zip(jax.tree.leaves(params),
+                       jax.tree.leaves(target.abstract_state.params)):
+    assert got.sharding == want.sharding
+  assert len(jax.tree.leaves(params)[0].sharding.device_set) == 8
+  saved = jax.device_get(state.params)['decoder']
+  stacked = jax.device_get(params)['decoder']['layers']['block_0']
+  for layer in (0, 1):
+    attention = saved[f'block_{layer}']['self_attention']
+    np.testing.assert_array_equal(
+        stacked['self_attention']['query']['kernel'][layer],
+        attention['query']['kernel'])
+    np.testing.assert_allclose(
+        stacked['self_attention']['key']['kernel'][layer],
+        attention['key']['kernel'].mean(axis=1, keepdims=True), rtol=1e-6)
