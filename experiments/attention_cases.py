@@ -14,8 +14,9 @@ from model.attention import options as variant_options
 from model.attention import fused
 from train.base.errors import InputError, did_you_mean
 
-# Variants that compute softmax(q k^T) v exactly (the FLOP count applies).
-EXACT = ('xla', 'dense', 'chunked', 'ring')
+# Variants that compute softmax(q k^T) v exactly (the FLOP count applies):
+# the fused kernel's row ('xla') and the registry's exact ones.
+EXACT = ('xla', *attention.exact_names())
 # The rows a run can measure: no mask, packed documents, right padding,
 # and plain rows under ALiBi's position bias (Press et al. 2022), T5's
 # learned buckets (Raffel et al. 2020) or logits capped at CAP (Gemma 2).

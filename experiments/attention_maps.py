@@ -22,7 +22,7 @@ from flax import traverse_util
 import matplotlib
 import numpy as np
 
-from model import layer_stack
+from model import attention, layer_stack
 from model.families import FAMILIES
 from train import cli
 from train.base import storage
@@ -36,7 +36,6 @@ from matplotlib import pyplot as plt  # noqa: E402  (after choosing Agg)
 
 
 FLAGS = flags.FLAGS
-EXACT = ('dense', 'chunked', 'ring')
 
 
 def tokens_to_draw(dataset: datasets.Dataset, config: TrainConfig,
@@ -125,10 +124,11 @@ def attention_maps(workdir: str, *, text: str | None = None,
     raise InputError(f'config.model.family={family.name!r} has no '
                      'self-attention to draw.')
   for layer_config in run.model_config.layer_configs():
-    if layer_config.attention not in EXACT:
+    if not attention.spec(layer_config.attention).exact:
       raise InputError(
           f'config.model.attention={layer_config.attention!r}: maps are '
-          f'drawn for exact softmax attention ({", ".join(EXACT)}).')
+          f'drawn for exact softmax attention '
+          f'({", ".join(attention.exact_names())}).')
   tokens = tokens_to_draw(run.dataset, run.config, text, example, max_tokens)
   layers = attention_weights(run.model, run.params, tokens)
   labels = [label(run.dataset, int(t)) for t in tokens]

@@ -47,6 +47,7 @@ from train.base.errors import InputError
 from train.config import validation as config_validation
 from train.data import datasets
 from train.run import checkpointing, pretrained, trainer
+from train.run.hf_formats import FORMATS
 from train.run import workdir as workdir_lib
 from train.run.program import Program
 
@@ -95,16 +96,25 @@ def import_config(source: str, format_name: str, config=None,
   option set. `overrides`: the keys typed as --config.KEY=...; InputError
   for one of config.model that the import sets."""
   keys = pretrained.model_keys(source, format_name)
-  preset = pretrained.FORMATS[format_name].preset
-  architecture = published.PRESETS[preset] | keys
+  preset = FORMATS[format_name].preset
   _refuse_architecture_overrides(
-      overrides, {*architecture, 'attention_options'}, source)
+      overrides, {*published.PRESETS[preset], *keys, 'attention_options'},
+      source)
   if config is None:
     config = published.get_config(preset)
-  config.model.update(architecture)
-  config.model.attention_options = default.attention_options()
+  with_architecture(config, format_name, keys)
   config.seq_len = min(config.seq_len, keys['max_len'])
   return config, keys
+
+
+def with_architecture(config: ml_collections.ConfigDict, format_name: str,
+                      keys: dict) -> ml_collections.ConfigDict:
+  """`config` with the format's architecture (its preset's config.model
+  keys, `keys` over them, no attention option set) over config.model, in
+  place; the other keys (its layout: dtype, scan_layers, ...) kept."""
+  config.model.update(published.PRESETS[FORMATS[format_name].preset] | keys)
+  config.model.attention_options = default.attention_options()
+  return config
 
 
 def _check_new(workdir: str) -> None:
@@ -167,7 +177,7 @@ def main(argv: list[str]) -> None:
 def _define_flags() -> None:
   flags.DEFINE_string('from', None, 'A Hugging Face model directory: '
                       'config.json and *.safetensors.')
-  flags.DEFINE_enum('format', None, list(pretrained.FORMATS),
+  flags.DEFINE_enum('format', None, list(FORMATS),
                     'The architecture of the checkpoint.')
   flags.DEFINE_string('workdir', None, 'The new run\'s workdir.')
   config_flags.DEFINE_config_file(

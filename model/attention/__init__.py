@@ -55,6 +55,9 @@ class Variant:
   # other options). A variant with parameters needs nothing else from the
   # model (options.py).
   parameters: Callable[..., dict[str, Any]] | None = None
+  # Computes dense's function (softmax over every allowed key) exactly, by
+  # another algorithm or layout, not an approximation or a sparser pattern.
+  exact: bool = False
 
   @property
   def reads_cache(self) -> bool:
@@ -65,9 +68,10 @@ class Variant:
 
 _REGISTRY: dict[str, Variant] = {
     'dense': Variant(scaled_dot_product_attention, causal=True, masks='any',
-                     bias=True, dropout=True, longer_keys=True),
+                     bias=True, dropout=True, longer_keys=True, exact=True),
     'chunked': Variant(chunked.chunked_attention, causal=True, masks='any',
-                       bias=True, dropout=False, longer_keys=True),
+                       bias=True, dropout=False, longer_keys=True,
+                       exact=True),
     'local': Variant(sparse.local_attention, causal=True, masks='any',
                      bias=True, dropout=False, self_only=True),
     'strided': Variant(sparse.strided_attention, causal=True, masks='any',
@@ -90,7 +94,7 @@ _REGISTRY: dict[str, Variant] = {
                         dot_product=False,
                         parameters=kernel.hedgehog_parameters),
     'ring': Variant(ring.ring_attention, causal=True, masks='any', bias=True,
-                    dropout=False, self_only=True),
+                    dropout=False, self_only=True, exact=True),
     'memory_compressed': Variant(
         compressed.memory_compressed_attention, causal=True,
         masks='key_padding', bias=False, dropout=False, self_only=True,
@@ -123,6 +127,11 @@ def spec(name: str) -> Variant:
     raise ValueError(
         f'unknown attention {name!r}; registered: {", ".join(names())}.'
     ) from None
+
+
+def exact_names() -> list[str]:
+  """Names of the attention functions that compute dense's exactly."""
+  return [name for name in names() if _REGISTRY[name].exact]
 
 
 def fastest_exact(*, dropout: bool = False) -> str:

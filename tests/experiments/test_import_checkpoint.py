@@ -17,12 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
-import transformers
 
-from configs import published
+from configs import lm_stdlib, published
 from model import ModelConfig, build
 from model.state import Cache
-from tests.helpers import REPO
+from tests.helpers import REPO, hf_models
 from train import generate
 from train.base import storage
 from train.base.errors import InputError
@@ -32,47 +31,13 @@ from experiments.import_checkpoint import import_checkpoint, import_config
 from train.run import pretrained, trained_run
 from train.run.trainer import train_and_evaluate
 
-# The byte dataset's ids (padding, end of sequence, 256 bytes) are the
-# tiny models' vocabulary.
-VOCAB = 258
 PROMPT = 'def f'
-TOKENS_BxT = jnp.asarray(np.random.RandomState(0).randint(2, VOCAB, (2, 24)))
-
-
-def _reference(name: str, **llama):
-  """A tiny Hugging Face model of architecture `name` (`llama`: more
-  LlamaConfig keys), every parameter random (biases and norm gains
-  too)."""
-  if name == 'gpt2':
-    model = transformers.FlaxGPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64),
-                                             seed=0)
-  else:
-    # rope_theta stays at 10000: the Flax Llama ignores any other.
-    model = transformers.FlaxLlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=64, vocab_size=VOCAB,
-        max_position_embeddings=64, rms_norm_eps=1e-5, **llama), seed=0)
-  leaves, tree = jax.tree.flatten(model.params)
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  model.params = jax.tree.unflatten(tree, [
-      leaf + 0.1 * jax.random.normal(key, leaf.shape)
-      for leaf, key in zip(leaves, keys)])
-  return model
-
-
-def _saved(name: str, tmp_path) -> tuple:
-  """(the reference, the directory it is saved in)."""
-  reference = _reference(name)
-  saved = str(tmp_path / f'hf_{name}')
-  reference.save_pretrained(saved, safe_serialization=True)
-  return reference, saved
 
 
 def _import(name: str, tmp_path, data_dir: str, **model) -> tuple:
   """(the reference, the workdir it was imported into with `model`'s
   config.model keys)."""
-  reference, saved = _saved(name, tmp_path)
+  reference, saved = hf_models.saved(name, tmp_path)
   config = published.get_config(name)
   config.update(data_dir=data_dir, seq_len=32, batch_size=4)
   config.model.update(model)
@@ -84,7 +49,7 @@ def _import(name: str, tmp_path, data_dir: str, **model) -> tuple:
 @pytest.fixture(scope='module')
 def gpt2_saved(tmp_path_factory):
   """The tiny GPT-2 reference and its directory (not imported)."""
-  return _saved('gpt2', tmp_path_factory.mktemp('gpt2'))
+  return hf_models.saved('gpt2', tmp_path_factory.mktemp('gpt2'))
 
 
 def _gpt2_config(data_dir: str):
@@ -104,19 +69,19 @@ def _check_parity(reference, workdir: str) -> None:
   and train.generate's greedy text the reference's."""
   run = trained_run.load(workdir)
   variables = {'params': run.params}
-  logits, _ = run.model.apply(variables, TOKENS_BxT)
-  assert _relative_error(logits, reference(TOKENS_BxT).logits) < 1e-5
+  logits, _ = run.model.apply(variables, hf_models.TOKENS_BxT)
+  assert _relative_error(logits, reference(hf_models.TOKENS_BxT).logits) < 1e-5
 
   # The prompt in one call, then one token a call (one compiled step).
-  length = TOKENS_BxT.shape[1]
-  cache = Cache.empty(run.model_config, TOKENS_BxT.shape[0], length)
-  positions = jnp.broadcast_to(jnp.arange(length), TOKENS_BxT.shape)
-  cached, cache = run.model.apply(variables, TOKENS_BxT[:, :8],
+  length = hf_models.TOKENS_BxT.shape[1]
+  cache = Cache.empty(run.model_config, hf_models.TOKENS_BxT.shape[0], length)
+  positions = jnp.broadcast_to(jnp.arange(length), hf_models.TOKENS_BxT.shape)
+  cached, cache = run.model.apply(variables, hf_models.TOKENS_BxT[:, :8],
                                   positions[:, :8], cache=cache)
   steps = [cached]
   step_fn = jax.jit(functools.partial(run.model.apply, variables))
   for t in range(8, length):
-    step, cache = step_fn(TOKENS_BxT[:, t:t + 1], positions[:, t:t + 1],
+    step, cache = step_fn(hf_models.TOKENS_BxT[:, t:t + 1], positions[:, t:t + 1],
                           cache=cache)
     steps.append(step)
   assert _relative_error(jnp.concatenate(steps, 1), logits) < 1e-5
@@ -206,7 +171,7 @@ def test_a_tied_llama_as_flax_saves_it_reads_out_through_its_embedding(
   where the config ties them: the logits are h E^T, the reference's with
   its head set to the embedding (the Flax Llama has no tying of its own),
   and the import says that the head is not read."""
-  reference = _reference('llama', tie_word_embeddings=True)
+  reference = hf_models.reference('llama', tie_word_embeddings=True)
   saved = tmp_path / 'tied'
   reference.save_pretrained(str(saved), safe_serialization=True)
   assert 'lm_head.kernel' in load_file(str(saved / 'model.safetensors'))
@@ -220,7 +185,7 @@ def test_a_tied_llama_as_flax_saves_it_reads_out_through_its_embedding(
   model = build(ModelConfig.from_mapping(config.model))
   logits, _ = model.apply(
       {'params': pretrained.params(str(saved), 'hf_llama', keys)},
-      TOKENS_BxT)
+      hf_models.TOKENS_BxT)
   assert capsys.readouterr().out == (
       f'--from={saved}: lm_head.kernel is not read: its config.json ties '
       'the readout to the embedding (tie_word_embeddings), as transformers '
@@ -229,7 +194,7 @@ def test_a_tied_llama_as_flax_saves_it_reads_out_through_its_embedding(
   tied = params | {'lm_head': {
       'kernel': params['model']['embed_tokens']['embedding'].T}}
   assert _relative_error(
-      logits, reference(TOKENS_BxT, params=tied).logits) < 1e-5
+      logits, reference(hf_models.TOKENS_BxT, params=tied).logits) < 1e-5
 
 
 def test_a_workdir_that_holds_a_run_is_refused_and_keeps_it(
@@ -355,7 +320,7 @@ def test_llama_configs_the_model_cannot_express(tmp_path, key):
   with open(tmp_path / 'config.json', 'w') as f:
     json.dump({'model_type': 'llama', 'hidden_size': 32,
                'num_attention_heads': 4, 'num_hidden_layers': 1,
-               'intermediate_size': 64, 'vocab_size': VOCAB, key: value}, f)
+               'intermediate_size': 64, 'vocab_size': hf_models.VOCAB, key: value}, f)
   with pytest.raises(InputError, match=re.escape(message)):
     pretrained.model_keys(str(tmp_path), 'hf_llama')
 
@@ -389,6 +354,14 @@ COMMANDS = {
          '--workdir={tmp}/t'],
         '--config=configs/published.py:from={tmp}/garbled: '
         '{tmp}/garbled/config.json cannot be read ('),
+    # {tmp}/alibi holds the config.json of make train's model.
+    'exporting a model the format cannot express': (
+        'experiments.export_checkpoint',
+        ['--workdir={tmp}/alibi', '--format=hf_gpt2', '--to={tmp}/out'],
+        "--format=hf_gpt2 cannot express this run's model: config.model "
+        "differs in qk_norm ('rmsnorm' -> 'none'), position ('alibi' -> "
+        "'learned'), tie_embeddings (False -> True), scale_tied_readout "
+        "(True -> False) (the run's value -> the format's)."),
 }
 
 
@@ -399,6 +372,9 @@ def outcomes(gpt2_saved, tmp_path_factory) -> dict[str, tuple[dict, str]]:
   tmp = tmp_path_factory.mktemp('commands')
   (tmp / 'garbled').mkdir()
   (tmp / 'garbled' / 'config.json').write_text('{')
+  (tmp / 'alibi').mkdir()
+  (tmp / 'alibi' / 'config.json').write_text(
+      lm_stdlib.get_config().to_json_best_effort())
   named = lambda text: text.format(tmp=tmp, hf=gpt2_saved[1])
   cases = [(module, list(map(named, args)))
            for module, args, _ in COMMANDS.values()]
