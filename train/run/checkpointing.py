@@ -44,6 +44,7 @@ record is damaged.
 
 from collections.abc import Callable
 import contextlib
+import functools
 import hashlib
 import itertools
 import json
@@ -85,27 +86,56 @@ class Damaged(Exception):
   says what is wrong."""
 
 
-@jax.jit
-def _array_sums(state):
+# Elements summed at a time in an array held whole on each of its devices:
+# the sums' temporaries are this long, not the array's (the CPU materialises
+# an integer reduction's operand: whole arrays' would double a restore's
+# peak memory). A sharded array is summed whole, its shards where they
+# are (slicing it would gather it).
+_CHUNK = 1 << 18
+
+
+def _chunk_sums(x: jax.Array, start) -> jax.Array:
+  """[sum of bits * (2i + 1), sum of bits ^ (i * 0x9E3779B9)] mod 2^32 of
+  the elements of `x` (flat), the first being element `start` overall."""
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  bits = jax.lax.bitcast_convert_type(
+      x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32)
+  index = jnp.uint32(start) + jnp.arange(x.size, dtype=jnp.uint32)
+  return jnp.stack([jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32),
+                    jnp.sum(bits ^ (index * jnp.uint32(0x9E3779B9)),
+                            dtype=jnp.uint32)])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _array_sums(state, whole: tuple[bool, ...]):
   """Per array, [sum of bits * (2i + 1), sum of bits ^ (i * 0x9E3779B9)]
-  mod 2^32 over its elements i: one flipped bit changes the first."""
-  def sums(x):
+  mod 2^32 over its elements i: one flipped bit changes the first. Summed
+  _CHUNK elements at a time (the sums do not depend on the order) where
+  `whole` (one per leaf) says the array is held whole."""
+  def sums(x, held_whole):
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
       x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:
-      x = x.astype(jnp.uint8)
-    bits = jax.lax.bitcast_convert_type(
-        x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32).ravel()
-    index = jnp.arange(bits.size, dtype=jnp.uint32)
-    return jnp.stack([jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32),
-                      jnp.sum(bits ^ (index * jnp.uint32(0x9E3779B9)),
-                              dtype=jnp.uint32)])
-  return jax.tree.map(sums, state)
+    x = x.ravel()
+    chunks = x.size // _CHUNK if held_whole else 0
+    total = _chunk_sums(x[chunks * _CHUNK:], chunks * _CHUNK)
+    if chunks:
+      total += jax.lax.fori_loop(
+          0, chunks, lambda i, total: total + _chunk_sums(
+              jax.lax.dynamic_slice(x, (i * _CHUNK,), (_CHUNK,)),
+              i * _CHUNK), jnp.zeros(2, jnp.uint32))
+    return total
+
+  leaves, tree = jax.tree.flatten(state)
+  return jax.tree.unflatten(tree, list(map(sums, leaves, whole)))
 
 
 def _arrays_checksums(tree: Any) -> dict[str, list[int]]:
   """{path: [sum, sum]} of a tree's arrays (see _array_sums)."""
-  sums = jax.device_get(_array_sums(tree))
+  whole = tuple(getattr(leaf, 'sharding', None) is None
+                or leaf.sharding.is_fully_replicated
+                for leaf in jax.tree.leaves(tree))
+  sums = jax.device_get(_array_sums(tree, whole))
   return {jax.tree_util.keystr(path): [int(v) for v in value]
           for path, value in jax.tree_util.tree_leaves_with_path(sums)}
 

@@ -244,3 +244,20 @@ def test_a_reader_verifies_the_parameters_it_restores_alone(run, capsys):
       f'warning: the checkpoint of step 4 ({step_dir}) is damaged: the array '
       f'{name} does not match its checksum; skipped.\n')
   assert os.path.isdir(step_dir)
+
+
+def test_checksums_in_chunks_and_over_shards_are_the_formula_written_out():
+  """An array of 2.5 of the chunks summed at a time, held on one device
+  (summed chunk by chunk) and sharded over 8 (summed whole): both give the
+  two sums of its bits computed in numpy."""
+  size = 5 * checkpointing._CHUNK // 2
+  values = np.random.RandomState(0).randn(size // 8, 8).astype(np.float32)
+  bits = values.view(np.uint32).ravel().astype(np.uint64)
+  index = np.arange(size, dtype=np.uint64)
+  want = [int(np.sum(bits * (2 * index + 1) % 2**32) % 2**32),
+          int(np.sum(bits ^ (index * 0x9E3779B9 % 2**32)) % 2**32)]
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
+  sharded = jax.device_put(values, jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec('x')))
+  for array in (jax.device_put(values, jax.devices()[0]), sharded):
+    assert checkpointing.checksums(array, {})['arrays'] == {'': want}
