@@ -20,11 +20,12 @@ holding its own rows': the hosts' are gathered and saved once, as JSON,
 and every host restores its rows from it, so it too resumes with any
 number of hosts.
 
-Each checkpoint also holds checksums (item `checksums`): two 32-bit sums of
-each array's bits, weighted by position, computed on the devices where the
-arrays are (a single flipped bit changes the first), and a SHA-256 of the
-data iterator's state; once orbax has committed it, the size of each of its
-files is recorded in `<step>/file_sizes.json`. A restore first checks the
+Each checkpoint also holds checksums (item `checksums`, train/run/
+checksums.py): two 32-bit sums of each array's bits, weighted by position,
+computed on the devices where the arrays are (a single flipped bit changes
+the first), and a SHA-256 of the data iterator's state; once orbax has
+committed it, the size of each of its files is recorded in
+`<step>/file_sizes.json`. A restore first checks the
 files (none missing or cut), then recomputes and compares the checksums. A
 checkpoint that fails, or that orbax cannot read, is reported in one line,
 moved to `corrupt_checkpoints/<step>` beside `checkpoints` (never deleted;
@@ -44,8 +45,6 @@ record is damaged.
 
 from collections.abc import Callable
 import contextlib
-import functools
-import hashlib
 import itertools
 import json
 import shutil
@@ -54,7 +53,6 @@ from typing import Any
 import grain
 import jax
 from jax.experimental import multihost_utils
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from model import layer_stack
@@ -62,6 +60,7 @@ from train.base import hosts, quiet, storage
 from train.base.errors import InputError, StoreFailure, TrainingError
 from train.data import pipeline
 from train.program.steps import TrainState
+from train.run import checksums
 
 # Marks orbax's directory of a checkpoint still being written.
 INCOMPLETE_SUFFIX = ocp.path.atomicity_types.TMP_DIR_SUFFIX
@@ -76,78 +75,9 @@ CORRUPT = 'corrupt_checkpoints'
 FILE_SIZES = 'file_sizes.json'
 # In the checkpoints directory: {step: checksums} of the checkpoints saved.
 LEDGER = 'checksums.json'
-_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
-# The parameters' paths in a state's checksums.
-_PARAMS = '.params'
-
-
 class Damaged(Exception):
   """A checkpoint that cannot be read or fails its checksums; the message
   says what is wrong."""
-
-
-# Elements summed at a time in an array held whole on each of its devices:
-# the sums' temporaries are this long, not the array's (the CPU materialises
-# an integer reduction's operand: whole arrays' would double a restore's
-# peak memory). A sharded array is summed whole, its shards where they
-# are (slicing it would gather it).
-_CHUNK = 1 << 18
-
-
-def _chunk_sums(x: jax.Array, start) -> jax.Array:
-  """[sum of bits * (2i + 1), sum of bits ^ (i * 0x9E3779B9)] mod 2^32 of
-  the elements of `x` (flat), the first being element `start` overall."""
-  if x.dtype == jnp.bool_:
-    x = x.astype(jnp.uint8)
-  bits = jax.lax.bitcast_convert_type(
-      x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32)
-  index = jnp.uint32(start) + jnp.arange(x.size, dtype=jnp.uint32)
-  return jnp.stack([jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32),
-                    jnp.sum(bits ^ (index * jnp.uint32(0x9E3779B9)),
-                            dtype=jnp.uint32)])
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _array_sums(state, whole: tuple[bool, ...]):
-  """Per array, [sum of bits * (2i + 1), sum of bits ^ (i * 0x9E3779B9)]
-  mod 2^32 over its elements i: one flipped bit changes the first. Summed
-  _CHUNK elements at a time (the sums do not depend on the order) where
-  `whole` (one per leaf) says the array is held whole."""
-  def sums(x, held_whole):
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-      x = jax.random.key_data(x)
-    x = x.ravel()
-    chunks = x.size // _CHUNK if held_whole else 0
-    total = _chunk_sums(x[chunks * _CHUNK:], chunks * _CHUNK)
-    if chunks:
-      total += jax.lax.fori_loop(
-          0, chunks, lambda i, total: total + _chunk_sums(
-              jax.lax.dynamic_slice(x, (i * _CHUNK,), (_CHUNK,)),
-              i * _CHUNK), jnp.zeros(2, jnp.uint32))
-    return total
-
-  leaves, tree = jax.tree.flatten(state)
-  return jax.tree.unflatten(tree, list(map(sums, leaves, whole)))
-
-
-def _arrays_checksums(tree: Any) -> dict[str, list[int]]:
-  """{path: [sum, sum]} of a tree's arrays (see _array_sums)."""
-  whole = tuple(getattr(leaf, 'sharding', None) is None
-                or leaf.sharding.is_fully_replicated
-                for leaf in jax.tree.leaves(tree))
-  sums = jax.device_get(_array_sums(tree, whole))
-  return {jax.tree_util.keystr(path): [int(v) for v in value]
-          for path, value in jax.tree_util.tree_leaves_with_path(sums)}
-
-
-def checksums(state: TrainState, data_state: dict) -> dict:
-  """{'arrays': {path: [sum, sum]}, 'data': sha256} of a state and the data
-  iterator's state."""
-  return {'arrays': _arrays_checksums(state),
-          # Over the state as JSON gives it back, keys sorted.
-          'data': hashlib.sha256(json.dumps(
-              json.loads(json.dumps(data_state)),
-              sort_keys=True).encode()).hexdigest()}
 
 
 def _record_file_sizes(step_dir: str) -> None:
@@ -180,7 +110,7 @@ def _missing_or_cut(step_dir: str, exempt: str | None = None) -> str | None:
 
 
 def _read_ledger(directory: str) -> dict[str, dict]:
-  """The ledger of `directory`: its entries shaped as checksums() gives
+  """The ledger of `directory`: its entries shaped as checksums.of_state gives
   them, none if it is missing or cannot be read (the checkpoints' own
   checksums still verify them)."""
   try:
@@ -200,38 +130,8 @@ def _write_ledger(directory: str, step: int, sums: dict) -> None:
   ledger = {name: value for name, value in _read_ledger(directory).items()
             if (storage.path(directory) / name).is_dir()}
   ledger[str(step)] = sums
-  # In tree order, as _mismatch reads them.
+  # In tree order, as checksums.mismatch reads them.
   storage.write_whole(storage.path(directory) / LEDGER, json.dumps(ledger))
-
-
-def _mismatch(saved: dict, got: dict) -> str | None:
-  """What differs between saved and recomputed checksums (None: nothing).
-  Arrays are compared in tree order, their saved names only said."""
-  if len(saved['arrays']) != len(got['arrays']):
-    return (f'{len(saved["arrays"])} arrays were saved, '
-            f'{len(got["arrays"])} restored')
-  for (path, value), got_value in zip(saved['arrays'].items(),
-                                      got['arrays'].values()):
-    if got_value != value:
-      return f'the array {path} does not match its checksum'
-  if saved['data'] != got['data']:
-    return "the data iterator's state does not match its checksum"
-  return None
-
-
-def _params_mismatch(saved: dict, params: Any) -> str | None:
-  """What differs between the saved checksums of a state's parameters and
-  those of `params`, restored alone (None: nothing)."""
-  got = _arrays_checksums(params)
-  want = {path[len(_PARAMS):]: value
-          for path, value in saved['arrays'].items()
-          if path.startswith(_PARAMS)}
-  if len(want) != len(got):
-    return f'{len(want)} parameter arrays were saved, {len(got)} restored'
-  for path, value in got.items():
-    if want.get(path) != value:
-      return f'the array {_PARAMS}{path} does not match its checksum'
-  return None
 
 
 def _placed(tree: Any, saved_as: Any, abstract: Any) -> Any:
@@ -271,7 +171,8 @@ class Checkpointer:
 
   The run that trains opens them to write; anything else (a tool reading a
   live run's checkpoints) opens them `read_only`, which leaves a save in
-  flight alone.
+  flight alone and restores parameters only (`restore_params`,
+  `restore_latest_params`).
   """
 
   def __init__(self, workdir: str, *, keep: int, read_only: bool = False):
@@ -400,15 +301,38 @@ class Checkpointer:
     verified as saved, then converted (model/layer_stack.py).
     """
     saved_tree = self._saved_tree(step)
+    if saved_tree is not None and saved_tree.get('opt_state') is None:
+      return self._restore_start(step, abstract_state, saved_tree,
+                                 data_iterator)
     saved_as = (abstract_state if saved_tree is None
                 else layer_stack.relayout(abstract_state, saved_tree))
     restored = self._read(
         step, ocp.args.StandardRestore(saved_as), data=True,
-        mismatch=lambda saved, restored: _mismatch(
-            saved, checksums(restored['state'], restored['data'])))
+        mismatch=lambda saved, restored: checksums.mismatch(
+            saved, checksums.of_state(restored['state'], restored['data'])))
     if data_iterator is not None:
       data_iterator.set_state(restored['data'])
     return _placed(restored['state'], saved_as, abstract_state)
+
+  def _restore_start(self, step: int, abstract_state: TrainState,
+                     saved_tree: dict,
+                     data_iterator: grain.DatasetIterator | None
+                     ) -> TrainState:
+    """A start (`save` of a state without an optimizer state: an import's
+    step 0): its parameters and data position, verified; its optimizer
+    state None, for the caller to make fresh (Program.start_from)."""
+    saved_as = layer_stack.relayout(abstract_state.params,
+                                    saved_tree['params'])
+    # It holds nothing else: read whole.
+    restored = self._read(
+        step, ocp.args.StandardRestore(TrainState(
+            step=abstract_state.step, params=saved_as, opt_state=None)),
+        data=True, mismatch=lambda saved, restored: checksums.mismatch(
+            saved, checksums.of_state(restored['state'], restored['data'])))
+    if data_iterator is not None:
+      data_iterator.set_state(restored['data'])
+    return restored['state'].replace(params=_placed(
+        restored['state'].params, saved_as, abstract_state.params))
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
     """The parameters saved at `step`, and nothing else of the state (not
@@ -424,8 +348,8 @@ class Checkpointer:
         step, ocp.args.PyTreeRestore(
             item=item, partial_restore=True,
             restore_args=ocp.checkpoint_utils.construct_restore_args(item)),
-        data=False, mismatch=lambda saved, restored: _params_mismatch(
-            saved, restored['state']['params']))
+        data=False, mismatch=lambda saved, restored: (
+            checksums.params_mismatch(saved, restored['state']['params'])))
     return _placed(restored['state']['params'], saved_as, abstract_params)
 
   def _read(self, step: int, state_args, *, data: bool,
@@ -579,7 +503,7 @@ class Checkpointer:
       # Each host's iterator holds the state of its own rows of the batch:
       # a checkpoint holds every row's, to resume on any number of hosts.
       data_state = pipeline.merged_rows(hosts.gathered(data_state))
-    sums = checksums(state, data_state)
+    sums = checksums.of_state(state, data_state)
 
     def start() -> None:
       if jax.process_index() == 0:

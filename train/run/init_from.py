@@ -12,7 +12,8 @@ refused, naming the parameters and the config.model keys that differ:
 
 `load` reads the source's parameters alone (never its optimizer state),
 sharded on the target's mesh as they arrive, and transfers them there in
-one compiled function: a model larger than one device starts from another.
+one compiled function, which initialises only the new ones: a model larger
+than one device starts from another.
 """
 
 import dataclasses
@@ -250,14 +251,15 @@ def _on_mesh(leaf: jax.ShapeDtypeStruct, mesh: Mesh) -> jax.ShapeDtypeStruct:
       mesh, spec if divides else P()))
 
 
-def load(init_from: str, program: Program) -> tuple[Any, str]:
-  """(`program`'s parameters from the source's checkpoint, a line saying
-  where they came from): the source's parameters alone (not its optimizer
-  state) are read straight onto `program`'s mesh, sharded as there, and
-  mapped onto its parameters there (`transfer`), none of them gathered
-  onto one device; fresh ones are initialised only where a parameter is
-  new. InputError, naming config.init_from, when the source has no
-  checkpoint that verifies or its parameters do not fit."""
+def load(init_from: str, program: Program) -> tuple[Transferred, str]:
+  """(`program`'s parameters from the source's checkpoint and how each was
+  obtained, a line saying where they came from): the source's parameters
+  alone (not its optimizer state) are read straight onto `program`'s
+  mesh, sharded as there, and mapped onto its parameters there
+  (`transfer`) in one compiled function, which initialises only the new
+  ones; none is gathered onto one device. InputError, naming
+  config.init_from, when the source has no checkpoint that verifies or its
+  parameters do not fit."""
   run, step, source = _source(init_from)
   abstract = program.abstract_state.params
   have = _flat(layer_stack.unstacked(source.abstract_state.params))
@@ -269,14 +271,17 @@ def load(init_from: str, program: Program) -> tuple[Any, str]:
                           source.abstract_state.params), step)
   except (InputError, TrainingError) as error:
     raise InputError(f'config.init_from={init_from}: {error}') from None
-  fresh = program.init_params() if 'fresh' in ways.values() else None
+  # Fresh parameters initialised in the same program, which keeps only
+  # those that are new.
+  fresh = 'fresh' in ways.values()
   params = jax.jit(
-      lambda source_params, fresh: _transferred(source_params, fresh, ways,
-                                                abstract),
+      lambda source_params: _transferred(
+          source_params, program.init_params() if fresh else None, ways,
+          abstract),
       out_shardings=jax.tree.map(lambda leaf: leaf.sharding, abstract))(
-          source_params, fresh)
+          source_params)
   transferred = _described(params, ways, have)
   said = f'the parameters of {init_from} at step {step}'
   if source.config.dataset != program.config.dataset:
     said += f' (trained on config.dataset={source.config.dataset!r})'
-  return params, f'{said}: {transferred.summary()}'
+  return transferred, f'{said}: {transferred.summary()}'

@@ -13,6 +13,7 @@ import ml_collections
 from model import ModelConfig
 from train.base import storage
 from train.base.errors import InputError
+from train.base import train_config
 from train.base.train_config import TrainConfig
 from train.data import datasets
 from train.decode import decoding
@@ -43,7 +44,11 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   if not path.exists():
     raise InputError(f'{path} does not exist: --workdir must be a training '
                      'run\'s workdir.')
-  config = ml_collections.ConfigDict(workdir_lib.run_config(workdir))
+  values = workdir_lib.run_config(workdir)
+  # Training keys added since the run was written hold their defaults.
+  for key, value in train_config.defaults().to_dict().items():
+    values.setdefault(key, value)
+  config = ml_collections.ConfigDict(values)
   config.parallelism.update(data=-1, fsdp=1, tensor=1, sequence=1,
                             strategy='pjit', dcn_data=1)
   config.distributed = False
@@ -78,7 +83,8 @@ def restore_params(workdir: str, abstract_params: Any,
 
 def load(workdir: str, decoder: str | None = None) -> TrainedRun:
   """The run in `workdir` at its newest checkpoint that verifies (see
-  checkpointing.Checkpointer.restore_latest); InputError if it has none.
+  checkpointing.Checkpointer.restore_latest_params); InputError if it has
+  none.
   `decoder`, the module of the command that decodes the run: InputError
   first, before any checkpoint is read, unless it is its task's
   (Task.decode_command) and the model reads a key/value cache."""

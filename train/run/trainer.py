@@ -121,9 +121,9 @@ def _decoding_evaluation(config: TrainConfig,
   return evaluate
 
 
-def _evaluation(config: TrainConfig, dataset: datasets.Dataset,
-                program: Program, workdir: str, layout: str
-                ) -> Callable[[Any], dict[str, float]]:
+def evaluation(config: TrainConfig, dataset: datasets.Dataset,
+               program: Program, workdir: str, layout: str
+               ) -> Callable[[Any], dict[str, float]]:
   """params -> the evaluation's summary: config.num_eval_steps batches of
   config.eval_split in rows of `layout`, and the decoding evaluation."""
   evaluate_decoding = _decoding_evaluation(config, dataset, program,
@@ -277,10 +277,13 @@ def _restore_or_init(program: Program,
   if restored is None:
     if program.config.init_from is None:
       return program.init()
-    params, said = init_from.load(program.config.init_from, program)
+    transferred, said = init_from.load(program.config.init_from, program)
     _say(f'Starting from {said}.')
-    return program.start_from(params)
+    return program.start_from(transferred.params)
   latest, state = restored
+  if state.opt_state is None:  # A start: an import's parameters.
+    _say(f'Starting from the parameters of the checkpoint at step {latest}.')
+    return program.start_from(state.params)
   _say(f'Resumed from the checkpoint at step {latest}.')
   return state
 
@@ -369,8 +372,8 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
   dataset = datasets.load(config, workdir)
   config_validation.check_dataset_fits(config, dataset)
 
-  evaluate = _evaluation(config, dataset, program, workdir,
-                         row_layout(config))
+  evaluate = evaluation(config, dataset, program, workdir,
+                        row_layout(config))
   checkpointer = checkpointing.Checkpointer(workdir,
                                             keep=config.keep_checkpoints)
   checkpointer.check_space_to_train(program.abstract_state)

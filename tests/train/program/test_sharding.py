@@ -23,7 +23,7 @@ from tests.helpers import config_overrides
 from train.base.errors import InputError
 from train.base.train_config import TrainConfig
 from train.config import validation as config_validation
-from train.run import checkpointing
+from train.run import checkpointing, trained_run
 from train.run.program import Program
 from train.run.trainer import train_and_evaluate
 
@@ -293,6 +293,14 @@ def test_a_checkpoint_restores_into_the_other_layout_of_the_blocks(
   for got, expected, placed in zip(
       jax.tree.leaves(restored), jax.tree.leaves(want),
       jax.tree.leaves(target.state_sharding)):
+    np.testing.assert_array_equal(np.asarray(got), expected)
+    assert got.sharding == placed
+  # A reader's restore of the parameters alone converts them alike.
+  _, params = trained_run.restore_params(str(tmp_path),
+                                         target.abstract_state.params)
+  for got, expected, placed in zip(
+      jax.tree.leaves(params), jax.tree.leaves(want.params),
+      jax.tree.leaves(target.state_sharding.params)):
     np.testing.assert_array_equal(np.asarray(got), expected)
     assert got.sharding == placed
 

@@ -13,10 +13,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from experiments.import_checkpoint import write_start
 from tests.helpers.checkpoint_damage import flip_a_bit_orbax_reads_silently
 from tests.helpers.tiny_runs import tiny_config
 from train.base.errors import InputError, TrainingError
-from train.run import checkpointing, trained_run
+from train.data import datasets
+from train.run import checkpointing, checksums, metrics, trained_run
 from train.run.program import Program
 from train.run.trainer import train_and_evaluate
 
@@ -248,16 +250,38 @@ def test_a_reader_verifies_the_parameters_it_restores_alone(run, capsys):
 
 def test_checksums_in_chunks_and_over_shards_are_the_formula_written_out():
   """An array of 2.5 of the chunks summed at a time, held on one device
-  (summed chunk by chunk) and sharded over 8 (summed whole): both give the
-  two sums of its bits computed in numpy."""
-  size = 5 * checkpointing._CHUNK // 2
-  values = np.random.RandomState(0).randn(size // 8, 8).astype(np.float32)
+  (summed chunk by chunk) and sharded over 8 by rows or by columns (summed
+  in its shape): each gives the two sums of its bits computed in numpy."""
+  size = 5 * checksums.CHUNK // 2
+  values = np.random.RandomState(0).randn(size // 16, 16).astype(np.float32)
   bits = values.view(np.uint32).ravel().astype(np.uint64)
   index = np.arange(size, dtype=np.uint64)
   want = [int(np.sum(bits * (2 * index + 1) % 2**32) % 2**32),
           int(np.sum(bits ^ (index * 0x9E3779B9 % 2**32)) % 2**32)]
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
-  sharded = jax.device_put(values, jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec('x')))
-  for array in (jax.device_put(values, jax.devices()[0]), sharded):
-    assert checkpointing.checksums(array, {})['arrays'] == {'': want}
+  placed = [jax.device_put(values, jax.devices()[0])] + [
+      jax.device_put(values, jax.sharding.NamedSharding(mesh, spec))
+      for spec in (jax.sharding.PartitionSpec('x'),
+                   jax.sharding.PartitionSpec(None, 'x'))]
+  for array in placed:
+    assert checksums.of_state(array, {})['arrays'] == {'': want}
+
+
+def test_a_start_resumes_as_a_fresh_run_from_its_parameters(data_dir,
+                                                          tmp_path, capsys):
+  """A workdir whose checkpoint of step 0 holds parameters alone (an
+  import's) trains as a fresh run from those parameters: the same losses,
+  bit for bit, its optimizer state made fresh."""
+  config = tiny_config('lm_stdlib', data_dir)
+  config.update(num_train_steps=2, eval_every=0, checkpoint_every=0,
+                sample_length=0)
+  program = Program.from_config(config)
+  write_start(config, program, datasets.load(program.config, str(tmp_path)),
+              program.init().params, str(tmp_path / 'start'))
+  train_and_evaluate(config, str(tmp_path / 'start'))
+  assert ('Starting from the parameters of the checkpoint at step 0.'
+          in capsys.readouterr().out)
+  train_and_evaluate(config, str(tmp_path / 'fresh'))
+  losses = lambda run: [line['loss'] for line in metrics.read_metrics(
+      str(tmp_path / run / 'metrics.jsonl')) if 'loss' in line]
+  assert losses('start') == losses('fresh') and len(losses('fresh')) == 1

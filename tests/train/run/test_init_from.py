@@ -10,7 +10,7 @@ import pytest
 from model import ModelConfig
 from tests.helpers import tiny_runs
 from train.base.errors import InputError
-from train.run import checkpointing, init_from
+from train.run import checkpointing, init_from, trained_run
 from train.run.program import Program
 from train.run.trainer import train_and_evaluate
 
@@ -152,7 +152,8 @@ def test_a_sharded_target_starts_from_the_parameters_alone_on_its_mesh(
   target_config.model.update(num_layers=2, num_kv_heads=1, scan_layers=True)
   target_config.parallelism.update(data=1, fsdp=8)
   target = Program.from_config(target_config, jax.devices())
-  params, said = init_from.load(str(workdir), target)
+  transferred, said = init_from.load(str(workdir), target)
+  params = transferred.params
   assert said.endswith('mean-pooled to fewer heads')
   for got, want in zip(jax.tree.leaves(params),
                        jax.tree.leaves(target.abstract_state.params)):
@@ -168,3 +169,16 @@ def test_a_sharded_target_starts_from_the_parameters_alone_on_its_mesh(
     np.testing.assert_allclose(
         stacked['self_attention']['key']['kernel'][layer],
         attention['key']['kernel'].mean(axis=1, keepdims=True), rtol=1e-6)
+
+
+def test_a_run_recorded_before_a_key_existed_reads_its_default(
+    tmp_path, data_dir):
+  """A source whose config.json predates a training key (config.tokenizer
+  here) is read with that key at its default."""
+  recorded = json.loads(
+      tiny_runs.tiny_config('lm_stdlib', data_dir).to_json_best_effort())
+  del recorded['tokenizer']
+  (tmp_path / 'config.json').write_text(json.dumps(recorded))
+  config = trained_run.load_config(str(tmp_path))
+  assert config.tokenizer is None
+  Program.from_config(config, jax.devices()[:1])
