@@ -28,7 +28,7 @@ from train import cli
 from train.base import storage
 from train.base.errors import InputError
 from train.base.train_config import TrainConfig
-from train.data import datasets, tokenizers
+from train.data import datasets
 from train.run import trained_run
 
 matplotlib.use('Agg')
@@ -49,7 +49,7 @@ def tokens_to_draw(dataset: datasets.Dataset, config: TrainConfig,
                        'use --example.')
     ids = dataset.tokenizer.encode(text)
     if dataset.task.documents:  # A document starts with EOS.
-      ids = np.concatenate([[tokenizers.EOS_ID], ids])
+      ids = np.concatenate([[dataset.tokenizer.eos_id], ids])
   else:
     split = dataset.splits[config.eval_split]
     if not 0 <= example < len(split):
@@ -82,7 +82,7 @@ def attention_weights(model, params, tokens: np.ndarray
 def label(dataset: datasets.Dataset, token: int) -> str:
   if dataset.tokenizer is None:
     return str(token)
-  if token == tokenizers.EOS_ID:
+  if token == dataset.tokenizer.eos_id:
     return '<s>'
   text = repr(dataset.tokenizer.decode([token]))[1:-1]
   return text.replace(' ', '␣') or '·'

@@ -7,16 +7,17 @@ directory, the inverse of experiments.import_checkpoint.
 Writes DIR/config.json and DIR/model.safetensors (PyTorch's names and
 layout, in the parameters' dtype), which transformers' GPT2LMHeadModel or
 LlamaForCausalLM load, from the parameters of checkpoint N (default: the
-newest that verifies), read alone and whatever mesh the run trained on.
-Importing DIR gives the run's parameters and config.model back bit for bit.
+newest that verifies), read alone and whatever mesh the run trained on;
+and the run's tokenizer.json (config.tokenizer's, with the
+tokenizer_config.json beside it) where it has one. Importing DIR gives the
+run's parameters and config.model back bit for bit.
 
 The format must express the run's model: its config.model is written as
 the format's config.json, read back as an import reads it, and any key
 that comes back otherwise (another attention, position scheme, norm,
 experts, QK-norm, ...) is refused by name, exit status 2, nothing written.
 An attention that computes dense's function exactly (chunked, ring) is
-the format's, and imports back as dense.
-DIR must not exist or be empty.
+the format's, and imports back as dense. DIR must not exist or be empty.
 """
 
 import copy
@@ -30,7 +31,9 @@ import ml_collections
 from experiments.import_checkpoint import with_architecture
 from model import ModelConfig, attention, layer_stack
 from train import cli
+from train.base import storage
 from train.base.errors import InputError
+from train.data import tokenizers
 from train.run import init_from, pretrained, trained_run
 from train.run.hf_formats import FORMATS, HfConfig
 from train.run.program import Program
@@ -61,6 +64,21 @@ def check_expressible(config: ml_collections.ConfigDict, model: ModelConfig,
         "format's).")
 
 
+def _tokenizer_files(tokenizer: str | None) -> dict:
+  """{name in the export: file} of the run's tokenizer.json (config.tokenizer)
+  and the tokenizer_config.json beside it, where there is one; InputError
+  where config.tokenizer names a file that is gone."""
+  if tokenizer is None:
+    return {}
+  path = storage.path(tokenizers.hf_tokenizer_file(tokenizer))
+  if not path.exists():
+    raise InputError(f'config.tokenizer={tokenizer!r}: the run\'s '
+                     f'tokenizer ({path}) is gone.')
+  beside = path.parent / tokenizers.HF_CONFIG
+  return {tokenizers.HF_TOKENIZER: path} | (
+      {tokenizers.HF_CONFIG: beside} if beside.exists() else {})
+
+
 def export_checkpoint(workdir: str, format_name: str, target: str,
                       step: int | None = None) -> str:
   """Writes `target` from the run in `workdir` (see the module docstring);
@@ -74,13 +92,17 @@ def export_checkpoint(workdir: str, format_name: str, target: str,
   config = trained_run.load_config(workdir)
   program = Program.from_config(config, jax.devices()[:1])
   check_expressible(config, program.model_config, format_name)
+  tokenizer_files = _tokenizer_files(config.tokenizer)
   step, params = trained_run.restore_params(
       workdir, program.abstract_state.params, step)
   params = layer_stack.unstacked(jax.device_get(params))
   pretrained.write(target, params, format_name, program.model_config)
+  written = ['config.json', 'model.safetensors']
+  for name, source in tokenizer_files.items():
+    storage.write_whole(storage.path(target) / name, source.read_bytes())
+    written.append(name)
   return (f'Exported {program.num_params:,} parameters of {workdir} at step '
-          f'{step} to {target} ({format_name}): config.json and '
-          'model.safetensors.')
+          f'{step} to {target} ({format_name}): {", ".join(written)}.')
 
 
 def main(argv: list[str]) -> None:

@@ -13,17 +13,21 @@ format's preset in configs/published.py) with the preset's architecture
 and those sizes set over it, so --config chooses the rest (dataset, dtype,
 batch) and not the model (a --config.model override of a key it sets is
 refused); the workdir, which must not hold a run, gets its config.json
-and a verified checkpoint of step 0. Then
+and a verified checkpoint of step 0 holding the parameters alone (a run
+that resumes it makes the optimizer's state, fresh at step 0). Then
 
   python -m train.generate --workdir=workdirs/gpt2 --prompt="def "
   python -m train.train --config=configs/published.py:from=workdirs/gpt2 \
       --config.model.attention=local --workdir=workdirs/gpt2_local
 
 sample from it and fine-tune it (with any compatible change: see
-config.init_from). The tokenizer is not imported: the model reads the
-token ids of the config's dataset (python_stdlib_bytes: bytes, ids 2-257),
-which must fit its vocabulary; to read text as the model was trained to,
-prepare a dataset with the model's own tokenizer.
+config.init_from). Where the directory holds the model's tokenizer.json
+(and tokenizer_config.json), they are copied into the workdir and the run's
+config.tokenizer names it: the text dataset (python_stdlib_bytes,
+text_files) is read in the model's own tokens, and train.generate's
+--prompt too. Without one, the model reads the dataset's token ids
+(python_stdlib_bytes: bytes, ids 2-257), as the command says; either way
+they must fit its vocabulary.
 
 A directory that cannot be read as the format (a file missing, an
 architecture the model cannot express, a tensor of another shape) is one
@@ -31,11 +35,13 @@ line naming it, exit status 2.
 """
 
 from collections.abc import Collection, Iterable
+import dataclasses
 import os
 
 from absl import flags
 from flax import traverse_util
 import jax
+import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_flags
 import numpy as np
@@ -43,12 +49,14 @@ import numpy as np
 from configs import default, published
 from model import layer_stack
 from train import cli
+from train.base import storage
 from train.base.errors import InputError
 from train.config import validation as config_validation
-from train.data import datasets
+from train.data import datasets, tokenizers
 from train.run import checkpointing, pretrained, trainer
 from train.run.hf_formats import FORMATS
 from train.run import workdir as workdir_lib
+from train.program.steps import TrainState
 from train.run.program import Program
 
 FLAGS = flags.FLAGS
@@ -129,6 +137,26 @@ def _check_new(workdir: str) -> None:
         'first.')
 
 
+def write_start(config: ml_collections.ConfigDict, program: Program,
+                dataset: datasets.Dataset, params, workdir: str) -> None:
+  """Claims `workdir` for `config` (its run's, `program`'s) and writes its
+  checkpoint of step 0, a start: `params` (laid out as `program`'s) and a
+  fresh data iterator's position, no optimizer state (at step 0 it is its
+  fresh one, which a run resuming the start makes). A run that init_from
+  reads, and train.generate samples, or that trains on from there."""
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                     opt_state=None)
+  with workdir_lib.claim(config, workdir):
+    iterator = trainer.training_batches(program, dataset)
+    checkpointer = checkpointing.Checkpointer(
+        workdir, keep=program.config.keep_checkpoints)
+    try:
+      checkpointer.save(0, state, iterator)
+    finally:
+      iterator.close()
+      checkpointer.close()
+
+
 def import_checkpoint(source: str, format_name: str, workdir: str,
                       config=None, overrides: Iterable[str] = ()) -> str:
   """Writes `workdir` (config.json and the checkpoint of step 0) from the
@@ -138,31 +166,45 @@ def import_checkpoint(source: str, format_name: str, workdir: str,
   source = os.path.expanduser(source)
   _check_new(workdir)
   config, keys = import_config(source, format_name, config, overrides)
+  tokenizer_files = [
+      name for name in (tokenizers.HF_TOKENIZER, tokenizers.HF_CONFIG)
+      if os.path.isfile(os.path.join(source, name))]
+  own_tokenizer = tokenizers.HF_TOKENIZER in tokenizer_files
+  if own_tokenizer:  # The run reads text as the model was trained to.
+    config.tokenizer = storage.resolve(workdir)
+  else:
+    print(f'--from={source} has no {tokenizers.HF_TOKENIZER}: the model '
+          f'reads the token ids of config.dataset={config.dataset!r}.',
+          flush=True)
   program = Program.from_config(config, jax.devices()[:1])
   checked = program.config
   abstract = program.abstract_state.params
-  # The format's blocks one by one, stacked if the config scans them.
-  params = layer_stack.relayout(pretrained.params(source, format_name, keys),
-                                abstract)
+  # Each parameter on the device in its dtype as it is read; the format's
+  # blocks one by one, stacked if the config scans them.
+  dtypes = {path: leaf.dtype for path, leaf in traverse_util.flatten_dict(
+      layer_stack.unstacked(abstract), sep='/').items()}
+  params = layer_stack.relayout(pretrained.params(
+      source, format_name, keys, lambda path, array: jax.device_put(
+          np.asarray(array, dtypes.get(path, array.dtype)),
+          program.mesh.devices.flat[0])), abstract)
   _check_tree(params, abstract, source)
-  # The dataset's token ids (its tokenizer's) must fit the vocabulary.
-  dataset = datasets.load(checked, workdir)
+  # The dataset's token ids (its tokenizer's, read where it is until the
+  # workdir holds it) must fit the vocabulary.
+  reading = (dataclasses.replace(checked, tokenizer=source) if own_tokenizer
+             else checked)
+  dataset = datasets.load(reading, workdir)
   config_validation.check_dataset_fits(
-      checked, dataset, vocabulary=f'--from={source}: its vocab_size')
-  state = program.start_from(jax.tree.map(
-      lambda array, want: np.asarray(array, want.dtype), params, abstract))
-  with workdir_lib.claim(config, workdir):
-    iterator = trainer.training_batches(program, dataset)
-    checkpointer = checkpointing.Checkpointer(
-        workdir, keep=checked.keep_checkpoints)
-    try:
-      checkpointer.save(0, state, iterator)
-    finally:
-      iterator.close()
-      checkpointer.close()
+      reading, dataset, vocabulary=f'--from={source}: its vocab_size')
+  # First: the config written next names them.
+  for name in tokenizer_files:
+    storage.write_whole(storage.path(workdir) / name,
+                        storage.path(source).joinpath(name).read_bytes())
+  write_start(config, program, dataset,
+              jax.device_put(params, program.state_sharding.params), workdir)
   return (f'Imported {program.num_params:,} parameters from {source} '
-          f'({format_name}) into {workdir}: its config.json and the '
-          'checkpoint of step 0.')
+          f'({format_name}) into {workdir}: its config.json'
+          + (f', its {tokenizer_files[0]}' if own_tokenizer else '')
+          + ' and the checkpoint of step 0.')
 
 
 def main(argv: list[str]) -> None:

@@ -3,6 +3,7 @@ import of it gives the run back bit for bit (parameters and config.model),
 from one device or eight, scanned or not; a model the format cannot
 express is refused by its keys with nothing written."""
 
+import dataclasses
 import os
 import re
 
@@ -43,7 +44,7 @@ def test_an_export_loads_in_transformers_and_imports_back_bit_for_bit(
   said = export_checkpoint(str(tmp_path / 'run'), f'hf_{name}',
                            str(tmp_path / 'out'))
   assert said.endswith(f'at step 0 to {tmp_path / "out"} (hf_{name}): '
-                       'config.json and model.safetensors.')
+                       'config.json, model.safetensors.')
   loaded = hf_models.CLASSES[name].from_pretrained(str(tmp_path / 'out'))
   np.testing.assert_allclose(loaded(hf_models.TOKENS_BxT).logits,
                              reference(hf_models.TOKENS_BxT).logits,
@@ -55,13 +56,15 @@ def test_an_export_loads_in_transformers_and_imports_back_bit_for_bit(
 
 def test_a_run_sharded_on_eight_devices_exports_its_checkpoint_by_step(
     tmp_path, data_dir):
-  """A bfloat16 Llama with biases saved by FSDP over 8 devices: step 0
-  exports and imports back bit for bit; step 1, whose readout bias (which
-  Llama's lm_head lacks) is not zero, is refused by that parameter,
-  nothing written."""
+  """A bfloat16 Llama with biases and chunked attention (dense's function)
+  saved by FSDP over 8 devices: step 0 exports and imports back bit for
+  bit, its attention as dense; step 1, whose readout bias (which Llama's
+  lm_head lacks) is not zero, is refused by that parameter, nothing
+  written."""
   config = tiny_runs.shrink(published.get_config('llama'), data_dir,
                             seq_len=16)
-  config.model.update(param_dtype='bfloat16', use_bias=True, num_kv_heads=1)
+  config.model.update(param_dtype='bfloat16', use_bias=True, num_kv_heads=1,
+                      attention='chunked')
   config.parallelism.update(data=1, fsdp=8)
   program = Program.from_config(config, jax.devices())
   state = program.init()
@@ -78,7 +81,8 @@ def test_a_run_sharded_on_eight_devices_exports_its_checkpoint_by_step(
   want = trained_run.restore_params(str(workdir),
                                     program.abstract_state.params, 0)[1]
   got = trained_run.load(str(tmp_path / 'back'))
-  assert got.model_config == ModelConfig.from_mapping(config.model)
+  assert got.model_config == dataclasses.replace(
+      ModelConfig.from_mapping(config.model), attention='dense')
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(
       np.asarray(a), np.asarray(b), strict=True), got.params, want)
   with pytest.raises(InputError, match=re.escape(

@@ -21,12 +21,12 @@ from safetensors.numpy import load_file, save_file
 from configs import lm_stdlib, published
 from model import ModelConfig, build
 from model.state import Cache
-from tests.helpers import REPO, hf_models
+from tests.helpers import REPO, hf_models, hf_tokenizers
 from train import generate
 from train.base import storage
 from train.base.errors import InputError
 from train.config import validation as config_validation
-from train.data.tokenizers import ByteTokenizer, EOS_ID
+from train.data.tokenizers import ByteTokenizer, HfTokenizer
 from experiments.import_checkpoint import import_checkpoint, import_config
 from train.run import pretrained, trained_run
 from train.run.trainer import train_and_evaluate
@@ -81,20 +81,28 @@ def _check_parity(reference, workdir: str) -> None:
   steps = [cached]
   step_fn = jax.jit(functools.partial(run.model.apply, variables))
   for t in range(8, length):
-    step, cache = step_fn(hf_models.TOKENS_BxT[:, t:t + 1], positions[:, t:t + 1],
-                          cache=cache)
+    step, cache = step_fn(hf_models.TOKENS_BxT[:, t:t + 1],
+                          positions[:, t:t + 1], cache=cache)
     steps.append(step)
   assert _relative_error(jnp.concatenate(steps, 1), logits) < 1e-5
 
+  _check_greedy_text(reference, workdir, ByteTokenizer())
+
+
+def _check_greedy_text(reference, workdir: str, tokenizer) -> None:
+  """train.generate's greedy 16 tokens after PROMPT, as text, are the
+  reference's greedy `generate` from the same ids, decoded by
+  `tokenizer`."""
   [text] = generate.generate(workdir, PROMPT, max_new_tokens=16,
                              temperature=0.0)
-  prompt_ids = [EOS_ID, *ByteTokenizer().encode(PROMPT)]
+  prompt_ids = [tokenizer.eos_id, *tokenizer.encode(PROMPT)]
   greedy = np.asarray(reference.generate(
       jnp.asarray([prompt_ids]), max_new_tokens=16, do_sample=False,
-      eos_token_id=EOS_ID, pad_token_id=0).sequences[0, len(prompt_ids):])
-  ended = np.flatnonzero(greedy == EOS_ID)
+      eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id
+  ).sequences[0, len(prompt_ids):])
+  ended = np.flatnonzero(greedy == tokenizer.eos_id)
   greedy = greedy[:ended[0]] if ended.size else greedy
-  assert text == ByteTokenizer().decode([*prompt_ids, *greedy])
+  assert text == tokenizer.decode([*prompt_ids, *greedy])
 
 
 @pytest.mark.slow
@@ -131,6 +139,37 @@ def test_llama_equals_the_reference(tmp_path, data_dir):
   reference, workdir = _import('llama', tmp_path, data_dir, scan_layers=True)
   assert trained_run.load_config(workdir).model.scan_layers
   _check_parity(reference, workdir)
+
+
+def test_gpt2_with_its_tokenizer_reads_and_writes_text_in_its_tokens(
+    gpt2_saved, tmp_path, data_dir, capsys):
+  """A GPT-2 directory holding a tokenizer.json (GPT-2-like, trained here):
+  the import copies it into the workdir and the run's config.tokenizer
+  names it; train.generate's --prompt is read and written in its tokens,
+  as the reference decodes greedily; an import without one says so."""
+  reference, saved = gpt2_saved
+  with_tokenizer = tmp_path / 'with_tokenizer'
+  shutil.copytree(saved, with_tokenizer)
+  hf_tokenizers.train('gpt2', with_tokenizer, hf_models.VOCAB)
+  # A small corpus: the import and train.generate tokenize it whole.
+  config = _gpt2_config(data_dir)
+  config.dataset = 'text_files'
+  config.dataset_options = {
+      'paths': hf_tokenizers.write_corpus(tmp_path / 'corpus')}
+  workdir = str(tmp_path / 'w')
+  said = import_checkpoint(str(with_tokenizer), 'hf_gpt2', workdir, config)
+  assert said.endswith('its config.json, its tokenizer.json and the '
+                       'checkpoint of step 0.')
+  assert trained_run.load_config(workdir).tokenizer == workdir
+  tokenizer = HfTokenizer(os.path.join(workdir, 'tokenizer.json'))
+  # Its own ids, not the bytes' (id b + 2).
+  assert tokenizer.encode(PROMPT)[0] != ByteTokenizer().encode(PROMPT)[0]
+  _check_greedy_text(reference, workdir, tokenizer)
+  import_checkpoint(saved, 'hf_gpt2', str(tmp_path / 'bytes'),
+                    _gpt2_config(data_dir))
+  assert (f'--from={saved} has no tokenizer.json: the model reads the '
+          "token ids of config.dataset='python_stdlib_bytes'."
+          in capsys.readouterr().out)
 
 
 def test_pytorch_names_in_bfloat16_and_two_files_read_alike(gpt2_saved,
@@ -320,7 +359,8 @@ def test_llama_configs_the_model_cannot_express(tmp_path, key):
   with open(tmp_path / 'config.json', 'w') as f:
     json.dump({'model_type': 'llama', 'hidden_size': 32,
                'num_attention_heads': 4, 'num_hidden_layers': 1,
-               'intermediate_size': 64, 'vocab_size': hf_models.VOCAB, key: value}, f)
+               'intermediate_size': 64, 'vocab_size': hf_models.VOCAB,
+               key: value}, f)
   with pytest.raises(InputError, match=re.escape(message)):
     pretrained.model_keys(str(tmp_path), 'hf_llama')
 

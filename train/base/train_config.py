@@ -188,6 +188,10 @@ class TrainConfig:
   # training split into workdir/sentencepiece.model, of
   # config.model.vocab_size.
   vocab_path: str | None = key(None, text(optional=True))
+  # A language model's text tokenized by a Hugging Face tokenizer.json (or
+  # a directory holding one: an import's workdir) instead of the dataset's
+  # own (bytes): python_stdlib_bytes and text_files. None: the dataset's.
+  tokenizer: str | None = key(None, text(optional=True))
   # Tokens per row: the packed row length of LMs, the longest input (and
   # target) of the other kinds; longer examples are left out.
   seq_len: int = key(256, integer(1))

@@ -260,7 +260,9 @@ def check_dataset_fits(config: TrainConfig, dataset: datasets.Dataset,
   if dataset.vocab_size > config.model.vocab_size:
     _fail(f'{vocabulary}={config.model.vocab_size} is smaller than the '
           f'{dataset.vocab_size} token ids of config.dataset='
-          f'{config.dataset!r}.')
+          f'{config.dataset!r}'
+          + (f' tokenized by config.tokenizer={config.tokenizer!r}.'
+             if config.tokenizer else '.'))
   if dataset.task.has_classes and (
       config.model.num_classes != dataset.num_classes):
     _fail(f'config.model.num_classes={config.model.num_classes} must equal '

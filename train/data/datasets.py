@@ -3,13 +3,17 @@
 `load(config, workdir)` returns a `Dataset` whose splits hold examples in one
 of three canonical forms, one per task (train/data/tasks.py), which
 `train.data.pipeline` turns into batches:
-  lm:              {'tokens': int32 [n]}, a document starting with EOS_ID
+  lm:              {'tokens': int32 [n]}, a document starting with its
+                   tokenizer's end of sequence (EOS_ID but for a
+                   tokenizer.json)
   seq2seq:         {'inputs': int32 [s], 'targets': int32 [t]}, each ending
                    with EOS_ID
   classification:  {'inputs': int32 [s], 'label': int}
 
-The embedded datasets (python_stdlib_bytes, algorithmic, listops) are built
-on first use into `config.data_dir`. lm1b and translation datasets must have
+The embedded datasets (python_stdlib_bytes, text_files, algorithmic,
+listops) are built on first use into `config.data_dir`; the two text
+corpora are tokenized as bytes, or by `config.tokenizer` (a Hugging Face
+tokenizer.json). lm1b and translation datasets must have
 been prepared there beforehand (see `not_prepared_message`).
 """
 
@@ -122,9 +126,11 @@ def _build(make_builder: Callable[[], tfds.core.DatasetBuilder],
   return integrity.checked(sources, rebuild)
 
 
-def _document(tokens: np.ndarray) -> np.ndarray:
-  """An LM document: EOS_ID (which starts each document), then the tokens."""
-  return np.concatenate([[tokenizers.EOS_ID], tokens]).astype(np.int32)
+def _document(tokens: np.ndarray, eos_id: int = tokenizers.EOS_ID
+              ) -> np.ndarray:
+  """An LM document: the tokenizer's end of sequence (which starts each
+  document), then the tokens."""
+  return np.concatenate([[eos_id], tokens]).astype(np.int32)
 
 
 def _options(config: TrainConfig, known: set[str]) -> dict[str, Any]:
@@ -138,20 +144,63 @@ def _options(config: TrainConfig, known: set[str]) -> dict[str, Any]:
   return options
 
 
-def load_python_stdlib_bytes(config: TrainConfig, data_dir: str,
-                             workdir: str) -> Dataset:
-  """The corpus is small (about 12 MB), so it is read into memory, and its
-  windows are shuffled one by one."""
-  del workdir  # The corpus needs no tokenizer training.
-  _options(config, set())
-  sources = _build(lambda: stdlib.PythonStdlibBytes(
-      data_dir=data_dir, file_format='array_record'), data_dir)
-  tokenizer = tokenizers.ByteTokenizer()
+def _text_tokenizer(config: TrainConfig):
+  """config.tokenizer's tokenizer (InputError naming it where it cannot be
+  read), or the bytes' where it is None."""
+  if config.tokenizer is None:
+    return tokenizers.ByteTokenizer()
+  try:
+    return tokenizers.HfTokenizer(
+        tokenizers.hf_tokenizer_file(config.tokenizer))
+  except (OSError, ValueError) as error:
+    raise InputError(str(error) if 'config.tokenizer' in str(error) else
+                     f'config.tokenizer={config.tokenizer!r} cannot be read: '
+                     f'{error}') from None
+
+
+def _text_corpus(config: TrainConfig, sources: dict[str, Any]) -> Dataset:
+  """A corpus of files held in memory (about 12 MB for the standard
+  library), a document each, tokenized by config.tokenizer or as bytes;
+  its windows are shuffled one by one."""
+  tokenizer = _text_tokenizer(config)
   splits = {name: grain.MapDataset.source([
-      {'tokens': _document(tokenizer.encode(source[i]['text'].tobytes()))}
+      {'tokens': _document(tokenizer.encode(source[i]['text'].tobytes()),
+                           tokenizer.eos_id)}
       for i in range(len(source))]) for name, source in sources.items()}
   return Dataset(tasks.LM, splits, tokenizer.vocab_size, tokenizer,
-                 byte_level=True, shuffle_windows=True)
+                 byte_level=config.tokenizer is None, shuffle_windows=True)
+
+
+def load_python_stdlib_bytes(config: TrainConfig, data_dir: str,
+                             workdir: str) -> Dataset:
+  del workdir  # The corpus needs no tokenizer training.
+  _options(config, set())
+  return _text_corpus(config, _build(lambda: stdlib.PythonStdlibBytes(
+      data_dir=data_dir, file_format='array_record'), data_dir))
+
+
+def load_text_files(config: TrainConfig, data_dir: str,
+                    workdir: str) -> Dataset:
+  """Local text files (config.dataset_options.paths, a glob), built into
+  data_dir as the standard library is."""
+  del workdir
+  pattern = _options(config, {'paths'}).get('paths')
+  if not isinstance(pattern, str) or not pattern:
+    raise InputError(f'config.dataset_options.paths={pattern!r} must be a '
+                     "glob of text files, e.g. '~/corpus/**/*.txt'.")
+  files = stdlib.matched_files(pattern)
+  held = {split: sum(stdlib.split_of(path) == split for path in files)
+          for split in ('train', 'validation')}
+  if not all(held.values()):
+    raise InputError(
+        f'config.dataset_options.paths={pattern!r} matches {len(files)} '
+        f'files, none of which falls in the '
+        f'{"train" if not held["train"] else "validation"} split (a file '
+        f'goes to validation by a hash of its path, '
+        f'{stdlib.VALIDATION_PERCENT} in 100): give more files.')
+  return _text_corpus(config, _build(lambda: stdlib.TextFiles(
+      config=stdlib.text_files_config(pattern), data_dir=data_dir,
+      file_format='array_record'), data_dir))
 
 
 def _builder_config(config_cls, config: TrainConfig):
@@ -300,6 +349,7 @@ def load_translation(config: TrainConfig, data_dir: str,
 # Name -> (the task its examples pose, loader).
 LOADERS = {
     'python_stdlib_bytes': (tasks.LM, load_python_stdlib_bytes),
+    'text_files': (tasks.LM, load_text_files),
     'algorithmic': (tasks.SEQ2SEQ, load_algorithmic),
     'listops': (tasks.CLASSIFICATION, load_listops),
     'lm1b': (tasks.LM, load_lm1b),
@@ -315,9 +365,18 @@ def task_of(name: str) -> tasks.Task:
   return LOADERS[name][0]
 
 
+# The datasets of text that config.tokenizer may tokenize.
+TOKENIZED = ('python_stdlib_bytes', 'text_files')
+
+
 def load(config: TrainConfig, workdir: str) -> Dataset:
   """The dataset `config.dataset`, built or opened in `config.data_dir`."""
   task_of(config.dataset)
+  if config.tokenizer is not None and config.dataset not in TOKENIZED:
+    raise InputError(f'config.tokenizer={config.tokenizer!r} tokenizes '
+                     f'{" and ".join(TOKENIZED)}, not config.dataset='
+                     f'{config.dataset!r} (its own tokenizer: '
+                     'config.vocab_path).')
   loader = LOADERS[config.dataset][1]
   try:
     return loader(config, storage.resolve(config.data_dir), workdir)

@@ -1,13 +1,23 @@
-"""`python_stdlib_bytes`: this interpreter's standard library as a byte corpus.
+"""Text corpora read from files, one document a file: `python_stdlib_bytes`
+(this interpreter's standard library) and `text_files` (local files given
+by a glob).
 
-Every `.py` file under the standard library directory, except those inside
-test folders and site-packages, in sorted order. A file goes to the
-validation split when a hash of its relative path says so (5% of files), so
-the split never depends on which other files exist. The builder config is
-named after the Python version, whose library it holds.
+python_stdlib_bytes holds every `.py` file under the standard library
+directory, except those inside test folders and site-packages, in sorted
+order; its builder config is named after the Python version, whose library
+it holds. text_files holds the files that `config.dataset_options.paths`
+matches, its builder config named after a digest of their paths, sizes and
+modification times (so changed files are built again). In both, a file goes
+to the validation split when a hash of its path (below the standard
+library's root, or the glob's) says so (5% of files), so the split never
+depends on which other files exist.
 """
 
+import dataclasses
+import glob
 import hashlib
+import itertools
+import os
 import pathlib
 import sys
 import sysconfig
@@ -35,7 +45,41 @@ def split_of(relative_path: pathlib.Path) -> str:
   return 'validation' if int(digest, 16) % 100 < VALIDATION_PERCENT else 'train'
 
 
-class PythonStdlibBytes(tfds.core.GeneratorBasedBuilder):
+class _Files(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """A corpus of files under `_root()`, each an example {path, text bytes}."""
+
+  def _root(self) -> pathlib.Path:
+    raise NotImplementedError
+
+  def _files(self) -> list[pathlib.Path]:
+    """The files' paths relative to the root, sorted."""
+    raise NotImplementedError
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description=type(self).__doc__,
+        features=tfds.features.FeaturesDict({
+            'path': tfds.features.Text(),
+            'text': tfds.features.Tensor(shape=(None,), dtype=np.uint8),
+        }))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # Nothing is downloaded.
+    files = self._files()
+    return {split: self._generate_examples([f for f in files
+                                            if split_of(f) == split])
+            for split in ('train', 'validation')}
+
+  def _generate_examples(self, relative_paths):
+    root = self._root()
+    for relative in relative_paths:
+      data = (root / relative).read_bytes()
+      yield relative.as_posix(), {'path': relative.as_posix(),
+                                  'text': np.frombuffer(data, np.uint8)}
+
+
+class PythonStdlibBytes(_Files):
   """The .py files of the running interpreter's standard library."""
 
   VERSION = tfds.core.Version('1.0.0')
@@ -45,25 +89,61 @@ class PythonStdlibBytes(tfds.core.GeneratorBasedBuilder):
           description='The standard library of this Python version.')
   ]
 
-  def _info(self) -> tfds.core.DatasetInfo:
-    return tfds.core.DatasetInfo(
-        builder=self,
-        description=__doc__,
-        features=tfds.features.FeaturesDict({
-            'path': tfds.features.Text(),
-            'text': tfds.features.Tensor(shape=(None,), dtype=np.uint8),
-        }))
+  def _root(self):
+    return stdlib_root()
 
-  def _split_generators(self, dl_manager):
-    del dl_manager  # Nothing is downloaded.
-    files = source_files(stdlib_root())
-    return {split: self._generate_examples([f for f in files
-                                            if split_of(f) == split])
-            for split in ('train', 'validation')}
+  def _files(self):
+    return source_files(stdlib_root())
 
-  def _generate_examples(self, relative_paths):
-    root = stdlib_root()
-    for relative in relative_paths:
-      data = (root / relative).read_bytes()
-      yield relative.as_posix(), {'path': relative.as_posix(),
-                                  'text': np.frombuffer(data, np.uint8)}
+
+def glob_root(pattern: str) -> pathlib.Path:
+  """The directory of `pattern` above its first wildcard: its files' paths
+  are taken from there (a corpus moved whole keeps its splits)."""
+  parts = pathlib.Path(os.path.expanduser(pattern)).parts
+  fixed = [part for part in itertools.takewhile(
+      lambda part: not glob.has_magic(part), parts)]
+  root = pathlib.Path(*fixed) if fixed else pathlib.Path('.')
+  return (root if len(fixed) < len(parts) else root.parent).resolve()
+
+
+def matched_files(pattern: str) -> list[pathlib.Path]:
+  """The files `pattern` (a glob, ** for any depth) matches, relative to
+  its glob_root and sorted."""
+  root = glob_root(pattern)
+  return sorted(pathlib.Path(path).resolve().relative_to(root)
+                for path in glob.glob(os.path.expanduser(pattern),
+                                      recursive=True)
+                if os.path.isfile(path))
+
+
+@dataclasses.dataclass
+class TextFilesConfig(tfds.core.BuilderConfig):
+  """The glob of the files."""
+
+  paths: str = ''
+
+
+def text_files_config(pattern: str) -> TextFilesConfig:
+  """The config of the files `pattern` matches, named after their paths,
+  sizes and modification times."""
+  digest = hashlib.sha256()
+  root = glob_root(pattern)
+  for path in matched_files(pattern):
+    stat = (root / path).stat()
+    digest.update(f'{root / path}\0{stat.st_size}\0{stat.st_mtime_ns}\n'
+                  .encode())
+  return TextFilesConfig(name=f'files-{digest.hexdigest()[:16]}',
+                         paths=pattern)
+
+
+class TextFiles(_Files):
+  """Local text files given by a glob, one document each."""
+
+  VERSION = tfds.core.Version('1.0.0')
+  BUILDER_CONFIG_CLS = TextFilesConfig
+
+  def _root(self):
+    return glob_root(self.builder_config.paths)
+
+  def _files(self):
+    return matched_files(self.builder_config.paths)

@@ -141,6 +141,10 @@ class LanguageModelling(Task):
   def model_args(self, batch):
     return batch['inputs'], batch['positions'], batch.get('segment_ids')
 
+  def token_count(self, batch):
+    """The positions read: a tokenizer.json may give id 0 to a token."""
+    return jnp.sum(batch['weights'] > 0).astype(jnp.float32)
+
   def synthetic_batch(self, config: TrainConfig, seed=0):
     rng = np.random.default_rng(seed)
     shape = (config.batch_size, config.seq_len)

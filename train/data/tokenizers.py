@@ -1,14 +1,21 @@
-"""Tokenizers: raw bytes, and SentencePiece models trained locally.
+"""Tokenizers: raw bytes, SentencePiece models trained locally, and
+Hugging Face's tokenizer.json files (an imported model's own).
 
-Every tokenizer reserves id 0 for padding and id 1 for end of sequence (which
-also starts a language-model document).
+Bytes and SentencePiece reserve id 0 for padding and id 1 for end of
+sequence, which also starts a language-model document. A tokenizer.json
+keeps its own ids: its document boundary (`eos_id`) is its own special
+token, and nothing reads id 0 as padding in a language model's rows (their
+segment ids and weights say where padding is).
 """
 
 from collections.abc import Iterable, Iterator
 import io
 
+import json
+
 import numpy as np
 import sentencepiece as spm
+import tokenizers as hf_tokenizers
 
 from train.base import storage
 
@@ -21,6 +28,7 @@ class ByteTokenizer:
 
   offset = 2
   vocab_size = 256 + offset
+  eos_id = EOS_ID
 
   def encode(self, text: str | bytes) -> np.ndarray:
     data = text.encode('utf-8') if isinstance(text, str) else text
@@ -36,6 +44,8 @@ class ByteTokenizer:
 class SentencePieceTokenizer:
   """A trained SentencePiece model (Kudo & Richardson 2018)."""
 
+  eos_id = EOS_ID
+
   def __init__(self, model_path: str):
     self._processor = spm.SentencePieceProcessor(
         model_proto=storage.path(model_path).read_bytes())
@@ -50,6 +60,68 @@ class SentencePieceTokenizer:
     """Text of the ids; padding and end-of-sequence ids are dropped."""
     return self._processor.decode(
         [int(i) for i in ids if int(i) not in (PAD_ID, EOS_ID)])
+
+
+# Beside a tokenizer.json, transformers' file naming its special tokens.
+HF_CONFIG = 'tokenizer_config.json'
+HF_TOKENIZER = 'tokenizer.json'
+
+
+class HfTokenizer:
+  """A Hugging Face fast tokenizer (`tokenizer.json`, read with the
+  `tokenizers` package: GPT-2's byte-level BPE, Llama 3's, ...), its ids as
+  they are. Its document boundary is the `bos_token` of the
+  tokenizer_config.json beside it (else its `eos_token`; GPT-2 names one
+  token both), or else its only special token; `key` names the config key
+  that gave `path` in a refusal."""
+
+  def __init__(self, path: str, key: str = 'config.tokenizer'):
+    self.path = path
+    try:
+      self._tokenizer = hf_tokenizers.Tokenizer.from_str(
+          storage.path(path).read_text())
+    except Exception as error:  # The package's errors have several types.
+      raise ValueError(f'{key}={path!r} is not a readable tokenizer.json: '
+                       f'{str(error).splitlines()[0][:200]}') from None
+    self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+    self.eos_id = self._boundary(key)
+
+  def _boundary(self, key: str) -> int:
+    config = storage.path(self.path).parent / HF_CONFIG
+    named = json.loads(config.read_text()) if config.exists() else {}
+    for field in ('bos_token', 'eos_token'):
+      token = named.get(field)
+      if isinstance(token, dict):  # {'content': ..., ...} in some versions.
+        token = token.get('content')
+      if token is not None and self._tokenizer.token_to_id(token) is not None:
+        return self._tokenizer.token_to_id(token)
+    special = [token_id for token_id, token in
+               self._tokenizer.get_added_tokens_decoder().items()
+               if token.special]
+    if len(special) != 1:
+      raise ValueError(
+          f'{key}={self.path!r}: which token starts a document? Its '
+          f'{HF_CONFIG} names no bos_token or eos_token, and it has '
+          f'{len(special)} special tokens, not one.')
+    return special[0]
+
+  def encode(self, text: str | bytes) -> np.ndarray:
+    if isinstance(text, bytes):  # A file's bytes: what is not UTF-8 as U+FFFD.
+      text = text.decode('utf-8', errors='replace')
+    return np.asarray(self._tokenizer.encode(
+        text, add_special_tokens=False).ids, np.int32)
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Text of the ids; special tokens (the document boundary) dropped."""
+    return self._tokenizer.decode([int(i) for i in ids],
+                                  skip_special_tokens=True)
+
+
+def hf_tokenizer_file(location: str) -> str:
+  """The tokenizer.json that `location` names: the file, or a directory
+  holding one (an import's workdir)."""
+  path = storage.path(location)
+  return str(path / HF_TOKENIZER) if path.is_dir() else location
 
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int, model_path: str,

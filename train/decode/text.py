@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from train.base.errors import InputError
-from train.data import datasets, tokenizers
+from train.data import datasets
 from train.decode import decoding
 
 
@@ -22,7 +22,7 @@ def continue_text(model: nn.Module, params, dataset: datasets.Dataset,
   the positions would reach `max_positions`, ending at the end of a
   document; `choice`: temperature, top_k, top_p (decoding.choose)."""
   tokenizer = dataset.tokenizer
-  prompt_ids = np.concatenate([[tokenizers.EOS_ID],
+  prompt_ids = np.concatenate([[tokenizer.eos_id],
                                tokenizer.encode(prompt)]).astype(np.int32)
   if max_positions is not None:
     num_tokens = min(num_tokens, max_positions - len(prompt_ids))
@@ -31,8 +31,16 @@ def continue_text(model: nn.Module, params, dataset: datasets.Dataset,
                        f'reads positions below {max_positions}.')
   sample = jax.jit(functools.partial(
       decoding.sample_lm, model, num_tokens=num_tokens,
-      eos_id=tokenizers.EOS_ID, vocab_size=dataset.vocab_size, **choice))
+      eos_id=tokenizer.eos_id, vocab_size=dataset.vocab_size, **choice))
   tokens = sample(params, np.tile(prompt_ids, (num_samples, 1)),
                   np.full(num_samples, len(prompt_ids)), rng=rng)
-  return [tokenizer.decode(np.concatenate([prompt_ids, row]))
+  # A row holds padding after its end of sequence: cut there.
+  return [tokenizer.decode(np.concatenate(
+      [prompt_ids, _ended(row, tokenizer.eos_id)]))
           for row in np.asarray(tokens)]
+
+
+def _ended(row: np.ndarray, eos_id: int) -> np.ndarray:
+  """`row` up to its first `eos_id`, excluded."""
+  ends = np.flatnonzero(row == eos_id)
+  return row[:ends[0]] if ends.size else row

@@ -8,8 +8,8 @@ Reading turns config.json into `config.model` keys (refusing, by its key,
 what the model cannot express) and the tensors into parameters, each
 tensor's shape checked against those keys. Writing gives PyTorch's names
 and layout (what transformers' classes of either framework load).
-Tokenizers are not read: an imported model reads the token ids of its
-run's dataset (see experiments/import_checkpoint.py).
+The tokenizer.json beside them is the import's and the export's to copy
+(experiments/import_checkpoint.py), not read here.
 """
 
 from collections.abc import Callable, Mapping
@@ -22,7 +22,8 @@ from typing import Any
 # dtype) a numpy dtype that safetensors reads.
 from flax import traverse_util
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from train.base import storage
 from train.base.errors import InputError
@@ -39,9 +40,10 @@ class Tensors:
   the transposed layout, a table `.embedding` and a norm's gain `.scale`:
   they are renamed (and matrices transposed) as they are read.
 
-  `take(name, shape)` hands out a tensor once, checking its shape; `drop`
-  leaves one unread; `done()` refuses tensors left over that no parameter
-  read."""
+  `take(name, shape)` reads a tensor, once, checking its shape (the files
+  are opened, not read, until then: one tensor at a time is in memory
+  beside what was taken); `drop` leaves one unread; `done()` refuses
+  tensors left over that no parameter read."""
 
   def __init__(self, directory: str, prefixes: tuple[str, ...],
                ignored: Callable[[str], bool]):
@@ -50,42 +52,49 @@ class Tensors:
     if not files:
       raise InputError(f'--from={directory} holds no *.safetensors file: '
                        'save the model with safe_serialization=True.')
-    self._tensors, self._file_names = {}, {}
+    # Canonical name -> (the file open, the name there, transposed).
+    self._tensors = {}
     for path in files:
       try:
-        named = load_file(path)
+        opened = safe_open(path, framework='numpy')
       except Exception as error:  # safetensors' errors have several types.
         raise InputError(f'{path} is not a readable safetensors file: '
                          f'{str(error).splitlines()[0][:200]}') from None
-      for file_name, array in named.items():
+      for file_name in opened.keys():
         name = _canonical_name(file_name, prefixes)
-        if name.endswith('.kernel'):
-          name, array = name[:-len('kernel')] + 'weight', array.T
+        transposed = name.endswith('.kernel')
+        if transposed:
+          name = name[:-len('kernel')] + 'weight'
         if name in self._tensors:
           raise InputError(f'--from={directory}: the tensor {name} is in '
                            'more than one file.')
         if not ignored(name):
-          self._tensors[name] = np.asarray(array)
-          self._file_names[name] = file_name
+          self._tensors[name] = (opened, file_name, transposed)
 
   def take(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """The tensor `name` (float32), which must have `shape`."""
     if name not in self._tensors:
       raise InputError(f'--from={self.directory} has no tensor {name}, which '
                        'its config.json implies.')
-    array = self._tensors.pop(name)
+    opened, file_name, transposed = self._tensors.pop(name)
+    try:
+      array = opened.get_tensor(file_name)
+    except Exception as error:  # safetensors' errors have several types.
+      raise InputError(f'--from={self.directory}: its tensor {file_name} '
+                       'cannot be read: '
+                       f'{str(error).splitlines()[0][:200]}') from None
+    array = array.T if transposed else array
     if array.shape != tuple(shape):
       raise InputError(
           f'--from={self.directory}: {name} has shape {list(array.shape)}; '
           f'its config.json gives {list(shape)}.')
-    return array.astype(np.float32)
+    return array.astype(np.float32, copy=False)
 
   def drop(self, name: str) -> str | None:
     """Removes the tensor `name` unread; the name its file gives it, or
     None where it has none."""
-    if self._tensors.pop(name, None) is None:
-      return None
-    return self._file_names[name]
+    unread = self._tensors.pop(name, None)
+    return unread and unread[1]
 
   def done(self) -> None:
     if self._tensors:
@@ -151,19 +160,24 @@ def model_keys(directory: str, format_name: str) -> dict[str, Any]:
   return checkpoint_format.read_keys(HfConfig(path, values))
 
 
-def params(directory: str, format_name: str, keys: Mapping[str, Any]
+def params(directory: str, format_name: str, keys: Mapping[str, Any],
+           place: Callable[[str, np.ndarray], Any] = lambda path, array: array
            ) -> dict:
   """The parameter tree of the checkpoint in `directory` (`keys`: its
-  `model_keys`, a valid model config); InputError naming a tensor that is
-  missing, of another shape or left over."""
+  `model_keys`, a valid model config), each parameter `place(path,
+  array)` as it is read (e.g. moved to a device, so that one tensor at a
+  time is on the host); InputError naming a tensor that is missing, of
+  another shape or left over."""
   checkpoint_format = FORMATS[format_name]
   tensors = Tensors(directory, checkpoint_format.prefixes,
                     checkpoint_format.ignored)
   flat = {}
   for entry in checkpoint_format.entries(keys):
-    flat.update(entry.to_params(tensors.take(entry.name, entry.shape)))
+    for path, array in entry.to_params(
+        tensors.take(entry.name, entry.shape)).items():
+      flat[path] = place(path, array)
   for path, shape in checkpoint_format.absent(keys).items():
-    flat[path] = np.zeros(shape, np.float32)
+    flat[path] = place(path, np.zeros(shape, np.float32))
   if keys['tie_embeddings']:
     _tied_head(tensors)
   tensors.done()

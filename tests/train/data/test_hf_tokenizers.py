@@ -1,0 +1,97 @@
+"""Hugging Face tokenizers (tokenizer.json, trained here like GPT-2's and
+Llama 3's): exact round trips, the document boundary each names, text
+datasets tokenized by them that train, and refusals by key."""
+
+import re
+
+import numpy as np
+import pytest
+
+from tests.helpers import hf_tokenizers, tiny_runs
+from train.base.errors import InputError
+from train.config import validation as config_validation
+from train.data import datasets, tokenizers
+from train.run import trained_run
+from train.run.trainer import train_and_evaluate
+
+VOCAB = 300
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory) -> dict[str, str]:
+  """{kind: its tokenizer.json}."""
+  root = tmp_path_factory.mktemp('tokenizers')
+  return {kind: hf_tokenizers.train(kind, root / kind, VOCAB)
+          for kind in ('gpt2', 'llama')}
+
+
+@pytest.mark.parametrize('kind,boundary', [('gpt2', '<|endoftext|>'),
+                                           ('llama', '<|begin_of_text|>')])
+def test_text_round_trips_and_documents_start_with_the_named_token(
+    trained, kind, boundary):
+  tokenizer = tokenizers.HfTokenizer(trained[kind])
+  assert tokenizer.vocab_size == VOCAB
+  texts = hf_tokenizers.sample_texts(40)[30:]  # Not trained on.
+  for text in texts:
+    ids = tokenizer.encode(text)
+    assert ids.dtype == np.int32 and len(ids) < len(text.encode())
+    assert tokenizer.decode(ids) == text
+  # The boundary decodes to nothing; GPT-2's is its only special token,
+  # Llama's the tokenizer_config.json's bos_token.
+  assert tokenizer.decode([tokenizer.eos_id]) == ''
+  assert tokenizer._tokenizer.id_to_token(tokenizer.eos_id) == boundary
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory) -> str:
+  """A glob of 60 text files."""
+  return hf_tokenizers.write_corpus(tmp_path_factory.mktemp('corpus'))
+
+
+def test_a_corpus_of_files_and_the_standard_library_train_in_their_tokens(
+    trained, corpus, data_dir, tmp_path):
+  """text_files (Llama's tokens) and python_stdlib_bytes (GPT-2's) each
+  train 3 steps; their documents start with the tokenizer's boundary."""
+  for dataset, kind, options in (
+      ('text_files', 'llama', {'paths': corpus}),
+      ('python_stdlib_bytes', 'gpt2', {})):
+    config = tiny_runs.tiny_config('lm_stdlib', data_dir)
+    config.update(dataset=dataset, tokenizer=trained[kind],
+                  num_train_steps=3, eval_every=3, checkpoint_every=3,
+                  num_eval_steps=1, sample_length=0)
+    config.dataset_options = options
+    config.model.vocab_size = VOCAB
+    summary = train_and_evaluate(config, str(tmp_path / dataset))
+    assert np.isfinite(summary['eval_loss'])
+    loaded = datasets.load(trained_run.load_config(str(tmp_path / dataset)),
+                           str(tmp_path / dataset))
+    tokens = loaded.splits['validation'][0]['tokens']
+    assert tokens[0] == tokenizers.HfTokenizer(trained[kind]).eos_id
+
+
+def test_mistakes_are_refused_naming_the_key(trained, corpus, data_dir,
+                                             tmp_path):
+  """A tokenizer of more ids than the model reads, a dataset it does not
+  tokenize, a glob that matches no file."""
+  config = tiny_runs.tiny_config('lm_stdlib', data_dir)
+  config.update(dataset='text_files', tokenizer=trained['gpt2'])
+  config.dataset_options = {'paths': corpus}
+  checked = config_validation.validate(config)
+  with pytest.raises(InputError, match=re.escape(
+      f"config.model.vocab_size=258 is smaller than the {VOCAB} token ids "
+      "of config.dataset='text_files' tokenized by "
+      f"config.tokenizer={trained['gpt2']!r}.")):
+    config_validation.check_dataset_fits(
+        checked, datasets.load(checked, str(tmp_path)))
+  config.dataset = 'lm1b'
+  config.dataset_options = {}
+  with pytest.raises(InputError, match=re.escape(
+      f"config.tokenizer={trained['gpt2']!r} tokenizes python_stdlib_bytes "
+      "and text_files, not config.dataset='lm1b'")):
+    datasets.load(config_validation.validate(config), str(tmp_path))
+  pattern = str(tmp_path / 'none' / '*.txt')
+  config.update(dataset='text_files', tokenizer=None)
+  config.dataset_options = {'paths': pattern}
+  with pytest.raises(InputError, match=re.escape(
+      f'config.dataset_options.paths={pattern!r} matches 0 files')):
+    datasets.load(config_validation.validate(config), str(tmp_path))
