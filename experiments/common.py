@@ -76,14 +76,16 @@ def check_options(options: dict[str, dict]) -> None:
             f'{", ".join(known)}.')
 
 
-def parse_options(items: list[str]) -> dict[str, dict]:
-  """['local.window=32', ...] -> {'local': {'window': 32}, ...}."""
+def parse_options(items: list[str], flag: str = '--options'
+                  ) -> dict[str, dict]:
+  """['local.window=32', ...] -> {'local': {'window': 32}, ...}; InputError
+  naming `flag` for an item of another form."""
   options = {}
   for item in items:
     name, sep, value = item.partition('=')
     variant, dot, key = name.partition('.')
     if not (sep and dot and key):
-      raise InputError(f'--options item {item!r} is not variant.option=value.')
+      raise InputError(f'{flag} item {item!r} is not variant.key=value.')
     options.setdefault(variant, {})[key] = parse_value(value)
   return options
 

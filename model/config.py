@@ -166,9 +166,9 @@ class ModelConfig:
   logit_softcap: float = 0.0
   # QK-norm: each head's queries and keys normalised (layernorm or rmsnorm,
   # a scale per head dim) after their projections and before any rotation
-  # by position, so that q . k stays bounded (Dehghani et al. 2023; Wortsman
-  # et al. 2023). For attention whose scores are dot products q . k; none:
-  # off.
+  # by position or feature map, so that q . k stays bounded (Dehghani et
+  # al. 2023; Wortsman et al. 2023); kernelised attention reads them
+  # normalised too. none: off.
   qk_norm: str = 'none'
   # pre: x + f(norm(x)) with a final norm (GPT-2); post: norm(x + f(x))
   # (Vaswani et al. 2017).

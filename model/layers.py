@@ -271,6 +271,15 @@ class MultiHeadAttention(nn.Module):
     return self._out(out_BxCTxNxH.reshape(q_BxTxNxH.shape))
 
 
+def is_self_attention_call(context) -> bool:
+  """Whether a Flax method interceptor's `context` (nn.intercept_methods)
+  is a self-attention layer's forward call: what attention transfer
+  (train/run/attention_transfer.py) records in one model and replays in
+  another."""
+  return (isinstance(context.module, MultiHeadAttention)
+          and not context.module.cross and context.method_name == '__call__')
+
+
 def _write(cache: KeysValues, k_BxTxKxH: Array, v_BxTxKxH: Array,
            positions_BxT: Array) -> KeysValues:
   """The cache with each example's new keys and values at its positions."""

@@ -107,10 +107,6 @@ def _attention_problem(config: ModelConfig, family: Family) -> str | None:
     return (f'config.model.position={config.position!r} makes scores '
             'relative only when they are dot products q . k, which those of '
             f'{named} are not.')
-  if config.qk_norm != 'none' and not variant.dot_product:
-    return (f'config.model.qk_norm={config.qk_norm!r} normalises the queries '
-            'and keys of scores that are dot products q . k, which those of '
-            f'{named} are not.')
   if scheme.bias and not variant.bias:
     return (f'config.model.position={config.position!r} adds a bias to the '
             f'logits, which {named} cannot take.')

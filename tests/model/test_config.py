@@ -206,10 +206,6 @@ def test_every_model_field_has_a_comment():
     (dict(qk_norm='l2'), "config.model.qk_norm='l2' must be one of"),
     (dict(qk_norm='rmsnorm', attention_projections=False),
      "config.model.qk_norm='rmsnorm' scales queries and keys by parameters"),
-    (dict(qk_norm='rmsnorm', attention='linear'),
-     "config.model.qk_norm='rmsnorm' normalises the queries and keys of "
-     "scores that are dot products q . k, which those of "
-     "config.model.attention='linear' are not."),
     (dict(qk_norm='layernorm', family='rnn_attention'),
      "config.model.qk_norm is for config.model.family='decoder_lm'"),
     (dict(pooling='max'), "config.model.pooling='max'"),
