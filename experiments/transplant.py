@@ -4,7 +4,8 @@ measures how much of its quality each recovers, after how many steps.
   python -m experiments.transplant --from=W --workdir=DIR \
       --variants=linear,hedgehog,performer,local --steps=N \
       [--distill_steps=M --distill=new|qk --distill_learning_rate=0.01] \
-      [--learning_rate_scale=0.1] [--options=local.window=64] \
+      [--learning_rate_scale=0.1] [--train=all|attention] \
+      [--options=local.window=64] \
       [--model=linear.position=none] [--eval_every=K]
 
 Each variant starts from W's parameters (config.init_from: the run's config
@@ -15,17 +16,20 @@ fresh), then:
     --distill=qk the query and key projections too) learn for M steps to
     give W's attention outputs, layer by layer, on the same inputs; a
     variant with nothing to learn skips it;
-  stage 2: N steps of fine-tuning of the whole model (train_and_evaluate,
-    on W's config: its data, optimizer and schedule over N steps, its peak
-    learning rates times --learning_rate_scale, 0.1 by default: at W's own
-    they would undo some of W's training).
+  stage 2: N steps of fine-tuning (train_and_evaluate) of the whole model,
+    or with --train=attention of the self-attention layers alone
+    (config.trained_params), on W's config: its data, optimizer and
+    schedule over N steps, its peak learning rates times
+    --learning_rate_scale (0.1 by default: at W's own they would undo some
+    of W's training).
 Beside them, the source is evaluated, and each variant is trained from
 scratch for the same N steps at W's rates. --model sets a variant's
 config.model keys (a kernelised attention takes no ALiBi bias: with
-linear.position=none it runs without). Every config is checked (and init_from's fit
-of W's parameters) before anything trains: a variant that cannot take the
-source stops the command naming it, exit status 2, nothing written. The
-layers are not scanned (the transfer reads each layer's calls).
+linear.position=none it runs without). Every config is checked (and
+init_from's fit of W's parameters) before anything trains: a variant that
+cannot take the source stops the command naming it, exit status 2,
+nothing written. The layers are not scanned (the transfer reads each
+layer's calls).
 
 Writes DIR/results.md and .csv (per variant: the quality metric of W's
 task, bits per byte for a byte-level corpus, before any step, after stage
@@ -65,6 +69,10 @@ FLAGS = flags.FLAGS
 # What stage 1 teaches: the variant's new parameters, or with them the
 # query and key projections.
 DISTILL = ('new', 'qk')
+# What stage 2 trains (config.trained_params).
+TRAINED = ('all', 'attention')
+TRAINED_SAID = {'all': 'the whole model',
+                'attention': 'the attention layers alone'}
 
 
 def stage_config(source: str, name: str, options: dict[str, dict],
@@ -163,7 +171,7 @@ def _stage_one(teacher: Program, teacher_params, config, student: Program,
 def _variant(source: str, config, program: Program, teacher: Program,
              teacher_params, workdir: str, *, distill_steps: int,
              distill: str, learning_rate: float, learning_rate_scale: float,
-             metric: str) -> dict:
+             train: str, metric: str) -> dict:
   """One variant's row: its stages, its scratch run and its cost."""
   described = config.to_json_best_effort(sort_keys=True)
   path = os.path.join(workdir, 'result.json')
@@ -183,6 +191,7 @@ def _variant(source: str, config, program: Program, teacher: Program,
   tuned = copy.deepcopy(config)
   tuned.learning_rate *= learning_rate_scale
   tuned.muon_learning_rate *= learning_rate_scale
+  tuned.trained_params = train
   if distill_steps:
     stage = _stage_one(teacher, teacher_params, config, program,
                        transferred, workdir, steps=distill_steps,
@@ -234,6 +243,7 @@ def _curves(names: list[str], workdir: str, metric: str, source: float,
 def transplant(source: str, variants: list[str], workdir: str, *,
                steps: int, distill_steps: int = 0, distill: str = 'new',
                learning_rate: float = 1e-2, learning_rate_scale: float = 0.1,
+               train: str = 'all',
                options: dict[str, dict] | None = None,
                model: dict[str, dict] | None = None,
                eval_every: int | None = None, command: str = ''
@@ -248,7 +258,8 @@ def transplant(source: str, variants: list[str], workdir: str, *,
       ('distill', distill, distill in DISTILL, f'one of {list(DISTILL)}'),
       ('distill_learning_rate', learning_rate, learning_rate > 0, '> 0'),
       ('learning_rate_scale', learning_rate_scale, learning_rate_scale > 0,
-       '> 0')):
+       '> 0'),
+      ('train', train, train in TRAINED, f'one of {list(TRAINED)}')):
     if not ok:
       raise InputError(f'--{name}={value!r} must be {must}.')
   for name in variants:
@@ -286,7 +297,8 @@ def transplant(source: str, variants: list[str], workdir: str, *,
                  teacher_params, os.path.join(workdir, name),
                  distill_steps=distill_steps, distill=distill,
                  learning_rate=learning_rate,
-                 learning_rate_scale=learning_rate_scale, metric=metric)))
+                 learning_rate_scale=learning_rate_scale, train=train,
+                 metric=metric)))
   columns = ['variant', 'new_params', 'source', 'before', 'stage_1',
              'error_before', 'error_after', 'after_stage_1', 'after_stage_2',
              'scratch', 'step_ms', 'peak_memory_mb']
@@ -295,15 +307,18 @@ def transplant(source: str, variants: list[str], workdir: str, *,
       + (f'Command: `{command}`\n\n' if command else '')
       + f'Machine: {common.machine_description()}.\n\n'
       f'{metric} of the validation split ({teacher_config.eval_split}, '
-      f'{teacher_config.num_eval_steps} batches): `source`, the model the '
+      + ('whole' if teacher_config.num_eval_steps == -1
+         else f'{teacher_config.num_eval_steps} batches')
+      + '): `source`, the model the '
       'variants start from; `before`, a variant with its parameters and no '
       f'step; `after_stage_1`, after {distill_steps} steps of attention '
       f'transfer (`error_*`: the attention-output error, mean over layers, '
       f'on a held-out batch; --distill={distill}); `after_stage_2`, after '
-      f'{steps} steps of fine-tuning at {learning_rate_scale} times the '
-      'source config\'s peak learning rates (its schedule over those '
-      f'steps); `scratch`, the variant trained from scratch for the same '
-      f'{steps} steps at those rates. `step_ms` and `peak_memory_mb`: '
+      f'{steps} steps of fine-tuning ({TRAINED_SAID[train]}) at '
+      f'{learning_rate_scale} times the source config\'s peak learning '
+      'rates (its schedule over those steps); `scratch`, the variant '
+      f'trained from scratch for the same {steps} steps at the source '
+      'config\'s rates. `step_ms` and `peak_memory_mb`: '
       'the compiled train step at the run\'s length (median of 3 steps; '
       'arguments, outputs and temporaries).\n\n')
   table = common.write_table(rows, columns, os.path.join(workdir, 'results'),
@@ -320,7 +335,7 @@ def main(argv: list[str]) -> None:
       common.local_workdir(FLAGS.workdir), steps=FLAGS.steps,
       distill_steps=FLAGS.distill_steps, distill=FLAGS.distill,
       learning_rate=FLAGS.distill_learning_rate,
-      learning_rate_scale=FLAGS.learning_rate_scale,
+      learning_rate_scale=FLAGS.learning_rate_scale, train=FLAGS.train,
       options=common.parse_options(FLAGS.options),
       model=common.parse_options(FLAGS.model, '--model'),
       eval_every=FLAGS.eval_every,
@@ -348,6 +363,9 @@ def _define_flags() -> None:
                      'the source config\'s peak learning rates '
                      '(learning_rate, muon_learning_rate) times this; the '
                      'scratch runs at them.')
+  flags.DEFINE_enum('train', 'all', TRAINED, 'What stage 2 trains: the '
+                    'whole model, or the attention layers alone '
+                    '(config.trained_params).')
   flags.DEFINE_list('options', [], 'Variant options as variant.option=value '
                     'items, e.g. local.window=64.')
   flags.DEFINE_list('model', [], 'config.model keys of a variant as '

@@ -209,6 +209,10 @@ class TrainConfig:
   # --- Optimization ---
   # Optimizer updates in the whole run.
   num_train_steps: int = key(1000, integer(1))
+  # The parameters the optimizer moves: all, or the self-attention layers'
+  # alone (their projections, norms and a variant's own parameters), the
+  # rest frozen (fine-tuning a transplanted attention).
+  trained_params: str = key('all', one_of(('all', 'attention')))
   # adamw (Loshchilov & Hutter 2019), sgd (with sgd_momentum), or muon
   # (Jordan et al. 2024): Muon on the hidden matrices (model/matrices.py)
   # at muon_learning_rate, AdamW at learning_rate on every other parameter

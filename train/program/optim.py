@@ -223,4 +223,16 @@ def make_optimizer(config: TrainConfig, boxed_params
   if config.grad_clip_norm > 0:
     optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm),
                             optimizer)
+  if config.trained_params == 'attention':
+    # Frozen gradients do not count in the clipping, nor frozen
+    # parameters' decay in the updates.
+    freeze = optax.masked(optax.set_to_zero(), _outside_attention)
+    optimizer = optax.chain(freeze, optimizer, freeze)
   return optimizer, schedule
+
+
+def _outside_attention(params) -> Any:
+  """True at the parameters outside the self-attention layers."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: all(getattr(key, 'key', None) != 'self_attention'
+                          for key in path), params)

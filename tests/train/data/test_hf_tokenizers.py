@@ -25,6 +25,7 @@ def trained(tmp_path_factory) -> dict[str, str]:
           for kind in ('gpt2', 'llama')}
 
 
+@pytest.mark.core
 @pytest.mark.parametrize('kind,boundary', [('gpt2', '<|endoftext|>'),
                                            ('llama', '<|begin_of_text|>')])
 def test_text_round_trips_and_documents_start_with_the_named_token(

@@ -3,6 +3,7 @@ padding decoding writes after it is not text (a tokenizer.json may give
 id 0, decoding's padding, to a token)."""
 
 import numpy as np
+import pytest
 
 from train.decode import decoding, text
 
@@ -19,6 +20,7 @@ class _Letters:
     return ''.join(chr(ord('a') + int(i)) for i in ids if i != self.eos_id)
 
 
+@pytest.mark.core
 def test_a_sample_ends_at_its_end_of_sequence(monkeypatch):
   """Decoding gives 'x', 'y', the end, then padding: the text is the
   prompt and 'xy'."""

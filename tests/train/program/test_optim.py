@@ -243,3 +243,42 @@ def test_muon_orthogonalises_the_matrices_of_one_shape_in_one_batch():
     counts.append(hlo.count('dot_general'))
     assert counts[-1] == 3 * muon.NS_STEPS * len(shapes), layers
   assert counts[0] == counts[1]
+
+
+@pytest.mark.parametrize('optimizer', ['adamw', 'muon'])
+def test_attention_alone_trains_its_own_updates_unchanged(optimizer):
+  """config.trained_params='attention': the self-attention layers' updates
+  are those of training everything with the other gradients zero (the
+  clipping sees theirs alone; to rounding); every other parameter, weight
+  decay included, does not move at all."""
+  boxed = boxed_params(small(num_layers=2))
+  params = jax.tree.map(jnp.ones_like, nn.meta.unbox(boxed))
+  config = dict(optimizer=optimizer, learning_rate=0.01, weight_decay=0.1,
+                warmup_steps=1, schedule='constant', grad_clip_norm=0.5)
+  inside = lambda path: "['self_attention']" in jax.tree_util.keystr(path)
+  keys = jax.random.split(jax.random.key(0), len(jax.tree.leaves(params)))
+  gradients = jax.tree.unflatten(jax.tree.structure(params), [
+      jax.random.normal(key, leaf.shape)
+      for key, leaf in zip(keys, jax.tree.leaves(params))])
+  alone, _ = optim.make_optimizer(
+      _config(trained_params='attention', **config), boxed)
+  every, _ = optim.make_optimizer(_config(**config), boxed)
+  masked = jax.tree_util.tree_map_with_path(
+      lambda path, g: g if inside(path) else jnp.zeros_like(g), gradients)
+
+  def second_update(optimizer, gradients):  # The first is warmup's zero.
+    state = optimizer.init(params)
+    _, state = optimizer.update(gradients, state, params)
+    return optimizer.update(gradients, state, params)[0]
+
+  got = second_update(alone, gradients)
+  want = second_update(every, masked)
+  for path, update in jax.tree_util.tree_leaves_with_path(got):
+    if inside(path):
+      np.testing.assert_allclose(
+          update, dict(jax.tree_util.tree_leaves_with_path(want))[path],
+          rtol=1e-6, atol=1e-7)
+    else:
+      assert not np.any(update), jax.tree_util.keystr(path)
+  assert any(np.any(u) for p, u in jax.tree_util.tree_leaves_with_path(got)
+             if inside(p))
