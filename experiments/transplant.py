@@ -42,6 +42,7 @@ variant (its result.json) is not run again.
 """
 
 import copy
+import json
 import os
 import sys
 
@@ -172,14 +173,19 @@ def _variant(source: str, config, program: Program, teacher: Program,
              teacher_params, workdir: str, *, distill_steps: int,
              distill: str, learning_rate: float, learning_rate_scale: float,
              train: str, metric: str) -> dict:
-  """One variant's row: its stages, its scratch run and its cost."""
-  described = config.to_json_best_effort(sort_keys=True)
+  """One variant's row: its stages, its scratch run and its cost (kept in
+  workdir/result.json, with what made it)."""
+  described = json.dumps([
+      json.loads(config.to_json_best_effort(sort_keys=True)),
+      dict(distill_steps=distill_steps, distill=distill,
+           learning_rate=learning_rate,
+           learning_rate_scale=learning_rate_scale, train=train)])
   path = os.path.join(workdir, 'result.json')
   row = common.load_json(path)
   if row is not None:
     if row.pop('config') != described:
-      raise InputError(f'{workdir} holds a transplant of another config; '
-                       'give a new --workdir.')
+      raise InputError(f'{workdir} holds a transplant of another config '
+                       'or other stages; give a new --workdir.')
     return row
   transferred, said = init_from.load(source, program)
   print(f'  starting from {said}', flush=True)

@@ -136,6 +136,10 @@ INVALID = [
      "dataset='python_stdlib_bytes'; it has ['train', 'validation']"),
     ('num_eval_steps', 0, 'config.num_eval_steps=0'),
     ('num_train_steps', -1, 'config.num_train_steps=-1'),
+    ('trained_params', 'mlp', "config.trained_params='mlp' must be one of"),
+    ('tokenizer', '/nowhere/tokenizer.json',
+     "config.tokenizer='/nowhere/tokenizer.json' is not a readable "
+     'tokenizer.json'),
     ('optimizer', 'lamb', "config.optimizer='lamb' must be one of"),
     ('learning_rate', 0.0, 'config.learning_rate=0.0'),
     ('learning_rate', -1e-3, 'config.learning_rate=-0.001'),
