@@ -151,6 +151,8 @@ def transfer(source_params: Any, fresh_params: Any, source: ModelConfig,
 
 def _described(params: Any, ways: dict[str, str], have: dict[str, Any]
                ) -> Transferred:
+  """`params` with how each was obtained (`ways`, by path) and the source's
+  (`have`, flat) that the target lacks."""
   by_way = lambda name: tuple(p for p, way in ways.items() if way == name)
   return Transferred(params, by_way('taken'), by_way('pooled'),
                      by_way('fresh'), tuple(sorted(set(have) - set(ways))))

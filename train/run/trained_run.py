@@ -11,9 +11,8 @@ import jax
 import ml_collections
 
 from model import ModelConfig
-from train.base import storage
+from train.base import storage, train_config
 from train.base.errors import InputError
-from train.base import train_config
 from train.base.train_config import TrainConfig
 from train.data import datasets
 from train.decode import decoding
