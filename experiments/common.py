@@ -3,7 +3,7 @@ their results go, config overrides, a run's metrics, result tables and
 plots, and a description of the machine."""
 
 import ast
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 import copy
 import csv
 import json
@@ -60,6 +60,16 @@ def check_variant(flag: str, name: str) -> None:
     raise InputError(f'{flag}: no attention variant {name!r}'
                      f'{did_you_mean(name, known)} The variants: '
                      f'{", ".join(known)}.')
+
+
+def check_among(flag: str, named: Iterable[str], variants: list[str]
+                ) -> None:
+  """InputError naming `flag` for a variant it `named` (settings given by
+  variant.key=value) that is not among `variants`."""
+  for name in named:
+    if name not in variants:
+      raise InputError(f'{flag}: {name!r} is not among --variants='
+                       f'{",".join(variants)}.')
 
 
 def check_options(options: dict[str, dict]) -> None:

@@ -189,10 +189,7 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
   for name in variants:
     common.check_variant('--variants', name)
   common.check_options(options)
-  for name in options:
-    if name not in variants:
-      raise InputError(f'--options: {name!r} is not among --variants='
-                       f'{",".join(variants)}.')
+  common.check_among('--options', options, variants)
   preset = metrics.flat_hparams(base.model.attention_options.to_dict())
   if preset:
     raise InputError(

@@ -113,13 +113,14 @@ def _checked(configs: dict, workdir: str) -> dict[str, Program]:
   return programs
 
 
-def _evaluate(program: Program, params, workdir: str) -> dict[str, float]:
-  dataset = datasets.load(program.config, workdir)
+def _evaluate(program: Program, dataset: datasets.Dataset, params,
+              workdir: str) -> dict[str, float]:
   return trainer.evaluation(program.config, dataset, program, workdir,
                             trainer.row_layout(program.config))(params)
 
 
 def _stage_one(teacher: Program, teacher_params, config, student: Program,
+               dataset: datasets.Dataset,
                transferred: init_from.Transferred, workdir: str, *,
                steps: int, distill: str, learning_rate: float,
                metric: str) -> dict:
@@ -140,7 +141,6 @@ def _stage_one(teacher: Program, teacher_params, config, student: Program,
     return figures
   if storage.path(run).exists():  # Stopped before its figures were kept.
     storage.path(run).rmtree()
-  dataset = datasets.load(student.config, workdir)
   batches = trainer.training_batches(student, dataset)
   error = jax.jit(lambda teacher_params, params, batch: (
       attention_transfer.layer_errors(teacher, student, teacher_params,
@@ -163,14 +163,14 @@ def _stage_one(teacher: Program, teacher_params, config, student: Program,
   write_start(start, student, dataset, params, run)
   figures = {'stage_1': f'{len(trainable)} arrays trained',
              'error_before': before, 'error_after': after,
-             'after_stage_1': float(_evaluate(student, params,
+             'after_stage_1': float(_evaluate(student, dataset, params,
                                               workdir)[metric])}
   common.save_json(figures_path, figures)
   return figures
 
 
 def _variant(source: str, config, program: Program, teacher: Program,
-             teacher_params, workdir: str, *, distill_steps: int,
+             teacher_params, dataset: datasets.Dataset, workdir: str, *, distill_steps: int,
              distill: str, learning_rate: float, learning_rate_scale: float,
              train: str, metric: str) -> dict:
   """One variant's row: its stages, its scratch run and its cost (kept in
@@ -191,7 +191,7 @@ def _variant(source: str, config, program: Program, teacher: Program,
   print(f'  starting from {said}', flush=True)
   flat = traverse_util.flatten_dict(transferred.params, sep='/')
   row = {'new_params': sum(flat[path].size for path in transferred.fresh),
-         'before': float(_evaluate(program, transferred.params,
+         'before': float(_evaluate(program, dataset, transferred.params,
                                    workdir)[metric])}
   # Fine-tuning a trained model: its peak learning rates scaled down.
   tuned = copy.deepcopy(config)
@@ -199,7 +199,7 @@ def _variant(source: str, config, program: Program, teacher: Program,
   tuned.muon_learning_rate *= learning_rate_scale
   tuned.trained_params = train
   if distill_steps:
-    stage = _stage_one(teacher, teacher_params, config, program,
+    stage = _stage_one(teacher, teacher_params, config, program, dataset,
                        transferred, workdir, steps=distill_steps,
                        distill=distill, learning_rate=learning_rate,
                        metric=metric)
@@ -271,10 +271,8 @@ def transplant(source: str, variants: list[str], workdir: str, *,
   for name in variants:
     common.check_variant('--variants', name)
   common.check_options(options)
-  for name in model:
-    if name not in variants:
-      raise InputError(f'--model: {name!r} is not among --variants='
-                       f'{",".join(variants)}.')
+  common.check_among('--options', options, variants)
+  common.check_among('--model', model, variants)
   eval_every = eval_every or max(1, steps // 4)
   # Rows unpacked for every variant (and the source's evaluation) where
   # one reads key-padding masks only: all see the same data.
@@ -292,7 +290,10 @@ def transplant(source: str, variants: list[str], workdir: str, *,
   _, teacher_params = trained_run.restore_params(
       run, teacher.abstract_state.params, step)
   os.makedirs(workdir, exist_ok=True)
-  source_summary = _evaluate(teacher, teacher_params, workdir)
+  # The variants read the source's dataset (their configs differ in the
+  # model and the rows' layout only): loaded once.
+  dataset = datasets.load(teacher.config, workdir)
+  source_summary = _evaluate(teacher, dataset, teacher_params, workdir)
   metric, _ = datasets.task_of(teacher_config.dataset).quality_metric(
       source_summary)
   rows = []
@@ -300,7 +301,7 @@ def transplant(source: str, variants: list[str], workdir: str, *,
     print(f'variant {number}/{len(variants)} {name}', flush=True)
     rows.append({'variant': name, 'source': float(source_summary[metric])} | (
         _variant(source, configs[name], programs[name], teacher,
-                 teacher_params, os.path.join(workdir, name),
+                 teacher_params, dataset, os.path.join(workdir, name),
                  distill_steps=distill_steps, distill=distill,
                  learning_rate=learning_rate,
                  learning_rate_scale=learning_rate_scale, train=train,
