@@ -67,6 +67,11 @@ ROUND_TWO = {
     'model.zero_init_outputs': True,
 }
 ARGS = ('', 'round1', 'baseline')
+# The speedrun's track: the corpus its records were measured on, Python
+# 3.11.7's standard library (train/data/stdlib.py's corpus_sha256). A run
+# on another Python's library says that it is off the track.
+TRACK_CORPUS = (
+    '5764bb67f6efd23308c39f5922fd2e0da5381d5aeafe3a9696c100956a3d220f')
 
 # The training techniques of today's speedrun records, each one key: its
 # value off and on. The second search draws them; configs/lm_ablation.py
@@ -91,6 +96,7 @@ def get_config(arg: str = ''):
         f'configs/lm_stdlib.py takes one of {ARGS}, got {arg!r}.')
   config = default.get_config()
   config.dataset = 'python_stdlib_bytes'
+  config.track_corpus = TRACK_CORPUS
   config.seq_len = 256
   config.batch_size = 32
   config.num_train_steps = 550

@@ -100,6 +100,18 @@ def parse_options(items: list[str], flag: str = '--options'
   return options
 
 
+def parse_overrides(items: list[str]) -> dict[str, str]:
+  """--set's key=value items as config overrides (the values as typed);
+  InputError naming an item without '='."""
+  overrides = {}
+  for item in items:
+    key, sep, value = item.partition('=')
+    if not sep:
+      raise InputError(f'--set item {item!r} is not key=value.')
+    overrides[key] = value
+  return overrides
+
+
 def local_workdir(workdir: str) -> str:
   """An experiment's --workdir, absolute; InputError for a URL: its
   tables, plots and trials are files of a directory (a shared one, or a

@@ -208,12 +208,7 @@ def sweep(config_arg: str, workdir: str, *, parallel: int = 1,
 
 def main(argv: list[str]) -> None:
   def work():
-    common_overrides = {}
-    for item in FLAGS.set:
-      key, sep, value = item.partition('=')
-      if not sep:
-        raise InputError(f'--set item {item!r} is not key=value.')
-      common_overrides[key] = value
+    common_overrides = common.parse_overrides(FLAGS.set)
     # Named as typed here; afterwards, with each trial's, as --config.
     cli.load_config(FLAGS.config, common_overrides, typed='--set=')
     workdir = common.local_workdir(FLAGS.workdir)

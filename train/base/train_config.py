@@ -69,6 +69,15 @@ def text(*, empty: bool = False, optional: bool = False) -> Rule:
   return rule
 
 
+def sha256(key: str, value) -> str | None:
+  """A sha256 as 64 lowercase hex digits, or '' for none."""
+  if value == '' or (isinstance(value, str) and len(value) == 64
+                     and set(value) <= set('0123456789abcdef')):
+    return None
+  return (f'config.{key}={value!r} must be a sha256 (64 lowercase hex '
+          "digits) or ''.")
+
+
 def local_path(key: str, value) -> str | None:
   """A path on this machine (which may be where a bucket is mounted)."""
   problem = text()(key, value)
@@ -192,6 +201,13 @@ class TrainConfig:
   # a directory holding one: an import's workdir) instead of the dataset's
   # own (bytes): python_stdlib_bytes and text_files. None: the dataset's.
   tokenizer: str | None = key(None, text(optional=True))
+  # The fingerprint (sha256, 64 hex digits) of the corpus that this
+  # config's track is measured on: a python_stdlib_bytes or text_files
+  # build's corpus_sha256 (train/data/stdlib.py). A run on another corpus
+  # says at its end that it is off the track: its figures are not
+  # comparable with the track's records (experiments/results/speedrun/).
+  # '': no track.
+  track_corpus: str = key('', sha256)
   # Tokens per row: the packed row length of LMs, the longest input (and
   # target) of the other kinds; longer examples are left out.
   seq_len: int = key(256, integer(1))

@@ -57,6 +57,9 @@ class Dataset:
   # LM documents are long and held in memory: shuffle their windows one by
   # one rather than whole documents.
   shuffle_windows: bool = False
+  # The sha256 of the documents (train/data/stdlib.py's corpus_sha256), for
+  # the corpora read from files; None for the others.
+  corpus_sha256: str | None = None
 
   @property
   def reader_threads(self) -> int:
@@ -79,8 +82,9 @@ def _building_alone(data_dir: str) -> Iterator[None]:
 
 
 def _build(make_builder: Callable[[], tfds.core.DatasetBuilder],
-           data_dir: str) -> dict[str, Any]:
-  """Prepares an embedded dataset once (array_record) and opens its splits.
+           data_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Prepares an embedded dataset once (array_record) and opens its splits;
+  returns them and the build's metadata.
 
   On several hosts, the first builds before the others look: with a shared
   data_dir they find it built, with a disk of their own they build their
@@ -123,7 +127,8 @@ def _build(make_builder: Callable[[], tfds.core.DatasetBuilder],
   if not sources:  # tfds found the files but not the metadata naming them.
     raise InputError(f'{builder.data_dir}/dataset_info.json is missing, so '
                      f'the splits there are unknown. {rebuild}')
-  return integrity.checked(sources, rebuild)
+  metadata = dict(builder.info.metadata or {})
+  return integrity.checked(sources, rebuild), metadata
 
 
 def _document(tokens: np.ndarray, eos_id: int = tokenizers.EOS_ID
@@ -158,17 +163,21 @@ def _text_tokenizer(config: TrainConfig):
                      f'{error}') from None
 
 
-def _text_corpus(config: TrainConfig, sources: dict[str, Any]) -> Dataset:
+def _text_corpus(config: TrainConfig,
+                 built: tuple[dict[str, Any], dict[str, Any]]) -> Dataset:
   """A corpus of files held in memory (about 12 MB for the standard
   library), a document each, tokenized by config.tokenizer or as bytes;
-  its windows are shuffled one by one."""
+  its windows are shuffled one by one. `built`: _build's splits and
+  metadata."""
+  sources, metadata = built
   tokenizer = _text_tokenizer(config)
   splits = {name: grain.MapDataset.source([
       {'tokens': _document(tokenizer.encode(source[i]['text'].tobytes()),
                            tokenizer.eos_id)}
       for i in range(len(source))]) for name, source in sources.items()}
   return Dataset(tasks.LM, splits, tokenizer.vocab_size, tokenizer,
-                 byte_level=config.tokenizer is None, shuffle_windows=True)
+                 byte_level=config.tokenizer is None, shuffle_windows=True,
+                 corpus_sha256=metadata.get('corpus_sha256'))
 
 
 def load_python_stdlib_bytes(config: TrainConfig, data_dir: str,
@@ -216,7 +225,7 @@ def load_algorithmic(config: TrainConfig, data_dir: str,
                      workdir: str) -> Dataset:
   del workdir
   task_config = _builder_config(algorithmic.AlgorithmicConfig, config)
-  sources = _build(lambda: algorithmic.Algorithmic(
+  sources, _ = _build(lambda: algorithmic.Algorithmic(
       config=task_config, data_dir=data_dir,
       file_format='array_record'), data_dir)
   splits = {name: grain.MapDataset.source(source)
@@ -228,7 +237,7 @@ def load_listops(config: TrainConfig, data_dir: str,
                  workdir: str) -> Dataset:
   del workdir
   lengths_config = _builder_config(listops.ListOpsConfig, config)
-  sources = _build(lambda: listops.ListOps(
+  sources, _ = _build(lambda: listops.ListOps(
       config=lengths_config, data_dir=data_dir, file_format='array_record'),
       data_dir)
   splits = {name: grain.MapDataset.source(source)
@@ -365,18 +374,24 @@ def task_of(name: str) -> tasks.Task:
   return LOADERS[name][0]
 
 
-# The datasets of text that config.tokenizer may tokenize.
-TOKENIZED = ('python_stdlib_bytes', 'text_files')
+# The corpora read from files: config.tokenizer may tokenize them, and
+# they have a corpus_sha256 that config.track_corpus names.
+FILE_CORPORA = ('python_stdlib_bytes', 'text_files')
 
 
 def load(config: TrainConfig, workdir: str) -> Dataset:
   """The dataset `config.dataset`, built or opened in `config.data_dir`."""
   task_of(config.dataset)
-  if config.tokenizer is not None and config.dataset not in TOKENIZED:
-    raise InputError(f'config.tokenizer={config.tokenizer!r} tokenizes '
-                     f'{" and ".join(TOKENIZED)}, not config.dataset='
-                     f'{config.dataset!r} (its own tokenizer: '
-                     'config.vocab_path).')
+  if config.dataset not in FILE_CORPORA:
+    corpora = ' and '.join(FILE_CORPORA)
+    if config.tokenizer is not None:
+      raise InputError(f'config.tokenizer={config.tokenizer!r} tokenizes '
+                       f'{corpora}, not config.dataset={config.dataset!r} '
+                       '(its own tokenizer: config.vocab_path).')
+    if config.track_corpus:
+      raise InputError(f'config.track_corpus={config.track_corpus!r} names '
+                       f'the fingerprint of a corpus ({corpora}); config.'
+                       f'dataset={config.dataset!r} has none.')
   loader = LOADERS[config.dataset][1]
   try:
     return loader(config, storage.resolve(config.data_dir), workdir)

@@ -11,6 +11,11 @@ modification times (so changed files are built again). In both, a file goes
 to the validation split when a hash of its path (below the standard
 library's root, or the glob's) says so (5% of files), so the split never
 depends on which other files exist.
+
+Each build records its corpus's fingerprint, `corpus_sha256` in its
+metadata (corpus_sha256()): runs on equal fingerprints read the same
+documents and are scored on the same validation split, which is what makes
+the results of two machines comparable (the speedrun's track).
 """
 
 import dataclasses
@@ -45,6 +50,18 @@ def split_of(relative_path: pathlib.Path) -> str:
   return 'validation' if int(digest, 16) % 100 < VALIDATION_PERCENT else 'train'
 
 
+def corpus_sha256(root: pathlib.Path,
+                  relative_paths: list[pathlib.Path]) -> str:
+  """The sha256 of a corpus: each document's path (relative to `root`),
+  length and bytes, in the order given."""
+  digest = hashlib.sha256()
+  for relative in relative_paths:
+    data = (root / relative).read_bytes()
+    digest.update(f'{relative.as_posix()}\0{len(data)}\0'.encode())
+    digest.update(data)
+  return digest.hexdigest()
+
+
 class _Files(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """A corpus of files under `_root()`, each an example {path, text bytes}."""
 
@@ -62,11 +79,13 @@ class _Files(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         features=tfds.features.FeaturesDict({
             'path': tfds.features.Text(),
             'text': tfds.features.Tensor(shape=(None,), dtype=np.uint8),
-        }))
+        }),
+        metadata=tfds.core.MetadataDict())
 
   def _split_generators(self, dl_manager):
     del dl_manager  # Nothing is downloaded.
     files = self._files()
+    self.info.metadata['corpus_sha256'] = corpus_sha256(self._root(), files)
     return {split: self._generate_examples([f for f in files
                                             if split_of(f) == split])
             for split in ('train', 'validation')}
@@ -82,7 +101,8 @@ class _Files(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 class PythonStdlibBytes(_Files):
   """The .py files of the running interpreter's standard library."""
 
-  VERSION = tfds.core.Version('1.0.0')
+  # 1.1.0: its corpus's fingerprint in its metadata.
+  VERSION = tfds.core.Version('1.1.0')
   BUILDER_CONFIGS = [
       tfds.core.BuilderConfig(
           name=f'py{sys.version_info.major}{sys.version_info.minor}',
@@ -139,7 +159,7 @@ def text_files_config(pattern: str) -> TextFilesConfig:
 class TextFiles(_Files):
   """Local text files given by a glob, one document each."""
 
-  VERSION = tfds.core.Version('1.0.0')
+  VERSION = tfds.core.Version('1.1.0')
   BUILDER_CONFIG_CLS = TextFilesConfig
 
   def _root(self):

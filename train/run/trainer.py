@@ -43,15 +43,32 @@ def _duration(seconds: float) -> str:
           f'{minutes}m{seconds:02d}s' if minutes else f'{seconds}s')
 
 
+def corpus_line(corpus_sha256: str | None, track_corpus: str) -> str | None:
+  """What a run says of its corpus: its fingerprint, and whether it is
+  that of config.track_corpus's track; None for a dataset without one."""
+  if corpus_sha256 is None:
+    return None
+  line = f'Corpus sha256 {corpus_sha256}'
+  if not track_corpus:
+    return line + '.'
+  if corpus_sha256 == track_corpus:
+    return line + ': on the track (config.track_corpus).'
+  return (line + f': off the track, whose corpus is config.track_corpus='
+          f'{track_corpus}; these figures are not comparable with its '
+          'records.')
+
+
 def closing_summary(*, task: Task, steps: tuple[int, int], seconds: float,
                     evaluations: list[tuple[int, dict[str, float]]],
                     final: dict[str, float], tokens_per_s: float | None,
                     checkpoint: str | None, workdir: str,
-                    extendable: bool, cannot_decode: str | None) -> str:
+                    extendable: bool, cannot_decode: str | None,
+                    corpus: str | None = None) -> str:
   """The lines a run trained to its last step ends with: steps and wall
   time (or that it was trained before, `steps` (last, last), and only
   evaluated), the final evaluation (the quality metric's best of the run
-  beside it), throughput, the last checkpoint, and what to run next: how
+  beside it), throughput, its corpus (corpus_line), the last checkpoint,
+  and what to run next: how
   to train further (`extendable`: a larger num_train_steps, else a new
   workdir starting from this one), and the task's decode command
   (`cannot_decode`: why it does not apply, see decoding.cache_refusal)."""
@@ -70,6 +87,8 @@ def closing_summary(*, task: Task, steps: tuple[int, int], seconds: float,
           f'again in {_duration(seconds)}')
   lines = [f'{done}; ' + ', '.join(shown)
            + (f'; {tokens_per_s:,.0f} tokens/s' if tokens_per_s else '') + '.']
+  if corpus:
+    lines.append(corpus)
   then = ['the run is complete: ' + (
       'to train it further, run the same command with a larger '
       'config.num_train_steps' if extendable else
@@ -501,7 +520,8 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
       checkpoint=None if latest is None else
       f'{checkpointer.directory}/{latest}', workdir=workdir,
       extendable=optim.SCHEDULES[config.schedule].length_free,
-      cannot_decode=decoding.cache_refusal(model_config)))
+      cannot_decode=decoding.cache_refusal(model_config),
+      corpus=corpus_line(dataset.corpus_sha256, config.track_corpus)))
   if unwritten:  # Only process 0 writes it: said once all hosts are done.
     raise TrainingError(unwritten)
   return final

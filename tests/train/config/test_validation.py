@@ -140,6 +140,8 @@ INVALID = [
     ('tokenizer', '/nowhere/tokenizer.json',
      "config.tokenizer='/nowhere/tokenizer.json' is not a readable "
      'tokenizer.json'),
+    ('track_corpus', 'ABC', "config.track_corpus='ABC' must be a sha256 (64 "
+     "lowercase hex digits) or ''"),
     ('optimizer', 'lamb', "config.optimizer='lamb' must be one of"),
     ('learning_rate', 0.0, 'config.learning_rate=0.0'),
     ('learning_rate', -1e-3, 'config.learning_rate=-0.001'),
@@ -266,6 +268,10 @@ INVALID = [
 ]
 # The same, on other configs: their dataset options and attention options.
 INVALID_ELSEWHERE = [
+    ('algorithmic', 'track_corpus', '0' * 64,
+     f"config.track_corpus='{'0' * 64}' names the fingerprint of a corpus "
+     "(python_stdlib_bytes and text_files); config.dataset='algorithmic' has "
+     'none'),
     ('algorithmic', 'dataset_options.task', 'divide',
      "config.dataset_options.task='divide' must be one of"),
     ('algorithmic', 'dataset_options.num_train', -5,

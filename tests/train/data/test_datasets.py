@@ -66,6 +66,8 @@ def test_stdlib_split_is_a_stable_hash_of_the_path():
 
 def test_stdlib_documents_hold_every_byte_of_the_corpus_once(stdlib_dataset):
   root = stdlib.stdlib_root()
+  assert stdlib_dataset.corpus_sha256 == stdlib.corpus_sha256(
+      root, stdlib.source_files(root))
   corpus_bytes = sum((root / path).stat().st_size
                      for path in stdlib.source_files(root))
   assert stdlib_dataset.task is tasks.LM and stdlib_dataset.byte_level
@@ -80,6 +82,28 @@ def test_stdlib_documents_hold_every_byte_of_the_corpus_once(stdlib_dataset):
       sum(len(split[i]['tokens']) - 1
           for split in (stdlib_dataset.splits['validation'],)
           for i in range(len(split))))
+
+
+def _text_files(corpus: pathlib.Path, data_dir: pathlib.Path):
+  return datasets.load(TrainConfig(
+      dataset='text_files', dataset_options={'paths': f'{corpus}/*.txt'},
+      data_dir=str(data_dir)), workdir=str(data_dir))
+
+
+def test_a_corpus_fingerprint_is_stable_and_changes_with_a_document(
+    tmp_path):
+  """Two builds of the same files agree (the track is frozen by it); a
+  changed byte of one document changes it."""
+  corpus = tmp_path / 'corpus'
+  corpus.mkdir()
+  for i in range(40):  # Enough files for both splits.
+    (corpus / f'{i:02d}.txt').write_text(f'document {i}\n' * 3)
+  first = _text_files(corpus, tmp_path / 'a').corpus_sha256
+  assert first == _text_files(corpus, tmp_path / 'b').corpus_sha256
+  assert len(first) == 64 and first == stdlib.corpus_sha256(
+      corpus, stdlib.matched_files(f'{corpus}/*.txt'))
+  (corpus / '07.txt').write_text('document 7\n' * 2 + 'document 8\n')
+  assert _text_files(corpus, tmp_path / 'a').corpus_sha256 != first
 
 
 # --- algorithmic ---

@@ -86,6 +86,7 @@ def test_config_trains_saves_and_resumes(name, data_dir, tmp_path, capsys,
             'float32, causal, packed rows; interpreted on the CPU: slow, for '
             'tests)') in out
     assert read_metrics(workdir)[0]['steps_per_s'] > 0.02
+    assert '\nCorpus sha256 ' in out  # On or off make train's track.
   # The closing summary: steps, the final metric, the checkpoint.
   metric, _ = datasets.task_of(config.dataset).quality_metric(final)
   assert 'Done: steps 0-4 in ' in out
@@ -123,6 +124,25 @@ def test_the_closing_summary_offers_no_decoder_that_cannot_serve_the_run():
       "config.model.attention='local' cannot read a key/value cache "
       '(additive, chunked and dense can).')
   assert decoding.cache_refusal(ModelConfig(attention='chunked')) is None
+
+
+@pytest.mark.core
+def test_a_run_says_whether_its_corpus_is_its_tracks():
+  corpus, other = 'a' * 64, 'b' * 64
+  assert trainer.corpus_line(None, corpus) is None  # No fingerprint.
+  assert trainer.corpus_line(corpus, '') == f'Corpus sha256 {corpus}.'
+  assert trainer.corpus_line(corpus, corpus) == (
+      f'Corpus sha256 {corpus}: on the track (config.track_corpus).')
+  assert trainer.corpus_line(other, corpus) == (
+      f'Corpus sha256 {other}: off the track, whose corpus is '
+      f'config.track_corpus={corpus}; these figures are not comparable with '
+      'its records.')
+  summary = trainer.closing_summary(
+      task=tasks.LM, steps=(0, 4), seconds=1.0, evaluations=[],
+      final={'eval_loss': 1.0}, tokens_per_s=None, checkpoint=None,
+      workdir='w', extendable=True, cannot_decode=None,
+      corpus=trainer.corpus_line(other, corpus))
+  assert summary.splitlines()[1].startswith(f'Corpus sha256 {other}: off')
 
 
 def summary_of(steps, *, extendable):

@@ -1,0 +1,119 @@
+"""experiments/speedrun.py: a row of seeds, its statistics and whether it
+is a record."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from experiments import common, speedrun
+from train.base.errors import InputError
+
+TINY_SPEEDRUN = '''
+from tests.helpers.tiny_runs import tiny_config
+
+
+def get_config():
+  config = tiny_config('lm_stdlib', {data_dir!r})
+  config.update(num_train_steps=2, log_every=1, eval_every=2,
+                checkpoint_every=2, sample_length=0)
+  return config
+'''
+
+
+def welch(values, against):
+  """Welch's t and its degrees of freedom, written out, and the one-sided
+  p that `values`' mean is lower."""
+  (m1, v1, n1), (m2, v2, n2) = [(np.mean(x), np.var(x, ddof=1), len(x))
+                                for x in (values, against)]
+  se1, se2 = v1 / n1, v2 / n2
+  t = (m1 - m2) / math.sqrt(se1 + se2)
+  df = (se1 + se2) ** 2 / (se1 ** 2 / (n1 - 1) + se2 ** 2 / (n2 - 1))
+  return stats.t.cdf(t, df)
+
+
+def row(number=1, *, values=(1.30, 1.31, 1.32), seconds=(500, 510, 520),
+        corpus='a' * 64, record=True, p=None):
+  return {'row': number, 'values': list(values), 'seconds': list(seconds),
+          'corpus': corpus, 'record': record, 'p': p}
+
+
+@pytest.mark.core
+def test_the_p_value_is_welchs_one_sided_t_test():
+  new, old = [1.25, 1.26, 1.24, 1.27], [1.30, 1.31, 1.29, 1.32, 1.30]
+  assert speedrun.p_value(new, old, 'min') == pytest.approx(welch(new, old))
+  assert speedrun.p_value(new, old, 'max') == pytest.approx(
+      1 - welch(new, old))
+  assert speedrun.mean_and_sd(old) == pytest.approx(
+      (1.304, math.sqrt(sum((x - 1.304) ** 2 for x in old) / 4)))
+
+
+@pytest.mark.core
+def test_a_record_is_significant_in_time_and_on_its_records_corpus():
+  first = row()
+  assert speedrun.verdict(first, None, 600) == (
+      True, 'a record: the first of its table')
+  assert speedrun.verdict(row(2, p=0.004), first, 600) == (
+      True, 'a record: p = 0.004 < 0.01 against row 1')
+  assert speedrun.verdict(row(2, p=0.02), first, 600) == (
+      False, 'not a record: p = 0.02 >= 0.01 against row 1')
+  assert speedrun.verdict(row(2, p=0.001, seconds=(500, 601, 599)), first,
+                          600) == (
+      False, 'not a record: seed 1 took more than 600 s')
+  assert speedrun.verdict(row(2, corpus='b' * 64), first, 600) == (
+      False, 'off the track: its corpus is not that of row 1')
+
+
+@pytest.mark.core
+def test_against_is_the_last_record_or_a_row_that_exists():
+  rows = [row(1), row(2, record=False), row(3), row(4, record=False)]
+  assert speedrun.previous_record(rows, None)['row'] == 3
+  assert speedrun.previous_record(rows, 2)['row'] == 2
+  assert speedrun.previous_record([], None) is None
+  with pytest.raises(InputError, match=r'--against=5: the records hold rows '
+                     r'1 to 4\.'):
+    speedrun.previous_record(rows, 5)
+
+
+@pytest.mark.slow
+def test_two_seeds_make_a_row_that_is_not_a_record(stdlib_dataset, data_dir,
+                                                   tmp_path):
+  """Two tiny runs against a record far better than they can be: their
+  values are those of the seeds' runs, the statistics those computed here,
+  and the row says it is no record."""
+  config = tmp_path / 'tiny_speedrun.py'
+  config.write_text(TINY_SPEEDRUN.format(data_dir=data_dir))
+  records = tmp_path / 'records'
+  records.mkdir()
+  first = {**row(values=(0.5, 0.52, 0.51),
+                 corpus=stdlib_dataset.corpus_sha256),
+           'date': '2026-01-01', 'commit': 'abc', 'command': 'earlier',
+           'metric': 'eval_bits_per_byte', 'mode': 'min', 'mean': 0.51,
+           'sd': 0.01, 'steps_per_s': 2.0, 'parallel': 1,
+           'machine': 'a machine', 'against': None,
+           'verdict': 'a record: the first of its table'}
+  common.save_json(str(records / 'records.json'), [first])
+  workdir = tmp_path / 'seeds'
+  new = speedrun.measure(
+      str(config), str(workdir), seeds=2, parallel=2, overrides={},
+      records_dir=str(records), against=None, time_limit=600,
+      command='python -m experiments.speedrun --seeds=2')
+  values = [common.read_metrics(str(workdir / f'seed={seed}'))[-1][
+      'eval_bits_per_byte'] for seed in (0, 1)]
+  assert new['values'] == values and values[0] != values[1]
+  assert (new['mean'], new['sd']) == pytest.approx(
+      (np.mean(values), np.std(values, ddof=1)))
+  assert new['p'] == pytest.approx(welch(values, first['values']))
+  assert new['corpus'] == stdlib_dataset.corpus_sha256
+  assert new['row'] == 2 and new['against'] == 1 and not new['record']
+  assert new['verdict'].startswith('not a record: p = ')
+  assert all(0 < seconds < 600 for seconds in new['seconds'])
+  with open(records / 'records.json') as f:
+    assert [r['row'] for r in json.load(f)] == [1, 2]
+  table = (records / 'records.md').read_text()
+  assert '| 2 | ' in table and 'not a record: p = ' in table
+  assert f'| {stdlib_dataset.corpus_sha256[:12]} |' in table
+  assert os.path.exists(workdir / 'seed=1' / 'log.txt')
