@@ -232,7 +232,8 @@ class TrainConfig:
   # adamw (Loshchilov & Hutter 2019), sgd (with sgd_momentum), or muon
   # (Jordan et al. 2024): Muon on the hidden matrices (model/matrices.py)
   # at muon_learning_rate, AdamW at learning_rate on every other parameter
-  # (OPTIMIZERS in train/program/optim.py).
+  # (OPTIMIZERS in train/program/optim.py); or normuon (Li et al. 2025):
+  # muon with each neuron's update normalised (normuon_beta2).
   optimizer: str = key('adamw')
   # Peak learning rate, reached at the end of warmup.
   learning_rate: float = key(1e-3, number(0.0, INF, include_low=False))
@@ -262,11 +263,18 @@ class TrainConfig:
   muon_learning_rate: float = key(0.02, number(0.0, INF, include_low=False))
   # Muon's (Nesterov) momentum.
   muon_momentum: float = key(0.95, number(0.0, 1.0))
+  # normuon: the decay of each neuron's running mean square of Muon's
+  # direction, by whose root that neuron's update is divided.
+  normuon_beta2: float = key(0.95, number(0.0, 1.0))
   # Momentum of sgd; 0 for none.
   sgd_momentum: float = key(0.9, number(0.0, 1.0))
   # Decoupled weight decay of every weight, not of biases or
   # normalisation scales (model/weight_decay.py).
   weight_decay: float = key(0.01, number(0.0, INF))
+  # Cautious weight decay (Chen et al. 2025): a weight decays only where
+  # its update and its value agree in sign, so that decay never pulls
+  # against the step. adamw, muon and normuon.
+  cautious_weight_decay: bool = key(False, boolean)
   # Clip gradients to this global norm; 0 for no clipping.
   grad_clip_norm: float = key(1.0, number(0.0, INF))
   # Micro-batches per step: gradients of batch_size / grad_accum_steps

@@ -125,3 +125,52 @@ def scale_by_muon(matrices, *, beta: float) -> optax.GradientTransformation:
             MuonState(count, mu, state.ns_coeffs))
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+class NeuronNormState(NamedTuple):
+  """Each hidden matrix's running mean square of its direction per output
+  unit (neuron), [stacked matrices, outputs] in the order of the
+  matrices' leaves: a tuple, not the parameters' tree, so that it is
+  placed whole on every device (it is a vector per matrix)."""
+  nu: tuple[jax.Array, ...]
+
+
+def normalise_neurons(matrices, *, beta: float, eps: float = 1e-10
+                      ) -> optax.GradientTransformation:
+  """NorMuon's step after Muon's direction (Li et al. 2025): each output
+  unit's part of an orthogonalised update O [inputs, outputs] divided by
+  the root of its running mean square nu (nu <- beta nu + (1 - beta) *
+  mean over inputs of O^2), then the matrix scaled back to O's Frobenius
+  norm (as modded-nanogpt does), so that Muon's learning rate keeps its
+  meaning. `matrices`: the Matrix of each leaf (optax.MaskedNode
+  elsewhere)."""
+  is_matrix = lambda leaf: isinstance(leaf, Matrix)
+
+  def init_fn(params):
+    def zeros(leaf, matrix):
+      inputs, outputs = matrix.sizes(leaf.shape)
+      return jnp.zeros((leaf.size // (inputs * outputs), outputs),
+                       jnp.float32)
+    return NeuronNormState(tuple(
+        zeros(leaf, matrix) for leaf, matrix in zip(
+            jax.tree.leaves(params),
+            jax.tree.leaves(matrices, is_leaf=is_matrix), strict=True)))
+
+  def normalise(update, nu, matrix):
+    flat = _flatten(update, matrix).astype(jnp.float32)
+    nu = beta * nu + (1 - beta) * jnp.mean(flat * flat, axis=1)
+    scaled = flat * jax.lax.rsqrt(nu + eps)[:, None, :]
+    norm = lambda x: jnp.sqrt(jnp.sum(x * x, axis=(1, 2), keepdims=True))
+    scaled = scaled * (norm(flat) / (norm(scaled) + eps))
+    return _unflatten(scaled.astype(update.dtype), update, matrix), nu
+
+  def update_fn(updates, state, params=None):
+    del params
+    leaves, structure = jax.tree.flatten(updates)
+    done = [normalise(update, nu, matrix) for update, nu, matrix in zip(
+        leaves, state.nu, jax.tree.leaves(matrices, is_leaf=is_matrix),
+        strict=True)]
+    return (structure.unflatten([update for update, _ in done]),
+            NeuronNormState(tuple(nu for _, nu in done)))
+
+  return optax.GradientTransformation(init_fn, update_fn)

@@ -2,6 +2,7 @@
 
 from collections.abc import Callable
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -11,7 +12,7 @@ import optax
 from model.matrices import Matrix, hidden_matrices, is_entry
 from model.weight_decay import decay_mask
 from train.base.train_config import TrainConfig
-from train.program.muon import scale_by_muon
+from train.program.muon import normalise_neurons, scale_by_muon
 
 
 def wsd_cooldown_steps(config: TrainConfig) -> int:
@@ -122,11 +123,34 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
   return SCHEDULES[config.schedule].build(config)
 
 
+def add_decayed_weights(config: TrainConfig, mask=None
+                        ) -> optax.GradientTransformation:
+  """Decoupled weight decay, update + weight_decay * parameter where
+  `mask` (a tree of booleans, or None for all) says; under
+  config.cautious_weight_decay only where the update and the parameter
+  agree in sign (or either is zero), so that decay never pulls against
+  the step (Chen et al. 2025)."""
+  if not config.cautious_weight_decay:
+    return optax.add_decayed_weights(config.weight_decay, mask=mask)
+  decay = config.weight_decay
+
+  def update_fn(updates, state, params):
+    return jax.tree.map(
+        lambda u, p: u + jnp.where(u * p >= 0, decay * p, 0).astype(u.dtype),
+        updates, params), state
+
+  cautious = optax.GradientTransformation(optax.init_empty_state, update_fn)
+  return cautious if mask is None else optax.masked(cautious, mask)
+
+
 def _adamw(config: TrainConfig, schedule: optax.Schedule, boxed_params
            ) -> optax.GradientTransformation:
-  return optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2,
-                     eps=config.adam_eps, weight_decay=config.weight_decay,
-                     mask=decay_mask(boxed_params))
+  """optax.adamw's chain, its weight decay add_decayed_weights'."""
+  return optax.chain(
+      optax.scale_by_adam(b1=config.adam_b1, b2=config.adam_b2,
+                          eps=config.adam_eps),
+      add_decayed_weights(config, decay_mask(boxed_params)),
+      optax.scale_by_learning_rate(schedule))
 
 
 def _sgd(config: TrainConfig, schedule: optax.Schedule, boxed_params
@@ -152,12 +176,13 @@ def scale_by_width(matrices) -> optax.GradientTransformation:
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def _muon(config: TrainConfig, schedule: optax.Schedule, boxed_params
-          ) -> optax.GradientTransformation:
+def _muon(config: TrainConfig, schedule: optax.Schedule, boxed_params,
+          *, normuon: bool = False) -> optax.GradientTransformation:
   """Muon (Jordan et al. 2024) on the hidden matrices (model/matrices.py),
   AdamW on every other parameter. A matrix's update is its Nesterov
   momentum orthogonalised by five Newton-Schulz steps (train/program/
-  muon.py: optax's arithmetic, each shape's matrices batched), times
+  muon.py: optax's arithmetic, each shape's matrices batched), for
+  `normuon` each neuron's part normalised (muon.normalise_neurons), times
   sqrt(max(1, outputs / inputs)), plus weight decay, times the schedule
   scaled to peak at `muon_learning_rate`."""
   matrices = hidden_matrices(boxed_params)
@@ -169,11 +194,14 @@ def _muon(config: TrainConfig, schedule: optax.Schedule, boxed_params
       lambda matrix: optax.MaskedNode() if matrix is None else matrix,
       matrices, is_leaf=is_entry)
   ratio = config.muon_learning_rate / config.learning_rate
+  direction = [scale_by_muon(muon_leaves, beta=config.muon_momentum)]
+  if normuon:
+    direction.append(normalise_neurons(muon_leaves,
+                                       beta=config.normuon_beta2))
   return optax.partition({
       'muon': optax.chain(
-          scale_by_muon(muon_leaves, beta=config.muon_momentum),
-          scale_by_width(muon_leaves),
-          optax.add_decayed_weights(config.weight_decay),
+          *direction, scale_by_width(muon_leaves),
+          add_decayed_weights(config),
           optax.scale_by_learning_rate(lambda count: ratio * schedule(count))),
       'adamw': _adamw(config, schedule, boxed_params),
   }, labels)
@@ -192,13 +220,18 @@ class Optimizer:
   reads: tuple[str, ...] = ()
 
 
-_ADAM_KEYS = ('adam_b1', 'adam_b2', 'adam_eps')
+# What adamw reads of its own; muon's AdamW half too.
+_ADAMW_KEYS = ('adam_b1', 'adam_b2', 'adam_eps', 'cautious_weight_decay')
 OPTIMIZERS = {
-    'adamw': Optimizer(_adamw, reads=_ADAM_KEYS),
+    'adamw': Optimizer(_adamw, reads=_ADAMW_KEYS),
     'sgd': Optimizer(_sgd, reads=('sgd_momentum',)),
     # AdamW on the parameters that are not hidden matrices.
-    'muon': Optimizer(_muon, reads=(*_ADAM_KEYS, 'muon_learning_rate',
+    'muon': Optimizer(_muon, reads=(*_ADAMW_KEYS, 'muon_learning_rate',
                                     'muon_momentum')),
+    # Muon with each neuron's update normalised (Li et al. 2025).
+    'normuon': Optimizer(functools.partial(_muon, normuon=True), reads=(
+        *_ADAMW_KEYS, 'muon_learning_rate', 'muon_momentum',
+        'normuon_beta2')),
 }
 
 

@@ -156,6 +156,7 @@ INVALID = [
     ('adam_eps', 0.0, 'config.adam_eps=0.0'),
     ('muon_learning_rate', 0.0, 'config.muon_learning_rate=0.0'),
     ('muon_momentum', 1.0, 'config.muon_momentum=1.0'),
+    ('normuon_beta2', -0.5, 'config.normuon_beta2=-0.5'),
     ('sgd_momentum', -0.1, 'config.sgd_momentum=-0.1'),
     ('weight_decay', -0.1, 'config.weight_decay=-0.1'),
     ('grad_clip_norm', -1.0, 'config.grad_clip_norm=-1.0'),
@@ -347,6 +348,7 @@ INVALID_ELSEWHERE = [
 # ml_collections refuses a value of another type for these, at the command
 # line (exit status 2, see tests/train/run/test_trainer.py) as in code.
 TYPE_CHECKED = {'pack_sequences', 'vocab_path', 'distributed',
+                'cautious_weight_decay',
                 'model.tie_embeddings', 'model.attention_projections',
                 'model.zero_init_outputs', 'model.value_residual',
                 'model.scale_tied_readout', 'model.use_bias',

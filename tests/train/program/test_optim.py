@@ -13,6 +13,7 @@ import pytest
 
 from configs import lm_stdlib
 from model.matrices import Matrix, hidden_matrices, is_entry
+from model.weight_decay import decay_mask
 from tests.helpers.declared_params import boxed_params, small
 from train.base.train_config import TrainConfig
 from train.program import muon, optim
@@ -282,3 +283,102 @@ def test_attention_alone_trains_its_own_updates_unchanged(optimizer):
       assert not np.any(update), jax.tree_util.keystr(path)
   assert any(np.any(u) for p, u in jax.tree_util.tree_leaves_with_path(got)
              if inside(p))
+
+
+def _leaf_updates(config: TrainConfig, boxed, params, gradients):
+  """The first update of `config`'s optimizer, leaf by leaf."""
+  optimizer, _ = optim.make_optimizer(config, boxed)
+  updates, _ = optimizer.update(gradients, optimizer.init(params), params)
+  return jax.tree.leaves(updates)
+
+
+@pytest.mark.core
+@pytest.mark.parametrize('optimizer', ['adamw', 'muon'])
+def test_cautious_weight_decay_decays_where_update_and_weight_agree(
+    optimizer):
+  """update = -rate * (direction + weight_decay * w * [direction * w >= 0])
+  on the decayed weights; the direction is AdamW's (here the sign of the
+  gradient, on a first step) or, for Muon's matrices, read off the plain
+  decay's update; biases and scales are never decayed."""
+  boxed = boxed_params(small(num_layers=1))
+  params = nn.meta.unbox(boxed)
+  leaves, structure = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(0), 2 * len(leaves))
+  params = structure.unflatten([jax.random.normal(key, leaf.shape)
+                                for key, leaf in zip(keys, leaves)])
+  gradients = structure.unflatten([
+      jax.random.normal(key, leaf.shape)
+      for key, leaf in zip(keys[len(leaves):], leaves)])
+  base = dict(optimizer=optimizer, learning_rate=0.01, muon_learning_rate=0.1,
+              weight_decay=0.5, warmup_steps=0, schedule='constant',
+              grad_clip_norm=0.0)
+  plain = _leaf_updates(_config(**base), boxed, params, gradients)
+  cautious = _leaf_updates(_config(cautious_weight_decay=True, **base), boxed,
+                           params, gradients)
+  decayed = jax.tree.leaves(decay_mask(boxed))
+  matrices = jax.tree.leaves(hidden_matrices(boxed), is_leaf=is_entry)
+  agreeing = []
+  for index, (w, g) in enumerate(zip(jax.tree.leaves(params),
+                                     jax.tree.leaves(gradients))):
+    w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
+    muon_matrix = optimizer == 'muon' and matrices[index] is not None
+    rate = base['muon_learning_rate' if muon_matrix else 'learning_rate']
+    decay = base['weight_decay'] if decayed[index] else 0.0
+    direction = (-np.asarray(plain[index], np.float64) / rate - decay * w
+                 if muon_matrix else g / (np.abs(g) + 1e-9))
+    agree = direction * w >= 0
+    want = -rate * (direction + decay * w * agree)
+    np.testing.assert_allclose(cautious[index], want, rtol=1e-5, atol=1e-7)
+    if decay:
+      agreeing.append(agree.mean())
+  assert 0.3 < np.mean(agreeing) < 0.7  # Both cases are exercised.
+
+
+@pytest.mark.core
+def test_normuon_divides_each_neurons_update_by_its_running_rms():
+  """muon.normalise_neurons against its formula, over three steps: a
+  matrix's direction O [inputs, outputs] (an expert stack's each alone)
+  becomes O / sqrt(nu) per output, nu <- beta nu + (1 - beta) mean_inputs
+  O^2, scaled back to |O|_F."""
+  matrices = {'stack': Matrix((1,), (2,)), 'heads': Matrix((0,), (1, 2))}
+  shapes = {'stack': (2, 6, 4), 'heads': (6, 2, 3)}
+  transform = muon.normalise_neurons(matrices, beta=0.9, eps=0.0)
+  state = transform.init({k: jnp.zeros(s) for k, s in shapes.items()})
+  nu = {'stack': np.zeros((2, 4)), 'heads': np.zeros((1, 6))}
+  for step in range(3):
+    updates = {k: jax.random.normal(jax.random.key(10 * step + i), s)
+               for i, (k, s) in enumerate(shapes.items())}
+    got, state = transform.update(updates, state)
+    for name, update in updates.items():
+      o = np.asarray(update, np.float64)
+      flat = (o if name == 'stack' else o.reshape(1, 6, 6))
+      nu[name] = 0.9 * nu[name] + 0.1 * (flat ** 2).mean(axis=1)
+      scaled = flat / np.sqrt(nu[name])[:, None, :]
+      scaled *= (np.linalg.norm(flat, axis=(1, 2))
+                 / np.linalg.norm(scaled, axis=(1, 2)))[:, None, None]
+      np.testing.assert_allclose(got[name], scaled.reshape(o.shape),
+                                 rtol=1e-5, err_msg=f'{name}, step {step}')
+
+
+def test_normuon_moves_each_matrix_as_far_as_muon_and_the_rest_alike():
+  """The normalisation keeps each matrix's Frobenius norm: NorMuon's
+  update of a matrix is as large as Muon's, in another direction; AdamW's
+  parameters are updated alike."""
+  boxed = boxed_params(small(num_layers=1))
+  params = jax.tree.map(jnp.ones_like, nn.meta.unbox(boxed))
+  gradients = jax.tree.map(
+      lambda leaf: jax.random.normal(jax.random.key(leaf.size), leaf.shape),
+      params)
+  base = dict(warmup_steps=0, schedule='constant', grad_clip_norm=0.0,
+              weight_decay=0.0)
+  plain = _leaf_updates(_config(optimizer='muon', **base), boxed, params,
+                        gradients)
+  normed = _leaf_updates(_config(optimizer='normuon', **base), boxed, params,
+                         gradients)
+  matrices = jax.tree.leaves(hidden_matrices(boxed), is_leaf=is_entry)
+  for matrix, a, b in zip(matrices, plain, normed):
+    if matrix is None:
+      np.testing.assert_array_equal(a, b)
+    else:
+      assert np.linalg.norm(b) == pytest.approx(np.linalg.norm(a), rel=1e-4)
+      assert not np.allclose(a, b, rtol=1e-3)
