@@ -12,6 +12,7 @@ from model.config import ModelConfig
 from model.layers import MultiHeadAttention, Mlp, make_norm
 from model.moe import MoeMlp
 from model.state import Cache, KeysValues
+from model.weight_decay import undecayed
 
 Array = jax.Array
 
@@ -58,12 +59,16 @@ class TransformerBlock(nn.Module):
   # Self-attention mixes its values with the first block's
   # (config.value_residual).
   mixes_values: bool = False
+  # Self-attention adds a value embedding to its values
+  # (config.value_embeddings).
+  adds_value_embedding: bool = False
 
   def setup(self):
     config = self.config
     self.self_attention_norm = make_norm(config)
-    self.self_attention = MultiHeadAttention(config, causal=self.causal,
-                                             mixes_values=self.mixes_values)
+    self.self_attention = MultiHeadAttention(
+        config, causal=self.causal, mixes_values=self.mixes_values,
+        adds_value_embedding=self.adds_value_embedding)
     if self.cross:
       self.cross_attention_norm = make_norm(config)
       self.cross_attention = MultiHeadAttention(config, cross=True)
@@ -91,7 +96,8 @@ class TransformerBlock(nn.Module):
                memory_BxMxD: Array | None = None,
                cache: KeysValues | None = None,
                source: KeysValues | None = None,
-               first_values_BxSxKxH: Array | None = None
+               first_values_BxSxKxH: Array | None = None,
+               value_embedding_BxTxKxH: Array | None = None
                ) -> tuple[Array, KeysValues | None, Array]:
     """(output [B, T, D], self-attention's cache after it or None, the
     values self-attention attended with for this call's positions).
@@ -102,7 +108,8 @@ class TransformerBlock(nn.Module):
     MultiHeadAttention) self-attention reads and writes it, and
     cross-attention reads the source's keys and values from `source`. A
     block that `mixes_values` mixes its values with `first_values_BxSxKxH`
-    (the first block's).
+    (the first block's); one that `adds_value_embedding` adds
+    `value_embedding_BxTxKxH` (its table's rows of the tokens) to them.
     """
     norm = self.self_attention_norm
     queries_BxTxD = self._normed(x_BxTxD, norm)
@@ -117,6 +124,7 @@ class TransformerBlock(nn.Module):
         q_positions_BxT=inputs.positions_BxT,
         kv_positions_BxS=kv_positions_BxS, cache=cache,
         first_values_BxSxKxH=first_values_BxSxKxH,
+        value_embedding_BxSxKxH=value_embedding_BxTxKxH,
         deterministic=inputs.deterministic)
     x_BxTxD = self._add(x_BxTxD, update, norm, self.dropouts[0],
                         inputs.deterministic)
@@ -160,21 +168,31 @@ def _block_class(config: ModelConfig, scanned: bool) -> type[nn.Module]:
 def _block(config: ModelConfig, causal: bool, cross: bool, layer: int,
            name: str, scanned: bool = False) -> nn.Module:
   """Block `layer` of a stack: its attention (`config.for_layer`), its
-  feed-forward layer, and whether it mixes the first block's values."""
+  feed-forward layer, whether it mixes the first block's values and
+  whether it adds a value embedding."""
   return _block_class(config, scanned)(
       config.for_layer(layer), causal, cross, config.has_moe(layer),
-      config.value_residual and layer > 0, name=name)
+      config.value_residual and layer > 0,
+      config.value_embedding_table(layer) is not None, name=name)
 
 
 def _run(blocks, x_BxTxD: Array, inputs: BlockInputs,
          memory_LxBxMxD: Array | None, caches, sources,
-         first_values_BxSxKxH: Array | None):
+         first_values_BxSxKxH: Array | None, value_embeddings=None,
+         unet_weights: Array | None = None):
   """`blocks` in turn: (output, each block's input, each block's cache
   after it, the values later blocks mix with: `first_values_BxSxKxH`, or
-  where None, the first block's). `memory_LxBxMxD`, `caches` and `sources`
-  hold an entry per block, or are None."""
-  block_inputs, new_caches = [], []
+  where None, the first block's). `memory_LxBxMxD`, `caches`, `sources`
+  and `value_embeddings` hold an entry per block, or are None. With
+  `unet_weights` [L // 2], block L - 1 - i also reads block i's output
+  times weight i (U-net skips)."""
+  block_inputs, new_caches, skips = [], [], []
+  skipped = 0 if unet_weights is None else unet_weights.shape[0]
   for index, block in enumerate(blocks):
+    mirror = len(blocks) - 1 - index
+    if mirror < skipped:
+      x_BxTxD = x_BxTxD + unet_weights[mirror].astype(
+          x_BxTxD.dtype) * skips[mirror]
     # Under a mesh with logical axis rules, each block's input is laid out
     # as the rules say (e.g. split by example and along the length);
     # elsewhere this does nothing.
@@ -184,7 +202,10 @@ def _run(blocks, x_BxTxD: Array, inputs: BlockInputs,
         x_BxTxD, inputs,
         None if memory_LxBxMxD is None else memory_LxBxMxD[index],
         None if caches is None else caches[index],
-        None if sources is None else sources[index], first_values_BxSxKxH)
+        None if sources is None else sources[index], first_values_BxSxKxH,
+        None if value_embeddings is None else value_embeddings[index])
+    if index < skipped:
+      skips.append(x_BxTxD)
     new_caches.append(cache)
     if first_values_BxSxKxH is None:
       first_values_BxSxKxH = values_BxSxKxH
@@ -290,20 +311,33 @@ class TransformerStack(nn.Module):
                           f'block_{layer}') for layer in range(one_by_one)]
     if config.scan_layers:
       self.layers = _scanned_groups(config)(config, self.causal, self.cross)
+    if config.unet_skips:  # Weight i: block i's output into L - 1 - i's.
+      self.unet_weights = self.param(
+          'unet_weights', undecayed(nn.initializers.ones, (None,)),
+          (config.num_layers // 2,), config.weight_dtype)
     if config.norm_position == 'pre':
       self.final_norm = make_norm(config)
 
   def __call__(self, x_BxTxD: Array, inputs: BlockInputs, *,
                memory_LxBxMxD: Array | None = None,
-               cache: Cache | None = None):
+               cache: Cache | None = None,
+               value_embeddings: tuple[Array, ...] = ()):
     """(output [B, T, D], state): with a memory, the state is each block's
     input [L, B, T, D], from which the caller forms the next memory; with a
     `cache` (see model.state.Cache), the cache after this call; else None.
+    `value_embeddings`: the tables' rows of the tokens [B, T, K, H]
+    (config.value_embeddings), which config.value_embedding_table assigns
+    to the layers.
     """
+    config = self.config
+    per_block = [None if config.value_embedding_table(layer) is None else
+                 value_embeddings[config.value_embedding_table(layer)]
+                 for layer in range(len(self.blocks))]
     x_BxTxD, block_inputs, self_caches, first_values_BxSxKxH = _run(
         self.blocks, x_BxTxD, inputs, memory_LxBxMxD,
         None if cache is None else cache.self_attention,
-        None if cache is None else cache.cross_attention, None)
+        None if cache is None else cache.cross_attention, None, per_block,
+        self.unet_weights if config.unet_skips else None)
     if self.config.scan_layers:
       x_BxTxD, group_caches, inputs_NxGxBxTxD = self._loop(
           x_BxTxD, inputs, first_values_BxSxKxH, memory_LxBxMxD, cache)

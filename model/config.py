@@ -161,6 +161,23 @@ class ModelConfig:
   # per layer (both 0.5 at first). Transformer families with attention
   # projections only.
   value_residual: bool = False
+  # Value embeddings (the modded-nanogpt records): this many extra token
+  # embedding tables of the values' width (num_kv_heads x head_dim); table
+  # i's row of each token, times a learned gate per layer (0.5 at first),
+  # is added to the values of layer i and of layer num_layers - n + i.
+  # decoder_lm only, 2n <= num_layers; not under scan_layers (the layers
+  # differ) nor with a memory (its tokens are gone). 0: off.
+  value_embeddings: int = 0
+  # U-net skip connections (the modded-nanogpt records): the output of
+  # each block i of the first half, times a learned weight (1 at first),
+  # is added to the input of block num_layers - 1 - i. decoder_lm only;
+  # not under scan_layers nor with a memory.
+  unet_skips: bool = False
+  # Smear (the modded-nanogpt records): each token's embedding plus its
+  # predecessor's (in its own document) times a learned gate,
+  # lambda * sigmoid(w . x[:12]), lambda and w zero at first (the identity).
+  # Causal. decoder_lm only; not with a memory.
+  smear: bool = False
   # A tanh cap on the output logits, cap * tanh(logits / cap) (Gemma 2;
   # the modded-nanogpt records): a positive number, or 0 for none.
   logit_softcap: float = 0.0
@@ -323,15 +340,33 @@ class ModelConfig:
         fail(f'config.model.{name}={rate!r} must be in [0, 1).')
     for name in ('tie_embeddings', 'attention_projections',
                  'zero_init_outputs', 'value_residual', 'scale_tied_readout',
-                 'use_bias', 'scan_layers'):
+                 'use_bias', 'scan_layers', 'unet_skips', 'smear'):
       if not isinstance(getattr(self, name), bool):
         fail(f'config.model.{name}={getattr(self, name)!r} must be True or '
              'False.')
     if self.value_residual and self.num_layers < 2:
       fail('config.model.value_residual mixes the first layer\'s values into '
            f'later ones; config.model.num_layers={self.num_layers} has none.')
-    if not self.attention_projections and self.value_residual:
-      fail('config.model.value_residual mixes projected values; '
+    tables = self.value_embeddings
+    if (isinstance(tables, bool) or not isinstance(tables, int)
+        or not 0 <= 2 * tables <= self.num_layers):
+      fail(f'config.model.value_embeddings={tables!r} must be a whole number '
+           f'from 0 to config.model.num_layers / 2 = {self.num_layers // 2} '
+           '(a table serves a first and a last layer).')
+    for name in ('value_embeddings', 'unet_skips'):
+      if getattr(self, name) and self.scan_layers:
+        fail(f'config.model.{name} treats layers differently, which '
+             'config.model.scan_layers, one loop over identical blocks, '
+             'cannot: set scan_layers=False.')
+    for name in ('value_embeddings', 'unet_skips', 'smear'):
+      if getattr(self, name) and self.memory_length:
+        fail(f'config.model.{name} reads the tokens and hidden states of '
+             'the positions it runs on, which a memory of earlier segments '
+             'does not keep: set config.model.memory_length=0.')
+    if not self.attention_projections and (self.value_residual
+                                           or self.value_embeddings):
+      name = 'value_residual' if self.value_residual else 'value_embeddings'
+      fail(f'config.model.{name} mixes projected values; '
            'config.model.attention_projections=False projects none.')
     if not self.attention_projections and self.qk_norm != 'none':
       fail(f'config.model.qk_norm={self.qk_norm!r} scales queries and keys '
@@ -557,6 +592,15 @@ class ModelConfig:
     """Blocks run one by one before the scanned groups: value_residual's
     first, whose values the others mix with."""
     return 1 if self.value_residual else 0
+
+  def value_embedding_table(self, layer: int) -> int | None:
+    """The value embedding table (config.value_embeddings) whose rows
+    layer `layer` adds to its values, or None."""
+    tables = self.value_embeddings
+    if layer < tables:
+      return layer
+    last = self.num_layers - tables
+    return layer - last if layer >= last else None
 
   def layer_configs(self) -> tuple['ModelConfig', ...]:
     """One config per entry of the attention pattern."""

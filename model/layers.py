@@ -99,6 +99,9 @@ class MultiHeadAttention(nn.Module):
   causal: bool = False
   # Its values are mixed with a first layer's (config.value_residual).
   mixes_values: bool = False
+  # A value embedding table's rows, gated, are added to its values
+  # (config.value_embeddings).
+  adds_value_embedding: bool = False
 
   def setup(self):
     config = self.config
@@ -127,6 +130,11 @@ class MultiHeadAttention(nn.Module):
         self.value_mix = self.param(
             'value_mix', undecayed(nn.initializers.constant(0.5), (None,)),
             (2,), config.weight_dtype)
+      if self.adds_value_embedding:  # g of v + g * value_embedding.
+        self.value_embedding_gate = self.param(
+            'value_embedding_gate',
+            undecayed(nn.initializers.constant(0.5), (None,)), (1,),
+            config.weight_dtype)
     if self.cross:
       self.variant, self.options = attention.spec('dense'), {}
       return
@@ -150,12 +158,15 @@ class MultiHeadAttention(nn.Module):
                kv_positions_BxS: Array | None = None,
                cache: KeysValues | None = None,
                first_values_BxSxKxH: Array | None = None,
+               value_embedding_BxSxKxH: Array | None = None,
                deterministic: bool = True
                ) -> tuple[Array, KeysValues | None, Array]:
     """(attention output [B, T, D], the cache after it or None, the values
     [B, S, K, H] of this call's keys); positions are needed by relative
-    schemes (self-attention only). A layer that `mixes_values` attends with
-    a * v + b * `first_values_BxSxKxH`, and returns those.
+    schemes (self-attention only). A layer that `adds_value_embedding`
+    adds g * `value_embedding_BxSxKxH` to its values; one that
+    `mixes_values` then attends with a * v + b * `first_values_BxSxKxH`,
+    and returns those.
 
     With a `cache` (self-attention; see model.state.Cache): the keys and
     values of positions 0..C-1 written so far. This call's keys and values
@@ -174,6 +185,9 @@ class MultiHeadAttention(nn.Module):
     config = self.config
     source = self.source_keys_values(inputs_kv_BxSxD)
     k_BxSxKxH, v_BxSxKxH = source.key, source.value
+    if self.adds_value_embedding:
+      v_BxSxKxH = v_BxSxKxH + self.value_embedding_gate.astype(
+          v_BxSxKxH.dtype) * value_embedding_BxSxKxH
     if self.mixes_values:
       if first_values_BxSxKxH is None:
         raise ValueError('a layer that mixes values (config.model.'

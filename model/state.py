@@ -43,6 +43,9 @@ class Cache:
 
   self_attention: tuple[KeysValues, ...]
   cross_attention: tuple[KeysValues, ...] | None = None
+  # The embeddings [B, C, D] written so far, each read by the next
+  # position's smear (config.smear); None without smear.
+  embeddings: Array | None = None
 
   @classmethod
   def empty(cls, config: ModelConfig, batch_size: int,
@@ -59,12 +62,16 @@ class Cache:
       return KeysValues(jnp.zeros(groups + shape, config.compute_dtype),
                         jnp.zeros(groups + shape, config.compute_dtype),
                         stacked=bool(groups))
+    embeddings = (jnp.zeros((batch_size, length, config.d_model),
+                            config.compute_dtype) if config.smear else None)
     if not config.scan_layers:
-      return cls(tuple(zeros() for _ in range(config.num_layers)))
+      return cls(tuple(zeros() for _ in range(config.num_layers)),
+                 embeddings=embeddings)
     start, group = config.scan_start, config.scan_group
     count = (config.num_layers - start) // group
     return cls(tuple(zeros() for _ in range(start))
-               + tuple(zeros(count) for _ in range(group)))
+               + tuple(zeros(count) for _ in range(group)),
+               embeddings=embeddings)
 
 
 def map_rows(fn: Callable[[Array, int], Array], cache: Any) -> Any:

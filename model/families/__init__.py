@@ -73,6 +73,12 @@ def check(config: ModelConfig) -> None:
           f'config.model.{name} is for the Transformer families; '
           f'config.model.family={config.family!r} has no Transformer '
           'blocks.')
+  for name in ('smear', 'value_embeddings', 'unet_skips'):
+    if getattr(config, name) and not family.causal_stack:
+      raise ValueError(
+          f'config.model.{name} is for '
+          f'{others(lambda f: f.causal_stack)}, one causal stack over its '
+          f'tokens; not {config.family!r}.')
   if config.qk_norm != 'none' and not family.multi_head:
     raise ValueError(
         f'config.model.qk_norm is for {others(lambda f: f.multi_head)}, '

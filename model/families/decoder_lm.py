@@ -9,6 +9,7 @@ from model import attention
 from model.blocks import BlockInputs, TransformerStack
 from model.config import ModelConfig
 from model.embedder import Embedder, default_positions, output
+from model.embedding_extras import Smear, ValueEmbeddings
 from model.families.family import Family
 from model.readout import Readout
 from model.state import Cache, Memory
@@ -42,17 +43,26 @@ class DecoderLM(nn.Module):
     """
     if positions_BxT is None:
       positions_BxT = default_positions(tokens_BxT)
-    embedder = Embedder(self.config, name='embedder')
+    config = self.config
+    embedder = Embedder(config, name='embedder')
     x_BxTxD = embedder(tokens_BxT, positions_BxT, deterministic=deterministic)
     # A zero-valued hook: the gradient with respect to the 'perturbations'
     # collection is d(loss)/d(embeddings); a no-op unless that is passed.
     x_BxTxD = self.perturb('embeddings', x_BxTxD)
-    decoder = TransformerStack(self.config, causal=True, cross=False,
+    if config.smear:
+      x_BxTxD, written_BxCxD = Smear(config, name='smear')(
+          x_BxTxD, positions_BxT,
+          None if cache is None else cache.embeddings)
+    value_embeddings = ValueEmbeddings(config, name='value_embeddings')(
+        tokens_BxT) if config.value_embeddings else ()
+    decoder = TransformerStack(config, causal=True, cross=False,
                                name='decoder')
     if cache is not None:
       x_BxTxD, cache = decoder(
           x_BxTxD, BlockInputs(positions_BxT, deterministic=deterministic),
-          cache=cache)
+          cache=cache, value_embeddings=value_embeddings)
+      if config.smear:
+        cache = cache.replace(embeddings=written_BxCxD)
       return output(embedder, x_BxTxD, readout), cache
     if memory is None:
       self_mask = None
@@ -63,7 +73,8 @@ class DecoderLM(nn.Module):
             segment_ids_BxT,
             max_segments=self.config.max_segments_per_row + 1)
       x_BxTxD, _ = decoder(x_BxTxD, BlockInputs(
-          positions_BxT, self_mask, deterministic=deterministic))
+          positions_BxT, self_mask, deterministic=deterministic),
+                           value_embeddings=value_embeddings)
       return output(embedder, x_BxTxD, readout), None
     if segment_ids_BxT is not None:
       raise ValueError('a Transformer-XL memory reads contiguous text, not '
@@ -89,4 +100,4 @@ class DecoderLM(nn.Module):
 FAMILY = Family(
     name='decoder_lm', module=DecoderLM, tasks=('lm',),
     attention_layers=lambda config: config.num_layers,
-    memory=True)
+    memory=True, causal_stack=True)

@@ -39,6 +39,9 @@ class Family:
   multi_head: bool = True
   # It has a causal decoder, which a bidirectional-only attention cannot be.
   decoder: bool = True
+  # It is one causal stack over its own tokens (a decoder-only LM), which
+  # config.model's smear, value_embeddings and unet_skips are defined for.
+  causal_stack: bool = False
   # It draws a randomized position scheme's positions in training
   # (PositionScheme.randomized).
   random_positions: bool = False

@@ -25,6 +25,8 @@ def small(**overrides) -> ModelConfig:
 CONFIGS = {
     'decoder_lm_untied_layernorm': small(tie_embeddings=False),
     'decoder_lm_value_residual': small(num_layers=2, value_residual=True),
+    'decoder_lm_smear_value_embeddings_unet': small(
+        num_layers=2, smear=True, value_embeddings=1, unet_skips=True),
     'decoder_lm_moe_swiglu_rmsnorm': small(
         norm='rmsnorm', mlp_activation='swiglu',
         moe=dict(num_experts=2, top_k=1, every_n_layers=1)),

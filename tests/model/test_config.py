@@ -143,6 +143,25 @@ def test_every_model_field_has_a_comment():
      'config.model.value_residual mixes projected values'),
     (dict(value_residual=True, num_layers=1),
      'config.model.num_layers=1 has none'),
+    (dict(value_embeddings=3, num_layers=4),
+     'config.model.value_embeddings=3 must be a whole number from 0 to '
+     'config.model.num_layers / 2 = 2'),
+    (dict(value_embeddings=1, scan_layers=True),
+     'config.model.value_embeddings treats layers differently, which '
+     'config.model.scan_layers'),
+    (dict(unet_skips=True, scan_layers=True),
+     'config.model.unet_skips treats layers differently'),
+    (dict(smear=True, memory_length=8, position='relative'),
+     'config.model.smear reads the tokens and hidden states of the positions '
+     'it runs on, which a memory of earlier segments does not keep'),
+    (dict(unet_skips=1), 'config.model.unet_skips=1 must be True or False'),
+    (dict(smear=True, family='encoder_decoder'),
+     "config.model.smear is for config.model.family='decoder_lm', one causal "
+     "stack over its tokens; not 'encoder_decoder'"),
+    (dict(value_embeddings=1, family='rnn_attention'),
+     'config.model.value_embeddings is for config.model.family='),
+    (dict(unet_skips=True, family='encoder_classifier'),
+     'config.model.unet_skips is for config.model.family='),
     (dict(scan_layers=True, family='rnn_attention'),
      'config.model.scan_layers is for the Transformer families'),
     (dict(scan_layers=True, num_layers=3, attention='dense,local'),

@@ -43,6 +43,8 @@ CASES = {
                             relative_max_distance=4),
     'encoder_classifier': dict(family='encoder_classifier', num_layers=3,
                                remat='dots_saveable'),
+    # Smear mixes the embeddings before the loop.
+    'decoder_lm_smear': dict(smear=True),
 }
 # Transformer-XL's memory, read and written by each block in the loop.
 TWINS = CASES | {'transformer_xl': dict(

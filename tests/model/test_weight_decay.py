@@ -22,8 +22,10 @@ def role(path) -> str:
   name = path[-1].key
   if name == 'bias' or name.endswith('_bias'):
     return 'bias'
-  # Gains: a norm's, and value residual's mix of values.
-  return 'scale' if name in ('scale', 'value_mix') else 'weight'
+  # Gains: a norm's, value residual's mix of values, the gates of value
+  # embeddings and smear, and U-net skips' weights.
+  return 'scale' if name in ('scale', 'value_mix', 'value_embedding_gate',
+                             'gain', 'unet_weights') else 'weight'
 
 
 @pytest.mark.parametrize('name', CONFIGS)

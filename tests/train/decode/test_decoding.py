@@ -65,12 +65,18 @@ def cached_logits(step, positions_to_read: int) -> np.ndarray:
     ('rope', dict(qk_norm='rmsnorm')),
     # Each layer caches its values mixed with the first layer's; after the
     # first, the layers run as a loop whose caches are stacked.
-    ('rope', dict(value_residual=True, scan_layers=True, num_layers=3))])
+    ('rope', dict(value_residual=True, scan_layers=True, num_layers=3)),
+    # Smear reads the embedding the cache holds at the position before;
+    # the value embeddings of each call's tokens join its values.
+    ('alibi', dict(smear=True, value_embeddings=1, unet_skips=True))])
 def test_decoder_lm_cached_logits_equal_a_full_pass(position, overrides):
   config = tiny('decoder_lm', position, **overrides)
   model = build(config)
   params = {'params': model.init(jax.random.key(1),
                                  jnp.zeros((1, T), jnp.int32))['params']}
+  if config.smear:  # Its gate starts closed.
+    params['params']['smear'] = {'gate': jnp.full((12,), 0.3),
+                                 'gain': jnp.ones((1,))}
 
   @jax.jit
   def step(tokens, positions, cache):
