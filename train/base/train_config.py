@@ -111,6 +111,21 @@ def names(key: str, value) -> str | None:
   return f'config.{key}={value!r} must be a tuple of split names.'
 
 
+def step_windows(key: str, value) -> str | None:
+  """(step, window) pairs of positive integers (train/program/windows.py
+  checks them against the model and the run)."""
+  try:
+    pairs = [(step, window) for step, window in value]
+  except (TypeError, ValueError):
+    pairs = None
+  if pairs is not None and all(
+      isinstance(x, int) and not isinstance(x, bool) and x > 0
+      for pair in pairs for x in pair):
+    return None
+  return (f'config.{key}={value!r} must be (step, window) pairs of '
+          'positive integers, e.g. ((300, 64), (600, 128)).')
+
+
 def axis_rules(key: str, value) -> str | None:
   """(logical name, mesh axis or tuple of mesh axes or None) pairs."""
   try:
@@ -225,6 +240,11 @@ class TrainConfig:
   # --- Optimization ---
   # Optimizer updates in the whole run.
   num_train_steps: int = key(1000, integer(1))
+  # The long sliding windows growing in training (the modded-nanogpt
+  # records): ((step, window), ...), the longest windows of the windowed
+  # layers (local) being each `window` before its `step`, and the model's
+  # own from the last step on (train/program/windows.py); () for none.
+  window_schedule: tuple[tuple[int, int], ...] = key((), step_windows)
   # The parameters the optimizer moves: all, or the self-attention layers'
   # alone (their projections, norms and a variant's own parameters), the
   # rest frozen (fine-tuning a transplanted attention).
@@ -408,6 +428,7 @@ _CONVERT = {
     'parallelism': lambda value: Parallelism(**value),
     'dataset_options': flax.core.FrozenDict,
     'decode_splits': tuple,
+    'window_schedule': lambda pairs: tuple(tuple(pair) for pair in pairs),
     # JSON (config.json) holds the tuples of mesh axes as lists.
     'logical_axis_rules': lambda rules: tuple(
         (name, tuple(target) if isinstance(target, list) else target)

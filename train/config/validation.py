@@ -29,7 +29,7 @@ from train.config import layout as layout_validation
 from train.data import datasets
 from train.data.tasks import Task
 from train.decode import decoding
-from train.program import device_memory, optim
+from train.program import device_memory, optim, windows
 from train.program import mesh as mesh_lib
 
 
@@ -98,6 +98,7 @@ def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
         + ' or '.join(map(repr, trainers)) + '.')
   collect(_check_decode_splits, config, task)
   problems += _interval_problems(config)
+  problems += filter(None, [windows.problem(config)])
   if problems:
     raise InputError('\n'.join(problems))
   positions = model_positions(config)

@@ -31,7 +31,7 @@ from model.state import Memory
 from train.base.train_config import TrainConfig
 from train.config import validation as config_validation
 from train.data.tasks import Task
-from train.program import optim, sharding, steps
+from train.program import optim, sharding, steps, windows
 from train.program.steps import TrainState
 
 
@@ -159,6 +159,15 @@ class Program:
     """The rows of each batch that this host's devices hold, and so the
     ones its training pipeline prepares."""
     return sharding.process_rows(self.batch_sharding, self.config.batch_size)
+
+  def for_window(self, window: int) -> 'Program':
+    """This program with the model's long windows `window`
+    (config.window_schedule's stages): the same state and layout, its
+    steps compiled for that model."""
+    config = dataclasses.replace(self.config, model=windows.with_long_window(
+        self.model_config, window))
+    return compile_program(config, self.task, self.mesh,
+                           kernels=self.kernels)
 
   def scope(self) -> contextlib.ExitStack:
     """The mesh and the logical axis rules, in which the steps are traced:

@@ -24,7 +24,7 @@ from train.config import validation as config_validation
 from train.data import datasets, pipeline
 from train.data.tasks import Task
 from train.decode import decoding, seq2seq_eval, text
-from train.program import flops, optim
+from train.program import flops, optim, windows
 from train.run import checkpointing, init_from, metrics, preemption
 from train.run import workdir as workdir_lib
 from train.run.program import Program
@@ -201,11 +201,14 @@ def _say_what_runs(config: TrainConfig, program: Program, workdir: str,
           f'{config.batch_size}.', flush=True)
   if config.steps_per_call > 1:
     single = [step + 1 for step, count in calls(
-        first_step, config.num_train_steps, config.steps_per_call)
-              if count == 1]
+        first_step, config.num_train_steps, config.steps_per_call,
+        windows.boundaries(config)) if count == 1]
     _say(f'{config.steps_per_call} steps a call'
          + (f'; steps {_ranges(single)} one at a time (a program of their '
             'own)' if single else '') + '.')
+  schedule = windows.describe(config)
+  if schedule:
+    _say(schedule)
   if program.kernels:
     _say('Attention kernels: '
          + '; '.join(layers.describe() for layers
@@ -307,16 +310,18 @@ def _restore_or_init(program: Program,
   return state
 
 
-def calls(first_step: int, last_step: int,
-          steps_per_call: int) -> Iterator[tuple[int, int]]:
+def calls(first_step: int, last_step: int, steps_per_call: int,
+          stops: tuple[int, ...] = ()) -> Iterator[tuple[int, int]]:
   """(the step before, steps) of each call from `first_step` to
   `last_step`: `steps_per_call` steps from each multiple of it, one at a
-  time before the first (a run resumed at another steps_per_call) and
-  after the last."""
+  time before the first (a run resumed at another steps_per_call), after
+  the last, and where a call would cross a step of `stops` (where the
+  program changes: config.window_schedule)."""
   step = first_step
   while step < last_step:
+    end = min([stop for stop in stops if stop > step] + [last_step])
     count = steps_per_call if (step % steps_per_call == 0 and
-                               step + steps_per_call <= last_step) else 1
+                               step + steps_per_call <= end) else 1
     yield step, count
     step += count
 
@@ -419,28 +424,33 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
   final, evaluations, last_logged, pruned = None, [], {}, False
   lost = None  # The LeaseLost that stopped the run.
   compiled = set()
+  # config.window_schedule's programs, by window (None: the model's own).
+  stages = {None: program} | {window: program.for_window(window)
+                              for _, window in config.window_schedule}
   try:
     with program.scope():
-      for step, count in calls(first_step, last_step,
-                               config.steps_per_call):
+      for step, count in calls(first_step, last_step, config.steps_per_call,
+                               windows.boundaries(config)):
         done = step + count
         # A call in a jax.profiler trace, numbered by its first step
         # (experiments/profile.py).
         with jax.profiler.StepTraceAnnotation('train', step_num=step + 1):
           batch = call_batches(step + 1, done)
-          run = program.train_step if count == 1 else program.train_steps
-          if count not in compiled:  # Compiled once: the calls reuse it.
+          window = windows.window_at(config, step)
+          stage = stages[window]
+          run = stage.train_step if count == 1 else stage.train_steps
+          if (window, count) not in compiled:  # The calls reuse it.
             # The call before ends first, so that its time stays in its
             # interval and the compilation's does not.
             jax.block_until_ready(state)
             train_log.pause()
-            _compile(run, program.config, state, batch, dropout_rng, writer,
+            _compile(run, stage.config, state, batch, dropout_rng, writer,
                      on_compiled)
             if compiled:
               train_log.resume()
             else:  # The first throughput figure is that of the steps alone.
               train_log.restart_clock()
-            compiled.add(count)
+            compiled.add((window, count))
           state, step_metrics = run(state, batch, dropout_rng)
           # Waits for the call before this one only: the device has this
           # one queued meanwhile.

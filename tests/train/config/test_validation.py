@@ -136,6 +136,13 @@ INVALID = [
      "dataset='python_stdlib_bytes'; it has ['train', 'validation']"),
     ('num_eval_steps', 0, 'config.num_eval_steps=0'),
     ('num_train_steps', -1, 'config.num_train_steps=-1'),
+    ('model.value_embeddings', 3, 'config.model.value_embeddings=3 must be '
+     'a whole number from 0 to config.model.num_layers / 2 = 2'),
+    ('window_schedule', ((10, 64),), 'config.window_schedule=((10, 64),) '
+     'grows the windows of windowed attention (local); config.model.'
+     'attention='),
+    ('window_schedule', ((10, 0),), 'config.window_schedule=((10, 0),) must '
+     'be (step, window) pairs of positive integers'),
     ('trained_params', 'mlp', "config.trained_params='mlp' must be one of"),
     ('tokenizer', '/nowhere/tokenizer.json',
      "config.tokenizer='/nowhere/tokenizer.json' is not a readable "
@@ -352,7 +359,7 @@ TYPE_CHECKED = {'pack_sequences', 'vocab_path', 'distributed',
                 'model.tie_embeddings', 'model.attention_projections',
                 'model.zero_init_outputs', 'model.value_residual',
                 'model.scale_tied_readout', 'model.use_bias',
-                'model.scan_layers'}
+                'model.scan_layers', 'model.smear', 'model.unet_skips'}
 
 
 # The cases on lm_stdlib start from its baseline, whose sinusoidal positions

@@ -50,7 +50,8 @@ TIMING_KEYS = {'time', 'tokens_per_s', 'steps_per_s', 'mfu'}
 
 def overrides(data_dir: str, **extra) -> dict:
   """A tiny lm_stdlib run with dropout and local attention (its options
-  set by their dotted keys, on the command lines too): 12 steps, every
+  set by their dotted keys, on the command lines too), its window growing
+  from 2 to 4 at step 2 and to its own 8 at step 8: 12 steps, every
   step logged, a checkpoint every 3 steps and an evaluation every 6."""
   values = {
       'data_dir': data_dir, 'seq_len': 32, 'batch_size': 8,
@@ -60,7 +61,8 @@ def overrides(data_dir: str, **extra) -> dict:
       'model.num_layers': 1, 'model.mlp_dim': 32, 'model.max_len': 33,
       'model.dropout_rate': 0.1, 'model.attention': 'local',
       'model.attention_options.window': 8,
-      'model.attention_options.kernel': 'xla'}
+      'model.attention_options.kernel': 'xla',
+      'window_schedule': ((2, 2), (8, 4))}
   return values | extra
 
 
@@ -114,7 +116,10 @@ def saved_state(workdir, step: int):
 def uninterrupted(data_dir, tmp_path_factory):
   """The workdir of the run nothing interrupts."""
   workdir = str(tmp_path_factory.mktemp('uninterrupted'))
-  train_and_evaluate(config_of(overrides(data_dir)), workdir)
+  compiled = []
+  train_and_evaluate(config_of(overrides(data_dir)), workdir,
+                     on_compiled=compiled.append)
+  assert len(compiled) == 3  # A program for each window, compiled once.
   return workdir
 
 
@@ -159,6 +164,8 @@ def test_runs_killed_at_three_points_resume_bit_for_bit(
   assert 'Resumed from the checkpoint at step 9.' in finished.stdout
   assert ('Attention kernels: decoder layer 0 local: xla (as set; float32, '
           "causal, packed rows, ALiBi's bias, window 8)" in finished.stdout)
+  assert ('Long windows: 2 before step 2, 4 before step 8, then 8; a '
+          'program compiled for each.' in finished.stdout)
   assert_same_run(workdir, uninterrupted)
 
 
@@ -302,21 +309,23 @@ def test_a_store_that_stops_answering_stops_the_run_at_its_next_save(
 def test_a_run_of_several_steps_a_call_resumes_at_another_bit_for_bit(
     data_dir, tmp_path, uninterrupted):
   """config.steps_per_call: killed inside a call of 4 steps (5-8, once the
-  checkpoint of step 4 is written), resumed 3 steps a call (5 and 6 one at
-  a time, then 7-9 and 10-12): the uninterrupted run's final state, which
-  took one step a call. Logging, evaluation and checkpoints change no
-  state, so their intervals follow the calls."""
+  checkpoint of step 4 is written; steps 1-4 one at a time, as the window
+  changes at step 2), resumed 3 steps a call (5-9 one at a time, as the
+  window changes at step 8, then 10-12): the uninterrupted run's final
+  state, which took one step a call. Logging, evaluation and checkpoints
+  change no state, so their intervals follow the calls."""
   workdir = str(tmp_path / 'calls')
   values = overrides(data_dir, steps_per_call=4, log_every=4, eval_every=0,
                      checkpoint_every=4)
   killed = run_interrupted(workdir, values, 'kill:6')
   assert killed.returncode == -9, killed.stderr[-2000:]
-  assert '4 steps a call.' in killed.stdout
+  assert ('4 steps a call; steps 1-4 one at a time (a program of their '
+          'own).' in killed.stdout)
   assert checkpoints(workdir) == ['4']
   values |= dict(steps_per_call=3, log_every=6, checkpoint_every=6)
   finished = run_interrupted(workdir, values, None)
   assert finished.returncode == 0, finished.stderr[-2000:]
-  assert ('3 steps a call; steps 5-6 one at a time (a program of their own).'
+  assert ('3 steps a call; steps 5-9 one at a time (a program of their own).'
           in finished.stdout)
   tolerance.assert_bitwise_equal(saved_state(workdir, LAST_STEP),
                                  saved_state(uninterrupted, LAST_STEP))

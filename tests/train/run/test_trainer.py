@@ -224,3 +224,6 @@ def test_calls_run_steps_per_call_steps_from_each_multiple_of_it():
   assert list(trainer.calls(3, 13, 4)) == [(3, 1), (4, 4), (8, 4), (12, 1)]
   assert list(trainer.calls(0, 3, 4)) == [(0, 1), (1, 1), (2, 1)]
   assert list(trainer.calls(5, 7, 1)) == [(5, 1), (6, 1)]
+  # No call crosses a stop (a window schedule's boundary).
+  assert list(trainer.calls(0, 12, 4, (2, 8))) == [
+      (0, 1), (1, 1), (2, 1), (3, 1), (4, 4), (8, 4)]
