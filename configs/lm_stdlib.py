@@ -3,8 +3,8 @@ r"""Byte-level DecoderLM on the Python standard library (`make train`).
   python -m train.train --config=configs/lm_stdlib.py --workdir=workdirs/lm_stdlib
   python -m train.train --config=configs/lm_stdlib.py:baseline \
       --workdir=workdirs/lm_stdlib_baseline
-  python -m experiments.sweep --config=configs/lm_stdlib.py:round1 \
-      --workdir=workdirs/lm_speedrun2 --set=eval_every=250 --parallel=2
+  python -m experiments.sweep --config=configs/lm_stdlib.py \
+      --workdir=workdirs/lm_speedrun3 --set=eval_every=250
 
 A first look in under a minute (dataset built; 20 evaluation batches, not
 the whole split; the warmup and the wsd cooldown overlap, with a warning):
@@ -124,21 +124,40 @@ def get_config(arg: str = ''):
   return config
 
 
+# The third search's options, each one key off and on: the architecture and
+# optimizer changes of today's GPT-2 speedrun records, and the round-two
+# options its ablation found better (value residuals, the soft cap).
+RECORD_OPTIONS = {
+    'optimizer': ('muon', 'normuon'),
+    'cautious_weight_decay': (False, True),
+    'model.value_embeddings': (0, 1),
+    'model.unet_skips': (False, True),
+    'model.smear': (False, True),
+    'model.value_residual': (False, True),
+    'model.logit_softcap': (0.0, 30.0),
+}
+# Attention windows by layer: the default's full causal attention, or
+# local windows alternating long (the whole row) and short by layer, the
+# long ones constant or growing over the first 600 steps.
+WINDOWS = {
+    'full': {'model.attention': 'auto'},
+    'long-short': {'model.attention': 'local,local',
+                   'model.attention_options.local.window': '256,64'},
+    'long-short-growing': {'model.attention': 'local,local',
+                           'model.attention_options.local.window': '256,64',
+                           'window_schedule': '((300, 64), (600, 128))'},
+}
+
+
 def get_sweep():
-  """The speedrun's second search, from `:round1` (its shape, batch 16 for
-  1000 steps, kept): the training techniques of today's speedrun records
-  (Muon, QK normalisation, z-loss, soft-capped logits, ReLU^2, output
-  projections starting at zero) with the learning rates, ranked by
-  validation bits per byte. The first search (experiments/results/
-  lm_speedrun/leaderboard.md holds its space) drew shapes, positions,
-  norm, tying, schedule and weight decay from `:baseline`."""
-  # In the order the search drew them (a seed's draws follow it);
-  # value_residual came after the search.
-  options = {key: search.choice(list(values))
-             for key, values in OPTIONS.items()
-             if key not in ('optimizer', 'model.value_residual')}
+  """The speedrun's third search, from the default (its shape and 1000
+  steps kept): RECORD_OPTIONS, the attention WINDOWS and Muon's learning
+  rate, ranked by validation bits per byte. The first two searches'
+  spaces are in their leaderboards (experiments/results/lm_speedrun/ and
+  lm_speedrun2/)."""
   return search.Space(
-      {'optimizer': search.choice(list(OPTIONS['optimizer'])),
-       'muon_learning_rate': search.log_uniform(0.008, 0.08),
-       'learning_rate': search.log_uniform(2e-3, 1e-2)} | options,
+      {'muon_learning_rate': search.log_uniform(0.01, 0.04),
+       'windows': search.presets(WINDOWS)}
+      | {key: search.choice(list(values))
+         for key, values in RECORD_OPTIONS.items()},
       trials=12, metric='eval_bits_per_byte', mode='min', startup_trials=4)

@@ -203,19 +203,26 @@ class MultiHeadAttention(nn.Module):
         kwargs['scale'] = self.scheme.logit_scale(config)
       q_BxTxNxH = self._rotate(q_BxTxNxH, q_positions_BxT)
       k_BxSxKxH = self._rotate(k_BxSxKxH, kv_positions_BxS)
+    variant = self.variant
     if cache is not None:
-      if not self.variant.reads_cache:
+      if not variant.reads_cache:
         raise ValueError(
             f'config.model.attention={config.attention!r} cannot read a cache '
-            '(cached decoding needs dense, chunked or additive attention).')
+            '(cached decoding needs dense, chunked, additive or local '
+            'attention).')
       if 'kernel' in kwargs:  # No fused kernel reads a cache.
         kwargs['kernel'] = 'auto'
       cache = _write(cache, k_BxSxKxH, v_BxSxKxH, q_positions_BxT)
       k_BxSxKxH, v_BxSxKxH = cache.key, cache.value
       kv_positions_BxS = jnp.broadcast_to(
           jnp.arange(k_BxSxKxH.shape[1]), k_BxSxKxH.shape[:2])
-      written = (kv_positions_BxS[:, None, None, :]
-                 <= q_positions_BxT[:, None, :, None])
+      q_positions, kv_positions = (q_positions_BxT[:, None, :, None],
+                                   kv_positions_BxS[:, None, None, :])
+      written = kv_positions <= q_positions
+      if variant.cache_pattern is not None:  # Dense under its pattern.
+        written &= variant.cache_pattern(**kwargs)(q_positions, kv_positions)
+        variant, kwargs = attention.spec('dense'), {
+            key: value for key, value in kwargs.items() if key == 'scale'}
       mask = written if mask is None else mask & written
     bias = None
     if not self.cross and self.scheme.bias:
@@ -232,14 +239,14 @@ class MultiHeadAttention(nn.Module):
                    q_BxTxNxH, k_BxSxKxH, bias, mask, scale=kwargs.get('scale'),
                    is_causal=causal,
                    logit_cap=kwargs.get('logit_cap', 0.0)))
-    if self.variant.dropout and not deterministic and (
+    if variant.dropout and not deterministic and (
         config.attention_dropout_rate > 0.0):
       kwargs |= {'dropout_rate': config.attention_dropout_rate,
                  'dropout_rng': self.make_rng('dropout')}
     # What a fused kernel's choice records; where a profile sees attention.
     with fused.caller(self.path), jax.named_scope(ATTENTION_SCOPE):
-      out_BxTxNxH = self.variant.fn(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias,
-                                    mask, is_causal=causal, **kwargs)
+      out_BxTxNxH = variant.fn(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, bias,
+                               mask, is_causal=causal, **kwargs)
     return self._out(out_BxTxNxH), cache, new_values_BxSxKxH
 
   @property

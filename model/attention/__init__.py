@@ -58,12 +58,19 @@ class Variant:
   # Computes dense's function (softmax over every allowed key) exactly, by
   # another algorithm or layout, not an approximation or a sparser pattern.
   exact: bool = False
+  # A sparse pattern that decoding reads a key/value cache through:
+  # cache_pattern(**options) -> allowed(q_positions, kv_positions), True
+  # where a query may see a key (the causal part aside), under which
+  # decoding attends as dense does; None for none.
+  cache_pattern: Callable[..., Callable[[Array, Array], Array]] | None = None
 
   @property
   def reads_cache(self) -> bool:
     """Decoding with a key/value cache: queries after more keys, under a
-    mask saying which cache positions are written."""
-    return self.longer_keys and self.masks == 'any'
+    mask saying which cache positions are written (and its cache_pattern
+    where it has one)."""
+    return (self.longer_keys and self.masks == 'any') or (
+        self.cache_pattern is not None)
 
 
 _REGISTRY: dict[str, Variant] = {
@@ -73,7 +80,8 @@ _REGISTRY: dict[str, Variant] = {
                        bias=True, dropout=False, longer_keys=True,
                        exact=True),
     'local': Variant(sparse.local_attention, causal=True, masks='any',
-                     bias=True, dropout=False, self_only=True),
+                     bias=True, dropout=False, self_only=True,
+                     cache_pattern=sparse.local_pattern),
     'strided': Variant(sparse.strided_attention, causal=True, masks='any',
                        bias=True, dropout=False, self_only=True),
     'fixed': Variant(sparse.fixed_attention, causal=True, masks='any',

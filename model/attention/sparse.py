@@ -157,6 +157,15 @@ def _band(padded: int, block: int, window: int, is_causal: bool) -> Part:
               lambda q, k: np.abs(q - k) < window)
 
 
+def local_pattern(window: int = 128, **unused_options
+                  ) -> Callable[[Array, Array], Array]:
+  """local_attention's pattern by positions: a key fewer than `window`
+  positions from its query (what decoding from a cache reads)."""
+  del unused_options  # The kernel reads no cache.
+  return lambda q_positions, kv_positions: (
+      jnp.abs(q_positions - kv_positions) < window)
+
+
 def local_attention(query: Array, key: Array, value: Array,
                     bias: Array | None = None, mask: Array | None = None, *,
                     scale: float | None = None, is_causal: bool = False,

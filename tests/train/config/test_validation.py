@@ -79,14 +79,14 @@ def test_every_problem_of_a_config_is_reported_in_one_pass():
   """A sample that local attention cannot take and a misspelt kernel: both
   at once, the kernel with the nearest name."""
   config = BASELINE()  # sample_length=300.
-  config.model.attention = 'local'
+  config.model.attention = 'strided'
   config.model.attention_options.kernel = 'palas_gpu'
   with pytest.raises(InputError) as error:
     config_validation.check(config)
   assert str(error.value).splitlines() == [
       "config.sample_length=300 samples with a key/value cache, and "
-      "config.model.attention='local' cannot read a key/value cache "
-      '(additive, chunked and dense can); set it to 0.',
+      "config.model.attention='strided' cannot read a key/value cache "
+      '(additive, chunked, dense and local can); set it to 0.',
       "config.model.attention_options.kernel='palas_gpu' must be one of "
       "['auto', 'xla', 'cudnn', 'pallas_tpu', 'pallas_gpu']; did you mean "
       'pallas_gpu?']
@@ -294,7 +294,7 @@ INVALID_ELSEWHERE = [
     ('algorithmic', 'model.attention', 'linear',
      "config.decode_splits=('validation', 'long') decodes with a key/value "
      "cache, and config.model.attention='linear' cannot read a key/value "
-     'cache (additive, chunked and dense can).'),
+     'cache (additive, chunked, dense and local can).'),
     ('listops', 'dataset_options.min_length', -1,
      'config.dataset_options.min_length=-1 must be an integer >= 0'),
     ('listops', 'dataset_options.max_length', 17,
@@ -310,10 +310,10 @@ INVALID_ELSEWHERE = [
     ('wmt14_ende', 'dataset_options.target_language', 'en',
      "config.dataset_options.source_language='en' and target_language='en' "
      'must be two languages'),
-    ('local', 'sample_length', 300, "config.sample_length=300 samples "
-     "with a key/value cache, and config.model.attention='local' cannot "
-     'read a key/value cache (additive, chunked and dense can); set it to '
-     '0.'),
+    ('lm_stdlib', 'model.attention', 'strided', 'config.sample_length=300 '
+     "samples with a key/value cache, and config.model.attention='strided' "
+     'cannot read a key/value cache (additive, chunked, dense and local '
+     'can); set it to 0.'),
     ('lm_stdlib', 'model.attention', 'dense,linear',
      "config.model.attention='linear' cannot keep packed sequences apart"),
     ('alternating', 'model.attention_options.local.window', 0,
@@ -381,9 +381,8 @@ SHIPPED = {'lm_stdlib': lm_stdlib.get_config,
 def base_config(name: str, data_dir: str):
   config = (SHIPPED[name] if name in SHIPPED and name != 'lm_stdlib'
             else BASELINE)()
-  if name in ('local', 'local_twice'):  # No cache to read: no sample.
+  if name in ('local', 'local_twice'):
     config.model.attention = 'local' if name == 'local' else 'local,local'
-    config.sample_length = 0
   if name == 'algorithmic':  # Quick to build, where a case gets that far.
     config.dataset_options.update(num_train=200, num_eval=20)
   config.data_dir = data_dir

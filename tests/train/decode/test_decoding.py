@@ -68,7 +68,11 @@ def cached_logits(step, positions_to_read: int) -> np.ndarray:
     ('rope', dict(value_residual=True, scan_layers=True, num_layers=3)),
     # Smear reads the embedding the cache holds at the position before;
     # the value embeddings of each call's tokens join its values.
-    ('alibi', dict(smear=True, value_embeddings=1, unet_skips=True))])
+    ('alibi', dict(smear=True, value_embeddings=1, unet_skips=True)),
+    # Local attention decodes as dense under its window, here one short
+    # and one long (shorter than the rows).
+    ('alibi', dict(attention='local,local',
+                   attention_options={'local': {'window': (4, 2)}}))])
 def test_decoder_lm_cached_logits_equal_a_full_pass(position, overrides):
   config = tiny('decoder_lm', position, **overrides)
   model = build(config)

@@ -114,15 +114,15 @@ def test_config_trains_saves_and_resumes(name, data_dir, tmp_path, capsys,
 
 @pytest.mark.core
 def test_the_closing_summary_offers_no_decoder_that_cannot_serve_the_run():
-  refusal = decoding.cache_refusal(ModelConfig(attention='dense,local'))
+  refusal = decoding.cache_refusal(ModelConfig(attention='dense,strided'))
   summary = trainer.closing_summary(
       task=tasks.LM, steps=(0, 4), seconds=1.0, evaluations=[],
       final={'eval_loss': 1.0}, tokens_per_s=None, checkpoint=None,
       workdir='w', extendable=False, cannot_decode=refusal)
   assert summary.endswith(
       'python -m train.generate does not apply: '
-      "config.model.attention='local' cannot read a key/value cache "
-      '(additive, chunked and dense can).')
+      "config.model.attention='strided' cannot read a key/value cache "
+      '(additive, chunked, dense and local can).')
   assert decoding.cache_refusal(ModelConfig(attention='chunked')) is None
 
 
