@@ -145,6 +145,7 @@ def measure(config_arg: str, workdir: str, *, seeds: int, parallel: int,
   if seeds < 2:
     raise InputError(f'--seeds={seeds}: a standard deviation and a t-test '
                      'need 2 or more.')
+  commit = _commit()  # What the seeds run, whatever is checked out later.
   rows = common.load_json(os.path.join(records_dir, 'records.json')) or []
   record = previous_record(rows, against)
   check_trials(config_arg, [{'seed': seed} for seed in range(seeds)],
@@ -161,7 +162,7 @@ def measure(config_arg: str, workdir: str, *, seeds: int, parallel: int,
   mean, sd = mean_and_sd(values)
   row = {
       'row': len(rows) + 1, 'date': datetime.date.today().isoformat(),
-      'commit': _commit(), 'command': command,
+      'commit': commit, 'command': command,
       'corpus': dataset.corpus_sha256, 'metric': metric, 'mode': mode,
       'values': values, 'mean': mean, 'sd': sd,
       'seconds': [trial['seconds'] for trial in trials],
