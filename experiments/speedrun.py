@@ -19,8 +19,9 @@ seed finished within --time_limit seconds; the first row of a table is one
 if its seeds did. A row on a corpus other than its record's is off the
 track: no p, no record.
 
-The rows go to RECORDS/records.json (each seed's value, for later tests)
-and RECORDS/records.md (the table), every row whether a record or not.
+The rows go to RECORDS/records.json (each seed's value, for later tests;
+a row may carry a `note` in words) and RECORDS/records.md (the table),
+every row whether a record or not.
 """
 
 import concurrent.futures
@@ -203,7 +204,8 @@ def write_table(rows: list[dict], records_dir: str) -> None:
   seeds = [f'- row {row["row"]}: ' + ', '.join(
       f'{value:.4f} ({seconds:.0f} s)'
       for value, seconds in zip(row['values'], row['seconds']))
-           + f'; {row["machine"]}' for row in rows]
+           + f'; {row["machine"]}.' + (f' {row["note"]}' if 'note' in row
+                                       else '') for row in rows]
   with open(os.path.join(records_dir, 'records.md'), 'w') as f:
     f.write('# Speedrun records\n\nWritten by `python -m experiments.'
             'speedrun` (its docstring says how a row is measured and when it '
@@ -225,7 +227,8 @@ def main(argv: list[str]) -> None:
         seeds=FLAGS.seeds, parallel=FLAGS.parallel, overrides=overrides,
         records_dir=FLAGS.records, against=FLAGS.against,
         time_limit=FLAGS.time_limit,
-        command=' '.join(['python -m experiments.speedrun', *argv[1:]]))
+        # As typed: absl has taken the flags out of argv.
+        command=' '.join(['python -m experiments.speedrun', *sys.argv[1:]]))
     print(f'Row {row["row"]}: {row["metric"]} {row["mean"]:.4f} ± '
           f'{row["sd"]:.4f} over {len(row["values"])} seeds, slowest '
           f'{max(row["seconds"]):.0f} s: {row["verdict"]}. '
