@@ -396,8 +396,15 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
   dataset = datasets.load(config, workdir)
   config_validation.check_dataset_fits(config, dataset)
 
-  evaluate = evaluation(config, dataset, program, workdir,
-                        row_layout(config))
+  # config.window_schedule's programs, by window (None: the model's own),
+  # each evaluated as it trains: an evaluation reads the window of the
+  # last step before it.
+  stages = {None: program} | {window: program.for_window(window)
+                              for _, window in config.window_schedule}
+  evaluations_by_window = {
+      window: evaluation(config, dataset, stage, workdir, row_layout(config))
+      for window, stage in stages.items()}
+  evaluate = evaluations_by_window[None]
   checkpointer = checkpointing.Checkpointer(workdir,
                                             keep=config.keep_checkpoints)
   checkpointer.check_space_to_train(program.abstract_state)
@@ -424,9 +431,6 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
   final, evaluations, last_logged, pruned = None, [], {}, False
   lost = None  # The LeaseLost that stopped the run.
   compiled = set()
-  # config.window_schedule's programs, by window (None: the model's own).
-  stages = {None: program} | {window: program.for_window(window)
-                              for _, window in config.window_schedule}
   try:
     with program.scope():
       for step, count in calls(first_step, last_step, config.steps_per_call,
@@ -475,7 +479,8 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
             if evaluate_now:
               owned()  # It writes the decoded outputs.
               with jax.profiler.TraceAnnotation('evaluate'):
-                final = evaluate(state.params)
+                final = evaluations_by_window[windows.window_at(
+                    config, done - 1)](state.params)
               evaluations.append((done, final))
               summary |= final
               pruned = (on_evaluation is not None and done < last_step

@@ -41,6 +41,7 @@ from train.data import datasets, pipeline
 from train.run import checkpointing
 from train.run import workdir as workdir_lib
 from train.run.program import Program
+from train.run import trainer
 from train.run.trainer import train_and_evaluate
 
 LAST_STEP = 12
@@ -304,6 +305,24 @@ def test_a_store_that_stops_answering_stops_the_run_at_its_next_save(
       f'checkpoints: gs://{emulator.BUCKET} did not answer within '
       f'{STORE_TIMEOUT_S} s ({storage.TIMEOUT_VARIABLE}). The last complete '
       'checkpoint is step 6; run the same command to resume from it.']
+
+
+def test_an_evaluation_reads_the_window_its_model_trained_with_last(
+    data_dir, uninterrupted):
+  """The evaluation at step 6 of the growing window scores the parameters
+  of step 6 at window 4, as steps 3-8 train, not at the model's own 8."""
+  program = Program.from_config(config_of(overrides(data_dir)))
+  dataset = datasets.load(program.config, uninterrupted)
+  params = saved_state(uninterrupted, 6)['params']
+  [logged] = [line for line in metric_lines(uninterrupted)
+              if line['step'] == 6 and 'eval_loss' in line]
+  stages = {4: program.for_window(4), 8: program}
+  with program.scope():
+    at = {window: trainer.evaluation(
+        program.config, dataset, stage, uninterrupted, 'packed')(params)[
+            'eval_loss'] for window, stage in stages.items()}
+  assert logged['eval_loss'] == pytest.approx(at[4], rel=1e-6)
+  assert logged['eval_loss'] != pytest.approx(at[8], rel=1e-6)
 
 
 def test_a_run_of_several_steps_a_call_resumes_at_another_bit_for_bit(
