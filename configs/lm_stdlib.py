@@ -16,8 +16,10 @@ The default is the best configuration two searches found among those
 that train in 10 minutes on 2 CPU cores, evaluations and closing sample
 included: the baseline with the overrides of ROUND_ONE (shape, positions,
 schedule; experiments/results/lm_speedrun/) and ROUND_TWO (Muon, QK-norm,
-output projections starting at zero: get_sweep();
-experiments/results/lm_speedrun2/).
+output projections starting at zero; experiments/results/lm_speedrun2/).
+get_sweep() is the third search, over RECORD_OPTIONS and WINDOWS
+(experiments/results/lm_speedrun3/); a new default must be a record of
+`python -m experiments.speedrun` (experiments/results/speedrun/).
 
 Results: docs/configs.md, `lm_stdlib.py`.
 """
@@ -73,8 +75,8 @@ ARGS = ('', 'round1', 'baseline')
 TRACK_CORPUS = (
     '5764bb67f6efd23308c39f5922fd2e0da5381d5aeafe3a9696c100956a3d220f')
 
-# The training techniques of today's speedrun records, each one key: its
-# value off and on. The second search draws them; configs/lm_ablation.py
+# The training techniques the second search drew, each one key: its value
+# off and on (value_residual joined after it); configs/lm_ablation.py
 # turns each one alone to the other value from the default.
 OPTIONS = {
     'optimizer': ('adamw', 'muon'),

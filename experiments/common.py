@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import platform
+import re
 import time
 from typing import Any
 
@@ -102,9 +103,11 @@ def parse_options(items: list[str], flag: str = '--options'
 
 def parse_overrides(items: list[str]) -> dict[str, str]:
   """--set's key=value items as config overrides (the values as typed);
-  InputError naming an item without '='."""
+  InputError naming an item without '='. A comma that the list flag split
+  at but that no key follows belongs to a value ('model.attention=
+  local,local', 'window_schedule=((300, 64), (600, 128))')."""
   overrides = {}
-  for item in items:
+  for item in re.split(r',(?=[\w.]+=)', ','.join(items)) if items else []:
     key, sep, value = item.partition('=')
     if not sep:
       raise InputError(f'--set item {item!r} is not key=value.')

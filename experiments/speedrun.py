@@ -16,8 +16,10 @@ stdlib.py). It is compared with a record row (`--against`, default the
 last record) by Welch's t-test, one-sided, that its mean is lower (higher
 for a metric better high). The row is a record when p < 0.01 and every
 seed finished within --time_limit seconds; the first row of a table is one
-if its seeds did. A row on a corpus other than its record's is off the
-track: no p, no record.
+if its seeds did. A row on a corpus other than config.track_corpus, or
+than its record's, is off the track: no record (and no p against another
+corpus). A workdir gives one row: its seeds, finished by however many
+invocations, and the commit the first one started on.
 
 The rows go to RECORDS/records.json (each seed's value, for later tests;
 a row may carry a `note` in words) and RECORDS/records.md (the table),
@@ -72,6 +74,8 @@ def verdict(row: dict, record: dict | None, time_limit: float
   if slow:
     return False, (f'not a record: seed {", ".join(map(str, slow))} took '
                    f'more than {time_limit:g} s')
+  if row.get('track') and row['corpus'] != row['track']:
+    return False, 'off the track: its corpus is not config.track_corpus'
   if record is None:
     return True, 'a record: the first of its table'
   if row['corpus'] != record['corpus']:
@@ -110,6 +114,18 @@ def _commit() -> str:
     return 'unknown'
 
 
+def _first_commit(workdir: str) -> str:
+  """The commit the seeds of `workdir` started on: this one, recorded in
+  workdir/speedrun.json for the seeds a later invocation finishes."""
+  path = os.path.join(workdir, 'speedrun.json')
+  started = common.load_json(path)
+  if started is None:
+    os.makedirs(workdir, exist_ok=True)
+    started = {'commit': _commit()}
+    common.save_json(path, started)
+  return started['commit']
+
+
 def _steps_per_s(workdir: str) -> float:
   """The training steps a second of a seed's last logged training line."""
   logged = [line['steps_per_s'] for line in common.read_metrics(workdir)
@@ -146,8 +162,11 @@ def measure(config_arg: str, workdir: str, *, seeds: int, parallel: int,
   if seeds < 2:
     raise InputError(f'--seeds={seeds}: a standard deviation and a t-test '
                      'need 2 or more.')
-  commit = _commit()  # What the seeds run, whatever is checked out later.
   rows = common.load_json(os.path.join(records_dir, 'records.json')) or []
+  workdir = os.path.abspath(workdir)
+  if any(row.get('workdir') == workdir for row in rows):
+    raise InputError(f'--workdir={workdir} has its row in {records_dir} '
+                     'already; measure again in a new --workdir.')
   record = previous_record(rows, against)
   check_trials(config_arg, [{'seed': seed} for seed in range(seeds)],
                overrides, None, None)
@@ -157,13 +176,14 @@ def measure(config_arg: str, workdir: str, *, seeds: int, parallel: int,
   config_arg = os.path.abspath(path) + sep + argument
   # Built once here, before the seeds start.
   dataset = datasets.load(config, workdir)
+  commit = _first_commit(workdir)
   trials = run_seeds(config_arg, workdir, seeds, parallel, overrides)
   metric, mode = dataset.task.quality_metric(trials[0]['metrics'])
   values = [trial['metrics'][metric] for trial in trials]
   mean, sd = mean_and_sd(values)
   row = {
       'row': len(rows) + 1, 'date': datetime.date.today().isoformat(),
-      'commit': commit, 'command': command,
+      'commit': commit, 'command': command, 'workdir': workdir,
       'corpus': dataset.corpus_sha256, 'metric': metric, 'mode': mode,
       'values': values, 'mean': mean, 'sd': sd,
       'seconds': [trial['seconds'] for trial in trials],
@@ -171,6 +191,7 @@ def measure(config_arg: str, workdir: str, *, seeds: int, parallel: int,
           os.path.join(workdir, f'seed={seed}')) for seed in range(seeds)])),
       'parallel': parallel, 'machine': common.machine_description(),
       'against': record and record['row'],
+      'track': config.track_corpus or None,
       'p': (p_value(values, record['values'], mode)
             if record and record['corpus'] == dataset.corpus_sha256
             else None)}

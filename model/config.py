@@ -353,6 +353,9 @@ class ModelConfig:
       fail(f'config.model.value_embeddings={tables!r} must be a whole number '
            f'from 0 to config.model.num_layers / 2 = {self.num_layers // 2} '
            '(a table serves a first and a last layer).')
+    if self.unet_skips and self.num_layers < 2:
+      fail('config.model.unet_skips joins the first half of the blocks to '
+           f'the second; config.model.num_layers={self.num_layers} has one.')
     for name in ('value_embeddings', 'unet_skips'):
       if getattr(self, name) and self.scan_layers:
         fail(f'config.model.{name} treats layers differently, which '

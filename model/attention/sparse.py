@@ -157,7 +157,11 @@ def _band(padded: int, block: int, window: int, is_causal: bool) -> Part:
               lambda q, k: np.abs(q - k) < window)
 
 
-def local_pattern(window: int = 128, **unused_options
+# local's window when its option is not set.
+LOCAL_WINDOW = 128
+
+
+def local_pattern(window: int = LOCAL_WINDOW, **unused_options
                   ) -> Callable[[Array, Array], Array]:
   """local_attention's pattern by positions: a key fewer than `window`
   positions from its query (what decoding from a cache reads)."""
@@ -169,7 +173,8 @@ def local_pattern(window: int = 128, **unused_options
 def local_attention(query: Array, key: Array, value: Array,
                     bias: Array | None = None, mask: Array | None = None, *,
                     scale: float | None = None, is_causal: bool = False,
-                    window: int = 128, kernel: str = 'auto') -> Array:
+                    window: int = LOCAL_WINDOW, kernel: str = 'auto'
+                    ) -> Array:
   """Sliding-window attention: query i sees keys j with |i - j| < window
   (causal: 0 <= i - j < window). The JAX code ('xla') computes blocks of
   `window` positions, each reading its neighbour blocks: O(T * window);

@@ -65,6 +65,21 @@ def test_a_record_is_significant_in_time_and_on_its_records_corpus():
       False, 'not a record: seed 1 took more than 600 s')
   assert speedrun.verdict(row(2, corpus='b' * 64), first, 600) == (
       False, 'off the track: its corpus is not that of row 1')
+  assert speedrun.verdict({**row(), 'track': 'c' * 64}, None, 600) == (
+      False, 'off the track: its corpus is not config.track_corpus')
+
+
+@pytest.mark.core
+def test_overrides_keep_the_commas_of_their_values():
+  """A list flag splits at every comma; only one before a key starts an
+  item."""
+  assert common.parse_overrides([
+      'model.attention=local', 'local', 'window_schedule=((300', ' 64)',
+      ' (600', ' 128))', 'seed=3']) == {
+          'model.attention': 'local,local',
+          'window_schedule': '((300, 64), (600, 128))', 'seed': '3'}
+  with pytest.raises(InputError, match="--set item 'seed' is not"):
+    common.parse_overrides(['seed'])
 
 
 @pytest.mark.core
@@ -117,3 +132,8 @@ def test_two_seeds_make_a_row_that_is_not_a_record(stdlib_dataset, data_dir,
   assert '| 2 | ' in table and 'not a record: p = ' in table
   assert f'| {stdlib_dataset.corpus_sha256[:12]} |' in table
   assert os.path.exists(workdir / 'seed=1' / 'log.txt')
+  with pytest.raises(InputError, match='has its row in'):
+    speedrun.measure(
+        str(config), str(workdir), seeds=2, parallel=2, overrides={},
+        records_dir=str(records), against=None, time_limit=600,
+        command='again')

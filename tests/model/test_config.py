@@ -155,6 +155,9 @@ def test_every_model_field_has_a_comment():
      'config.model.smear reads the tokens and hidden states of the positions '
      'it runs on, which a memory of earlier segments does not keep'),
     (dict(unet_skips=1), 'config.model.unet_skips=1 must be True or False'),
+    (dict(unet_skips=True, num_layers=1),
+     'config.model.unet_skips joins the first half of the blocks to the '
+     'second; config.model.num_layers=1 has one'),
     (dict(smear=True, family='encoder_decoder'),
      "config.model.smear is for config.model.family='decoder_lm', one causal "
      "stack over its tokens; not 'encoder_decoder'"),

@@ -292,8 +292,9 @@ class TrainConfig:
   # normalisation scales (model/weight_decay.py).
   weight_decay: float = key(0.01, number(0.0, INF))
   # Cautious weight decay (Chen et al. 2025): a weight decays only where
-  # its update and its value agree in sign, so that decay never pulls
-  # against the step. adamw, muon and normuon.
+  # the optimizer's direction (what the step subtracts) and the weight
+  # agree in sign, so that decay never pulls against the step. adamw,
+  # muon and normuon.
   cautious_weight_decay: bool = key(False, boolean)
   # Clip gradients to this global norm; 0 for no clipping.
   grad_clip_norm: float = key(1.0, number(0.0, INF))

@@ -99,6 +99,11 @@ def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
   collect(_check_decode_splits, config, task)
   problems += _interval_problems(config)
   problems += filter(None, [windows.problem(config)])
+  if config.track_corpus and config.dataset not in datasets.FILE_CORPORA:
+    problems.append(
+        f'config.track_corpus={config.track_corpus!r} names the fingerprint '
+        f'of a corpus ({" and ".join(datasets.FILE_CORPORA)}); config.'
+        f'dataset={config.dataset!r} has none.')
   if problems:
     raise InputError('\n'.join(problems))
   positions = model_positions(config)

@@ -382,16 +382,11 @@ FILE_CORPORA = ('python_stdlib_bytes', 'text_files')
 def load(config: TrainConfig, workdir: str) -> Dataset:
   """The dataset `config.dataset`, built or opened in `config.data_dir`."""
   task_of(config.dataset)
-  if config.dataset not in FILE_CORPORA:
-    corpora = ' and '.join(FILE_CORPORA)
-    if config.tokenizer is not None:
-      raise InputError(f'config.tokenizer={config.tokenizer!r} tokenizes '
-                       f'{corpora}, not config.dataset={config.dataset!r} '
-                       '(its own tokenizer: config.vocab_path).')
-    if config.track_corpus:
-      raise InputError(f'config.track_corpus={config.track_corpus!r} names '
-                       f'the fingerprint of a corpus ({corpora}); config.'
-                       f'dataset={config.dataset!r} has none.')
+  if config.tokenizer is not None and config.dataset not in FILE_CORPORA:
+    raise InputError(f'config.tokenizer={config.tokenizer!r} tokenizes '
+                     f'{" and ".join(FILE_CORPORA)}, not config.dataset='
+                     f'{config.dataset!r} (its own tokenizer: '
+                     'config.vocab_path).')
   loader = LOADERS[config.dataset][1]
   try:
     return loader(config, storage.resolve(config.data_dir), workdir)

@@ -127,9 +127,9 @@ def add_decayed_weights(config: TrainConfig, mask=None
                         ) -> optax.GradientTransformation:
   """Decoupled weight decay, update + weight_decay * parameter where
   `mask` (a tree of booleans, or None for all) says; under
-  config.cautious_weight_decay only where the update and the parameter
-  agree in sign (or either is zero), so that decay never pulls against
-  the step (Chen et al. 2025)."""
+  config.cautious_weight_decay only where the update (the direction the
+  step subtracts) and the parameter agree in sign (or either is zero), so
+  that decay never pulls against the step (Chen et al. 2025)."""
   if not config.cautious_weight_decay:
     return optax.add_decayed_weights(config.weight_decay, mask=mask)
   decay = config.weight_decay
