@@ -163,7 +163,9 @@ class Program:
   def for_window(self, window: int) -> 'Program':
     """This program with the model's long windows `window`
     (config.window_schedule's stages): the same state and layout, its
-    steps compiled for that model."""
+    steps compiled for that model. Its kernel choices are the configured
+    model's, as traced: the kernel table reads whether a layer has a
+    window, not its size (model/attention/fused.py)."""
     config = dataclasses.replace(self.config, model=windows.with_long_window(
         self.model_config, window))
     return compile_program(config, self.task, self.mesh,
