@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.attention import core, fused, patterns
+from model.attention import chunked, core, fused, patterns
 
 Array = jax.Array
 # allowed(query_positions, key_positions) -> bool, broadcasting.
@@ -177,7 +177,8 @@ def local_attention(query: Array, key: Array, value: Array,
                     ) -> Array:
   """Sliding-window attention: query i sees keys j with |i - j| < window
   (causal: 0 <= i - j < window). The JAX code ('xla') computes blocks of
-  `window` positions, each reading its neighbour blocks: O(T * window);
+  `window` positions, each reading its neighbour blocks: O(T * window); a
+  window as long as the row is chunked attention, and computed by it;
   `kernel` picks it or a fused kernel as for `chunked`
   (model/attention/fused.py)."""
   _check_self_attention('local', query, key, value, bias, mask)
@@ -186,6 +187,10 @@ def local_attention(query: Array, key: Array, value: Array,
                scale=_scale(query, scale), is_causal=is_causal, window=window)
   if out is not None:
     return out
+  if window >= query.shape[1]:  # Every key of the row: chunked's function.
+    return chunked.chunked_attention(query, key, value, bias, mask,
+                                     scale=scale, is_causal=is_causal,
+                                     kernel='xla')
   block = min(window, query.shape[1])
   part = _band(_padded(query.shape[1], block), block, window, is_causal)
   return attend_parts(query, key, value, bias, mask, scale=_scale(query, scale),
