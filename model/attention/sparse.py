@@ -178,19 +178,20 @@ def local_attention(query: Array, key: Array, value: Array,
   """Sliding-window attention: query i sees keys j with |i - j| < window
   (causal: 0 <= i - j < window). The JAX code ('xla') computes blocks of
   `window` positions, each reading its neighbour blocks: O(T * window); a
-  window as long as the row is chunked attention, and computed by it;
+  window as long as the row is chunked attention, and computed by it (its
+  kernel too);
   `kernel` picks it or a fused kernel as for `chunked`
   (model/attention/fused.py)."""
   _check_self_attention('local', query, key, value, bias, mask)
   _positive(window=window)
+  if window >= query.shape[1]:  # Every key of the row: chunked's function.
+    return chunked.chunked_attention(query, key, value, bias, mask,
+                                     scale=scale, is_causal=is_causal,
+                                     kernel=kernel)
   out = _fused(kernel, query, key, value, bias, mask,
                scale=_scale(query, scale), is_causal=is_causal, window=window)
   if out is not None:
     return out
-  if window >= query.shape[1]:  # Every key of the row: chunked's function.
-    return chunked.chunked_attention(query, key, value, bias, mask,
-                                     scale=scale, is_causal=is_causal,
-                                     kernel='xla')
   block = min(window, query.shape[1])
   part = _band(_padded(query.shape[1], block), block, window, is_causal)
   return attend_parts(query, key, value, bias, mask, scale=_scale(query, scale),

@@ -146,8 +146,9 @@ def test_a_pallas_kernel_on_the_cpu_is_said_to_run_interpreted():
 
 def test_a_window_per_occurrence_gives_each_local_layer_its_kernel(
     monkeypatch):
-  """'local,local' with windows (256, 64): two groups of layers, each on a
-  fused kernel with its own window."""
+  """'local,local' with windows (256, 64) on rows of 256: two groups of
+  layers, each on a fused kernel, the first as chunked attention (its
+  window covers the row), the second with its window."""
   config = lm_stdlib.get_config('baseline')
   config.sample_length = 0  # Local attention reads no key/value cache.
   config.model.update(attention='local,local', dtype='bfloat16')
@@ -156,5 +157,5 @@ def test_a_window_per_occurrence_gives_each_local_layer_its_kernel(
                                  ('tpu', {'pallas_tpu'})):
     found = traced(config, monkeypatch, backend)
     assert [(c.attention, c.layers, c.case.window) for c in found] == [
-        ('local', (0, 2), 256), ('local', (1, 3), 64)]
+        ('local', (0, 2), None), ('local', (1, 3), 64)]
     assert {c.kernel for c in found} <= fused_kernels, backend

@@ -70,7 +70,7 @@ def test_a_key_the_optimizer_does_not_read_is_warned_of():
   config.optimizer = 'adamw'
   assert warnings_of(config) == [
       "config.muon_learning_rate=0.017 has no effect: config.optimizer="
-      "'adamw' does not read it (muon does)."]
+      "'adamw' does not read it (muon and normuon do)."]
   config.muon_learning_rate = 0.02  # Its default: not set, not warned of.
   assert warnings_of(config) == []
 

@@ -393,6 +393,7 @@ class SlowBuilder:
 
   name = 'slow'
   data_dir = 'unused'
+  info = types.SimpleNamespace(metadata=None)  # Records nothing.
 
   def __init__(self, state: dict):
     self.state = state
@@ -422,7 +423,8 @@ def test_processes_that_build_one_dataset_at_once_take_turns(tmp_path):
     loads = [pool.submit(datasets._build, lambda: SlowBuilder(state),
                          str(tmp_path)) for _ in range(3)]
     for load in loads:
-      assert set(load.result()) == {'train'}
+      sources, metadata = load.result()
+      assert set(sources) == {'train'} and metadata == {}
   assert state['builds'] == 1
 
 

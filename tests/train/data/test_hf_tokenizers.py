@@ -84,8 +84,7 @@ def test_mistakes_are_refused_naming_the_key(trained, corpus, data_dir,
       f"config.tokenizer={trained['gpt2']!r}.")):
     config_validation.check_dataset_fits(
         checked, datasets.load(checked, str(tmp_path)))
-  config.dataset = 'lm1b'
-  config.dataset_options = {}
+  config.update(dataset='lm1b', dataset_options={}, track_corpus='')
   with pytest.raises(InputError, match=re.escape(
       f"config.tokenizer={trained['gpt2']!r} tokenizes python_stdlib_bytes "
       "and text_files, not config.dataset='lm1b'")):

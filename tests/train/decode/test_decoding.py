@@ -127,12 +127,12 @@ def test_generate_refuses_a_run_that_cannot_read_a_cache_before_loading_it(
     data_dir, tmp_path):
   """The workdir holds only the run's config: no checkpoint is read."""
   config = tiny_config('lm_stdlib', data_dir)
-  config.model.attention = 'local'
+  config.model.attention = 'strided'
   config.sample_length = 0
   (tmp_path / 'config.json').write_text(config.to_json_best_effort())
   with pytest.raises(InputError, match=(
       'train.generate decodes with a key/value cache, and in the run in '
-      f"{tmp_path} config.model.attention='local' cannot read a key/value "
+      f"{tmp_path} config.model.attention='strided' cannot read a key/value "
       'cache')):
     generate.generate(str(tmp_path), 'def ', max_new_tokens=4,
                       temperature=0.0)
@@ -148,12 +148,12 @@ def test_generate_refuses_a_run_of_another_task(data_dir, tmp_path):
 
 
 def test_a_variant_that_cannot_read_a_cache_is_refused():
-  config = tiny('decoder_lm', 'rope', attention='local',
-                attention_options={'window': 4})
+  config = tiny('decoder_lm', 'rope', attention='strided',
+                attention_options={'stride': 4})
   model = build(config)
   params = {'params': model.init(jax.random.key(1),
                                  jnp.zeros((1, T), jnp.int32))['params']}
-  with pytest.raises(ValueError, match="attention='local' cannot read a "
+  with pytest.raises(ValueError, match="attention='strided' cannot read a "
                      'cache'):
     model.apply(params, jnp.ones((B, 1), jnp.int32), jnp.zeros((B, 1),
                                                                jnp.int32),

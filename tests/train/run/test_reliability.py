@@ -367,7 +367,7 @@ def test_a_non_finite_step_stops_the_run_keeping_the_last_checkpoint(
     data_dir, tmp_path, capsys):
   workdir = str(tmp_path / 'stop')
   config = config_of(overrides(data_dir, num_train_steps=6,
-                               debug_poison_step=5))
+                               window_schedule=(), debug_poison_step=5))
   with pytest.raises(SystemExit) as exit_:
     train.run(config, workdir)
   assert exit_.value.code == 1
@@ -382,8 +382,8 @@ def test_a_non_finite_step_stops_the_run_keeping_the_last_checkpoint(
 def test_a_skipped_step_leaves_the_state_as_it_was(data_dir, tmp_path):
   workdir = str(tmp_path / 'skip')
   config = config_of(overrides(
-      data_dir, num_train_steps=6, checkpoint_every=1, keep_checkpoints=6,
-      nan_policy='skip', debug_poison_step=5))
+      data_dir, num_train_steps=6, window_schedule=(), checkpoint_every=1,
+      keep_checkpoints=6, nan_policy='skip', debug_poison_step=5))
   final = train_and_evaluate(config, workdir)
   assert np.isfinite(final['eval_loss'])
   lines = metric_lines(workdir)
@@ -397,7 +397,8 @@ def test_a_skipped_step_leaves_the_state_as_it_was(data_dir, tmp_path):
 def test_more_skipped_steps_in_a_row_than_allowed_stop_the_run(
     data_dir, tmp_path, capsys):
   config = config_of(overrides(
-      data_dir, num_train_steps=3, nan_policy='skip', max_skipped_steps=0,
+      data_dir, num_train_steps=3, window_schedule=(), nan_policy='skip',
+      max_skipped_steps=0,
       debug_poison_step=2))
   with pytest.raises(SystemExit) as exit_:
     train.run(config, str(tmp_path))
