@@ -39,7 +39,7 @@ from ml_collections import config_flags
 import numpy as np
 import optax
 
-from configs import lm_stdlib
+from configs import default, lm_stdlib
 from experiments import common
 from train import cli
 from train.base.errors import InputError
@@ -114,10 +114,12 @@ def size_overrides(size: str, *, attention: str, dtype: str, remat: str,
                position='learned', norm='layernorm', norm_position='pre',
                mlp_activation='gelu', tie_embeddings=True, dropout_rate=0.0,
                qk_norm='none', zero_init_outputs=False, value_residual=False,
+               smear=False, value_embeddings=0, unet_skips=False,
                logit_softcap=0.0, attention=attention, dtype=dtype,
                remat=remat)
   return dict(seq_len=seq_len, batch_size=batch, pack_sequences=False,
-              optimizer='adamw', z_loss=0.0) | {
+              optimizer='adamw', cautious_weight_decay=False,
+              z_loss=0.0) | {
                   f'model.{key}': value for key, value in model.items()}
 
 
@@ -125,6 +127,9 @@ def our_config(base: ml_collections.ConfigDict, size: str, *, attention: str,
                dtype: str, remat: str, batch_size: int | None = None
                ) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict(base.to_dict())
+  # The base's attention options are its own attention's (make train's
+  # windows by layer), which `attention` replaces.
+  config.model.attention_options = default.attention_options()
   for key, value in size_overrides(size, attention=attention, dtype=dtype,
                                    remat=remat,
                                    batch_size=batch_size).items():

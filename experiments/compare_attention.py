@@ -12,7 +12,8 @@ takes key-padding masks only, every variant reads unpacked rows, so that all
 see the same data. A variant that cannot read a key/value cache trains
 without the decoding evaluations of config.decode_splits and without the
 closing sample of a language model. Each variant's options come from
---options alone. Everything given (variant names, options, lengths, every
+--options alone: the config's own attention options (make train's windows
+by layer) are left out, as said at start. Everything given (variant names, options, lengths, every
 variant's config) is checked before anything trains: a mistake, or a
 variant that cannot run the config (a causal Linformer, say), stops the
 comparison with the reasons and exit status 2, nothing written. With
@@ -41,6 +42,7 @@ import matplotlib
 import ml_collections
 from ml_collections import config_flags
 
+from configs import default
 from experiments import common
 from model import attention
 from train import cli
@@ -192,10 +194,14 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
   common.check_among('--options', options, variants)
   preset = metrics.flat_hparams(base.model.attention_options.to_dict())
   if preset:
-    raise InputError(
-        f'--config sets config.model.attention_options ({preset}); each '
-        'variant takes its options from --options, e.g. '
-        '--options=local.window=32.')
+    # They are the config's own attention's, which each variant replaces
+    # (said once everything given is checked).
+    left_out = (f'config.model.attention_options ({preset}) belong to '
+                f'config.model.attention={base.model.attention!r}, which '
+                'each variant replaces: left out; a variant takes its '
+                'options from --options, e.g. --options=local.window=32.')
+    base = copy.deepcopy(base)
+    base.model.attention_options = default.attention_options()
   unpacked = (datasets.task_of(base.dataset).packs and base.pack_sequences
               and any(attention.spec(name).masks != 'any'
                       for name in variants))
@@ -215,6 +221,8 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
         f'--variants: {", ".join(skipped)} cannot run this config '
         f'({reasons}); leave {"it" if len(skipped) == 1 else "them"} out, '
         'or give --skip_unrunnable to compare the others.')
+  if preset:
+    print(left_out, flush=True)
   os.makedirs(workdir, exist_ok=True)
   rows, metric = [], None
   for number, name in enumerate(variants, 1):

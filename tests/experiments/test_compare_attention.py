@@ -96,6 +96,25 @@ def test_compare_skips_a_variant_that_cannot_run_only_when_asked(
   assert local['status'].startswith('skipped: config.model does not build')
 
 
+def test_the_configs_own_attention_options_are_left_out_and_said(
+    comparison, data_dir, monkeypatch, capsys):
+  """A config whose own attention has options (make train's windows by
+  layer): each variant runs without them, as the comparison's dense
+  did."""
+  workdir, rows = comparison
+  config = tiny_config('listops', data_dir)
+  config.model.attention = 'local,local'
+  config.model.attention_options.local.window = (8, 4)
+  monkeypatch.setattr(compare_attention, 'train_and_evaluate',
+                      lambda *args: pytest.fail('trained again'))
+  dense, = compare_attention.compare(config, ['dense'], workdir,
+                                     lengths=[32, 16], timing_steps=1)
+  assert dense == rows[0]
+  assert ("config.model.attention_options ({'local.window': '(8, 4)'}) "
+          "belong to config.model.attention='local,local', which each "
+          'variant replaces: left out') in capsys.readouterr().out
+
+
 def test_compare_refuses_a_config_no_variant_can_run(data_dir, tmp_path):
   config = tiny_config('lm_stdlib', data_dir)
   with pytest.raises(InputError, match='no variant can run this config: '

@@ -399,8 +399,11 @@ COMMANDS = {
         'experiments.export_checkpoint',
         ['--workdir={tmp}/alibi', '--format=hf_gpt2', '--to={tmp}/out'],
         "--format=hf_gpt2 cannot express this run's model: config.model "
-        "differs in qk_norm ('rmsnorm' -> 'none'), position ('alibi' -> "
-        "'learned'), tie_embeddings (False -> True), scale_tied_readout "
+        "differs in value_residual (True -> False), smear (True -> False), "
+        "logit_softcap (30.0 -> 0.0), qk_norm ('rmsnorm' -> 'none'), "
+        "position ('alibi' -> 'learned'), attention (('local', 'local') -> "
+        "'dense'), attention_options (((('window', 256),), (('window', 64),"
+        ")) -> ()), tie_embeddings (False -> True), scale_tied_readout "
         "(True -> False) (the run's value -> the format's)."),
 }
 
