@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import ModelConfig, build, positions
+from model import ModelConfig, build
 from model.blocks import BlockInputs, TransformerBlock, TransformerStack
 from model.embedding_extras import SMEAR_GATE_WIDTH, Smear
 from model.layers import MultiHeadAttention
+from tests.helpers.written_out import drawn, project, rope_attention
 
 B, T, D, V = 2, 8, 16, 32
 CONFIG = ModelConfig(family='decoder_lm', vocab_size=V, d_model=D,
@@ -23,14 +24,6 @@ X_BxTxD = jax.random.normal(jax.random.key(0), (B, T, D))
 POSITIONS_BxT = jnp.tile(jnp.arange(T), (B, 1))
 # Row 1 packs two documents: the second starts at column 5.
 PACKED_BxT = jnp.asarray([list(range(T)), [0, 1, 2, 3, 4, 0, 1, 2]])
-
-
-def drawn(params, scale=0.5):
-  """Every parameter drawn at random, so that each is seen to apply."""
-  leaves, structure = jax.tree.flatten(nn.meta.unbox(params))
-  keys = jax.random.split(jax.random.key(7), len(leaves))
-  return structure.unflatten([scale * jax.random.normal(key, leaf.shape)
-                              for key, leaf in zip(keys, leaves)])
 
 
 def smear_reference(x, positions, gate, gain):
@@ -51,7 +44,7 @@ def test_smear_starts_as_the_identity_and_mixes_within_a_document():
   params = smear.init(jax.random.key(1), X_BxTxD, PACKED_BxT)['params']
   start, _ = smear.apply({'params': params}, X_BxTxD, PACKED_BxT)
   np.testing.assert_array_equal(start, X_BxTxD)  # gain and gate at zero.
-  params = drawn(params)
+  params = drawn(params, 0.5)
   got, _ = smear.apply({'params': params}, X_BxTxD, PACKED_BxT)
   want = smear_reference(X_BxTxD, np.asarray(PACKED_BxT),
                          np.asarray(params['gate']),
@@ -67,7 +60,7 @@ def test_a_smeared_decoder_sees_no_later_token():
   config = dataclasses.replace(CONFIG, smear=True)
   model = build(config)
   tokens = jax.random.randint(jax.random.key(2), (1, T), 1, V)
-  params = drawn(model.init(jax.random.key(3), tokens)['params'])
+  params = drawn(model.init(jax.random.key(3), tokens)['params'], 0.5)
 
   def logits_by_position(perturbation):  # [T]
     logits, _ = model.apply({'params': params, 'perturbations': {
@@ -103,17 +96,8 @@ def test_a_layer_adds_its_gated_value_embedding_to_its_values():
   assert params['value_embedding_gate'].tolist() == [0.5]
   out, _, values = layer.apply({'params': params}, X_BxTxD, X_BxTxD, **call)
 
-  project = lambda name: (np.einsum('btd,dnh->btnh', X_BxTxD,
-                                    params[name]['kernel'])
-                          + params[name]['bias'])
-  want_values = project('value') + 0.5 * ve_BxTxKxH
-  rotation = positions.SCHEMES['rope'].rotation(config)
-  rotated = lambda name: positions.rotate(project(name), POSITIONS_BxT,
-                                          **rotation)
-  attended = jax.nn.dot_product_attention(
-      rotated('query'), rotated('key'), want_values, is_causal=True)
-  want = (np.einsum('btnh,nhd->btd', attended, params['out']['kernel'])
-          + params['out']['bias'])
+  want_values = project(X_BxTxD, params['value']) + 0.5 * ve_BxTxKxH
+  want = rope_attention(config, params, X_BxTxD, want_values, POSITIONS_BxT)
   np.testing.assert_allclose(values, want_values, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
 
@@ -124,7 +108,7 @@ def test_a_decoder_with_value_embeddings_is_its_blocks_fed_its_tables():
   config = dataclasses.replace(CONFIG, value_embeddings=2)
   model = build(config)
   tokens = jax.random.randint(jax.random.key(6), (B, T), 1, V)
-  params = drawn(model.init(jax.random.key(8), tokens)['params'])
+  params = drawn(model.init(jax.random.key(8), tokens)['params'], 0.5)
   got, _ = model.apply({'params': params}, tokens)
   x = params['embedder']['token_embedding']['embedding'][tokens]
   inputs = BlockInputs(POSITIONS_BxT)
@@ -147,7 +131,7 @@ def test_unet_skips_add_the_first_halfs_outputs_to_the_second_halfs_inputs():
   inputs = BlockInputs(POSITIONS_BxT)
   params = stack.init(jax.random.key(9), X_BxTxD, inputs)['params']
   assert nn.meta.unbox(params)['unet_weights'].tolist() == [1.0, 1.0]
-  params = drawn(params)
+  params = drawn(params, 0.5)
   got, _ = stack.apply({'params': params}, X_BxTxD, inputs)
   block = TransformerBlock(config, True, False)
   outputs, x = [], X_BxTxD

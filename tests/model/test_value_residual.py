@@ -4,32 +4,20 @@ blocks composed by hand around the first block's values."""
 
 import dataclasses
 
-from flax import linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import ModelConfig, positions
+from model import ModelConfig
 from model.blocks import BlockInputs, TransformerBlock, TransformerStack
 from model.layers import MultiHeadAttention
+from tests.helpers.written_out import drawn, project, rope_attention
 
 B, T, D = 2, 12, 32
 CONFIG = ModelConfig(d_model=D, num_heads=4, num_kv_heads=2, num_layers=3,
                      mlp_dim=64, position='rope', value_residual=True)
 POSITIONS_BxT = jnp.tile(jnp.arange(T), (B, 1))
 X_BxTxD = jax.random.normal(jax.random.key(0), (B, T, D))
-
-
-def drawn(params):
-  """Every parameter drawn at random, so each is seen to apply."""
-  leaves, structure = jax.tree.flatten(nn.meta.unbox(params))
-  keys = jax.random.split(jax.random.key(7), len(leaves))
-  return structure.unflatten([jax.random.normal(key, leaf.shape) / 4
-                              for key, leaf in zip(keys, leaves)])
-
-
-def project(x, params):
-  return np.einsum('btd,dnh->btnh', x, params['kernel']) + params['bias']
 
 
 def layernorm(x, params, epsilon=1e-6):
@@ -47,18 +35,12 @@ def test_a_mixing_layer_attends_with_its_values_mixed_with_the_first_layers():
   call = dict(q_positions_BxT=POSITIONS_BxT, kv_positions_BxS=POSITIONS_BxT,
               first_values_BxSxKxH=first_BxTxKxH)
   params = drawn(layer.init(jax.random.key(2), X_BxTxD, X_BxTxD,
-                            **call)['params'])
+                            **call)['params'], 0.25)
   out, _, values = layer.apply({'params': params}, X_BxTxD, X_BxTxD, **call)
 
   a, b = params['value_mix']
   want_values = a * project(X_BxTxD, params['value']) + b * first_BxTxKxH
-  rotation = positions.SCHEMES['rope'].rotation(CONFIG)
-  rotated = lambda name: positions.rotate(
-      project(X_BxTxD, params[name]), POSITIONS_BxT, **rotation)
-  attended = jax.nn.dot_product_attention(
-      rotated('query'), rotated('key'), want_values, is_causal=True)
-  want = (np.einsum('btnh,nhd->btd', attended, params['out']['kernel'])
-          + params['out']['bias'])
+  want = rope_attention(CONFIG, params, X_BxTxD, want_values, POSITIONS_BxT)
   np.testing.assert_allclose(values, want_values, atol=1e-6, rtol=1e-6)
   np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
 
@@ -69,7 +51,8 @@ def test_every_later_block_mixes_in_the_first_blocks_values():
   one without value residuals."""
   stack = TransformerStack(CONFIG, causal=True, cross=False)
   inputs = BlockInputs(POSITIONS_BxT)
-  params = drawn(stack.init(jax.random.key(3), X_BxTxD, inputs)['params'])
+  params = drawn(stack.init(jax.random.key(3), X_BxTxD, inputs)['params'],
+                0.25)
   assert 'value_mix' not in params['block_0']['self_attention']
   got, _ = stack.apply({'params': params}, X_BxTxD, inputs)
 
