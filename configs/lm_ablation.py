@@ -1,6 +1,8 @@
-r"""The default byte LM of configs/lm_stdlib.py with each training
-technique of its second search turned, alone, to its other value
-(lm_stdlib.OPTIONS): one row per option, at the default's budget. Nothing
+r"""The second search's winner (configs/lm_stdlib.py:round2, the default
+this ablation measured) with each training technique of that search
+turned, alone, to its other value (lm_stdlib.OPTIONS): one row per option,
+at the default's budget. The third search's ablation is a table of
+speedrun rows (experiments/results/lm_ablation3/). Nothing
 else changes: the row of the other optimizer runs at the default's
 learning rates, not ones tuned for it. Two more rows run the default
 at other seeds (initialisation, data order, dropout): the spread an
@@ -16,10 +18,11 @@ from configs import lm_stdlib
 
 
 def get_config(arg: str = ''):
-  """The default of configs/lm_stdlib.py (no argument)."""
+  """The second search's winner, configs/lm_stdlib.py:round2 (no
+  argument)."""
   if arg:
     raise ValueError(f'configs/lm_ablation.py takes no argument, got {arg!r}.')
-  return lm_stdlib.get_config()
+  return lm_stdlib.get_config('round2')
 
 
 def _value(config, key: str):
@@ -35,7 +38,7 @@ SEEDS = (1, 2)
 def get_sweep():
   """The default, then each option of lm_stdlib.OPTIONS alone at the value
   the default does not have, then the default at each of SEEDS."""
-  config = lm_stdlib.get_config()
+  config = get_config()
   rows = [{}]
   for key, values in lm_stdlib.OPTIONS.items():
     rows.append({key: values[1 - values.index(_value(config, key))]})

@@ -1,9 +1,9 @@
 r"""Byte-level DecoderLM on the Python standard library (`make train`).
 
   python -m train.train --config=configs/lm_stdlib.py --workdir=workdirs/lm_stdlib
-  python -m train.train --config=configs/lm_stdlib.py:baseline \
-      --workdir=workdirs/lm_stdlib_baseline
-  python -m experiments.sweep --config=configs/lm_stdlib.py \
+  python -m train.train --config=configs/lm_stdlib.py:round2 \
+      --workdir=workdirs/lm_stdlib_round2
+  python -m experiments.sweep --config=configs/lm_stdlib.py:round2 \
       --workdir=workdirs/lm_speedrun3 --set=eval_every=250
 
 A first look in under a minute (dataset built; 20 evaluation batches, not
@@ -12,14 +12,16 @@ the whole split; the warmup and the wsd cooldown overlap, with a warning):
   make train WORKDIR=/tmp/smoke \
       ARGS='--config.num_train_steps=20 --config.num_eval_steps=20'
 
-The default is the best configuration two searches found among those
+The default is the best configuration three searches found among those
 that train in 10 minutes on 2 CPU cores, evaluations and closing sample
 included: the baseline with the overrides of ROUND_ONE (shape, positions,
-schedule; experiments/results/lm_speedrun/) and ROUND_TWO (Muon, QK-norm,
-output projections starting at zero; experiments/results/lm_speedrun2/).
-get_sweep() is the third search, over RECORD_OPTIONS and WINDOWS
-(experiments/results/lm_speedrun3/); a new default must be a record of
-`python -m experiments.speedrun` (experiments/results/speedrun/).
+schedule; experiments/results/lm_speedrun/), ROUND_TWO (Muon, QK-norm,
+output projections starting at zero; experiments/results/lm_speedrun2/)
+and ROUND_THREE (windows by layer, smear, value residuals, the soft cap,
+cautious weight decay; get_sweep(), experiments/results/lm_speedrun3/).
+A new default must be a record of `python -m experiments.speedrun`
+(experiments/results/speedrun/: ROUND_THREE is row 2, against the second
+search's winner in row 1).
 
 Results: docs/configs.md, `lm_stdlib.py`.
 """
@@ -68,7 +70,18 @@ ROUND_TWO = {
     'learning_rate': 5.4e-3, 'model.qk_norm': 'rmsnorm',
     'model.zero_init_outputs': True,
 }
-ARGS = ('', 'round1', 'baseline')
+# The best trial of the third search (trial-008;
+# experiments/results/lm_speedrun3/), as overrides of ROUND_TWO: local
+# windows alternating by layer between the whole row and 64 tokens, the
+# one-token smear, value residuals, the soft cap, cautious weight decay.
+ROUND_THREE = {
+    'muon_learning_rate': 0.0126, 'cautious_weight_decay': True,
+    'model.attention': 'local,local',
+    'model.attention_options.local.window': (256, 64),
+    'model.smear': True, 'model.value_residual': True,
+    'model.logit_softcap': 30.0,
+}
+ARGS = ('', 'round2', 'round1', 'baseline')
 # The speedrun's track: the corpus its records were measured on, Python
 # 3.11.7's standard library (train/data/stdlib.py's corpus_sha256). A run
 # on another Python's library says that it is off the track.
@@ -90,9 +103,9 @@ OPTIONS = {
 
 
 def get_config(arg: str = ''):
-  """`arg` is '' (the second search's winner), 'round1' (the first
-  search's, the default before the second) or 'baseline' (the default
-  before the first)."""
+  """`arg` is '' (the third search's winner), 'round2' (the second
+  search's, the default before the third), 'round1' (the first search's)
+  or 'baseline' (the default before the first)."""
   if arg not in ARGS:
     raise ValueError(
         f'configs/lm_stdlib.py takes one of {ARGS}, got {arg!r}.')
@@ -116,13 +129,15 @@ def get_config(arg: str = ''):
   config.model.num_layers = 4
   config.model.mlp_dim = 512
   config.model.max_len = config.seq_len
-  if arg in ('', 'round1'):
+  if arg != 'baseline':
     config.update_from_flattened_dict(ROUND_ONE)
     # Chunked attention, on the backend's fused kernel where one computes
     # the case; 1.22 times dense's steps on 2 CPU cores.
     config.model.attention = 'auto'
-  if arg == '':
+  if arg in ('', 'round2'):
     config.update_from_flattened_dict(ROUND_TWO)
+  if arg == '':
+    config.update_from_flattened_dict(ROUND_THREE)
   return config
 
 
@@ -152,8 +167,8 @@ WINDOWS = {
 
 
 def get_sweep():
-  """The speedrun's third search, from the default (its shape and 1000
-  steps kept): RECORD_OPTIONS, the attention WINDOWS and Muon's learning
+  """The speedrun's third search, from `:round2` (the default it searched
+  from; its shape and 1000 steps kept): RECORD_OPTIONS, the attention WINDOWS and Muon's learning
   rate, ranked by validation bits per byte. The first two searches'
   spaces are in their leaderboards (experiments/results/lm_speedrun/ and
   lm_speedrun2/)."""

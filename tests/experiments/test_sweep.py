@@ -167,9 +167,9 @@ def test_listops_config_defines_a_search_valid_at_every_bound():
 
 
 def test_the_speedrun_search_and_its_ablation_are_valid():
-  """The second search at every bound, from `:round1`; the ablation: the
-  default, then each option alone at its other value."""
-  config = str(REPO / 'configs' / 'lm_stdlib.py') + ':round1'
+  """The third search at every bound, from `:round2`; the second search's
+  ablation: its winner, then each option alone at its other value."""
+  config = str(REPO / 'configs' / 'lm_stdlib.py') + ':round2'
   space = trials.load_sweep(config)
   assert study.check(config, space, {}, None, None) == (
       'eval_bits_per_byte', 'min')

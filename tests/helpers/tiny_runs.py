@@ -8,7 +8,7 @@ import pathlib
 
 import tensorflow_datasets as tfds
 
-from configs import algorithmic, listops, lm1b, lm_stdlib, wmt14_ende
+from configs import algorithmic, default, listops, lm1b, lm_stdlib, wmt14_ende
 from train.run import checkpointing
 
 
@@ -59,7 +59,15 @@ class LocalWmt14(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
 def tiny_config(name: str, data_dir: str):
   if name == 'lm_stdlib':
-    return shrink(lm_stdlib.get_config(), data_dir, seq_len=32)
+    config = shrink(lm_stdlib.get_config(), data_dir, seq_len=32)
+    # One layer of 32 tokens: the default's windows by layer are the first
+    # one's, the whole row (chunked attention, as 'auto' runs it), and no
+    # first layer's values are mixed into a later one's. Left out, so that
+    # a test may set another attention or several layers alone.
+    config.model.attention = 'auto'
+    config.model.attention_options = default.attention_options()
+    config.model.value_residual = False
+    return config
   if name == 'algorithmic':
     config = shrink(algorithmic.get_config('task=addition'), data_dir,
                     seq_len=16)

@@ -65,11 +65,11 @@ def test_a_wsd_run_too_short_for_its_warmup_and_cooldown_is_warned_of():
 
 
 def test_a_key_the_optimizer_does_not_read_is_warned_of():
-  config = lm_stdlib.get_config()  # Muon, at muon_learning_rate=0.017.
+  config = lm_stdlib.get_config()  # Muon, at muon_learning_rate=0.0126.
   assert warnings_of(config) == []
   config.optimizer = 'adamw'
   assert warnings_of(config) == [
-      "config.muon_learning_rate=0.017 has no effect: config.optimizer="
+      "config.muon_learning_rate=0.0126 has no effect: config.optimizer="
       "'adamw' does not read it (muon and normuon do)."]
   config.muon_learning_rate = 0.02  # Its default: not set, not warned of.
   assert warnings_of(config) == []
@@ -494,7 +494,7 @@ def test_decoding_inputs_longer_than_learned_positions_is_refused(
 
 
 def test_a_memory_needs_streams():
-  config = lm_stdlib.get_config()
+  config = lm_stdlib.get_config('round2')  # Without the smear.
   config.model.update(memory_length=64, position='rope')
   with pytest.raises(InputError, match='reads contiguous streams'):
     config_validation.validate(config)

@@ -350,7 +350,9 @@ TWO_PROCESS_OVERRIDES = {
     'num_train_steps': 30, 'warmup_steps': 1, 'batch_size': 8, 'seq_len': 32,
     'log_every': 1, 'eval_every': 0, 'checkpoint_every': 0,
     'num_eval_steps': 1, 'sample_length': 4, 'model.num_layers': 1,
-    'model.d_model': 32, 'parallelism.fsdp': 2}
+    'model.d_model': 32, 'parallelism.fsdp': 2,
+    # One layer: no first layer's values to mix into a later one's.
+    'model.value_residual': False}
 
 
 def train_losses(workdir) -> list[float]:
