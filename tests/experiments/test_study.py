@@ -246,8 +246,10 @@ def _kill_the_worker_of_a_running_trial(workdir: pathlib.Path,
 
 @pytest.mark.slow
 def test_two_workers_run_a_study_and_a_killed_trial_resumes(
-    tmp_path, data_dir, trial_env):
-  config = search_config(tmp_path, data_dir)
+    tmp_path, data_dir, trial_env, capsys):
+  # Three trials: one per worker at first, one of them killed; then the
+  # third, and the killed one resumed.
+  config = search_config(tmp_path, data_dir, trials=3)
   workdir = tmp_path / 'search'
   workers = [_worker(config, workdir, trial_env),
              _worker(config, workdir, trial_env)]
@@ -266,17 +268,25 @@ def test_two_workers_run_a_study_and_a_killed_trial_resumes(
   shared = optuna.load_study(study_name='search',
                              storage=f'sqlite:///{workdir}/study.db')
   attempts = study.latest_attempts(shared)
-  assert len(attempts) == 6
+  assert len(attempts) == 3
   assert all(t.state == optuna.trial.TrialState.COMPLETE
              for t in attempts.values())
   # Every trial ran to its end once: the killed one failed, then resumed.
   states = [t.state.name for t in shared.trials]
-  assert states.count('COMPLETE') == 6 and states.count('FAIL') == 1
+  assert states.count('COMPLETE') == 3 and states.count('FAIL') == 1
   assert f'{killed.name} (resumed): started' in ''.join(outputs)
-  # A worker started on the finished study runs nothing, and says so.
-  again = _worker(config, workdir, trial_env).communicate(timeout=120)[0]
+  # A worker started on the finished study runs nothing, and says so: one
+  # run in this process, as experiments.sweep runs it (the workers above
+  # ran its command line).
+  capsys.readouterr()
+  space = trials.load_sweep(str(config))
+  metric, mode = study.check(str(config), space, {}, None, None)
+  study.run(str(config), str(workdir), space,
+            url=f'sqlite:///{workdir}/study.db', name='search',
+            metric=metric, mode=mode, common_overrides={}, heartbeat=1)
+  again = capsys.readouterr().out
   assert 'started' not in again
-  summary = 'Search: 6 of 6 trials (6 finished); best eval_loss '
+  summary = 'Search: 3 of 3 trials (3 finished); best eval_loss '
   assert any(line.startswith(summary) for line in again.splitlines()), again
   log = (killed / 'log.txt').read_text()
   resumed = int(log.split('Resumed from the checkpoint at step ')[1]
@@ -292,7 +302,7 @@ def test_two_workers_run_a_study_and_a_killed_trial_resumes(
         attempt.params['logging']]
 
   board = (workdir / 'leaderboard.md').read_text()
-  assert board.count('| finished |') == 6
+  assert board.count('| finished |') == 3
   best = board.split('Best (')[1].split(',')[0]
   assert f'--workdir=workdirs/{best} --config.seed=' in board
   assert '--config.log_every=' in board.split('Best (')[1]

@@ -1,7 +1,8 @@
-"""experiments.transplant on a tiny source: stage 1 lowers each trained
-variant's attention-output error, stage 2 and the scratch runs train, the
-table has every variant; a variant that cannot take the source is refused
-by name before anything is written."""
+"""experiments.transplant on a tiny source: stage 1 lowers a trained
+variant's attention-output error, stage 2 and the scratch run train, the
+table has the variant's row; a variant with no new parameters has nothing
+to learn in stage 1; a variant that cannot take the source is refused by
+name before anything is written."""
 
 import os
 import re
@@ -12,6 +13,7 @@ import pytest
 from experiments import transplant
 from tests.helpers import tiny_runs
 from train.base.errors import InputError
+from train.run import init_from
 from train.run.program import Program
 
 
@@ -30,31 +32,51 @@ def source(data_dir, tmp_path_factory) -> str:
 
 
 @pytest.mark.slow
-def test_stage_one_teaches_hedgehog_and_every_variant_gets_a_row(source,
-                                                                 tmp_path):
+def test_stage_one_teaches_hedgehog_and_its_row_is_written(source, tmp_path):
   """hedgehog (its feature maps new, ALiBi replaced by no positions) learns
-  in stage 1; local has nothing to learn there; both fine-tune and train
-  from scratch."""
+  in stage 1, fine-tunes from there and trains from scratch; its row, its
+  line of the table and the curves are written."""
   workdir = str(tmp_path / 'transplant')
+  # Stage 2 at the source's own rates: it and the scratch run then compile
+  # one train step (the rates are constants of the compiled step).
   rows = transplant.transplant(
-      source, ['hedgehog', 'local'], workdir, steps=2, distill_steps=3,
-      options={'local': {'window': 8}},
-      model={'hedgehog': {'position': 'none'}}, eval_every=2)
-  assert [row['variant'] for row in rows] == ['hedgehog', 'local']
-  hedgehog, local = rows
+      source, ['hedgehog'], workdir, steps=2, distill_steps=3,
+      learning_rate_scale=1.0, model={'hedgehog': {'position': 'none'}},
+      eval_every=2)
+  [hedgehog] = rows
+  assert hedgehog['variant'] == 'hedgehog'
   assert hedgehog['error_after'] < hedgehog['error_before']
   assert hedgehog['stage_1'] == '2 arrays trained'
-  assert local['stage_1'] == 'nothing to learn' and local['new_params'] == 0
-  for row in rows:
-    for key in ('source', 'before', 'after_stage_2', 'scratch', 'step_ms',
-                'peak_memory_mb'):
-      assert np.isfinite(row[key]), (row['variant'], key)
+  for key in ('source', 'before', 'after_stage_1', 'after_stage_2',
+              'scratch', 'step_ms', 'peak_memory_mb'):
+    assert np.isfinite(hedgehog[key]), key
   with open(os.path.join(workdir, 'results.md')) as f:
     table = f.read()
-  assert '| hedgehog | 256 |' in table and '| local | 0 |' in table
+  assert '| hedgehog | 256 |' in table
   assert os.path.exists(os.path.join(workdir, 'curves.png'))
   assert os.path.exists(os.path.join(workdir, 'hedgehog', 'transferred',
                                      'checkpoints', '0'))
+
+
+def test_a_variant_with_no_new_parameters_has_nothing_to_learn(source,
+                                                               tmp_path):
+  """local takes every parameter of the source as it is: none new, stage 1
+  says it has nothing to learn and writes nothing, and stage 2 starts from
+  the source itself."""
+  config = transplant.stage_config(
+      source, 'local', {'local': {'window': 8}}, {}, steps=2, eval_every=2,
+      unpacked=False)
+  assert config.init_from == source
+  program = Program.from_config(config)
+  transferred, _ = init_from.load(source, program)
+  assert not transferred.fresh and transferred.taken
+  # It returns before it reads the teacher or the data: None for them.
+  stage = transplant._stage_one(
+      None, None, config, program, None, transferred, str(tmp_path),
+      steps=3, distill='new', learning_rate=1e-2,
+      metric='eval_bits_per_byte')
+  assert stage == {'stage_1': 'nothing to learn'}
+  assert not any(tmp_path.iterdir())
 
 
 def test_a_variant_that_cannot_take_the_source_is_refused_by_name(
