@@ -19,7 +19,9 @@ seed finished within --time_limit seconds; the first row of a table is one
 if its seeds did. A row on a corpus other than config.track_corpus, or
 than its record's, is off the track: no record (and no p against another
 corpus). A workdir gives one row: its seeds, finished by however many
-invocations, and the commit the first one started on.
+invocations, and the commit the first one started on; a seed that ran
+another config than the first (the file edited between their starts) is
+refused, and no row written.
 
 The rows go to RECORDS/records.json (each seed's value, for later tests;
 a row may carry a `note` in words) and RECORDS/records.md (the table),
@@ -43,6 +45,8 @@ from train import cli
 from train.base.errors import InputError, TrainingError
 from train.base.train_config import TrainConfig
 from train.data import datasets
+from train.run import metrics
+from train.run import workdir as workdir_lib
 
 FLAGS = flags.FLAGS
 RECORDS = 'experiments/results/speedrun'
@@ -154,6 +158,25 @@ def run_seeds(config_arg: str, workdir: str, seeds: int, parallel: int,
   return records
 
 
+def check_one_config(workdir: str, seeds: int) -> None:
+  """TrainingError naming the keys where a seed ran another config than
+  seed 0's (its seed aside): each seed reads the config file as it starts,
+  so an edit of it (or of a default) between their starts splits the row."""
+  def config(seed: int) -> dict:
+    return metrics.flat_hparams(
+        workdir_lib.run_config(os.path.join(workdir, f'seed={seed}')))
+  first = config(0)
+  for seed in range(1, seeds):
+    other = config(seed)
+    differing = sorted(key for key in first.keys() | other.keys()
+                       if key != 'seed' and first.get(key) != other.get(key))
+    if differing:
+      raise TrainingError(
+          f'seed {seed} ran another config than seed 0 (in '
+          f'{", ".join(differing)}): the config changed between their '
+          'starts; measure again in a new --workdir.')
+
+
 def measure(config_arg: str, workdir: str, *, seeds: int, parallel: int,
             overrides: dict, records_dir: str, against: int | None,
             time_limit: float, command: str) -> dict:
@@ -178,6 +201,7 @@ def measure(config_arg: str, workdir: str, *, seeds: int, parallel: int,
   dataset = datasets.load(config, workdir)
   commit = _first_commit(workdir)
   trials = run_seeds(config_arg, workdir, seeds, parallel, overrides)
+  check_one_config(workdir, seeds)
   metric, mode = dataset.task.quality_metric(trials[0]['metrics'])
   values = [trial['metrics'][metric] for trial in trials]
   mean, sd = mean_and_sd(values)

@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from experiments import common, speedrun
-from train.base.errors import InputError
+from train.base.errors import InputError, TrainingError
 
 TINY_SPEEDRUN = '''
 from tests.helpers.tiny_runs import tiny_config
@@ -91,6 +91,23 @@ def test_against_is_the_last_record_or_a_row_that_exists():
   with pytest.raises(InputError, match=r'--against=5: the records hold rows '
                      r'1 to 4\.'):
     speedrun.previous_record(rows, 5)
+
+
+@pytest.mark.core
+def test_seeds_that_ran_other_configs_are_refused_naming_the_keys(tmp_path):
+  """Each seed reads the config file as it starts: an edit between two
+  starts is found in their config.json files; the seed alone may differ."""
+  def seed_config(seed, smear):
+    os.makedirs(tmp_path / f'seed={seed}')
+    (tmp_path / f'seed={seed}' / 'config.json').write_text(json.dumps(
+        {'seed': seed, 'model': {'smear': smear, 'd_model': 16}}))
+  seed_config(0, True)
+  seed_config(1, True)
+  speedrun.check_one_config(str(tmp_path), 2)
+  seed_config(2, False)
+  with pytest.raises(TrainingError, match=r'seed 2 ran another config than '
+                     r'seed 0 \(in model.smear\)'):
+    speedrun.check_one_config(str(tmp_path), 3)
 
 
 @pytest.mark.slow
