@@ -68,21 +68,22 @@ def _check_parity(reference, workdir: str) -> None:
   """Logits within 1e-5 relative, cached decoding equal to the full pass,
   and train.generate's greedy text the reference's."""
   run = trained_run.load(workdir)
-  variables = {'params': run.params}
-  logits, _ = run.model.apply(variables, hf_models.TOKENS_BxT)
-  assert _relative_error(logits, reference(hf_models.TOKENS_BxT).logits) < 1e-5
+  # Each pass compiled whole: run op by op, every op compiles on its own.
+  apply = jax.jit(functools.partial(run.model.apply, {'params': run.params}))
+  logits, _ = apply(hf_models.TOKENS_BxT)
+  want = jax.jit(lambda tokens: reference(tokens).logits)(hf_models.TOKENS_BxT)
+  assert _relative_error(logits, want) < 1e-5
 
   # The prompt in one call, then one token a call (one compiled step).
   length = hf_models.TOKENS_BxT.shape[1]
   cache = Cache.empty(run.model_config, hf_models.TOKENS_BxT.shape[0], length)
   positions = jnp.broadcast_to(jnp.arange(length), hf_models.TOKENS_BxT.shape)
-  cached, cache = run.model.apply(variables, hf_models.TOKENS_BxT[:, :8],
-                                  positions[:, :8], cache=cache)
+  cached, cache = apply(hf_models.TOKENS_BxT[:, :8], positions[:, :8],
+                        cache=cache)
   steps = [cached]
-  step_fn = jax.jit(functools.partial(run.model.apply, variables))
   for t in range(8, length):
-    step, cache = step_fn(hf_models.TOKENS_BxT[:, t:t + 1],
-                          positions[:, t:t + 1], cache=cache)
+    step, cache = apply(hf_models.TOKENS_BxT[:, t:t + 1],
+                        positions[:, t:t + 1], cache=cache)
     steps.append(step)
   assert _relative_error(jnp.concatenate(steps, 1), logits) < 1e-5
 
@@ -91,15 +92,15 @@ def _check_parity(reference, workdir: str) -> None:
 
 def _check_greedy_text(reference, workdir: str, tokenizer) -> None:
   """train.generate's greedy 16 tokens after PROMPT, as text, are the
-  reference's greedy `generate` from the same ids, decoded by
-  `tokenizer`."""
+  reference's greedy `generate` (compiled whole) from the same ids,
+  decoded by `tokenizer`."""
   [text] = generate.generate(workdir, PROMPT, max_new_tokens=16,
                              temperature=0.0)
   prompt_ids = [tokenizer.eos_id, *tokenizer.encode(PROMPT)]
-  greedy = np.asarray(reference.generate(
-      jnp.asarray([prompt_ids]), max_new_tokens=16, do_sample=False,
-      eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id
-  ).sequences[0, len(prompt_ids):])
+  sequences = jax.jit(lambda ids: reference.generate(
+      ids, max_new_tokens=16, do_sample=False, eos_token_id=tokenizer.eos_id,
+      pad_token_id=tokenizer.eos_id).sequences)(jnp.asarray([prompt_ids]))
+  greedy = np.asarray(sequences[0, len(prompt_ids):])
   ended = np.flatnonzero(greedy == tokenizer.eos_id)
   greedy = greedy[:ended[0]] if ended.size else greedy
   assert text == tokenizer.decode([*prompt_ids, *greedy])
@@ -222,7 +223,7 @@ def test_a_tied_llama_as_flax_saves_it_reads_out_through_its_embedding(
   hostile.model.attention_options.window = 4
   config, keys = import_config(str(saved), 'hf_llama', hostile)
   model = build(ModelConfig.from_mapping(config.model))
-  logits, _ = model.apply(
+  logits, _ = jax.jit(model.apply)(
       {'params': pretrained.params(str(saved), 'hf_llama', keys)},
       hf_models.TOKENS_BxT)
   assert capsys.readouterr().out == (
@@ -232,8 +233,9 @@ def test_a_tied_llama_as_flax_saves_it_reads_out_through_its_embedding(
   params = reference.params
   tied = params | {'lm_head': {
       'kernel': params['model']['embed_tokens']['embedding'].T}}
-  assert _relative_error(
-      logits, reference(hf_models.TOKENS_BxT, params=tied).logits) < 1e-5
+  want = jax.jit(lambda tokens: reference(tokens, params=tied).logits)(
+      hf_models.TOKENS_BxT)
+  assert _relative_error(logits, want) < 1e-5
 
 
 def test_a_workdir_that_holds_a_run_is_refused_and_keeps_it(

@@ -50,9 +50,18 @@ def corpus(tmp_path_factory) -> str:
 
 
 def test_a_corpus_of_files_and_the_standard_library_train_in_their_tokens(
-    trained, corpus, data_dir, tmp_path):
+    trained, corpus, data_dir, tmp_path, monkeypatch):
   """text_files (Llama's tokens) and python_stdlib_bytes (GPT-2's) each
-  train 3 steps; their documents start with the tokenizer's boundary."""
+  train 3 steps, their config.json naming the tokenizer; the documents
+  the run read start with the tokenizer's boundary."""
+  # The dataset each run loads, kept: tokenizing the library again would
+  # take seconds.
+  read, load = [], datasets.load
+
+  def load_and_keep(*args):
+    read.append(load(*args))
+    return read[-1]
+  monkeypatch.setattr(datasets, 'load', load_and_keep)
   for dataset, kind, options in (
       ('text_files', 'llama', {'paths': corpus}),
       ('python_stdlib_bytes', 'gpt2', {})):
@@ -64,9 +73,10 @@ def test_a_corpus_of_files_and_the_standard_library_train_in_their_tokens(
     config.model.vocab_size = VOCAB
     summary = train_and_evaluate(config, str(tmp_path / dataset))
     assert np.isfinite(summary['eval_loss'])
-    loaded = datasets.load(trained_run.load_config(str(tmp_path / dataset)),
-                           str(tmp_path / dataset))
-    tokens = loaded.splits['validation'][0]['tokens']
+    recorded = trained_run.load_config(str(tmp_path / dataset))
+    assert (recorded.dataset, recorded.dataset_options.to_dict(),
+            recorded.tokenizer) == (dataset, options, trained[kind])
+    tokens = read.pop().splits['validation'][0]['tokens']
     assert tokens[0] == tokenizers.HfTokenizer(trained[kind]).eos_id
 
 
