@@ -168,10 +168,10 @@ WINDOWS = {
 
 def get_sweep():
   """The speedrun's third search, from `:round2` (the default it searched
-  from; its shape and 1000 steps kept): RECORD_OPTIONS, the attention WINDOWS and Muon's learning
-  rate, ranked by validation bits per byte. The first two searches'
-  spaces are in their leaderboards (experiments/results/lm_speedrun/ and
-  lm_speedrun2/)."""
+  from; its shape and 1000 steps kept): RECORD_OPTIONS, the attention
+  WINDOWS and Muon's learning rate, ranked by validation bits per byte.
+  The first two searches' spaces are in their leaderboards
+  (experiments/results/lm_speedrun/ and lm_speedrun2/)."""
   return search.Space(
       {'muon_learning_rate': search.log_uniform(0.01, 0.04),
        'windows': search.presets(WINDOWS)}

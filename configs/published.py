@@ -40,7 +40,8 @@ _DECODER = dict(
     family='decoder_lm', attention='dense', moe=dict(num_experts=0),
     norm_position='pre', attention_projections=True,
     qk_norm='none', logit_softcap=0.0, value_residual=False, smear=False,
-    value_embeddings=0, unet_skips=False, memory_length=0, embedding_init_stddev=0.02, scale_tied_readout=False,
+    value_embeddings=0, unet_skips=False, memory_length=0,
+    embedding_init_stddev=0.02, scale_tied_readout=False,
     dropout_rate=0.0, attention_dropout_rate=0.0)
 # The architecture of each: every config.model key it sets (an import
 # takes these, the checkpoint's sizes over them; head_dim is d_model /

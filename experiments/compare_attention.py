@@ -13,8 +13,8 @@ see the same data. A variant that cannot read a key/value cache trains
 without the decoding evaluations of config.decode_splits and without the
 closing sample of a language model. Each variant's options come from
 --options alone: the config's own attention options (make train's windows
-by layer) are left out, as said at start. Everything given (variant names, options, lengths, every
-variant's config) is checked before anything trains: a mistake, or a
+by layer) are left out, as said at start. Everything given (variant
+names, options, lengths, every variant's config) is checked before anything trains: a mistake, or a
 variant that cannot run the config (a causal Linformer, say), stops the
 comparison with the reasons and exit status 2, nothing written. With
 --skip_unrunnable, such variants are listed as skipped instead, with the
