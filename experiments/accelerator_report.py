@@ -217,8 +217,12 @@ def default_parts(out: str, backend: str, data_dir: str) -> list[Part]:
              functools.partial(throughput_markdown, where[name]),
              _xla_flags(XLA_FLAGS[name]) if name in XLA_FLAGS else {})
         for name, share in jobs.items()),
-      *(Part(name, [*module, 'experiments.profile', *config,
-                    f'--workdir={where[name]}', '--warmup=3', *sized[name]],
+      # GPT-2's shape over the second search's config, whose attention
+      # has no options of its own for 'auto' to leave unread.
+      *(Part(name, [*module, 'experiments.profile',
+                    config[0] + (':round2' if name == 'profile_gpt2' else ''),
+                    config[1], f'--workdir={where[name]}', '--warmup=3',
+                    *sized[name]],
              0.1, functools.partial(read_file, os.path.join(where[name],
                                                             'profile.md')))
         for name in ('profile', 'profile_gpt2')),

@@ -13,7 +13,9 @@ import pytest
 
 from experiments import accelerator_report, kernel_check
 from experiments.accelerator_report import Part
+from train import cli
 from train.base.errors import InputError
+from train.config import validation as config_validation
 
 # The parts get 4 s in all, so the sleeper is stopped within about 2 s.
 BUDGET_S = accelerator_report.RESERVE_S + 4
@@ -163,6 +165,25 @@ def test_the_parts_that_read_data_get_the_data_dir(backend):
   if backend == 'gpu':
     [bench_train] = [part for part in parts if part.name == 'bench_train']
     assert '--batch_sizes=8,32' in bench_train.argv
+
+
+@pytest.mark.parametrize('backend', ['cpu', 'gpu'])
+def test_every_part_that_trains_runs_a_valid_config(backend):
+  """make train's jobs and the profiles: their config file with its
+  overrides passes validation (the GPT-2 profile's shape replaces make
+  train's attention, and must find no option of it left)."""
+  parts = accelerator_report.default_parts('/out', backend, '/data')
+  checked = []
+  for part in parts:
+    [config] = [arg[len('--config='):] for arg in part.argv
+                if arg.startswith('--config=')] or [None]
+    if config is None:
+      continue
+    overrides = dict(arg[len('--config.'):].split('=', 1)
+                     for arg in part.argv if arg.startswith('--config.'))
+    config_validation.validate(cli.load_config(config, overrides))
+    checked.append(part.name)
+  assert {'main_job', 'profile', 'profile_gpt2'} <= set(checked)
 
 
 BENCH = ('| variant | ms |\n|---|---|\n| chunked[pallas_gpu] | 2.5 |\n'
