@@ -90,7 +90,7 @@ TRACK_CORPUS = (
 
 # The training techniques the second search drew, each one key: its value
 # off and on (value_residual joined after it); configs/lm_ablation.py
-# turns each one alone to the other value from the default.
+# turns each one alone to the other value from `:round2`.
 OPTIONS = {
     'optimizer': ('adamw', 'muon'),
     'model.qk_norm': ('none', 'rmsnorm'),
@@ -153,7 +153,7 @@ RECORD_OPTIONS = {
     'model.value_residual': (False, True),
     'model.logit_softcap': (0.0, 30.0),
 }
-# Attention windows by layer: the default's full causal attention, or
+# Attention windows by layer: `:round2`'s full causal attention, or
 # local windows alternating long (the whole row) and short by layer, the
 # long ones constant or growing over the first 600 steps.
 WINDOWS = {

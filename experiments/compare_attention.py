@@ -14,11 +14,11 @@ without the decoding evaluations of config.decode_splits and without the
 closing sample of a language model. Each variant's options come from
 --options alone: the config's own attention options (make train's windows
 by layer) are left out, as said at start. Everything given (variant
-names, options, lengths, every variant's config) is checked before anything trains: a mistake, or a
-variant that cannot run the config (a causal Linformer, say), stops the
-comparison with the reasons and exit status 2, nothing written. With
---skip_unrunnable, such variants are listed as skipped instead, with the
-reason (unless none can run).
+names, options, lengths, every variant's config) is checked before
+anything trains: a mistake, or a variant that cannot run the config (a
+causal Linformer, say), stops the comparison with the reasons and exit
+status 2, nothing written. With --skip_unrunnable, such variants are
+listed as skipped instead, with the reason (unless none can run).
 
 Writes DIR/results.md and DIR/results.csv (per variant: the task's quality
 metric, eval loss, parameters, training step time and tokens/s, and the

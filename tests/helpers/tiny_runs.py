@@ -60,10 +60,11 @@ class LocalWmt14(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 def tiny_config(name: str, data_dir: str):
   if name == 'lm_stdlib':
     config = shrink(lm_stdlib.get_config(), data_dir, seq_len=32)
-    # One layer of 32 tokens: the default's windows by layer are the first
-    # one's, the whole row (chunked attention, as 'auto' runs it), and no
-    # first layer's values are mixed into a later one's. Left out, so that
-    # a test may set another attention or several layers alone.
+    # One layer of 32 tokens: of the default's windows by layer only the
+    # first applies, the whole row (chunked attention, as 'auto' runs
+    # it), and there is no first layer's values to mix into a later one's.
+    # Left out, so that a test may set another attention or several layers
+    # alone.
     config.model.attention = 'auto'
     config.model.attention_options = default.attention_options()
     config.model.value_residual = False

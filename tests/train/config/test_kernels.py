@@ -72,7 +72,8 @@ def test_packed_rows_take_cudnn_on_hopper_and_newer(monkeypatch):
 
 
 def test_alibi_layers_run_the_general_kernel_on_a_gpu_or_tpu(monkeypatch):
-  """make train's model: ALiBi, attention 'auto' (chunked)."""
+  """make train's model: ALiBi, local windows of the whole row (chunked)
+  and of 64 tokens by layer, each on the general kernel."""
   config = lm_stdlib.get_config()
   for backend in ('gpu', 'tpu'):
     found = traced(config, monkeypatch, backend)

@@ -20,7 +20,8 @@ from train.data import tasks
 
 
 def test_every_shipped_config_is_valid():
-  for config in (lm_stdlib.get_config(), algorithmic.get_config('task=sort'),
+  for config in (*map(lm_stdlib.get_config, lm_stdlib.ARGS),
+                 algorithmic.get_config('task=sort'),
                  listops.get_config(), listops.get_config('full'),
                  lm1b.get_config(), wmt14_ende.get_config(),
                  rnn_attention.get_config('task=reverse'),

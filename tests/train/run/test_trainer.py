@@ -184,7 +184,8 @@ def transformer_xl_config(data_dir):
   """lm_stdlib with a Transformer-XL memory, reading document streams."""
   config = tiny_config('lm_stdlib', data_dir)
   config.pack_sequences = False
-  # The smear reads the predecessor's embedding, which a memory keeps not.
+  # The smear reads the predecessor's embedding, which a memory does not
+  # keep.
   config.model.update(memory_length=16, position='rope', smear=False)
   return config
 
