@@ -61,9 +61,12 @@ FLAGS = flags.FLAGS
 
 def variant_config(base: ml_collections.ConfigDict, name: str,
                    options: dict[str, dict], unpacked: bool):
+  """`base` with attention `name` and its `options` alone: the options
+  `base` set for its own attention go with it."""
   config = copy.deepcopy(base)
   config.unlock()
   config.model.attention = name
+  config.model.attention_options = default.attention_options()
   for option, value in options.get(name, {}).items():
     try:
       config.model.attention_options[option] = value
@@ -193,15 +196,6 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
   common.check_options(options)
   common.check_among('--options', options, variants)
   preset = metrics.flat_hparams(base.model.attention_options.to_dict())
-  if preset:
-    # They are the config's own attention's, which each variant replaces
-    # (said once everything given is checked).
-    left_out = (f'config.model.attention_options ({preset}) belong to '
-                f'config.model.attention={base.model.attention!r}, which '
-                'each variant replaces: left out; a variant takes its '
-                'options from --options, e.g. --options=local.window=32.')
-    base = copy.deepcopy(base)
-    base.model.attention_options = default.attention_options()
   unpacked = (datasets.task_of(base.dataset).packs and base.pack_sequences
               and any(attention.spec(name).masks != 'any'
                       for name in variants))
@@ -221,8 +215,11 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
         f'--variants: {", ".join(skipped)} cannot run this config '
         f'({reasons}); leave {"it" if len(skipped) == 1 else "them"} out, '
         'or give --skip_unrunnable to compare the others.')
-  if preset:
-    print(left_out, flush=True)
+  if preset:  # The config's own attention's: variant_config left them.
+    print(f'config.model.attention_options ({preset}) belong to '
+          f'config.model.attention={base.model.attention!r}, which each '
+          'variant replaces: left out; a variant takes its options from '
+          '--options, e.g. --options=local.window=32.', flush=True)
   os.makedirs(workdir, exist_ok=True)
   rows, metric = [], None
   for number, name in enumerate(variants, 1):

@@ -51,7 +51,7 @@ from flax import traverse_util
 import jax
 import matplotlib
 
-from configs import default, published
+from configs import published
 from experiments import common, compare_attention
 from experiments.import_checkpoint import write_start
 from train import cli
@@ -84,7 +84,6 @@ def stage_config(source: str, name: str, options: dict[str, dict],
   steps, its layers unscanned, its rows `unpacked` or as W's."""
   base = published.get_config(f'from={source}')
   base.model.scan_layers = False
-  base.model.attention_options = default.attention_options()
   config = compare_attention.variant_config(base, name, options, unpacked)
   for key, value in model.get(name, {}).items():
     if key not in config.model:
