@@ -134,15 +134,21 @@ def attention_flops(length: int, *, batch: int, heads: int, head_dim: int,
   return forward * (3.5 if backward else 1.0)
 
 
+# Names within a primitive's that mark a fused kernel, whose matmuls the
+# jaxpr does not show (cuDNN's are dot_product_attention_fwd and _bwd).
+FUSED_PRIMITIVES = ('pallas', 'custom_call', 'dot_product_attention')
+
+
 def matmul_flops(jaxpr) -> float | None:
   """FLOPs of the matmuls (dot_general) in `jaxpr` and the jaxprs inside
   it, a scan's body counted once per step, a cond's costliest branch;
   None where they cannot be counted from the jaxpr: a while loop (its
-  trip count) or a fused kernel (pallas_call, or XLA's custom calls)."""
+  trip count) or a fused kernel (pallas_call, cuDNN's attention
+  primitives, or XLA's custom calls)."""
   total = 0.0
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name == 'while' or 'pallas' in name or 'custom_call' in name:
+    if name == 'while' or any(kernel in name for kernel in FUSED_PRIMITIVES):
       return None
     if name == 'dot_general':
       (contracting, _), _ = eqn.params['dimension_numbers']

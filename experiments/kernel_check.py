@@ -32,6 +32,7 @@ passed).
 
 from collections.abc import Sequence
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -263,11 +264,16 @@ def check(backend: str, *, kernels: Sequence[str] | None = None,
           cases: Sequence[str] = tuple(CASES),
           dtypes: Sequence[str] = DTYPES) -> list[dict]:
   """A row per kernel of `backend` (or `kernels`), case of `cases` that
-  the kernel has, and dtype."""
-  return [check_case(name, kernel, dtype, backend)
-          for kernel in (kernels or BACKEND_KERNELS.get(backend, ()))
-          for name in cases if kernel in CASES[name].kernels
-          for dtype in dtypes]
+  the kernel has, and dtype; each printed as a JSON line as it ends (a run
+  killed midway still says what it found)."""
+  rows = []
+  for kernel in kernels or BACKEND_KERNELS.get(backend, ()):
+    for name in cases:
+      if kernel in CASES[name].kernels:
+        for dtype in dtypes:
+          rows.append(check_case(name, kernel, dtype, backend))
+          print(json.dumps(rows[-1]), flush=True)
+  return rows
 
 
 def failed_kernels(rows: list[dict]) -> dict[str, list[str]]:

@@ -140,6 +140,10 @@ def test_matmul_flops_count_dots_scan_steps_and_refuse_loops():
   looped = lambda x, w: jax.lax.while_loop(
       lambda c: c[1] < 3, lambda c: (c[0] @ w, c[1] + 1), (x, 0))[0]
   assert count(looped, (4, 8), (8, 8)) is None
+  # cuDNN's attention, a primitive whose matmuls the jaxpr does not show.
+  cudnn = jax.extend.core.Primitive('dot_product_attention_fwd')
+  cudnn.def_abstract_eval(lambda x: x)
+  assert count(lambda x, w: cudnn.bind(x @ w), (4, 8), (8, 8)) is None
   # Causal linear attention, B 1, 2 heads of 8, 16 positions in one
   # chunk: scores and their sum of values inside the chunk (2 C^2 H
   # each), the chunk's state and the earlier chunks' (none, but computed)
