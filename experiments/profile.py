@@ -242,6 +242,9 @@ _OPCODE = re.compile(r'(?:^|\s)([a-z][a-z0-9\-]*)\(')
 _CALLS = re.compile(r'\bcalls=%?([\w.\-]+)')
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
+# A Triton call's kernel (a Pallas kernel on a GPU): the name in its
+# backend_config, an MLIR attribute dictionary ({..., name = "flex_dq"}).
+_KERNEL = re.compile(r'[{,]\s*name = "([^"]*)"')
 
 
 class _Instruction(NamedTuple):
@@ -249,6 +252,7 @@ class _Instruction(NamedTuple):
   op_name: str  # The JAX name stack: jit(train_step)/jvp(DecoderLM)/...
   calls: str  # A fusion's computation; '' if none.
   target: str  # A custom call's target; '' if none.
+  kernel: str  # A Triton call's kernel name; '' if none.
 
 
 def _parse_hlo(text: str) -> tuple[str, dict[str, dict[str, _Instruction]]]:
@@ -262,7 +266,7 @@ def _parse_hlo(text: str) -> tuple[str, dict[str, dict[str, _Instruction]]]:
       name, rest = instruction.groups()
       opcode = _OPCODE.search(rest)
       fields = [pattern.search(rest) for pattern in (_OP_NAME, _CALLS,
-                                                     _TARGET)]
+                                                     _TARGET, _KERNEL)]
       current[name] = _Instruction(
           opcode.group(1) if opcode else '',
           *(field.group(1) if field else '' for field in fields))
@@ -296,7 +300,9 @@ def op_kinds(text: str) -> dict[tuple[str, str], str]:
   train/program/steps.py; the attention function's call, in
   model/layers.py); then matmuls (dots, GEMM calls and their fusions);
   elementwise for the rest (norms, activations, residuals, casts,
-  copies, reductions)."""
+  copies, reductions). A Triton call's kernel name is a key too, with its
+  calls' kind where they agree: inside a command buffer a Pallas kernel's
+  trace names only the kernel."""
   module, computations = _parse_hlo(text)
   # A fusion's computation runs inside its op. Every other computation's
   # instructions may run as ops: a while loop's body, and on a GPU a
@@ -304,7 +310,7 @@ def op_kinds(text: str) -> dict[tuple[str, str], str]:
   inside = {instruction.calls for body in computations.values()
             for instruction in body.values()
             if instruction.opcode == 'fusion'}
-  kinds = {}
+  kinds, by_kernel = {}, defaultdict(set)
   for computation, body in computations.items():
     if computation in inside:
       continue
@@ -323,7 +329,10 @@ def op_kinds(text: str) -> dict[tuple[str, str], str]:
       else:
         kind = 'elementwise'
       kinds[module, name] = kind
-  return kinds
+      if instruction.kernel:
+        by_kernel[instruction.kernel].add(kind)
+  return kinds | {(module, kernel): kind for kernel, (kind, *others)
+                  in by_kernel.items() if not others}
 
 
 # --- Tables ---
@@ -394,9 +403,11 @@ def kind_rows(ops: Iterable[Op], window: tuple[float, float],
     program = op.program or alone
     # A GPU kernel is named after its instruction (fusion.12 as fusion_12);
     # its hlo_op stat names the instruction too, except in a command
-    # buffer (a CUDA graph), where it names the buffer (command_buffer_1).
+    # buffer (a CUDA graph), where it names the buffer (command_buffer_1);
+    # a Triton kernel by its name, which XLA may suffix (flex_dq__1).
     for name in (op.instruction, op.name,
-                 re.sub(r'_(\d+)$', r'.\1', op.name)):
+                 re.sub(r'_(\d+)$', r'.\1', op.name),
+                 re.sub(r'__\d+$', '', op.name)):
       if (program, name) in kinds:
         return kinds[program, name]
     return UNIDENTIFIED if op.program in programs else 'outside the step'

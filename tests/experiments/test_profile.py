@@ -236,9 +236,10 @@ def test_kind_rows_add_self_time_by_kind():
 
 
 # A GPU program's text, cut down: a command buffer called from the entry
-# (as XLA versions that write one into the program do), an async all-reduce
-# with its reducer, a fusion in the optimizer's scope, and names with and
-# without XLA's '%'.
+# (as XLA versions that write one into the program do) holding a GEMM
+# fusion and a Pallas kernel (a Triton call), an async all-reduce with its
+# reducer, a fusion in the optimizer's scope, and names with and without
+# XLA's '%'.
 GPU_HLO = '''HloModule jit_train_step, entry_computation_layout={(bf16[8,8]{1,0})->(f32[8,8]{1,0}, /*index=1*/f32[8,8]{1,0})}
 
 %fused_computation (p0: bf16[8,8], p1: bf16[8,8]) -> f32[8,8] {
@@ -249,6 +250,7 @@ GPU_HLO = '''HloModule jit_train_step, entry_computation_layout={(bf16[8,8]{1,0}
 
 %command_buffer (p: bf16[8,8]) -> f32[8,8] {
   %p = bf16[8,8]{1,0} parameter(0)
+  %pallas_call.7 = f32[8,8]{1,0} custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(train_step)/jvp(DecoderLM)/block_0/self_attention/attention_core/flex_dq/pallas_call"}, backend_config={debug = false, grid_x = 4 : i32, ir = "ML\\EFR\\0D", name = "flex_dq", num_stages = 2 : i32}
   ROOT %gemm_fusion_dot.3 = f32[8,8]{1,0} fusion(%p, %p), kind=kCustom, calls=%fused_computation, metadata={op_name="jit(train_step)/transpose(jvp(loss))/dot_general"}
 }
 
@@ -282,6 +284,7 @@ def test_op_kinds_read_a_gpu_program_with_command_buffers():
       'collectives')
   assert kinds['loop_multiply_fusion'] == 'optimizer'
   assert kinds['call.4'] == 'elementwise'
+  assert kinds['pallas_call.7'] == kinds['flex_dq'] == 'attention'
   # What runs inside a fusion is no op of its own.
   assert 'dot.1' not in kinds and 'multiply.2' not in kinds
   # An op of a trace that names no program: the one program's.
@@ -290,3 +293,9 @@ def test_op_kinds_read_a_gpu_program_with_command_buffers():
                   'gemm_fusion_dot_3')], (0, 10), num_steps=1,
       num_devices=1, kinds=profile.op_kinds(GPU_HLO))
   assert row['kind'] == 'readout and loss'
+  # In a command buffer, a Pallas kernel by its name, XLA's suffix aside.
+  [row] = profile.kind_rows(
+      [profile.Op('d0', 't', 'flex_dq__1', 'jit_train_step', 0, 5,
+                  'command_buffer_1')], (0, 10), num_steps=1,
+      num_devices=1, kinds=profile.op_kinds(GPU_HLO))
+  assert row['kind'] == 'attention'
