@@ -285,3 +285,32 @@ def test_a_start_resumes_as_a_fresh_run_from_its_parameters(data_dir,
   losses = lambda run: [line['loss'] for line in metrics.read_metrics(
       str(tmp_path / run / 'metrics.jsonl')) if 'loss' in line]
   assert losses('start') == losses('fresh') and len(losses('fresh')) == 1
+
+
+def test_small_replicated_arrays_are_saved_whole_and_large_ones_in_slices(
+    tmp_path):
+  """orbax's replica-parallel save compiles a slicing program per shape:
+  not for arrays under MIN_REPLICA_SLICE_BYTES a replica (written whole),
+  still for larger ones; either way the arrays restore as saved."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  rows = checkpointing.MIN_REPLICA_SLICE_BYTES * len(jax.devices()) // 4 // 8
+  trees = {'small': {f'w{i}': np.full((8 + i, 4), i, np.float32)
+                     for i in range(3)},
+           'large': {'w': np.ones((rows, 8), np.float32)}}
+  compiles = []
+  listener = lambda event, *_, **__: compiles.append(event)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    for name, tree in trees.items():
+      tree = jax.device_put(tree, replicated)
+      compiles.clear()
+      with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / name, tree)
+      backend = [e for e in compiles if e.endswith('backend_compile_duration')]
+      assert bool(backend) == (name == 'large'), (name, backend)
+      with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(tmp_path / name, tree)
+      chex.assert_trees_all_equal(restored, tree)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
