@@ -145,11 +145,21 @@ def read_file(path: str) -> str | None:
 
 
 def benchmark_markdown(out: str) -> str | None:
-  """OUT/<backend>/results.md; of a run cut short before writing it, the
-  JSON rows it printed (in OUT.log, before its stderr), as a table."""
+  """OUT/<backend>/results.md, else printed_markdown(out)."""
   paths = sorted(glob.glob(os.path.join(out, '*', 'results.md')))
   if paths:
     return '\n'.join(read_file(path) for path in paths)
+  return printed_markdown(out)
+
+
+def results_markdown(out: str) -> str | None:
+  """OUT/results.md, else printed_markdown(out)."""
+  return read_file(os.path.join(out, 'results.md')) or printed_markdown(out)
+
+
+def printed_markdown(out: str) -> str | None:
+  """Of a part cut short before writing its results, the JSON rows it
+  printed as each ended (in OUT.log, before its stderr), as a table."""
   stdout = (read_file(out + '.log') or '').split(STDERR_MARK)[0]
   rows = []
   for line in stdout.splitlines():
@@ -208,8 +218,7 @@ def default_parts(out: str, backend: str, data_dir: str) -> list[Part]:
       Part('kernel_check', [*module, 'experiments.kernel_check',
                             f'--out={where["kernel_check"]}',
                             *sized['kernel_check']], 0.5,
-           functools.partial(read_file, os.path.join(where['kernel_check'],
-                                                     'results.md')),
+           functools.partial(results_markdown, where['kernel_check']),
            failed_kernels=functools.partial(kernel_check.read_failed,
                                             where['kernel_check'])),
       *(Part(name, [*module, 'train.train', *config,

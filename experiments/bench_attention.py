@@ -134,8 +134,8 @@ def attention_flops(length: int, *, batch: int, heads: int, head_dim: int,
   return forward * (3.5 if backward else 1.0)
 
 
-# Names within a primitive's that mark a fused kernel, whose matmuls the
-# jaxpr does not show (cuDNN's are dot_product_attention_fwd and _bwd).
+# Substrings of a primitive's name that mark a fused kernel, whose matmuls
+# the jaxpr does not show (cuDNN's: dot_product_attention_fwd, _bwd, ...).
 FUSED_PRIMITIVES = ('pallas', 'custom_call', 'dot_product_attention')
 
 

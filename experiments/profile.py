@@ -80,7 +80,7 @@ KERNEL_COLUMNS = ('kernel', 'program', 'count_per_step', 'ms_per_step',
 HOST_COLUMNS = ('name', 'count_per_step', 'ms_per_step', 'self_ms_per_step')
 KIND_COLUMNS = ('kind', 'count_per_step', 'ms_per_step', 'share')
 # A kernel of the step that no instruction is named after: a library's
-# (cuBLAS's, a Pallas kernel's) inside a GPU command buffer.
+# (cuBLAS's, a memset) inside a GPU command buffer.
 UNIDENTIFIED = 'in the step, unidentified'
 # What a device op does, by its HLO instruction in the compiled train step
 # (see `op_kinds`), in the order the table lists them.
@@ -329,18 +329,20 @@ def op_kinds(text: str) -> dict[tuple[str, str], str]:
       else:
         kind = 'elementwise'
       kinds[module, name] = kind
-      if instruction.kernel:
+      if instruction.kernel and 'triton' in instruction.target:
         by_kernel[instruction.kernel].add(kind)
-  return kinds | {(module, kernel): kind for kernel, (kind, *others)
-                  in by_kernel.items() if not others}
+  # An instruction of the same name as a kernel keeps its own kind.
+  return {(module, kernel): kind for kernel, (kind, *others)
+          in by_kernel.items() if not others} | kinds
 
 
 # --- Tables ---
 
 def kernel_name(name: str) -> str:
-  """`name` less a numeric suffix: fusion.12 (CPU) and loop_add_fusion_3
-  (a GPU kernel) are instances of fusion and loop_add_fusion."""
-  return re.sub(r'[._]\d+$', '', name)
+  """`name` less a numeric suffix: fusion.12 (CPU), loop_add_fusion_3 (a
+  GPU kernel) and flex_dq__1 (a Triton kernel) are instances of fusion,
+  loop_add_fusion and flex_dq."""
+  return re.sub(r'(__|[._])\d+$', '', name)
 
 
 def busy_fraction(ops: Iterable[Op], window: tuple[float, float],
@@ -392,7 +394,7 @@ def kind_rows(ops: Iterable[Op], window: tuple[float, float],
   and ms per step and per device, and share of all the ops' time. `kinds`:
   {(program, instruction): kind} of the train step's programs (`op_kinds`);
   an op of one of them that names no instruction of it (a library's
-  kernel in a command buffer: cuBLAS's, a Pallas kernel's, a memset) is
+  kernel in a command buffer: cuBLAS's, a memset) is
   UNIDENTIFIED, and any other op (a transfer, another program's) 'outside
   the step'. An op whose trace names no program is looked up in the one
   program, if only one was compiled."""

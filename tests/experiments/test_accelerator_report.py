@@ -96,6 +96,20 @@ def test_a_benchmark_cut_short_shows_the_rows_it_printed(report):
   assert '| length | ms |\n|---|---|\n| 512 | 7.5 |' in sleeper
 
 
+def test_a_check_cut_short_shows_the_rows_it_printed(tmp_path):
+  """The kernel check's results, else the rows it printed as each ended
+  (the last cut off by the kill)."""
+  out = str(tmp_path / 'kernel_check')
+  with open(out + '.log', 'w') as f:
+    f.write('{"kernel": "cudnn", "ok": true}\n{"kern'
+            + accelerator_report.STDERR_MARK + 'Killed\n')
+  assert '| cudnn | True |' in accelerator_report.results_markdown(out)
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, 'results.md'), 'w') as f:
+    f.write(TABLE)
+  assert accelerator_report.results_markdown(out) == TABLE
+
+
 def test_a_failed_part_shows_its_status_and_stderr(report):
   text, _, out = report
   failer = section(text, 'failer')

@@ -70,6 +70,8 @@ def test_kernels_group_instances_and_count_self_time_per_device():
   assert by_kernel['fusion']['ms_per_step'] == pytest.approx(6e-6 / 4)
   assert by_kernel['while']['share'] == pytest.approx(4 / 12)
   assert sum(row['share'] for row in rows) == pytest.approx(1.0)
+  # XLA's suffix of a Triton kernel compiled twice.
+  assert profile.kernel_name('flex_dq__1') == 'flex_dq'
 
 
 def test_host_rows_count_an_annotation_inside_its_namesake_once():
@@ -237,9 +239,9 @@ def test_kind_rows_add_self_time_by_kind():
 
 # A GPU program's text, cut down: a command buffer called from the entry
 # (as XLA versions that write one into the program do) holding a GEMM
-# fusion and a Pallas kernel (a Triton call), an async all-reduce with its
-# reducer, a fusion in the optimizer's scope, and names with and without
-# XLA's '%'.
+# fusion and Pallas kernels (Triton calls; one kernel called in two
+# scopes), an async all-reduce with its reducer, a fusion in the
+# optimizer's scope, and names with and without XLA's '%'.
 GPU_HLO = '''HloModule jit_train_step, entry_computation_layout={(bf16[8,8]{1,0})->(f32[8,8]{1,0}, /*index=1*/f32[8,8]{1,0})}
 
 %fused_computation (p0: bf16[8,8], p1: bf16[8,8]) -> f32[8,8] {
@@ -251,6 +253,8 @@ GPU_HLO = '''HloModule jit_train_step, entry_computation_layout={(bf16[8,8]{1,0}
 %command_buffer (p: bf16[8,8]) -> f32[8,8] {
   %p = bf16[8,8]{1,0} parameter(0)
   %pallas_call.7 = f32[8,8]{1,0} custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(train_step)/jvp(DecoderLM)/block_0/self_attention/attention_core/flex_dq/pallas_call"}, backend_config={debug = false, grid_x = 4 : i32, ir = "ML\\EFR\\0D", name = "flex_dq", num_stages = 2 : i32}
+  %pallas_call.8 = f32[8,8]{1,0} custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(train_step)/jvp(DecoderLM)/block_0/self_attention/attention_core/pallas_call"}, backend_config={name = "shared"}
+  %pallas_call.9 = f32[8,8]{1,0} custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(train_step)/optimizer/pallas_call"}, backend_config={name = "shared"}
   ROOT %gemm_fusion_dot.3 = f32[8,8]{1,0} fusion(%p, %p), kind=kCustom, calls=%fused_computation, metadata={op_name="jit(train_step)/transpose(jvp(loss))/dot_general"}
 }
 
@@ -285,6 +289,8 @@ def test_op_kinds_read_a_gpu_program_with_command_buffers():
   assert kinds['loop_multiply_fusion'] == 'optimizer'
   assert kinds['call.4'] == 'elementwise'
   assert kinds['pallas_call.7'] == kinds['flex_dq'] == 'attention'
+  # A kernel whose calls differ in kind is no key of its own.
+  assert kinds['pallas_call.9'] == 'optimizer' and 'shared' not in kinds
   # What runs inside a fusion is no op of its own.
   assert 'dot.1' not in kinds and 'multiply.2' not in kinds
   # An op of a trace that names no program: the one program's.

@@ -289,9 +289,12 @@ def test_a_start_resumes_as_a_fresh_run_from_its_parameters(data_dir,
 
 def test_small_replicated_arrays_are_saved_whole_and_large_ones_in_slices(
     tmp_path):
-  """orbax's replica-parallel save compiles a slicing program per shape:
-  not for arrays under MIN_REPLICA_SLICE_BYTES a replica (written whole),
-  still for larger ones; either way the arrays restore as saved."""
+  """Under use_array_handler (as a Checkpointer starts), orbax's
+  replica-parallel save compiles a slicing program per shape only for
+  arrays of MIN_REPLICA_SLICE_BYTES a device or more; the others are
+  written whole. Either way orbax records each array's metadata and the
+  arrays restore as saved."""
+  checkpointing.use_array_handler()
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   rows = checkpointing.MIN_REPLICA_SLICE_BYTES * len(jax.devices()) // 4 // 8
@@ -309,6 +312,7 @@ def test_small_replicated_arrays_are_saved_whole_and_large_ones_in_slices(
         checkpointer.save(tmp_path / name, tree)
       backend = [e for e in compiles if e.endswith('backend_compile_duration')]
       assert bool(backend) == (name == 'large'), (name, backend)
+      assert os.listdir(tmp_path / name / 'array_metadatas')
       with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(tmp_path / name, tree)
       chex.assert_trees_all_equal(restored, tree)
