@@ -670,6 +670,16 @@ def test_memory_compressed_equals_dense_over_compressed_keys(window, stride,
     np.testing.assert_array_equal(out[:, :stride - 1], 0.0)
 
 
+def compiled_temp_bytes(fn, *shapes) -> int:
+  """Temporary memory of `fn` compiled for arguments of `shapes`. XLA
+  assigns the buffers before its backend generates the code, so the
+  backend's optimisation level (0 here: half the compile time on CPU)
+  leaves them as they are."""
+  compiled = jax.jit(fn).lower(*shapes).compile(
+      compiler_options={'xla_backend_optimization_level': 0})
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
 def test_memory_compressed_scores_take_a_stride_th_of_dense_memory():
   """Compiled temporaries of the forward pass at T = 3072: the [B, N, T,
   S / 3] scores against dense's [B, N, T, S]."""
@@ -677,9 +687,7 @@ def test_memory_compressed_scores_take_a_stride_th_of_dense_memory():
   shape = jax.ShapeDtypeStruct((1, length, 4, 32), jnp.float32)
   kernel = jax.ShapeDtypeStruct((3, 4, 32, 4, 32), jnp.float32)
 
-  def temp(fn, *args):
-    compiled = jax.jit(fn).lower(shape, shape, shape, *args).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+  temp = lambda fn, *args: compiled_temp_bytes(fn, shape, shape, shape, *args)
 
   compressed = temp(lambda q, k, v, kk, vk: attention.get('memory_compressed')(
       q, k, v, key_kernel=kk, value_kernel=vk), kernel, kernel)
@@ -708,16 +716,6 @@ def test_unsupported_inputs_raise_a_clear_error(name, kwargs, message):
 
 
 # --- memory: O(T * chunk) against O(T^2) ---
-
-
-def compiled_temp_bytes(fn, *shapes) -> int:
-  """Temporary memory of `fn` compiled for arguments of `shapes`. XLA
-  assigns the buffers before its backend generates the code, so the
-  backend's optimisation level (0 here: half the compile time on CPU)
-  leaves them as they are."""
-  compiled = jax.jit(fn).lower(*shapes).compile(
-      compiler_options={'xla_backend_optimization_level': 0})
-  return compiled.memory_analysis().temp_size_in_bytes
 
 
 def temp_bytes(name: str, length: int, **options) -> int:
