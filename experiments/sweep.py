@@ -245,7 +245,8 @@ def _define_flags() -> None:
       "task's quality metric.")
   flags.DEFINE_enum('mode', None, ['min', 'max'],
                     'Whether lower or higher is better; known for the '
-                    'metrics a run logs, except learning_rate and grad_norm.')
+                    'metrics a run logs, except the learning rates and '
+                    'grad_norm.')
   flags.DEFINE_list('set', [], 'key=value overrides for every trial.')
   flags.DEFINE_string(
       'study', None, 'A search\'s study, shared by its workers: '

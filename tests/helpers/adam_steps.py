@@ -17,7 +17,7 @@ def adam_steps(model, task, params, batch, count: int,
                            opt_state=optimizer.init(params))
   step = jax.jit(lambda state: steps.train_step(
       state, batch, jax.random.key(1), model=model, task=task,
-      optimizer=optimizer, schedule=lambda _: learning_rate))
+      optimizer=optimizer, learning_rates={}))
   history = []
   for _ in range(count):
     state, metrics = step(state)

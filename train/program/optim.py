@@ -193,7 +193,6 @@ def _muon(config: TrainConfig, schedule: optax.Schedule, boxed_params,
   muon_leaves = jax.tree.map(
       lambda matrix: optax.MaskedNode() if matrix is None else matrix,
       matrices, is_leaf=is_entry)
-  ratio = config.muon_learning_rate / config.learning_rate
   direction = [scale_by_muon(muon_leaves, beta=config.muon_momentum)]
   if normuon:
     direction.append(normalise_neurons(muon_leaves,
@@ -202,9 +201,30 @@ def _muon(config: TrainConfig, schedule: optax.Schedule, boxed_params,
       'muon': optax.chain(
           *direction, scale_by_width(muon_leaves),
           add_decayed_weights(config),
-          optax.scale_by_learning_rate(lambda count: ratio * schedule(count))),
+          optax.scale_by_learning_rate(_muon_schedule(config, schedule))),
       'adamw': _adamw(config, schedule, boxed_params),
   }, labels)
+
+
+def _muon_schedule(config: TrainConfig, schedule: optax.Schedule
+                   ) -> optax.Schedule:
+  """The schedule of the matrices Muon updates: `schedule` scaled to peak
+  at `muon_learning_rate`."""
+  ratio = config.muon_learning_rate / config.learning_rate
+  return lambda count: ratio * schedule(count)
+
+
+def _muon_rates(config: TrainConfig, schedule: optax.Schedule
+                ) -> dict[str, optax.Schedule]:
+  """AdamW's rate (embeddings, gains, biases) and Muon's (the matrices)."""
+  return {'learning_rate': schedule,
+          'muon_learning_rate': _muon_schedule(config, schedule)}
+
+
+def _one_rate(config: TrainConfig, schedule: optax.Schedule
+              ) -> dict[str, optax.Schedule]:
+  del config
+  return {'learning_rate': schedule}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +238,10 @@ class Optimizer:
   # The config keys of its own that it reads (not every optimizer's, such
   # as weight_decay), so that one set for another is warned of.
   reads: tuple[str, ...] = ()
+  # (config, the schedule) -> each rate it applies, by the config key that
+  # sets its peak: the names a run logs them under.
+  rates: Callable[[TrainConfig, optax.Schedule],
+                  dict[str, optax.Schedule]] = _one_rate
 
 
 # What adamw reads of its own; muon's AdamW half too.
@@ -227,11 +251,11 @@ OPTIMIZERS = {
     'sgd': Optimizer(_sgd, reads=('sgd_momentum',)),
     # AdamW on the parameters that are not hidden matrices.
     'muon': Optimizer(_muon, reads=(*_ADAMW_KEYS, 'muon_learning_rate',
-                                    'muon_momentum')),
+                                    'muon_momentum'), rates=_muon_rates),
     # Muon with each neuron's update normalised (Li et al. 2025).
     'normuon': Optimizer(functools.partial(_muon, normuon=True), reads=(
         *_ADAMW_KEYS, 'muon_learning_rate', 'muon_momentum',
-        'normuon_beta2')),
+        'normuon_beta2'), rates=_muon_rates),
 }
 
 
@@ -246,13 +270,15 @@ def optimizer_keys() -> dict[str, list[str]]:
 
 
 def make_optimizer(config: TrainConfig, boxed_params
-                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+                   ) -> tuple[optax.GradientTransformation,
+                              dict[str, optax.Schedule]]:
   """Clipping by global norm, then `config.optimizer` (OPTIMIZERS) on the
-  schedule. `boxed_params`: the parameters (or their shapes) as `init`
-  made them, before nn.meta.unbox."""
+  schedule; and each rate it applies by name (Optimizer.rates).
+  `boxed_params`: the parameters (or their shapes) as `init` made them,
+  before nn.meta.unbox."""
   schedule = learning_rate_schedule(config)
-  optimizer = OPTIMIZERS[config.optimizer].build(config, schedule,
-                                                 boxed_params)
+  chosen = OPTIMIZERS[config.optimizer]
+  optimizer = chosen.build(config, schedule, boxed_params)
   if config.grad_clip_norm > 0:
     optimizer = optax.chain(optax.clip_by_global_norm(config.grad_clip_norm),
                             optimizer)
@@ -261,7 +287,7 @@ def make_optimizer(config: TrainConfig, boxed_params
     # parameters' decay in the updates.
     freeze = optax.masked(optax.set_to_zero(), _outside_attention)
     optimizer = optax.chain(freeze, optimizer, freeze)
-  return optimizer, schedule
+  return optimizer, chosen.rates(config, schedule)
 
 
 def _outside_attention(params) -> Any:

@@ -130,7 +130,8 @@ def _micro_batches(batch: dict[str, Array], count: int) -> dict[str, Array]:
 def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
                model: nn.Module, task: Task,
                optimizer: optax.GradientTransformation,
-               schedule: optax.Schedule, label_smoothing: float = 0.0,
+               learning_rates: dict[str, optax.Schedule],
+               label_smoothing: float = 0.0,
                z_loss: float = 0.0, grad_accum_steps: int = 1,
                skip_nonfinite: bool = False,
                device_axes: tuple[str, ...] | None = None
@@ -142,7 +143,9 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
   count still advances (the batch is consumed), the metric sums are zeroed
   and `skipped` is 1.
 
-  Dropout draws from `fold_in(rng, step)`, so a resumed run draws the same.
+  The metrics hold each of `learning_rates` (make_optimizer's, by name) at
+  this step. Dropout draws from `fold_in(rng, step)`, so a resumed run
+  draws the same.
   A Transformer-XL memory (state.memory) is read and replaced; it needs the
   whole batch at once (grad_accum_steps == 1).
 
@@ -197,12 +200,13 @@ def train_step(state: TrainState, batch: dict[str, Array], rng: Array, *,
     grad_sum, sums = jax.lax.psum((grad_sum, sums), device_axes)
   with jax.named_scope(OPTIMIZER_SCOPE):
     return _update(state, grad_sum, sums, memory, optimizer=optimizer,
-                   schedule=schedule, skip_nonfinite=skip_nonfinite)
+                   learning_rates=learning_rates,
+                   skip_nonfinite=skip_nonfinite)
 
 
 def _update(state: TrainState, grad_sum, sums: dict[str, Array], memory, *,
             optimizer: optax.GradientTransformation,
-            schedule: optax.Schedule, skip_nonfinite: bool
+            learning_rates: dict[str, optax.Schedule], skip_nonfinite: bool
             ) -> tuple[TrainState, dict]:
   """`train_step`'s update of `state` by the summed gradient of the batch's
   loss, and its metrics (see `train_step`)."""
@@ -214,7 +218,8 @@ def _update(state: TrainState, grad_sum, sums: dict[str, Array], memory, *,
                          params=optax.apply_updates(state.params, updates),
                          opt_state=opt_state, memory=memory)
   metrics = dict(sums, grad_norm=optax.tree.norm(grads),
-                 learning_rate=schedule(state.step))
+                 **{name: rate(state.step)
+                    for name, rate in learning_rates.items()})
   if skip_nonfinite:
     finite = jnp.isfinite(sums['loss_sum']) & jnp.isfinite(
         metrics['grad_norm'])

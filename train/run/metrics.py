@@ -50,7 +50,7 @@ def final_summary(task, decode_splits=()) -> dict[str, str | None]:
   step, each with the direction that is better ('min' or 'max'; None for
   neither): the training summary, then the evaluation's."""
   names = {'loss': 'min', 'accuracy': 'max', 'learning_rate': None,
-           'grad_norm': None, 'tokens_per_s': 'max', 'steps_per_s': 'max',
+           'muon_learning_rate': None, 'grad_norm': None, 'tokens_per_s': 'max', 'steps_per_s': 'max',
            'mfu': 'max', 'steps_averaged': None, 'skipped_steps': 'min',
            'moe_aux_loss': 'min', 'moe_dropped_fraction': 'min',
            'eval_loss': 'min', 'eval_accuracy': 'max'} | dict(task.quality)
@@ -435,7 +435,9 @@ class TrainLog:
     seconds = max(time.perf_counter() - self._interval_start
                   - self._excluded, 1e-9)
     summary = summarize_train(self._sums)
-    summary['learning_rate'] = float(values['learning_rate'][index])
+    # Each rate the optimizer applies (optim.Optimizer.rates), by name.
+    summary.update({key: float(value[index]) for key, value in values.items()
+                    if key.endswith('learning_rate')})
     summary['grad_norm'] = float(values['grad_norm'][index])
     summary['tokens_per_s'] = self._sums['token_count'] / seconds
     summary['steps_per_s'] = self._steps / seconds

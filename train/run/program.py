@@ -196,7 +196,7 @@ def compile_program(config: TrainConfig, task: Task, mesh: Mesh, *,
     param_shapes = jax.eval_shape(functools.partial(
         steps.init_params, model, task, seq_len=config.seq_len, boxed=True),
         jax.random.key(config.seed))
-  optimizer, schedule = optim.make_optimizer(config, param_shapes)
+  optimizer, learning_rates = optim.make_optimizer(config, param_shapes)
   rules = config.logical_axis_rules
   replicated = NamedSharding(mesh, P())
 
@@ -216,7 +216,7 @@ def compile_program(config: TrainConfig, task: Task, mesh: Mesh, *,
       replicate_params=strategy == 'pmap')
   batch = sharding.batch_sharding(mesh)
   step_options = dict(model=model, task=task, optimizer=optimizer,
-                      schedule=schedule,
+                      learning_rates=learning_rates,
                       label_smoothing=config.label_smoothing,
                       z_loss=config.z_loss,
                       grad_accum_steps=config.grad_accum_steps,

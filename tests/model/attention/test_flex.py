@@ -304,7 +304,7 @@ def test_t5_training_on_the_general_kernel_equals_it_on_xla():
                              opt_state=optimizer.init(params))
     step = jax.jit(lambda state: steps.train_step(
         state, batch, jax.random.key(0), model=model, task=tasks.LM,
-        optimizer=optimizer, schedule=lambda _: 1e-2)[0])
+        optimizer=optimizer, learning_rates={})[0])
     for _ in range(5):
       state = step(state)
     return params, state.params

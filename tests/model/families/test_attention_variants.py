@@ -97,7 +97,7 @@ def trains(config: ModelConfig) -> list[float]:
                            opt_state=optimizer.init(params))
   step = jax.jit(lambda state, batch: steps.train_step(
       state, batch, jax.random.key(0), model=model, task=task,
-      optimizer=optimizer, schedule=lambda _: 3e-3))
+      optimizer=optimizer, learning_rates={}))
   batch = batch_for(config.family)
   losses = []
   for _ in range(3):

@@ -172,7 +172,7 @@ def test_bfloat16_train_step_runs_three_bfloat16_matmuls_over_the_vocabulary(
     return _matmuls_over(jax.make_jaxpr(
         lambda state, batch: steps.train_step(
             state, batch, jax.random.key(0), model=model, task=tasks.LM,
-            optimizer=optimizer, schedule=lambda step: 1e-3, z_loss=1e-4))(
+            optimizer=optimizer, learning_rates={}, z_loss=1e-4))(
                 state, batch).jaxpr, VOCAB)
 
   assert vocabulary_matmuls(config) == [{jnp.dtype(jnp.bfloat16)}] * 3

@@ -382,3 +382,21 @@ def test_normuon_moves_each_matrix_as_far_as_muon_and_the_rest_alike():
     else:
       assert np.linalg.norm(b) == pytest.approx(np.linalg.norm(a), rel=1e-4)
       assert not np.allclose(a, b, rtol=1e-3)
+
+
+@pytest.mark.core
+@pytest.mark.parametrize('optimizer', ['adamw', 'muon', 'normuon'])
+def test_each_rate_an_optimizer_applies_is_logged_under_its_own_key(
+    optimizer):
+  """Under Muon the matrices move at muon_learning_rate's schedule and the
+  other parameters at learning_rate's: both are named, each at its own
+  value (here half way through a warm-up)."""
+  config = _config(optimizer=optimizer, learning_rate=0.01,
+                   muon_learning_rate=0.1, warmup_steps=4,
+                   schedule='constant')
+  _, rates = optim.make_optimizer(config, boxed_params(small(num_layers=1)))
+  want = {'learning_rate': 0.005}
+  if optimizer != 'adamw':
+    want['muon_learning_rate'] = 0.05
+  assert {name: float(rate(2)) for name, rate in rates.items()} == (
+      pytest.approx(want))

@@ -56,7 +56,7 @@ def test_gradient_accumulation_equals_one_big_batch(lm_setup):
   def run(accumulate):
     return steps.train_step(state, batch, jax.random.key(0), model=model,
                             task=tasks.LM, optimizer=optimizer,
-                            schedule=lambda _: 0.1,
+                            learning_rates={},
                             grad_accum_steps=accumulate)
 
   (one, one_metrics), (two, two_metrics) = run(1), run(2)
@@ -75,7 +75,7 @@ def test_dropout_rng_depends_on_the_step_only(lm_setup):
                              opt_state=optimizer.init(params))
     _, metrics = steps.train_step(state, batch, jax.random.key(0),
                                   model=model, task=tasks.LM,
-                                  optimizer=optimizer, schedule=lambda _: 0.1)
+                                  optimizer=optimizer, learning_rates={})
     return float(metrics['loss_sum'])
 
   assert loss_at(3) == loss_at(3)

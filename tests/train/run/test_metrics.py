@@ -208,6 +208,7 @@ def test_a_call_of_several_steps_is_logged_by_step_and_pauses_are_left_out(
              'weight_sum': np.array([4.0, 4.0]),
              'token_count': np.array([8.0, 8.0]),
              'learning_rate': np.array([0.1, 0.2]),
+             'muon_learning_rate': np.array([1.0, 2.0]),
              'grad_norm': np.array([1.0, 0.5])}
   now[0] = 1.0
   assert log.add(2, stacked, count=2) is None
@@ -219,6 +220,7 @@ def test_a_call_of_several_steps_is_logged_by_step_and_pauses_are_left_out(
   assert step == 2
   assert summary['loss'] == 6.0 / 8.0 and summary['accuracy'] == 0.5
   assert (summary['learning_rate'], summary['grad_norm']) == (0.2, 0.5)
+  assert summary['muon_learning_rate'] == 2.0
   assert summary['steps_per_s'] == 2 / 3.0
   assert summary['tokens_per_s'] == 16 / 3.0
 
