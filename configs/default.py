@@ -16,6 +16,7 @@ from model import attention
 from model.attention import options as variant_options
 from model.config import ModelConfig
 from train.base import train_config
+from train.data import datasets
 
 
 def choice(arg: str, key: str, choices: tuple[str, ...], path: str) -> str:
@@ -50,6 +51,16 @@ def attention_options() -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(values)
 
 
+def dataset_options() -> ml_collections.ConfigDict:
+  """`config.dataset_options`, every option of every dataset unset (None:
+  the dataset's default), so that one typed on the command line parses
+  (`--config.dataset_options.paths='~/corpus/**/*.txt'`); a set one must be
+  an option of config.dataset (train/data/datasets.py)."""
+  return ml_collections.ConfigDict(
+      {option: config_dict.placeholder(kind)
+       for option, kind in sorted(datasets.option_types().items())})
+
+
 def model_defaults() -> ml_collections.ConfigDict:
   """`config.model`: every ModelConfig field at its default."""
   values = {}
@@ -70,5 +81,6 @@ def get_config() -> ml_collections.ConfigDict:
   """Every training key at its default (train/base/train_config.py says
   what each means), and `config.model` (model/config.py)."""
   config = train_config.defaults()
+  config.dataset_options = dataset_options()
   config.model = model_defaults()
   return config

@@ -202,7 +202,7 @@ class TrainConfig:
   # Dataset name; see train/data/datasets.py for the list.
   dataset: str = key('python_stdlib_bytes')
   # Options of that dataset (e.g. the algorithmic task, ListOps lengths;
-  # train/data/datasets.py checks them).
+  # train/data/datasets.py checks them). An unset one (None): its default.
   dataset_options: Mapping[str, Any] = key(
       rule=group(None), factory=flax.core.FrozenDict)
   # Where datasets are built (embedded ones) or prepared beforehand (tfds).
@@ -427,7 +427,9 @@ class TrainConfig:
 # How the ConfigDict's values of some keys become TrainConfig's.
 _CONVERT = {
     'parallelism': lambda value: Parallelism(**value),
-    'dataset_options': flax.core.FrozenDict,
+    # An option left unset (None) takes the dataset's default.
+    'dataset_options': lambda options: flax.core.FrozenDict(
+        {key: value for key, value in options.items() if value is not None}),
     'decode_splits': tuple,
     'window_schedule': lambda pairs: tuple(tuple(pair) for pair in pairs),
     # JSON (config.json) holds the tuples of mesh axes as lists.

@@ -8,10 +8,11 @@ _INHERITED = frozenset(field.name for field in dataclasses.fields(
     tfds.core.BuilderConfig))
 
 
-def options_of(config_cls) -> list[str]:
-  """The fields a config class adds to tfds.core.BuilderConfig."""
-  return [field.name for field in dataclasses.fields(config_cls)
-          if field.name not in _INHERITED]
+def options_of(config_cls) -> dict[str, type]:
+  """The fields a config class adds to tfds.core.BuilderConfig, by name,
+  with their types."""
+  return {field.name: field.type for field in dataclasses.fields(config_cls)
+          if field.name not in _INHERITED}
 
 
 def named(config_cls, **values) -> tfds.core.BuilderConfig:

@@ -138,8 +138,10 @@ def _document(tokens: np.ndarray, eos_id: int = tokenizers.EOS_ID
   return np.concatenate([[eos_id], tokens]).astype(np.int32)
 
 
-def _options(config: TrainConfig, known: set[str]) -> dict[str, Any]:
-  """config.dataset_options as a dict, each key checked against `known`."""
+def _options(config: TrainConfig) -> dict[str, Any]:
+  """config.dataset_options as a dict, each key checked against those of
+  config.dataset (LOADERS)."""
+  known = LOADERS[config.dataset][2]
   options = dict(config.dataset_options)
   for key in options:
     if key not in known:
@@ -183,7 +185,7 @@ def _text_corpus(config: TrainConfig,
 def load_python_stdlib_bytes(config: TrainConfig, data_dir: str,
                              workdir: str) -> Dataset:
   del workdir  # The corpus needs no tokenizer training.
-  _options(config, set())
+  _options(config)
   return _text_corpus(config, _build(lambda: stdlib.PythonStdlibBytes(
       data_dir=data_dir, file_format='array_record'), data_dir))
 
@@ -193,11 +195,15 @@ def load_text_files(config: TrainConfig, data_dir: str,
   """Local text files (config.dataset_options.paths, a glob), built into
   data_dir as the standard library is."""
   del workdir
-  pattern = _options(config, {'paths'}).get('paths')
+  pattern = _options(config).get('paths')
   if not isinstance(pattern, str) or not pattern:
     raise InputError(f'config.dataset_options.paths={pattern!r} must be a '
                      "glob of text files, e.g. '~/corpus/**/*.txt'.")
   files = stdlib.matched_files(pattern)
+  if not files:
+    raise InputError(f'config.dataset_options.paths={pattern!r} matches no '
+                     "file: give a glob of text files, ** for any depth, "
+                     "e.g. '~/corpus/**/*.txt'.")
   held = {split: sum(stdlib.split_of(path) == split for path in files)
           for split in ('train', 'validation')}
   if not all(held.values()):
@@ -207,14 +213,16 @@ def load_text_files(config: TrainConfig, data_dir: str,
         f'{"train" if not held["train"] else "validation"} split (a file '
         f'goes to validation by a hash of its path, '
         f'{stdlib.VALIDATION_PERCENT} in 100): give more files.')
+  # Once, outside the builder (made several times): it reads every file.
+  files_config = stdlib.text_files_config(pattern, files)
   return _text_corpus(config, _build(lambda: stdlib.TextFiles(
-      config=stdlib.text_files_config(pattern), data_dir=data_dir,
-      file_format='array_record'), data_dir))
+      config=files_config, data_dir=data_dir, file_format='array_record'),
+      data_dir))
 
 
 def _builder_config(config_cls, config: TrainConfig):
   """The builder config from config.dataset_options (its own fields only)."""
-  options = _options(config, set(builder_config.options_of(config_cls)))
+  options = _options(config)
   try:
     return builder_config.named(config_cls, **options)
   except ValueError as error:  # The config class's own check: 'key=value'.
@@ -300,7 +308,7 @@ def _sentencepiece(config: TrainConfig, workdir: str,
 
 def load_lm1b(config: TrainConfig, data_dir: str,
               workdir: str) -> Dataset:
-  _options(config, set())
+  _options(config)
   sources = _prepared_sources(config.dataset, data_dir, ('train', 'test'))
   train = sources['train']
   tokenizer = _sentencepiece(
@@ -316,7 +324,7 @@ def load_lm1b(config: TrainConfig, data_dir: str,
 def load_translation(config: TrainConfig, data_dir: str,
                      workdir: str) -> Dataset:
   """A tfds translation dataset ({language: text} examples)."""
-  options = _options(config, {'source_language', 'target_language'})
+  options = _options(config)
   source_language = options.get('source_language')
   target_language = options.get('target_language')
   for key, language in options.items():
@@ -355,15 +363,29 @@ def load_translation(config: TrainConfig, data_dir: str,
   return Dataset(tasks.SEQ2SEQ, splits, tokenizer.vocab_size, tokenizer)
 
 
-# Name -> (the task its examples pose, loader).
+# Name -> (the task its examples pose, loader, the types of its options,
+# config.dataset_options.KEY).
 LOADERS = {
-    'python_stdlib_bytes': (tasks.LM, load_python_stdlib_bytes),
-    'text_files': (tasks.LM, load_text_files),
-    'algorithmic': (tasks.SEQ2SEQ, load_algorithmic),
-    'listops': (tasks.CLASSIFICATION, load_listops),
-    'lm1b': (tasks.LM, load_lm1b),
-    'wmt14_translate/de-en': (tasks.SEQ2SEQ, load_translation),
+    'python_stdlib_bytes': (tasks.LM, load_python_stdlib_bytes, {}),
+    'text_files': (tasks.LM, load_text_files, {'paths': str}),
+    'algorithmic': (tasks.SEQ2SEQ, load_algorithmic,
+                    builder_config.options_of(algorithmic.AlgorithmicConfig)),
+    'listops': (tasks.CLASSIFICATION, load_listops,
+                builder_config.options_of(listops.ListOpsConfig)),
+    'lm1b': (tasks.LM, load_lm1b, {}),
+    'wmt14_translate/de-en': (tasks.SEQ2SEQ, load_translation,
+                              {'source_language': str,
+                               'target_language': str}),
 }
+
+
+def option_types() -> dict[str, type]:
+  """Every option of every dataset, with its type (one type an option,
+  whichever datasets take it)."""
+  types = {}
+  for _, _, options in LOADERS.values():
+    types |= options
+  return types
 
 
 def task_of(name: str) -> tasks.Task:

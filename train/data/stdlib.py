@@ -6,9 +6,9 @@ python_stdlib_bytes holds every `.py` file under the standard library
 directory, except those inside test folders and site-packages, in sorted
 order; its builder config is named after the Python version, whose library
 it holds. text_files holds the files that `config.dataset_options.paths`
-matches, its builder config named after a digest of their paths, sizes and
-modification times (so changed files are built again). In both, a file goes
-to the validation split when a hash of its path (below the standard
+matches, its builder config named after their fingerprint (so files whose
+bytes changed are built again, whatever their times say). In both, a file
+goes to the validation split when a hash of its path (below the standard
 library's root, or the glob's) says so (5% of files), so the split never
 depends on which other files exist.
 
@@ -143,17 +143,13 @@ class TextFilesConfig(tfds.core.BuilderConfig):
   paths: str = ''
 
 
-def text_files_config(pattern: str) -> TextFilesConfig:
-  """The config of the files `pattern` matches, named after their paths,
-  sizes and modification times."""
-  digest = hashlib.sha256()
-  root = glob_root(pattern)
-  for path in matched_files(pattern):
-    stat = (root / path).stat()
-    digest.update(f'{root / path}\0{stat.st_size}\0{stat.st_mtime_ns}\n'
-                  .encode())
-  return TextFilesConfig(name=f'files-{digest.hexdigest()[:16]}',
-                         paths=pattern)
+def text_files_config(pattern: str,
+                      files: list[pathlib.Path]) -> TextFilesConfig:
+  """The config of `files`, those `pattern` matches (matched_files), named
+  after their corpus_sha256: a build is found again exactly when the files
+  hold the same bytes (a time restored after an edit hides nothing)."""
+  digest = corpus_sha256(glob_root(pattern), files)
+  return TextFilesConfig(name=f'files-{digest[:16]}', paths=pattern)
 
 
 class TextFiles(_Files):

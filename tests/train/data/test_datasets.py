@@ -1,8 +1,10 @@
 """Datasets, tokenizers and the batch pipeline."""
 
 import concurrent.futures
+import os
 import pathlib
 import random
+import re
 import time
 import types
 
@@ -10,8 +12,12 @@ import grain
 import numpy as np
 import pytest
 
+from configs import default
+from tests.helpers import REPO
+from train import cli
 from train.base.errors import InputError
 from train.base.train_config import TrainConfig
+from train.config import validation as config_validation
 from train.data import algorithmic, builder_config, datasets, layouts, listops
 from train.data import pipeline, stdlib, tasks, tokenizers
 
@@ -104,6 +110,81 @@ def test_a_corpus_fingerprint_is_stable_and_changes_with_a_document(
       corpus, stdlib.matched_files(f'{corpus}/*.txt'))
   (corpus / '07.txt').write_text('document 7\n' * 2 + 'document 8\n')
   assert _text_files(corpus, tmp_path / 'a').corpus_sha256 != first
+
+
+def test_the_default_config_holds_every_dataset_option_unset():
+  """Each option of each dataset, of one type whichever datasets take it,
+  so that any of them typed as a flag parses."""
+  options = default.get_config().dataset_options
+  types = {}
+  for _, _, declared in datasets.LOADERS.values():
+    for option, kind in declared.items():
+      assert kind in (int, str), (option, kind)
+      assert types.setdefault(option, kind) == kind, option
+  assert set(options) == set(types) == {'paths', 'task', 'num_train',
+                                        'num_eval', 'max_length',
+                                        'long_max_length', 'seed',
+                                        'min_length', 'max_depth', 'max_args',
+                                        'source_language', 'target_language'}
+  assert all(options[option] is None for option in options)
+
+
+def test_the_documented_text_files_flag_sets_the_glob_of_the_corpus(
+    tmp_path, monkeypatch):
+  """docs/training.md's `--config.dataset_options.paths='~/corpus/**/*.txt'`
+  (the shell takes the quotes) on make train's config: it parses,
+  validates and loads the files it names."""
+  documented = re.search(r"`--config\.dataset_options\.paths='([^']+)'`",
+                         (REPO / 'docs' / 'training.md').read_text())
+  pattern = documented.group(1)
+  monkeypatch.setenv('HOME', str(tmp_path))
+  for i in range(40):
+    path = tmp_path / 'corpus' / f'part{i % 3}' / f'{i:02d}.txt'
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'document {i}\n')
+  config = cli.load_config('configs/lm_stdlib.py', {
+      'dataset': 'text_files', 'dataset_options.paths': pattern,
+      'data_dir': str(tmp_path / 'data')})
+  checked = config_validation.validate(config)
+  assert checked.dataset_options == {'paths': pattern}
+  assert datasets.load(checked, str(tmp_path)).corpus_sha256 == (
+      stdlib.corpus_sha256(tmp_path / 'corpus',
+                           sorted(pathlib.Path(f'part{i % 3}', f'{i:02d}.txt')
+                                  for i in range(40))))
+
+
+def test_a_glob_that_matches_no_file_is_refused_saying_so(tmp_path):
+  (tmp_path / 'corpus' / 'empty.txt').mkdir(parents=True)  # Not a file.
+  pattern = f'{tmp_path}/corpus/*.txt'
+  with pytest.raises(InputError) as error:
+    _text_files(tmp_path / 'corpus', tmp_path / 'data')
+  assert str(error.value).startswith(
+      f'config.dataset_options.paths={pattern!r} matches no file')
+
+
+def test_an_edit_in_place_with_its_time_restored_is_built_again(
+    tmp_path, capsys):
+  """Same size, same modification time, other bytes: the corpus is built
+  again and its fingerprint is that of the bytes now in the files."""
+  corpus = tmp_path / 'corpus'
+  corpus.mkdir()
+  for i in range(40):
+    (corpus / f'{i:02d}.txt').write_text(f'document {i}\n')
+  first = _text_files(corpus, tmp_path / 'data')
+  edited = corpus / '07.txt'
+  times = edited.stat()
+  edited.write_text('Document 7\n')
+  os.utime(edited, ns=(times.st_atime_ns, times.st_mtime_ns))
+  assert edited.stat().st_mtime_ns == times.st_mtime_ns
+  capsys.readouterr()
+  second = _text_files(corpus, tmp_path / 'data')
+  assert 'Building the dataset' in capsys.readouterr().out
+  assert second.corpus_sha256 != first.corpus_sha256
+  assert second.corpus_sha256 == stdlib.corpus_sha256(
+      corpus, stdlib.matched_files(f'{corpus}/*.txt'))
+  documents = {second.tokenizer.decode(split[i]['tokens'])
+               for split in second.splits.values() for i in range(len(split))}
+  assert 'Document 7\n' in documents and 'document 7\n' not in documents
 
 
 # --- algorithmic ---
