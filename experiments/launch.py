@@ -53,12 +53,17 @@ worker on each. The workers share the study's database, so the URL must
 reach it from every machine: SQLite on a file system the cluster shares and
 can lock, or a database server (postgresql://, mysql+pymysql://; the TPU
 VMs install its Python driver, a Slurm checkout needs it in .venv); TPU VMs
-take a server only.
+take a server only. The URL (the sweep command's --study, else this
+environment's ATTNLAB_STUDY) reaches the workers in their environment,
+never on a command line, since it may hold the database's password: Slurm
+passes it from sbatch's environment to the job's, and each TPU VM reads it
+from a file only its user can read (~/attnlab/study_url, copied there).
 """
 
 import os
 import shlex
 import subprocess
+import tempfile
 
 from absl import flags
 
@@ -75,6 +80,9 @@ JAX_CUDA = '"jax[cuda12]>=0.10.2,<0.11"'
 # The Python driver of a sweep's database server, by the study URL's scheme
 # (SQLAlchemy's default ones).
 DRIVERS = {'postgresql': 'psycopg2-binary', 'mysql+pymysql': 'PyMySQL'}
+# Where a sweep's worker reads its study's URL when its command gives no
+# --study (experiments/study.py's URL_VARIABLE, read by experiments.sweep).
+STUDY_VARIABLE = 'ATTNLAB_STUDY'
 # The TPU VM image of each accelerator generation (the prefix of its type).
 RUNTIMES = {'v4': 'tpu-ubuntu2204-base', 'v5p': 'v2-alpha-tpuv5',
             'v5litepod': 'v2-alpha-tpuv5-lite', 'v6e': 'v2-alpha-tpuv6e'}
@@ -127,11 +135,13 @@ def archive_command(include_uncommitted: bool) -> list[str]:
 def tpu_commands(name: str, zone: str, accelerator: str, runtime: str | None,
                  create: bool, train_command: list[str],
                  include_uncommitted: bool = False, *,
-                 log: str = 'train.log', packages: tuple[str, ...] = ()
-                 ) -> list[list[str]]:
+                 log: str = 'train.log', packages: tuple[str, ...] = (),
+                 study_file: str | None = None) -> list[list[str]]:
   """The commands, in order, that start `train_command` on every worker
   (with --config.distributed=True when it is train.train), its output in
-  ~/attnlab/`log`."""
+  ~/attnlab/`log`; `study_file` (a sweep's): the file, readable by its
+  user only, holding the study's URL, which the command reads in its
+  environment."""
   def on_workers(script: str) -> list[str]:
     return ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', name,
             f'--zone={zone}', '--worker=all', f'--command={script}']
@@ -150,6 +160,12 @@ def tpu_commands(name: str, zone: str, accelerator: str, runtime: str | None,
       'tar -xzf ~/attnlab.tar.gz -C ~/attnlab && cd ~/attnlab && '
       'python3 -m venv .venv && .venv/bin/pip install -q -e . '
       + ' '.join((*packages, JAX_TPU))))
+  environment = ''
+  if study_file:  # scp keeps its mode: the user's alone.
+    commands.append(['gcloud', 'compute', 'tpus', 'tpu-vm', 'scp',
+                     study_file, f'{name}:~/attnlab/study_url',
+                     f'--zone={zone}', '--worker=all'])
+    environment = f'{STUDY_VARIABLE}="$(cat study_url)" '
   if 'train.train' in train_command:
     train_command = distributed(train_command)
   command, buckets = mounted(train_command)
@@ -161,7 +177,7 @@ def tpu_commands(name: str, zone: str, accelerator: str, runtime: str | None,
   # Detached, so that the run outlives this ssh session; its output is in
   # ~/attnlab/train.log on each worker.
   commands.append(on_workers(
-      f'cd ~/attnlab && nohup .venv/bin/{shlex.join(command)} '
+      f'cd ~/attnlab && {environment}nohup .venv/bin/{shlex.join(command)} '
       f'> {log} 2>&1 &'))
   return commands
 
@@ -169,21 +185,21 @@ def tpu_commands(name: str, zone: str, accelerator: str, runtime: str | None,
 def tpu_sweep_commands(name: str, zone: str, accelerator: str,
                        runtime: str | None, create: bool,
                        sweep_command: list[str], workers: int,
-                       include_uncommitted: bool = False
-                       ) -> list[list[str]]:
-  """The commands that start a worker of `sweep_command`'s study on each
-  of `workers` TPU VMs, NAME-0 to NAME-<workers - 1> (one host each): the
-  checkout packed once, then each VM set up and started as tpu_commands
-  does."""
+                       include_uncommitted: bool = False, *, study: str,
+                       study_file: str) -> list[list[str]]:
+  """The commands that start a worker of the study at URL `study` (held
+  by `study_file`, its user's alone), `sweep_command` without --study, on
+  each of `workers` TPU VMs, NAME-0 to NAME-<workers - 1> (one host each):
+  the checkout packed once, then each VM set up and started as
+  tpu_commands does."""
   commands = []
-  study = next(arg.split('=', 1)[1] for arg in sweep_command
-               if arg.startswith('--study='))
   driver = DRIVERS.get(study.split('://', 1)[0])
   for index in range(workers):
     for command in tpu_commands(f'{name}-{index}', zone, accelerator,
                                 runtime, create, sweep_command,
                                 include_uncommitted, log='sweep.log',
-                                packages=(driver,) if driver else ()):
+                                packages=(driver,) if driver else (),
+                                study_file=study_file):
       if command not in commands:  # The archive, made once.
         commands.append(command)
   return commands
@@ -197,7 +213,8 @@ def sbatch_script(train_command: list[str], *, nodes: int,
   `cpus_per_task` cores (Slurm's default, one, starves the data loader).
   With `array` (workers, at once), a sweep's: a job array of `workers`
   one-node tasks, at most `at once` running, each a worker of the study
-  of `train_command` (an experiments.sweep command)."""
+  of `train_command` (an experiments.sweep command without --study), whose
+  URL the job has in its environment from sbatch's."""
   name, output = (('attnlab-sweep', 'attnlab-sweep-%A_%a.out') if array
                   else ('attnlab', 'attnlab-%j.out'))
   lines = ['#!/bin/bash',
@@ -221,6 +238,8 @@ def sbatch_script(train_command: list[str], *, nodes: int,
               'study until none is left, then ends,',
               '# making room for the next task, which takes over any trial '
               'whose worker was lost.',
+              f': "${{{STUDY_VARIABLE}:?the URL of the study, from the '
+              'environment of sbatch (experiments/launch.py)}"',
               f'srun .venv/bin/{shlex.join(train_command)}']
     return '\n'.join(lines) + '\n'
   lines += ['# One process per node; jax.distributed.initialize() reads '
@@ -234,29 +253,40 @@ def sbatch_script(train_command: list[str], *, nodes: int,
 
 def _python(command: list[str], sweep: bool = False) -> list[str]:
   """`python -m train.train ...` (or, for a sweep, `python -m
-  experiments.sweep ... --study=URL`) -> ['python', '-m', ...], checked."""
+  experiments.sweep ...`) -> ['python', '-m', ...], checked."""
   module = 'experiments.sweep' if sweep else 'train.train'
   if not command or module not in command or '-m' not in command:
     raise InputError(f'give the {"sweep" if sweep else "training"} command '
                      f'after --, e.g. -- python -m {module} --config=... '
                      '--workdir=...' + (' --study=URL' if sweep else ''))
-  command = ['python'] + command[command.index('-m'):]
-  if sweep:
-    study = next((arg.split('=', 1)[1] for arg in command
-                  if arg.startswith('--study=')), None)
-    if study is None:
-      raise InputError('--sweep: the workers share one study: give the sweep '
-                       'command --study=URL (a database every worker reaches).')
-    if not FLAGS.slurm and study.startswith('sqlite:'):
-      raise InputError(f'--study={study}: TPU VMs share no file system that '
-                       'SQLite can lock; give a database server URL '
-                       '(postgresql://... or mysql+pymysql://...).')
-  return command
+  return ['python'] + command[command.index('-m'):]
+
+
+def study_of(sweep_command: list[str], slurm: bool) -> tuple[list[str], str]:
+  """The sweep command without its --study, and the study's URL: its
+  --study's, else this environment's STUDY_VARIABLE; checked for the
+  workers of a Slurm job array (`slurm`) or of TPU VMs."""
+  study = next((arg.split('=', 1)[1] for arg in sweep_command
+                if arg.startswith('--study=')),
+               os.environ.get(STUDY_VARIABLE))
+  if not study:
+    raise InputError('--sweep: the workers share one study: give the sweep '
+                     f'command --study=URL, or set {STUDY_VARIABLE}=URL (a '
+                     'database every worker reaches).')
+  if not slurm and study.startswith('sqlite:'):
+    raise InputError(f'--study={study}: TPU VMs share no file system that '
+                     'SQLite can lock; give a database server URL '
+                     '(postgresql://... or mysql+pymysql://...).')
+  return [arg for arg in sweep_command
+          if not arg.startswith('--study=')], study
 
 
 def launch(train_command: list[str]) -> None:
   """Prints, and unless --dry_run runs, what starts `train_command`."""
   train_command = _python(train_command, FLAGS.sweep)
+  study = None
+  if FLAGS.sweep:
+    train_command, study = study_of(train_command, FLAGS.slurm)
   if FLAGS.slurm:
     if FLAGS.sweep and FLAGS.nodes != 1:
       raise InputError('--nodes: a sweep worker runs on one node; --workers '
@@ -272,7 +302,9 @@ def launch(train_command: list[str]) -> None:
       return
     with open(FLAGS.script, 'w') as f:
       f.write(script)
-    subprocess.run(['sbatch', FLAGS.script], check=True)
+    subprocess.run(['sbatch', FLAGS.script], check=True,
+                   env=os.environ | ({STUDY_VARIABLE: study} if study
+                                     else {}))
     return
   missing = [f'--{name}' for name in ('tpu', 'zone', 'accelerator')
              if not FLAGS[name].value]
@@ -291,12 +323,23 @@ def launch(train_command: list[str]) -> None:
     raise InputError(f'uncommitted edits would not run on the workers '
                      f'(git archive HEAD copies the last commit): {shown}; '
                      'commit them, or give --include_uncommitted.')
-  commands = (
-      tpu_sweep_commands(FLAGS.tpu, FLAGS.zone, FLAGS.accelerator, runtime,
-                         FLAGS.create, train_command, FLAGS.workers,
-                         FLAGS.include_uncommitted) if FLAGS.sweep else
-      tpu_commands(FLAGS.tpu, FLAGS.zone, FLAGS.accelerator, runtime,
-                   FLAGS.create, train_command, FLAGS.include_uncommitted))
+  if not FLAGS.sweep:
+    _print_and_run(tpu_commands(
+        FLAGS.tpu, FLAGS.zone, FLAGS.accelerator, runtime, FLAGS.create,
+        train_command, FLAGS.include_uncommitted))
+    return
+  # Readable by this user only (mkstemp's mode), removed when launch ends.
+  with tempfile.NamedTemporaryFile('w', prefix='attnlab-study-') as file:
+    file.write(study)
+    file.flush()
+    _print_and_run(tpu_sweep_commands(
+        FLAGS.tpu, FLAGS.zone, FLAGS.accelerator, runtime, FLAGS.create,
+        train_command, FLAGS.workers, FLAGS.include_uncommitted,
+        study=study, study_file=file.name))
+
+
+def _print_and_run(commands: list[list[str]]) -> None:
+  """Prints each command, and unless --dry_run runs it."""
   for command in commands:
     print(shlex.join(command), flush=True)
     if not FLAGS.dry_run:

@@ -8,7 +8,8 @@ its mean against the last record's, tested for significance.
 Each seed k (config.seed = k) runs `python -m train.train` in DIR/seed=k/
 (experiments/trials.py: a finished seed is not run again, an interrupted
 one resumes), `--parallel` at once. A seed's wall time is its command's,
-start-up and compilation included. The row holds the seeds' final value of
+start-up and compilation included, summed over its runs (one whose
+speedrun was killed included). The row holds the seeds' final value of
 the task's quality metric (validation bits per byte for `make train`),
 their mean and standard deviation, the slowest seed's wall time, the
 training steps a second, and the corpus's fingerprint (train/data/
@@ -25,15 +26,19 @@ refused, and no row written.
 
 The rows go to RECORDS/records.json (each seed's value, for later tests;
 a row may carry a `note` in words) and RECORDS/records.md (the table),
-every row whether a record or not.
+every row whether a record or not. A row is numbered, and compared with
+the last record, as it is written, under RECORDS/lock (the workdir lock
+of train/run/workdir.py): speedruns that end together each add theirs.
 """
 
 import concurrent.futures
+import contextlib
 import datetime
 import math
 import os
 import subprocess
 import sys
+import time
 
 from absl import flags
 import numpy as np
@@ -54,6 +59,8 @@ RECORDS = 'experiments/results/speedrun'
 P_RECORD = 0.01
 COLUMNS = ('row', 'date', 'commit', 'command', 'corpus', 'seeds',
            'metric (mean ± sd)', 'slowest seed', 'steps/s', 'p', 'record')
+# Seconds a speedrun waits for another's write of the records (moments).
+RECORDS_WAIT_S = 60.0
 
 
 def mean_and_sd(values: list[float]) -> tuple[float, float]:
@@ -177,6 +184,37 @@ def check_one_config(workdir: str, seeds: int) -> None:
           'starts; measure again in a new --workdir.')
 
 
+@contextlib.contextmanager
+def _locked(records_dir: str):
+  """Holds `records_dir`/lock meanwhile, once another speedrun lets go."""
+  os.makedirs(records_dir, exist_ok=True)
+  deadline = time.monotonic() + RECORDS_WAIT_S
+  while True:
+    try:
+      lock = workdir_lib.Lock(records_dir)
+      break
+    except InputError:  # Held.
+      if time.monotonic() > deadline:
+        raise TrainingError(
+            f'{records_dir}/lock was held for {RECORDS_WAIT_S:g} s; the row '
+            'is not written: run the same command again to add it.'
+            ) from None
+      time.sleep(0.1)
+  try:
+    yield
+  finally:
+    lock.release()
+
+
+def _rows(records_dir: str, workdir: str) -> list[dict]:
+  """The rows of the records; InputError if `workdir` has one already."""
+  rows = common.load_json(os.path.join(records_dir, 'records.json')) or []
+  if any(row.get('workdir') == workdir for row in rows):
+    raise InputError(f'--workdir={workdir} has its row in {records_dir} '
+                     'already; measure again in a new --workdir.')
+  return rows
+
+
 def measure(config_arg: str, workdir: str, *, seeds: int, parallel: int,
             overrides: dict, records_dir: str, against: int | None,
             time_limit: float, command: str) -> dict:
@@ -185,12 +223,8 @@ def measure(config_arg: str, workdir: str, *, seeds: int, parallel: int,
   if seeds < 2:
     raise InputError(f'--seeds={seeds}: a standard deviation and a t-test '
                      'need 2 or more.')
-  rows = common.load_json(os.path.join(records_dir, 'records.json')) or []
   workdir = os.path.abspath(workdir)
-  if any(row.get('workdir') == workdir for row in rows):
-    raise InputError(f'--workdir={workdir} has its row in {records_dir} '
-                     'already; measure again in a new --workdir.')
-  record = previous_record(rows, against)
+  previous_record(_rows(records_dir, workdir), against)  # Before the seeds.
   check_trials(config_arg, [{'seed': seed} for seed in range(seeds)],
                overrides, None, None)
   config = TrainConfig.from_config(cli.load_config(config_arg, overrides))
@@ -205,24 +239,28 @@ def measure(config_arg: str, workdir: str, *, seeds: int, parallel: int,
   metric, mode = dataset.task.quality_metric(trials[0]['metrics'])
   values = [trial['metrics'][metric] for trial in trials]
   mean, sd = mean_and_sd(values)
-  row = {
-      'row': len(rows) + 1, 'date': datetime.date.today().isoformat(),
-      'commit': commit, 'command': command, 'workdir': workdir,
-      'corpus': dataset.corpus_sha256, 'metric': metric, 'mode': mode,
-      'values': values, 'mean': mean, 'sd': sd,
-      'seconds': [trial['seconds'] for trial in trials],
-      'steps_per_s': float(np.mean([_steps_per_s(
-          os.path.join(workdir, f'seed={seed}')) for seed in range(seeds)])),
-      'parallel': parallel, 'machine': common.machine_description(),
-      'against': record and record['row'],
-      'track': config.track_corpus or None,
-      'p': (p_value(values, record['values'], mode)
-            if record and record['corpus'] == dataset.corpus_sha256
-            else None)}
-  row['record'], row['verdict'] = verdict(row, record, time_limit)
-  os.makedirs(records_dir, exist_ok=True)
-  common.save_json(os.path.join(records_dir, 'records.json'), rows + [row])
-  write_table(rows + [row], records_dir)
+  steps_per_s = float(np.mean([_steps_per_s(
+      os.path.join(workdir, f'seed={seed}')) for seed in range(seeds)]))
+  with _locked(records_dir):  # Read, numbered and written as one.
+    rows = _rows(records_dir, workdir)
+    record = previous_record(rows, against)
+    row = {
+        'row': len(rows) + 1, 'date': datetime.date.today().isoformat(),
+        'commit': commit, 'command': command, 'workdir': workdir,
+        'corpus': dataset.corpus_sha256, 'metric': metric, 'mode': mode,
+        'values': values, 'mean': mean, 'sd': sd,
+        'seconds': [trial['seconds'] for trial in trials],
+        'steps_per_s': steps_per_s,
+        'parallel': parallel, 'machine': common.machine_description(),
+        'against': record and record['row'],
+        'track': config.track_corpus or None,
+        'p': (p_value(values, record['values'], mode)
+              if record and record['corpus'] == dataset.corpus_sha256
+              else None)}
+    row['record'], row['verdict'] = verdict(row, record, time_limit)
+    common.save_json(os.path.join(records_dir, 'records.json'),
+                     rows + [row])
+    write_table(rows + [row], records_dir)
   return row
 
 

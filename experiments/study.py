@@ -9,7 +9,9 @@ evaluation. Each worker, started anywhere with the same --study and
 (experiments/trial.py: train.train, reporting to the study) in
 WORKDIR/trial-NNN/, tells the study its outcome, and repeats until the
 study has its `trials`; then it waits for the trials still running
-elsewhere, ready to take one over, and writes the report.
+elsewhere, ready to take one over, and writes the report. The trials read
+the study's URL in their environment (URL_VARIABLE), never on a command
+line, and every message shows it with its password hidden (`shown`).
 
 A worker that dies (kill -9, a lost node) stops beating: after two
 --heartbeat intervals the next worker to look puts its trial back in the
@@ -32,6 +34,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import signal
 import threading
@@ -52,6 +55,10 @@ from train.run import metrics
 # User attributes of a trial: the directory it resumes (a trial put back in
 # the queue), and a trial taken beyond the budget (told failed, not run).
 RESUMES, SURPLUS = 'resumes', 'surplus'
+# Where a trial's process (and a sweep given no --study) reads the study's
+# URL: every user of a machine sees its command lines (ps), and the URL
+# may hold the database's password.
+URL_VARIABLE = 'ATTNLAB_STUDY'
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 # Heartbeats and fail_stale_trials are marked experimental.
@@ -98,6 +105,15 @@ def _lock_on_begin(engine: sqlalchemy.engine.Engine) -> None:
   engine.dispose()  # The connections made so far, without these.
 
 
+def shown(url: str) -> str:
+  """`url` as messages and reports show it: its password hidden."""
+  try:
+    return sqlalchemy.engine.make_url(url).render_as_string(
+        hide_password=True)
+  except (ValueError, sqlalchemy.exc.ArgumentError):  # Not a URL it reads.
+    return re.sub(r'(://[^/@:]*:)[^/]*@', r'\1***@', url)
+
+
 def storage(url: str, heartbeat: int | None = None
             ) -> optuna.storages.RDBStorage:
   """The study's database at `url`; with `heartbeat` (seconds), a trial
@@ -126,8 +142,8 @@ def storage(url: str, heartbeat: int | None = None
     except (ImportError, ValueError, sqlalchemy.exc.SQLAlchemyError) as error:
       failure = error
       break
-  raise InputError(f'--study={url}: cannot open it: '
-                   f'{str(failure).splitlines()[0]}')
+  reason = str(failure).splitlines()[0].replace(url, shown(url))
+  raise InputError(f'--study={shown(url)}: cannot open it: {reason}')
 
 
 def sampler(space: search.Space, seed: int) -> optuna.samplers.BaseSampler:
@@ -235,9 +251,9 @@ def open_study(url: str, name: str, sweep: dict,
   elif json.loads(json.dumps(sweep)) != recorded:
     changed = [f'{key} {recorded.get(key)!r} -> {sweep.get(key)!r}'
                for key in sweep if recorded.get(key) != sweep.get(key)]
-    raise InputError(f'--study={url} (study {name!r}) runs another sweep: '
-                     f'{"; ".join(changed)}; give another --study_name or '
-                     '--workdir for this one.')
+    raise InputError(f'--study={shown(url)} (study {name!r}) runs another '
+                     f'sweep: {"; ".join(changed)}; give another '
+                     '--study_name or --workdir for this one.')
   return study
 
 
@@ -347,9 +363,10 @@ class Worker:
             self.space.overrides(values), self.common_overrides,
             self.parallel,
             module='experiments.trial',
-            extra=[f'--study={self.url}', f'--study_name={self.name}',
+            extra=[f'--study_name={self.name}',
                    f'--trial_id={trial._trial_id}',  # noqa: SLF001
-                   f'--metric={self.sweep["metric"]}'])
+                   f'--metric={self.sweep["metric"]}'],
+            env={URL_VARIABLE: self.url})
       except Exception:  # Not left running: the worker stops (run()).
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
         raise
@@ -428,9 +445,8 @@ def report(config_arg: str, workdir: str, space: search.Space, url: str,
   """Writes the report of the study as it stands (study_report.write);
   returns its rows."""
   study = open_study(url, name, sweep)
-  shown = sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
   command = ['python', '-m', 'experiments.sweep', f'--config={config_arg}',
-             f'--workdir={os.path.relpath(workdir)}', f'--study={shown}']
+             f'--workdir={os.path.relpath(workdir)}', f'--study={shown(url)}']
   command += [f'--set={key}={value}'
               for key, value in common_overrides.items()]
   return study_report.write(

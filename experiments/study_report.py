@@ -112,7 +112,11 @@ def plot_params(rows: list[dict], space: search.Space, metric: str,
                     rotation=30 if slanted else 0,
                     ha='right' if slanted else 'center')
     elif distribution.log:
+      # The space's range, with matplotlib's 5% margins: a log axis needs
+      # limits even before any trial has a value to show.
+      margin = (distribution.high / distribution.low) ** 0.05
       ax.set_xscale('log')
+      ax.set_xlim(distribution.low / margin, distribution.high * margin)
     ax.set(xlabel=key)
   axes[0][0].set_ylabel(metric)
   axes[0][0].legend(fontsize=8)
@@ -162,7 +166,7 @@ def plot_history(rows: list[dict], metric: str, mode: str, workdir: str,
       curves.plot(steps, values, marker='.', color='lightgray', zorder=1)
   curves.set(xlabel='step', ylabel=metric,
              title=f'top {len(top)} in colour, the others grey')
-  if top:
+  if curves.get_legend_handles_labels()[0]:
     curves.legend(fontsize=7)
   figure.tight_layout()
   figure.savefig(path, dpi=120)

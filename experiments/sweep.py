@@ -29,6 +29,10 @@ study instead (experiments/study.py):
 
 is one worker (N threads) of the study; start it as many times, on as many
 machines, as there should be workers, with the same --study and --workdir.
+A URL with a password is better given in the environment, ATTNLAB_STUDY
+(read when --study is not given), where other users' `ps` does not show
+it; the worker passes it to its trials there too, and hides it in what it
+prints.
 """
 
 import concurrent.futures
@@ -225,7 +229,8 @@ def main(argv: list[str]) -> None:
     metric, mode = study.check(FLAGS.config, definition, common_overrides,
                                FLAGS.metric, FLAGS.mode)
     study.run(FLAGS.config, workdir, definition,
-              url=FLAGS.study or f'sqlite:///{workdir}/study.db',
+              url=(FLAGS.study or os.environ.get(study.URL_VARIABLE)
+                   or f'sqlite:///{workdir}/study.db'),
               name=FLAGS.study_name or os.path.basename(workdir),
               metric=metric, mode=mode, common_overrides=common_overrides,
               heartbeat=FLAGS.heartbeat, parallel=FLAGS.parallel)
@@ -250,7 +255,8 @@ def _define_flags() -> None:
   flags.DEFINE_list('set', [], 'key=value overrides for every trial.')
   flags.DEFINE_string(
       'study', None, 'A search\'s study, shared by its workers: '
-      'sqlite:///PATH or a database URL; default: sqlite:///WORKDIR/study.db.')
+      'sqlite:///PATH or a database URL; default: the environment\'s '
+      f'{study.URL_VARIABLE}, else sqlite:///WORKDIR/study.db.')
   flags.DEFINE_string('study_name', None, 'Name of the study in its '
                       "database; default: the workdir's name.")
   flags.DEFINE_integer('heartbeat', 60, 'Seconds between the heartbeats '

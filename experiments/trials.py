@@ -3,9 +3,16 @@ every trial's config checked before any runs, and one trial run as a
 process of its own with its record (DIR/<trial>/trial.json). A library
 that experiments/sweep.py (grids, and the command line) and
 experiments/study.py (searches) build on; it imports neither.
+
+A trial's record holds its wall time, the sum over every run of it (an
+attempt), and is rewritten as an attempt goes, so that the time of one
+whose supervisor (the sweep, the speedrun) was killed is counted too. The
+trial's process dies with its supervisor (Linux): it gets SIGTERM, saves
+and stops, and the next run of the command resumes it.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+import ctypes
 import importlib.util
 import os
 import re
@@ -13,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 from configs import search
 from experiments import common
@@ -30,6 +38,16 @@ PRUNED = 3
 # signal came during its start, or twice): it resumes from its last
 # checkpoint, as one stopped after saving (exit status 0) does.
 INTERRUPTED = (130, -signal.SIGINT, -signal.SIGTERM)
+# Seconds between the rewrites of a running trial's record.
+RECORD_EVERY_S = 1.0
+# Looked up once here: between fork and exec a child only calls it.
+_PRCTL = (ctypes.CDLL(None, use_errno=True).prctl
+          if sys.platform.startswith('linux') else None)
+PR_SET_PDEATHSIG = 1
+# The fork that starts a trial's process (for its preexec_fn) runs no JAX
+# before its exec: JAX's warning of a fork does not apply to it.
+warnings.filterwarnings('ignore', message='os.fork', category=RuntimeWarning,
+                        module='subprocess')
 
 
 def load_sweep(config_arg: str) -> list[dict] | search.Space:
@@ -88,14 +106,41 @@ def trial_name(overrides: dict) -> str:
   return re.sub(r'[^A-Za-z0-9_.,=+-]', '_', text) or 'default'
 
 
+def _dies_with(supervisor: int) -> Callable[[], None] | None:
+  """The preexec_fn that makes a child get SIGTERM when `supervisor` (this
+  process; strictly, the thread that starts the child, which waits in it
+  for the child's end) dies, even by kill -9; None off Linux."""
+  if _PRCTL is None:
+    return None
+
+  def preexec() -> None:
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != supervisor:  # It died before that took effect.
+      os.kill(os.getpid(), signal.SIGTERM)
+  return preexec
+
+
+def _earlier_seconds(record: dict | None, workdir: str) -> float:
+  """The wall time of a trial's earlier attempts. One whose supervisor
+  died left its record as last rewritten (status running): its process
+  went on to the last line of its log (its save, after the SIGTERM)."""
+  if record is None:
+    return 0.0
+  if record['status'] != 'running':
+    return record['seconds']
+  ended = os.path.getmtime(os.path.join(workdir, 'log.txt'))
+  return record['seconds'] + max(0.0, ended - record['counted_to'])
+
+
 def run_trial(config_arg: str, workdir: str, overrides: dict,
               common_overrides: dict, parallel: int = 1, *,
-              module: str = 'train.train', extra: Sequence[str] = ()
-              ) -> dict:
+              module: str = 'train.train', extra: Sequence[str] = (),
+              env: dict[str, str] | None = None) -> dict:
   """Runs one trial to its end (or reads its record); returns the record,
   whose status is finished, stopped (by a signal, after saving), pruned
-  (`module` exited with PRUNED) or failed. `extra`: more arguments
-  of `module`, not part of what the record compares."""
+  (`module` exited with PRUNED) or failed, and whose seconds are those of
+  every attempt. `extra` and `env`: more arguments and environment
+  variables of `module`, not part of what the record compares."""
   command = [sys.executable, '-m', module, f'--config={config_arg}',
              f'--workdir={workdir}']
   command += [f'--config.{key}={value}'
@@ -110,17 +155,29 @@ def run_trial(config_arg: str, workdir: str, overrides: dict,
     if record['status'] in ('finished', 'pruned'):
       return record
   os.makedirs(workdir, exist_ok=True)
-  env = dict(os.environ)
+  env = os.environ | (env or {})
   if parallel > 1:  # Trials on one accelerator share its memory.
     env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', f'{0.9 / parallel:.2f}')
+  earlier = _earlier_seconds(record, workdir)
+  record = {'overrides': overrides, 'command': command[1:]}
   started = time.perf_counter()
+
+  def counted() -> None:  # The record as it goes.
+    common.save_json(record_path, record | {
+        'status': 'running', 'counted_to': time.time(),
+        'seconds': earlier + time.perf_counter() - started})
   with open(os.path.join(workdir, 'log.txt'), 'a') as log:
-    process = subprocess.run(command + list(extra), cwd=REPO, env=env,
-                             stdout=log, stderr=subprocess.STDOUT)
-  # Wall time of every run of the trial, an interrupted one's included.
-  seconds = time.perf_counter() - started + (record or {}).get('seconds', 0)
-  record = {'overrides': overrides, 'command': command[1:],
-            'seconds': seconds}
+    counted()
+    with subprocess.Popen(command + list(extra), cwd=REPO, env=env,
+                          stdout=log, stderr=subprocess.STDOUT,
+                          preexec_fn=_dies_with(os.getpid())) as process:
+      while True:
+        try:
+          process.wait(timeout=RECORD_EVERY_S)
+          break
+        except subprocess.TimeoutExpired:
+          counted()
+  record['seconds'] = earlier + time.perf_counter() - started
   evaluations = [line for line in common.read_metrics(workdir)
                  if 'eval_loss' in line]
   # A run stopped by SIGTERM or SIGINT also exits with 0, before its end.

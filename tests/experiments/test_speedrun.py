@@ -4,12 +4,17 @@ is a record."""
 import json
 import math
 import os
+import signal
+import sys
+import threading
+import time
+import types
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from experiments import common, speedrun
+from experiments import common, speedrun, trials
 from train.base.errors import InputError, TrainingError
 
 TINY_SPEEDRUN = '''
@@ -154,3 +159,125 @@ def test_two_seeds_make_a_row_that_is_not_a_record(stdlib_dataset, data_dir,
         str(config), str(workdir), seeds=2, parallel=2, overrides={},
         records_dir=str(records), against=None, time_limit=600,
         command='again')
+
+
+def _soon(condition, timeout=30.0):
+  """Waits for `condition()` to hold."""
+  deadline = time.monotonic() + timeout
+  while not condition():
+    assert time.monotonic() < deadline, 'it did not happen in time'
+    time.sleep(0.02)
+
+
+def _ended(pid: int) -> bool:
+  """Whether process `pid` has ended (a zombie no one reaps has)."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] == 'Z'
+  except FileNotFoundError:
+    return True
+
+
+def _attempts(workdir) -> list[dict]:
+  path = workdir / 'attempts.jsonl'
+  return ([json.loads(line) for line in path.read_text().splitlines()]
+          if path.exists() else [])
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'),
+                    reason="the parent-death signal is Linux's")
+@pytest.mark.filterwarnings('ignore:os.fork')
+def test_a_killed_speedruns_seed_counts_the_time_of_both_its_runs(tmp_path):
+  """The speedrun (a fork of this process running seed 0, a stand-in of
+  train.train that trains for 2 s: tests/helpers/fake_trial.py) is killed
+  with SIGKILL a second into the seed. The seed's process gets SIGTERM,
+  saves and stops; the speedrun run again resumes it. Its time is that of
+  both runs by their own clocks, at most the wall time from the fork to
+  the end, and over a limit that each run is within, the row is no
+  record."""
+  workdir = tmp_path / 'seed=0'
+  run = lambda: trials.run_trial(
+      'unused.py', str(workdir), {'seconds': 2.0}, {},
+      module='tests.helpers.fake_trial')
+  forked = time.time()
+  supervisor = os.fork()
+  if supervisor == 0:  # The speedrun.
+    try:
+      run()
+    finally:
+      os._exit(0)  # pylint: disable=protected-access
+  _soon(lambda: (workdir / 'started').exists())
+  time.sleep(1.0)
+  os.kill(supervisor, signal.SIGKILL)
+  os.waitpid(supervisor, 0)
+  _soon(lambda: _attempts(workdir))
+  assert _attempts(workdir)[0]['ended'] == 'SIGTERM'
+  _soon(lambda: _ended(_attempts(workdir)[0]['pid']))
+
+  record = run()
+  ended = time.time()
+  assert record['status'] == 'finished'
+  first, second = _attempts(workdir)
+  assert second['ended'] == 'finished'
+  lives = [attempt['end'] - attempt['start'] for attempt in (first, second)]
+  assert sum(lives) <= record['seconds'] <= ended - forked
+  limit = (max(lives) + sum(lives)) / 2
+  assert speedrun.verdict(row(seconds=[record['seconds'], 0.5]), None,
+                          limit) == (
+      False, f'not a record: seed 0 took more than {limit:g} s')
+
+
+def test_two_speedruns_on_one_records_add_a_row_each(tmp_path, data_dir,
+                                                     monkeypatch):
+  """Two speedruns whose seeds run at once (each seed a stand-in: a
+  finished record) end together, each slow to decide its row once it has
+  read the records: both rows are kept, numbered as they were written."""
+  config = tmp_path / 'tiny_speedrun.py'
+  config.write_text(TINY_SPEEDRUN.format(data_dir=data_dir))
+  both_running = threading.Barrier(2, timeout=30)
+
+  def seeds(config_arg, workdir, count, parallel, overrides):
+    del config_arg, parallel, overrides
+    both_running.wait()
+    value = 1.3 if workdir.endswith('a') else 1.2
+    return [{'status': 'finished', 'seconds': 1.0,
+             'metrics': {'eval_bits_per_byte': value + seed / 100}}
+            for seed in range(count)]
+
+  decide = speedrun.previous_record
+
+  def slowly(rows, against):
+    time.sleep(0.2)  # Time for the other to read the rows, if it could.
+    return decide(rows, against)
+
+  monkeypatch.setattr(speedrun, 'check_trials', lambda *args: None)
+  monkeypatch.setattr(speedrun, 'run_seeds', seeds)
+  monkeypatch.setattr(speedrun, 'check_one_config', lambda *args: None)
+  monkeypatch.setattr(speedrun, 'previous_record', slowly)
+  monkeypatch.setattr(speedrun.datasets, 'load', lambda config, workdir: (
+      types.SimpleNamespace(corpus_sha256=config.track_corpus,
+                            task=types.SimpleNamespace(quality_metric=(
+                                lambda summary: ('eval_bits_per_byte',
+                                                 'min'))))))
+  records = tmp_path / 'records'
+  written = {}
+
+  def measure(name):
+    written[name] = speedrun.measure(
+        str(config), str(tmp_path / name), seeds=2, parallel=1,
+        overrides={}, records_dir=str(records), against=None,
+        time_limit=600, command=f'speedrun {name}')
+  runs = [threading.Thread(target=measure, args=(name,)) for name in 'ab']
+  for thread in runs:
+    thread.start()
+  for thread in runs:
+    thread.join()
+  rows = json.loads((records / 'records.json').read_text())
+  assert [r['row'] for r in rows] == [1, 2]
+  assert sorted(r['command'] for r in rows) == ['speedrun a', 'speedrun b']
+  assert {name: r['row'] for name, r in written.items()} == {
+      r['command'][-1]: r['row'] for r in rows}
+  assert rows[0]['verdict'] == 'a record: the first of its table'
+  assert rows[1]['against'] == 1
+  table = (records / 'records.md').read_text()
+  assert '| 1 | ' in table and '| 2 | ' in table

@@ -15,6 +15,7 @@ import pytest
 from configs import search
 from experiments import launch, study, trials
 from tests.helpers import REPO
+from tests.helpers.fake_trial import exiting
 from tests.helpers.tiny_runs import TINY_LISTOPS
 from train.base.errors import InputError
 
@@ -229,7 +230,9 @@ def _kill_the_worker_of_a_running_trial(workdir: pathlib.Path,
     for trial in sorted(workdir.glob('trial-*')):
       steps = [int(p.name) for p in (trial / 'checkpoints').glob('*')
                if p.name.isdigit()]
-      if (trial / 'trial.json').exists() or not steps or max(steps) >= 75:
+      record = trials.common.load_json(str(trial / 'trial.json')) or {}
+      if (record.get('status') != 'running' or not steps
+          or max(steps) >= 75):
         continue
       # The trial's lock names its process; its parent is the worker.
       pid = json.loads((trial / 'lock').read_text())['pid']
@@ -323,8 +326,8 @@ def test_a_trial_worse_than_the_median_is_pruned_and_keeps_its_checkpoint(
   record = trials.run_trial(
       str(config), str(tmp_path / 'trial'), {'seed': 7}, {},
       module='experiments.trial',
-      extra=[f'--study={url}', '--study_name=pruned',
-             f'--trial_id={trial._trial_id}', '--metric=eval_loss'])
+      extra=['--study_name=pruned', f'--trial_id={trial._trial_id}',
+             '--metric=eval_loss'], env={study.URL_VARIABLE: url})
   assert record['status'] == 'pruned', record
   assert record['metrics']['step'] == 50
   assert shared.trials[3].intermediate_values.keys() == {5000}
@@ -333,26 +336,112 @@ def test_a_trial_worse_than_the_median_is_pruned_and_keeps_its_checkpoint(
 
 
 def test_the_cluster_launch_of_a_sweep_holds_the_study_and_the_array():
+  """The workers' command has no --study: its URL is in their
+  environment, from sbatch's (Slurm) or from a file (TPU VMs)."""
   command = ['python', '-m', 'experiments.sweep',
-             '--config=configs/listops.py', '--workdir=/shared/ls',
-             '--study=postgresql://db/attnlab']
+             '--config=configs/listops.py', '--workdir=/shared/ls']
   script = launch.sbatch_script(command, nodes=1, gpus_per_node=1,
                                 cpus_per_task=8, partition=None,
                                 time_limit='4:00:00', array=(16, 4))
   assert '#SBATCH --array=0-15%4' in script
   assert '#SBATCH --nodes=1' in script
   assert script.rstrip().endswith(
+      ': "${ATTNLAB_STUDY:?the URL of the study, from the environment of '
+      'sbatch (experiments/launch.py)}"\n'
       'srun .venv/bin/python -m experiments.sweep --config=configs/'
-      'listops.py --workdir=/shared/ls --study=postgresql://db/attnlab')
+      'listops.py --workdir=/shared/ls')
   assert 'distributed' not in script
+  assert launch.STUDY_VARIABLE == study.URL_VARIABLE
 
   tpu = launch.tpu_sweep_commands('sw', 'z', 'v5litepod-8', 'v2', True,
-                                  command, workers=2)
+                                  command, workers=2,
+                                  study='postgresql://db/attnlab',
+                                  study_file='/tmp/study')
   archives = [c for c in tpu if 'archive' in c]
   assert len(archives) == 1  # Packed once, copied to each VM.
+  assert [c[5:7] for c in tpu if '/tmp/study' in c] == [
+      ['/tmp/study', 'sw-0:~/attnlab/study_url'],
+      ['/tmp/study', 'sw-1:~/attnlab/study_url']]
   starts = [c[-1] for c in tpu if 'nohup' in c[-1]]
   assert [c[5] for c in tpu if 'nohup' in c[-1]] == ['sw-0', 'sw-1']
   for start in starts:
-    assert start.endswith('--study=postgresql://db/attnlab > sweep.log '
-                          '2>&1 &')
+    assert start == (
+        '--command=cd ~/attnlab && ATTNLAB_STUDY="$(cat study_url)" nohup '
+        '.venv/bin/python -m experiments.sweep --config=configs/listops.py '
+        '--workdir=/shared/ls > sweep.log 2>&1 &')
   assert all('psycopg2-binary' in c[-1] for c in tpu if 'pip' in c[-1])
+
+
+SECRET = 'postgresql://alice:hunter2@127.0.0.1:9/studies'
+
+
+def test_a_studys_password_is_in_no_message_nor_command_line(
+    tmp_path, monkeypatch):
+  """A database URL with a password: the errors that name it hide the
+  password; a worker gives its trial the URL in the environment, not on
+  its command line; the cluster launch takes it out of the workers'
+  command (which then runs as the test above shows)."""
+  for url in (SECRET, SECRET.replace('postgresql', 'mysql+pymysql'),
+              SECRET.replace(':9/', ':port/')):
+    with pytest.raises(InputError) as refused:
+      study.storage(url)
+    assert str(refused.value).startswith(
+        f'--study={url.replace("hunter2", "***")}: cannot open it: ')
+    assert 'hunter2' not in str(refused.value)
+
+  started, said = [], []
+  space = search.Space({'learning_rate': search.log_uniform(1e-4, 1e-2)},
+                       trials=1)
+  worker = study.Worker(
+      config_arg='configs/listops.py', workdir=str(tmp_path), url=SECRET,
+      name='secret', space=space, sweep={'metric': 'eval_loss'},
+      common_overrides={}, heartbeat=60, parallel=1, say=said.append)
+  shared = study.open_study(f'sqlite:///{tmp_path}/study.db', 'secret',
+                            {'mode': 'min'})
+  with monkeypatch.context() as patched:
+    patched.setattr(trials.subprocess, 'Popen', exiting(
+        1, lambda command, options: started.append((command, options))))
+    worker._run(shared, shared.ask())  # pylint: disable=protected-access
+  (command, options), = started
+  assert options['env'][study.URL_VARIABLE] == SECRET
+  shown = json.dumps([command, said, (tmp_path / 'trial-000' /
+                                      'trial.json').read_text()])
+  assert 'hunter2' not in shown and '--study=' not in shown
+
+  # The launch of workers, the URL typed or in the environment.
+  sweep = ['python', '-m', 'experiments.sweep', '--workdir=/shared/s']
+  assert launch.study_of(sweep + [f'--study={SECRET}'], slurm=True) == (
+      sweep, SECRET)
+  monkeypatch.setenv(launch.STUDY_VARIABLE, SECRET)
+  assert launch.study_of(sweep, slurm=False) == (sweep, SECRET)
+
+
+def test_a_search_interrupted_before_any_trial_ended_writes_its_report(
+    tmp_path, monkeypatch):
+  """SIGTERM (as Ctrl-C) reaches the worker and its first trial, which
+  saves and stops: the worker ends with KeyboardInterrupt (exit status 130
+  on the command line), having written the report as the study stands: the
+  trial waiting to resume, and the plots, a log-scaled key's included."""
+  interrupted = []
+
+  def stopped(*args, **kwargs):
+    del args, kwargs
+    if not interrupted:
+      interrupted.append(True)
+      signal.raise_signal(signal.SIGTERM)
+      time.sleep(0.2)  # The trial saves meanwhile.
+    return {'status': 'stopped', 'seconds': 1.0}
+
+  monkeypatch.setattr(trials, 'run_trial', stopped)
+  space = search.Space({'learning_rate': search.log_uniform(1e-4, 1e-2),
+                        'model.position': search.choice(['rope', 'alibi'])},
+                       trials=4)
+  workdir = tmp_path / 'search'
+  with pytest.raises(KeyboardInterrupt):
+    study.run('configs/listops.py', str(workdir), space,
+              url=f'sqlite:///{tmp_path}/study.db', name='search',
+              metric='eval_loss', mode='min', common_overrides={})
+  board = (workdir / 'leaderboard.md').read_text()
+  assert '1 of 4 trials (1 waiting)' in board
+  for name in ('params.png', 'history.png'):
+    assert (workdir / name).read_bytes()[:4] == PNG

@@ -3,13 +3,13 @@ leaderboard and their checks; configs/grid.py and configs/search.py."""
 
 import os
 import pathlib
-import subprocess
 
 import pytest
 
 from configs import grid, lm_ablation, lm_stdlib
 from experiments import common, study, sweep, trials
 from tests.helpers import REPO
+from tests.helpers.fake_trial import exiting
 from tests.helpers.tiny_runs import TINY_LISTOPS
 from train.base.errors import InputError, TrainingError
 
@@ -71,10 +71,10 @@ def test_an_ablations_trials_are_plotted_by_name(tmp_path):
     assert f.read(4) == PNG
 
 
-def failed_run(command, **kwargs):
+def failing(command, options):
   """What a trial's train.train leaves when it fails at once."""
-  kwargs['stdout'].write('error: boom\n')
-  return subprocess.CompletedProcess(command, returncode=1)
+  del command
+  options['stdout'].write('error: boom\n')
 
 
 def test_a_sweep_with_no_finished_trial_fails_and_keeps_the_reports(
@@ -83,7 +83,7 @@ def test_a_sweep_with_no_finished_trial_fails_and_keeps_the_reports(
   workdir = tmp_path / 'sweep'
   workdir.mkdir()
   (workdir / 'leaderboard.md').write_text('an earlier sweep')
-  monkeypatch.setattr(trials.subprocess, 'run', failed_run)
+  monkeypatch.setattr(trials.subprocess, 'Popen', exiting(1, failing))
   with pytest.raises(TrainingError, match='no trial finished; the first, '
                      r'.*, failed: boom \(its log: '):
     sweep.sweep(str(config_path), str(workdir))
@@ -97,7 +97,7 @@ def test_a_sweep_refuses_a_metric_before_any_trial(data_dir, tmp_path,
 
   def refuse(*args, **kwargs):
     raise AssertionError('a trial ran')
-  monkeypatch.setattr(trials.subprocess, 'run', refuse)
+  monkeypatch.setattr(trials.subprocess, 'Popen', refuse)
   with pytest.raises(InputError, match='--metric=eval_acc: no trial logs '
                      'it; did you mean eval_accuracy'):
     sweep.sweep(str(config_path), str(tmp_path / 'sweep'), metric='eval_acc')
@@ -111,15 +111,16 @@ def test_a_sweep_refuses_a_metric_before_any_trial(data_dir, tmp_path,
 def test_a_trial_stopped_by_a_signal_is_not_finished(tmp_path, monkeypatch):
   workdir = str(tmp_path / 'trial')
 
-  def stopped_at_step_5(command, **kwargs):
+  def stopped_at_step_5(command, options):
     # What train.train leaves after SIGTERM at step 5 of 10: exit status 0.
+    del command, options
     common.save_json(os.path.join(workdir, 'config.json'),
                      {'num_train_steps': 10})
     with open(os.path.join(workdir, 'metrics.jsonl'), 'w') as f:
       f.write('{"step": 5, "eval_loss": 1.0}\n')
-    return subprocess.CompletedProcess(command, returncode=0)
 
-  monkeypatch.setattr(trials.subprocess, 'run', stopped_at_step_5)
+  monkeypatch.setattr(trials.subprocess, 'Popen',
+                      exiting(0, stopped_at_step_5))
   record = trials.run_trial('configs/listops.py', workdir, {}, {})
   assert record['status'] == 'stopped'
   assert 'run the sweep again' in record['error']
