@@ -192,8 +192,10 @@ def _specs(plan: flex.Plan, head_dim: int, group: int, by_key: bool):
 
   rows = (None, None, BLOCK, head_dim)
   query = spec(rows, lambda b, n, i, j: (b, n, i, 0))
-  # lax.div: `//` floors by way of `sign`, whose lowering asks for a TPU.
-  key = spec(rows, lambda b, n, i, j: (b, lax.div(n, group), j, 0))
+  # lax.div: `//` floors by way of `sign`, whose lowering asks for a TPU;
+  # an int32 divisor, as the head's id is, whether or not x64 is on.
+  key = spec(rows, lambda b, n, i, j: (b, lax.div(n, np.int32(group)), j,
+                                       0))
   column = spec((None, BLOCK, 1), lambda b, n, i, j: (b, i, 0))
   row = spec((None, 1, BLOCK), lambda b, n, i, j: (b, 0, j))
   stat = spec((None, None, BLOCK, 1), lambda b, n, i, j: (b, n, i, 0))

@@ -8,6 +8,7 @@ zeros, as `dense` does.
 """
 
 import dataclasses
+import functools
 import math
 
 from flax import linen as nn
@@ -187,10 +188,10 @@ def splash(query, key, value, bias, mask, *, scale, is_causal, window,
   k, v = heads_first(key, padded_kv), heads_first(value, padded_kv)
   ids = _segment_ids(mask, batch, q_len, kv_len, padded_q, padded_kv)
   if ids is None:
-    out = jax.vmap(kernel)(q, k, v)
+    out = _without_x64(jax.vmap(kernel))(q, k, v)
   else:
-    out = jax.vmap(lambda q, k, v, q_ids, kv_ids: kernel(
-        q, k, v, segment_ids=splash_ops.SegmentIds(q_ids, kv_ids)))(
+    out = _without_x64(jax.vmap(lambda q, k, v, q_ids, kv_ids: kernel(
+        q, k, v, segment_ids=splash_ops.SegmentIds(q_ids, kv_ids))))(
             q, k, v, *ids)
   out = jnp.transpose(out, (0, 2, 1, 3))[:, :q_len]
   if mask is None or isinstance(mask, core.SegmentMask):
@@ -245,11 +246,33 @@ def pallas_gpu(query, key, value, bias, mask, *, scale, is_causal, window,
   ids = _segment_ids(mask, batch, length, length, padded, padded)
   if ids is not None:  # One array for queries and keys: the keys'.
     ids = ids[1]
-  out = pallas_gpu_ops.mha(flex.pad_length(query, padded), key, value,
-                           ids, sm_scale=scale, causal=is_causal,
-                           block_sizes=blocks,
-                           interpret=jax.default_backend() == 'cpu')
+  out = _without_x64(functools.partial(
+      pallas_gpu_ops.mha, sm_scale=scale, causal=is_causal,
+      block_sizes=blocks, interpret=jax.default_backend() == 'cpu'))(
+          flex.pad_length(query, padded), key, value, ids)
   return out[:, :length]
+
+
+def _without_x64(fn):
+  """fn(*arrays), traced forward and backward with x64 off: JAX's own
+  kernels (Triton flash attention, splash under grouped heads) divide
+  int32 program ids by Python ints, which x64 makes int64, and lax.div
+  refuses the mix."""
+  @jax.custom_vjp
+  def call(*args):
+    with jax.enable_x64(False):
+      return fn(*args)
+
+  def forward(*args):
+    with jax.enable_x64(False):
+      return jax.vjp(fn, *args)
+
+  def backward(pull_back, d_out):
+    with jax.enable_x64(False):
+      return pull_back(d_out)
+
+  call.defvjp(forward, backward)
+  return call
 
 
 def split_axes(logical: str) -> tuple[str, ...]:

@@ -332,19 +332,37 @@ def performer_attention(query: Array, key: Array, value: Array,
   return _heads_first(out).astype(query.dtype)
 
 
+# Hedgehog's feature maps of the projections x W [..., F], by the name the
+# option `phi` takes.
+HEDGEHOG_MAPS = {
+    # Zhang et al. 2024: one softmax over both signs, 2F features.
+    'hedgehog': lambda xw: jax.nn.softmax(
+        jnp.concatenate([xw, -xw], axis=-1), axis=-1),
+    # LoLCATs (Zhang et al. 2025): a softmax over each sign, 2F features.
+    'lolcats': lambda xw: jnp.concatenate(
+        [jax.nn.softmax(xw, axis=-1), jax.nn.softmax(-xw, axis=-1)], axis=-1),
+    # The positive sign alone, F features.
+    'one_sided': lambda xw: jax.nn.softmax(xw, axis=-1),
+}
+
+
 def hedgehog_attention(query: Array, key: Array, value: Array,
                        bias: Array | None = None, mask: Array | None = None,
                        *, scale: float | None = None,
                        is_causal: bool = False, feature_map: Array,
+                       phi: str = 'hedgehog',
                        chunk_size: int | None = None) -> Array:
   """Linear attention whose feature map is learned (Zhang et al. 2024,
-  "The Hedgehog & the Porcupine"): phi(x) = softmax(x W_k) over F
-  features, W_k [H, F] of key/value head k applied to its keys and to the
-  queries of its group, so that phi(q) . phi(k) can be taught to imitate
-  softmax attention's weights.
+  "The Hedgehog & the Porcupine"): phi(x) = softmax([x W_k, -x W_k]), one
+  softmax over 2F features, W_k [H, F] of key/value head k applied to its
+  keys and to the queries of its group, so that phi(q) . phi(k) can be
+  taught to imitate softmax attention's weights.
 
   Args:
     feature_map: W [K, H, F], one per key/value head (see `parameters`).
+    phi: the map, one of HEDGEHOG_MAPS: 'hedgehog' (the paper's),
+      'lolcats' ([softmax(x W_k), softmax(-x W_k)]) or 'one_sided'
+      (softmax(x W_k)).
     chunk_size: positions per chunk of causal attention (default:
       `default_chunk_size()`).
   """
@@ -352,6 +370,9 @@ def hedgehog_attention(query: Array, key: Array, value: Array,
   if scale is not None:
     raise ValueError('hedgehog attention has no logit scale; leave scale '
                      'None.')
+  if phi not in HEDGEHOG_MAPS:
+    raise ValueError(f'phi={phi!r} must be one of '
+                     f'{", ".join(map(repr, HEDGEHOG_MAPS))}.')
   batch, q_len, num_heads, head_dim = query.shape
   num_kv_heads = key.shape[2]
   if feature_map.ndim != 3 or feature_map.shape[:2] != (num_kv_heads,
@@ -362,11 +383,10 @@ def hedgehog_attention(query: Array, key: Array, value: Array,
   weights = feature_map.astype(jnp.float32)
   grouped = query.astype(jnp.float32).reshape(
       batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
-  phi_q = jax.nn.softmax(
-      jnp.einsum('btkgh,khf->bkgtf', grouped, weights), axis=-1)
-  phi_k = jax.nn.softmax(
-      jnp.einsum('bskh,khf->bksf', key.astype(jnp.float32), weights),
-      axis=-1)
+  features = HEDGEHOG_MAPS[phi]
+  phi_q = features(jnp.einsum('btkgh,khf->bkgtf', grouped, weights))
+  phi_k = features(
+      jnp.einsum('bskh,khf->bksf', key.astype(jnp.float32), weights))
   out = _attend(phi_q.reshape(batch, num_heads, q_len, -1), phi_k,
                 _heads_first(value), mask, is_causal=is_causal,
                 chunk_size=chunk_size)
@@ -378,8 +398,8 @@ def hedgehog_parameters(module: nn.Module, config, *,
                         **options) -> dict[str, Any]:
   """W [K, H, F], F = `num_features` (default H), created in `module` for
   a layer of `config` (a ModelConfig), starting as the identity on the
-  first min(H, F) features (phi(x) = softmax(x) where F = H); with the
-  other `options`, the keyword arguments of hedgehog_attention."""
+  first min(H, F) features (phi(x) = softmax([x, -x]) where F = H); with
+  the other `options`, the keyword arguments of hedgehog_attention."""
   features = config.head_dim if num_features is None else num_features
   if features < 1:
     raise ValueError(f'num_features={num_features} must be positive.')

@@ -1,8 +1,10 @@
 """Attention transfer: a model whose attention replaced another's (a
 student started by config.init_from from a teacher with another
 config.model.attention) learns to give, layer by layer, the teacher's
-attention outputs on the same inputs (the first stage of Hedgehog, Zhang
-et al. 2024, and of LoLCATs, Zhang et al. 2025).
+attention outputs on the same inputs, by their mean squared error: the
+first stage of LoLCATs (Zhang et al. 2025). Hedgehog (Zhang et al. 2024)
+teaches its feature maps otherwise, matching softmax attention's weights
+by their cross-entropy.
 
 In one step both models read the same batch: the teacher's forward pass
 records each self-attention layer's inputs and output; in the student's,

@@ -2,8 +2,9 @@
 interpreted on the CPU, against a float64 dense reference written here:
 outputs and the gradients of q, k, v and of the score function's data,
 for position biases, a cap, a learned temperature and block patterns, on
-packed, padded and plain rows; each lowered for its accelerator; and a
-model with T5's learned bias trained on the kernel as on xla."""
+packed, padded and plain rows, inside one tile and across several, and
+under x64; each lowered for its accelerator; and a model with T5's
+learned bias trained on the kernel as on xla."""
 
 import dataclasses
 import pathlib
@@ -23,7 +24,9 @@ from tests.helpers import tolerance
 from train.data import tasks
 from train.program import steps
 
-B, T, N, H = 2, 40, 4, 16  # T: no multiple of any tile.
+B, T, N, H = 2, 40, 4, 16  # T: no multiple of any tile, inside one.
+# Across tiles: three of the GPU kernel's 64, two of the TPU's 128.
+LONG = 150
 SCALE = 0.25
 KERNELS = {'gpu': flex_gpu.attention, 'tpu': flex_tpu.attention}
 
@@ -97,34 +100,43 @@ def data_of(name, rng):
 
 # --- the rows ---
 
-IDS = np.repeat(np.array([[1, 2, 0], [3, 3, 4]]), [15, 20, 5], axis=1)
-PACKED_POSITIONS = np.concatenate([np.arange(15), np.arange(20),
-                                   np.arange(5)])[None].repeat(B, 0)
-# Example 0 keeps a third of its keys from 7 on (causal queries before see
-# none), example 1 none.
-VALID = np.stack([(np.arange(T) >= 7)
-                  & (np.random.default_rng(3).random(T) < 0.3),
-                  np.zeros(T, bool)])
+def packed(length):
+  """(ids, positions) [B, length] of packed rows: runs of 3/8, 1/2 and
+  1/8 of the row, ids 1, 2, 0 in example 0 and 3, 3, 4 in example 1."""
+  runs = [3 * length // 8, length // 2]
+  runs.append(length - sum(runs))
+  return (np.repeat(np.array([[1, 2, 0], [3, 3, 4]]), runs, axis=1),
+          np.concatenate([np.arange(n) for n in runs])[None].repeat(B, 0))
 
 
-def rows_of(rows):
+def valid_keys(length):
+  """[B, length] bool: example 0 keeps a third of its keys from 7 on
+  (causal queries before see none), example 1 none."""
+  return np.stack([(np.arange(length) >= 7)
+                   & (np.random.default_rng(3).random(length) < 0.3),
+                   np.zeros(length, bool)])
+
+
+def rows_of(rows, length=T):
   """(kernel keyword arguments, positions [B, T], allowed [B, 1, T, T])."""
   if rows == 'packed':
-    return (dict(q_ids_BxT=jnp.asarray(IDS)), PACKED_POSITIONS,
-            (IDS[:, :, None] == IDS[:, None, :])[:, None])
-  plain = np.broadcast_to(np.arange(T), (B, T))
+    ids, positions_BxT = packed(length)
+    return (dict(q_ids_BxT=jnp.asarray(ids)), positions_BxT,
+            (ids[:, :, None] == ids[:, None, :])[:, None])
+  plain = np.broadcast_to(np.arange(length), (B, length))
   if rows == 'padded':
-    return (dict(q_ids_BxT=jnp.zeros((B, T), jnp.int32),
-                 kv_ids_BxT=jnp.asarray(np.where(VALID, 0, 1))), plain,
-            np.broadcast_to(VALID[:, None, None, :], (B, 1, T, T)))
-  return {}, plain, np.ones((B, 1, T, T), bool)
+    valid = valid_keys(length)
+    return (dict(q_ids_BxT=jnp.zeros((B, length), jnp.int32),
+                 kv_ids_BxT=jnp.asarray(np.where(valid, 0, 1))), plain,
+            np.broadcast_to(valid[:, None, None, :], (B, 1, length, length)))
+  return {}, plain, np.ones((B, 1, length, length), bool)
 
 
-def allowed_pairs(pattern, is_causal, rows):
+def allowed_pairs(pattern, is_causal, rows, length=T):
   """[B, 1, T, T] bool: the pairs the rows, the pattern and causality
   allow, written out."""
-  _, _, allowed = rows_of(rows)
-  i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+  _, _, allowed = rows_of(rows, length)
+  i, j = np.arange(length)[:, None], np.arange(length)[None, :]
   if pattern is not None:
     allowed = allowed & pattern.allowed(i, j)
   return allowed & (j <= i) if is_causal else allowed
@@ -132,8 +144,9 @@ def allowed_pairs(pattern, is_causal, rows):
 
 def reference(q, k, v, data, *, score, pattern, is_causal, rows, logit_cap):
   """float64 dense attention [B, T, N, H] under the case."""
-  _, positions_BxT, _ = rows_of(rows)
-  allowed = allowed_pairs(pattern, is_causal, rows)
+  length = q.shape[1]
+  _, positions_BxT, _ = rows_of(rows, length)
+  allowed = allowed_pairs(pattern, is_causal, rows, length)
   group = N // k.shape[2]
   k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
   s = jnp.einsum('btnh,bsnh->bnts', q, k) * SCALE
@@ -159,47 +172,50 @@ def loss_and_grads(fn, q, k, v, data):
 RANDOM_BLOCKS = tuple(map(tuple, sparse.bigbird_random_blocks(
     3, 1, 1, seed=0).tolist()))
 # name: (score, logit_cap, pattern, causal, rows, key/value heads, dtype,
-# kernels).
+# length, kernels). Each score function crosses tiles in one case at least.
 CASES = {
     'alibi_causal_packed_gqa': (
-        'alibi', 0.0, None, True, 'packed', 2, jnp.float32, 'gpu tpu'),
+        'alibi', 0.0, None, True, 'packed', 2, jnp.float32, LONG,
+        'gpu tpu'),
     't5_bidirectional_padded_mqa': (
-        't5_both', 0.0, None, False, 'padded', 1, jnp.float32, 'gpu tpu'),
+        't5_both', 0.0, None, False, 'padded', 1, jnp.float32, LONG,
+        'gpu tpu'),
     't5_causal_mha_bfloat16': (
-        't5_causal', 0.0, None, True, 'plain', 4, jnp.bfloat16, 'gpu tpu'),
+        't5_causal', 0.0, None, True, 'plain', 4, jnp.bfloat16, T,
+        'gpu tpu'),
     'temperature_capped_packed_gqa': (
-        'temperature', 2.0, None, False, 'packed', 2, jnp.float32,
+        'temperature', 2.0, None, False, 'packed', 2, jnp.float32, LONG,
         'gpu tpu'),
     'alibi_local_causal_padded_mqa': (
-        'alibi', 0.0, patterns.Window(12), True, 'padded', 1, jnp.float32,
+        'alibi', 0.0, patterns.Window(12), True, 'padded', 1, jnp.float32, T,
         'gpu tpu'),
     'strided_causal_gqa': (
-        None, 0.0, patterns.Strided(8), True, 'plain', 2, jnp.float32,
+        None, 0.0, patterns.Strided(8), True, 'plain', 2, jnp.float32, T,
         'gpu tpu'),
     'capped_fixed_padded_mha': (
-        None, 3.0, patterns.Fixed(16, 3), False, 'padded', 4, jnp.float32,
+        None, 3.0, patterns.Fixed(16, 3), False, 'padded', 4, jnp.float32, T,
         'gpu tpu'),
     # BigBird's blocks of 16 are the GPU kernel's tiles; a TPU's are 128.
     'bigbird_causal_packed_gqa': (
         None, 0.0, patterns.BigBird(16, 1, RANDOM_BLOCKS), True, 'packed',
-        2, jnp.float32, 'gpu'),
+        2, jnp.float32, T, 'gpu'),
     't5_dilated_causal_mha': (
-        't5_causal', 0.0, Dilated(4, 3), True, 'plain', 4, jnp.float32,
+        't5_causal', 0.0, Dilated(4, 3), True, 'plain', 4, jnp.float32, T,
         'gpu tpu'),
 }
 
 
-@pytest.mark.parametrize('kernel,name', [
-    (kernel, name) for name, case in CASES.items()
-    for kernel in case[-1].split()])
-def test_general_kernel_equals_the_float64_reference(kernel, name):
-  score, logit_cap, pattern, is_causal, rows, num_kv_heads, dtype, _ = (
-      CASES[name])
+def check_case(kernel, name):
+  """The kernel's outputs and gradients under case `name` equal the
+  float64 reference's; queries that see no key come out 0."""
+  (score, logit_cap, pattern, is_causal, rows, num_kv_heads, dtype, length,
+   _) = CASES[name]
   keys = jax.random.split(jax.random.key(len(name)), 3)
-  q = jax.random.normal(keys[0], (B, T, N, H))
-  k, v = (jax.random.normal(key, (B, T, num_kv_heads, H)) for key in keys[1:])
+  q = jax.random.normal(keys[0], (B, length, N, H), jnp.float32)
+  k, v = (jax.random.normal(key, (B, length, num_kv_heads, H), jnp.float32)
+          for key in keys[1:])
   data = data_of(score, np.random.default_rng(len(name)))
-  kwargs, positions_BxT, _ = rows_of(rows)
+  kwargs, positions_BxT, _ = rows_of(rows, length)
   attend = KERNELS[kernel]
   ours = loss_and_grads(
       lambda q, k, v, data: attend(
@@ -219,10 +235,46 @@ def test_general_kernel_equals_the_float64_reference(kernel, name):
   chex.assert_trees_all_close(
       jax.tree.map(lambda x: np.asarray(x, np.float32), ours), want,
       **(tolerance.BFLOAT16 if dtype == jnp.bfloat16 else tolerance.KERNEL))
-  if rows == 'padded':  # Queries that see no key come out 0.
-    blind = ~allowed_pairs(pattern, is_causal, rows)[:, 0].any(-1)
+  if rows == 'padded':
+    blind = ~allowed_pairs(pattern, is_causal, rows, length)[:, 0].any(-1)
     assert blind.any()
     np.testing.assert_array_equal(np.asarray(ours[0], np.float32)[blind], 0)
+
+
+@pytest.mark.parametrize('kernel,name', [
+    (kernel, name) for name, case in CASES.items()
+    for kernel in case[-1].split()])
+def test_general_kernel_equals_the_float64_reference(kernel, name):
+  check_case(kernel, name)
+
+
+def test_the_general_kernel_under_x64_equals_the_float64_reference():
+  """With jax_enable_x64 on, as float64 checks run, the TPU's kernel on
+  float32 inputs (grouped heads, whose key head is an int32 division of
+  the query head's) equals the float64 reference as it does without."""
+  with jax.enable_x64(True):
+    check_case('tpu', 'alibi_local_causal_padded_mqa')
+
+
+def test_every_fused_kernel_traces_under_x64():
+  """With jax_enable_x64 on, the backends' flash attention (Triton's;
+  splash's under grouped heads) and their general kernels (a score
+  function) trace forward and backward: no int32 program id of theirs
+  meets an int64 divisor."""
+  ids, positions_BxT = packed(T)
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
+  k = jax.ShapeDtypeStruct((B, T, 2, H), jnp.float32)
+  data = data_of('alibi', np.random.default_rng(0))
+  with jax.enable_x64(True):
+    for kernel in ('pallas_gpu', 'pallas_tpu'):
+      for score in (None, 'alibi'):
+        grads = jax.eval_shape(lambda q, k, v, data: loss_and_grads(
+            lambda q, k, v, data: chunked.attend(
+                q, k, v, score_of(score, data, jnp.asarray(positions_BxT)),
+                attention.SegmentMask(jnp.asarray(ids, jnp.int32)),
+                scale=SCALE, is_causal=True, kernel=kernel),
+            q, k, v, data), q, k, k, data)
+        assert grads[1].dtype == jnp.float32, (kernel, score)
 
 
 @pytest.mark.parametrize('kernel,name', [
@@ -233,12 +285,12 @@ def test_general_kernel_lowers_for_its_accelerator(monkeypatch, kernel,
   """Exported for a GPU (Triton) or a TPU (Mosaic) from this CPU, not
   interpreted, with the gradient of the score's data: the forward, dq and
   dk/dv kernels lower to three calls."""
-  score, logit_cap, pattern, is_causal, rows, num_kv_heads, _, _ = (
-      CASES[name])
+  (score, logit_cap, pattern, is_causal, rows, num_kv_heads, _, length,
+   _) = CASES[name]
   platform, call = {'gpu': ('cuda', '__gpu$xla.gpu.triton'),
                     'tpu': ('tpu', 'tpu_custom_call')}[kernel]
   monkeypatch.setattr(jax, 'default_backend', lambda: kernel)
-  kwargs, positions_BxT, _ = rows_of(rows)
+  kwargs, positions_BxT, _ = rows_of(rows, length)
   data = data_of(score, np.random.default_rng(0))
 
   def loss(q, k, v, data):
@@ -248,7 +300,8 @@ def test_general_kernel_lowers_for_its_accelerator(monkeypatch, kernel,
         logit_cap=logit_cap, **kwargs)
     return jnp.sum(out.astype(jnp.float32))
 
-  shape = lambda heads: jax.ShapeDtypeStruct((B, T, heads, H), jnp.bfloat16)
+  shape = lambda heads: jax.ShapeDtypeStruct((B, length, heads, H),
+                                             jnp.bfloat16)
   exported = jax.export.export(
       jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=[platform],
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(call)])(
@@ -342,7 +395,8 @@ def test_a_variant_registered_by_its_functions_runs_on_every_kernel(
       jax.random.split(jax.random.key(7), 3), (N, 2, 2)))
   data = data_of('temperature', np.random.default_rng(7))
   options = dict(window=4, dilation=3, is_causal=True,
-                 mask=attention.SegmentMask(jnp.asarray(IDS)), scale=SCALE)
+                 mask=attention.SegmentMask(jnp.asarray(packed(T)[0])),
+                 scale=SCALE)
   with jax.enable_x64(True):
     want = loss_and_grads(
         lambda q, k, v, data: reference(
@@ -399,7 +453,8 @@ def test_a_pattern_that_cannot_find_blind_queries_leaves_splash_under_padding():
   q, k, v = (jax.random.normal(key, (B, T, N, H))
              for key in jax.random.split(jax.random.key(5), 3))
   pattern = Dilated(4, 3)
-  ours = chunked.attend(q, k, v, None, jnp.asarray(VALID)[:, None, None],
+  ours = chunked.attend(q, k, v, None,
+                        jnp.asarray(valid_keys(T))[:, None, None],
                         scale=SCALE, is_causal=False, kernel='pallas_tpu',
                         pattern=pattern)
   chex.assert_trees_all_close(ours, attention.scaled_dot_product_attention(

@@ -438,11 +438,12 @@ KERNEL_CASES = {
 
 
 def log_hedgehog_features(x, feature_map):
-  """log phi(x) = log softmax(x W) of hedgehog, each of x's heads read
-  through the map of its key/value head (x: queries or keys)."""
+  """log phi(x) = log softmax([x W, -x W]) of hedgehog, each of x's heads
+  read through the map of its key/value head (x: queries or keys)."""
   weights = jnp.repeat(feature_map, x.shape[2] // feature_map.shape[0], 0)
-  return jax.nn.log_softmax(jnp.einsum(
-      'bthd,hdf->bthf', x.astype(jnp.float32), weights), axis=-1)
+  projected = jnp.einsum('bthd,hdf->bthf', x.astype(jnp.float32), weights)
+  return jax.nn.log_softmax(jnp.concatenate([projected, -projected], -1),
+                            axis=-1)
 
 
 @pytest.mark.parametrize('case', KERNEL_CASES)
@@ -494,9 +495,59 @@ def test_parallel_chunk_kernel_attention_equals_the_quadratic_form(case):
                               atol=10 * error, rtol=10 * error)
 
 
+def _softmax64(z):
+  e = np.exp(z - z.max(axis=-1, keepdims=True))
+  return e / e.sum(axis=-1, keepdims=True)
+
+
+# Hedgehog's maps of the projections z = x W [..., F], in float64 numpy.
+HEDGEHOG_MAPS_64 = {
+    'hedgehog': lambda z: _softmax64(np.concatenate([z, -z], axis=-1)),
+    'lolcats': lambda z: np.concatenate([_softmax64(z), _softmax64(-z)],
+                                        axis=-1),
+    'one_sided': _softmax64,
+}
+
+
+@pytest.mark.parametrize('phi', [None, 'lolcats', 'one_sided'])
+def test_hedgehog_maps_equal_their_float64_formulas(phi):
+  """By default the paper's map, one softmax over [x W, -x W] (Zhang et al.
+  2024); `phi='lolcats'` a softmax over each sign (LoLCATs, Zhang et al.
+  2025); `phi='one_sided'` softmax(x W). Causal, grouped heads, a padded
+  example: sum_j phi(q_i).phi(k_j) v_j / sum_j phi(q_i).phi(k_j) over the
+  keys j <= i that are kept, written out in float64."""
+  q, k, v = make_qkv(25)
+  feature_map = jax.random.normal(jax.random.key(26), (2, H, 6))
+  keep = padding()
+  ours = jax.jit(functools.partial(
+      kernel.hedgehog_attention, mask=keep, is_causal=True, chunk_size=4,
+      **({} if phi is None else {'phi': phi})))(
+          q, k, v, feature_map=feature_map)
+  group = N // 2
+  q, k, v, w = (np.asarray(x, np.float64) for x in (q, k, v, feature_map))
+  k, v, w = (np.repeat(x, group, axis) for x, axis in ((k, 2), (v, 2),
+                                                        (w, 0)))
+  features = HEDGEHOG_MAPS_64[phi or 'hedgehog']
+  phi_q, phi_k = (features(np.einsum('bthd,hdf->bthf', x, w)) for x in (q, k))
+  allowed = np.tril(np.ones((T, T), bool)) & np.asarray(keep)  # [B, 1, T, S]
+  weights = np.einsum('bthf,bshf->bhts', phi_q, phi_k) * allowed
+  want = np.einsum('bhts,bshd->bthd', weights / weights.sum(-1, keepdims=True),
+                   v)
+  chex.assert_trees_all_close(np.asarray(ours, np.float64), want,
+                              **tolerance.FLOAT32)
+
+
+def test_hedgehog_refuses_a_map_it_does_not_know():
+  q, k, v = make_qkv(27)
+  with pytest.raises(ValueError, match="phi='two_sided' must be one of "
+                     "'hedgehog', 'lolcats', 'one_sided'"):
+    kernel.hedgehog_attention(q, k, v, feature_map=jnp.ones((2, H, 4)),
+                              phi='two_sided')
+
+
 def test_hedgehog_starts_as_softmax_features_and_learns_its_map():
   """Its parameter starts as the identity on the first min(H, F) features
-  of each key/value head (phi(x) = softmax(x) where F = H), and the
+  of each key/value head (phi(x) = softmax([x, -x]) where F = H), and the
   output's gradient reaches it."""
   class Layer(nn.Module):
     @nn.compact
