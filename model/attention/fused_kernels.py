@@ -257,7 +257,11 @@ def _without_x64(fn):
   """fn(*arrays), traced forward and backward with x64 off: JAX's own
   kernels (Triton flash attention, splash under grouped heads) divide
   int32 program ids by Python ints, which x64 makes int64, and lax.div
-  refuses the mix."""
+  refuses the mix. Without x64, `fn` as it is (the path the devices run).
+  """
+  if not jax.config.jax_enable_x64:
+    return fn
+
   @jax.custom_vjp
   def call(*args):
     with jax.enable_x64(False):
