@@ -31,7 +31,7 @@ to a tenth); dropout is 0.
 
 from configs import default
 from train.base import storage
-from train.run import init_from
+from train.run import init_from, portable
 from train.run import workdir
 
 # What both are: plain pre-norm decoders with dense attention and its
@@ -96,6 +96,8 @@ def _from_run(location: str):
         f"{run}/config.json is not a training run's (a Hugging Face "
         'directory is imported first: python -m '
         'experiments.import_checkpoint).')
+  # Before the defaults, which hold every registered variant's options.
+  recorded = portable.readable(run, recorded)
   config = default.get_config()
   config.update_from_flattened_dict({
       key: _tuples(value) for key, value in recorded.items()})

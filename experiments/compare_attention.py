@@ -42,14 +42,12 @@ import matplotlib
 import ml_collections
 from ml_collections import config_flags
 
-from configs import default
 from experiments import common
 from model import attention
 from train import cli
 from train.base.errors import InputError
 from train.config import validation as config_validation
 from train.data import datasets
-from train.run import metrics
 from train.run.program import Program
 from train.run.trainer import train_and_evaluate
 
@@ -66,7 +64,7 @@ def variant_config(base: ml_collections.ConfigDict, name: str,
   config = copy.deepcopy(base)
   config.unlock()
   config.model.attention = name
-  config.model.attention_options = default.attention_options()
+  cli.drop_attention_options(config, keep=lambda key, value: False)
   for option, value in options.get(name, {}).items():
     try:
       config.model.attention_options[option] = value
@@ -195,7 +193,9 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
     common.check_variant('--variants', name)
   common.check_options(options)
   common.check_among('--options', options, variants)
-  preset = metrics.flat_hparams(base.model.attention_options.to_dict())
+  # The config's own attention's options, which each variant leaves out.
+  preset = cli.drop_attention_options(copy.deepcopy(base),
+                                      keep=lambda key, value: False)
   unpacked = (datasets.task_of(base.dataset).packs and base.pack_sequences
               and any(attention.spec(name).masks != 'any'
                       for name in variants))
@@ -215,7 +215,7 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
         f'--variants: {", ".join(skipped)} cannot run this config '
         f'({reasons}); leave {"it" if len(skipped) == 1 else "them"} out, '
         'or give --skip_unrunnable to compare the others.')
-  if preset:  # The config's own attention's: variant_config left them.
+  if preset:
     print(f'config.model.attention_options ({preset}) belong to '
           f'config.model.attention={base.model.attention!r}, which each '
           'variant replaces: left out; a variant takes its options from '

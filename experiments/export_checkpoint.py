@@ -64,21 +64,6 @@ def check_expressible(config: ml_collections.ConfigDict, model: ModelConfig,
         "format's).")
 
 
-def _tokenizer_files(tokenizer: str | None) -> dict:
-  """{name in the export: file} of the run's tokenizer.json (config.tokenizer)
-  and the tokenizer_config.json beside it, where there is one; InputError
-  where config.tokenizer names a file that is gone."""
-  if tokenizer is None:
-    return {}
-  path = storage.path(tokenizers.hf_tokenizer_file(tokenizer))
-  if not path.exists():
-    raise InputError(f'config.tokenizer={tokenizer!r}: the run\'s '
-                     f'tokenizer ({path}) is gone.')
-  beside = path.parent / tokenizers.HF_CONFIG
-  return {tokenizers.HF_TOKENIZER: path} | (
-      {tokenizers.HF_CONFIG: beside} if beside.exists() else {})
-
-
 def export_checkpoint(workdir: str, format_name: str, target: str,
                       step: int | None = None) -> str:
   """Writes `target` from the run in `workdir` (see the module docstring);
@@ -90,9 +75,13 @@ def export_checkpoint(workdir: str, format_name: str, target: str,
                                  or os.listdir(target)):
     raise InputError(f'--to={target} exists and is not an empty directory.')
   config = trained_run.load_config(workdir)
+  missing = step is not None and trained_run.no_checkpoint(workdir, step)
+  if missing:
+    raise InputError(f'--step={step}: {missing}.')
   program = Program.from_config(config, jax.devices()[:1])
   check_expressible(config, program.model_config, format_name)
-  tokenizer_files = _tokenizer_files(config.tokenizer)
+  tokenizer_files = ({} if config.tokenizer is None
+                     else tokenizers.hf_files(config.tokenizer))
   step, params = trained_run.restore_params(
       workdir, program.abstract_state.params, step)
   params = layer_stack.unstacked(jax.device_get(params))

@@ -12,9 +12,11 @@ its parameters, each shape checked. The config is --config (default: the
 format's preset in configs/published.py) with the preset's architecture
 and those sizes set over it, so --config chooses the rest (dataset, dtype,
 batch) and not the model (a --config.model override of a key it sets is
-refused); the workdir, which must not hold a run, gets its config.json
-and a verified checkpoint of step 0 holding the parameters alone (a run
-that resumes it makes the optimizer's state, fresh at step 0). Then
+refused); the workdir, which must not hold a run (an import cut short
+while it wrote its checkpoint is completed by the same command), gets its
+config.json and a verified checkpoint of step 0 holding the parameters
+alone (a run that resumes it makes the optimizer's state, fresh at step
+0). Then
 
   python -m train.generate --workdir=workdirs/gpt2 --prompt="def "
   python -m train.train --config=configs/published.py:from=workdirs/gpt2 \
@@ -23,7 +25,7 @@ that resumes it makes the optimizer's state, fresh at step 0). Then
 sample from it and fine-tune it (with any compatible change: see
 config.init_from). Where the directory holds the model's tokenizer.json
 (and tokenizer_config.json), they are copied into the workdir and the run's
-config.tokenizer names it: the text dataset (python_stdlib_bytes,
+config.tokenizer names the copy: the text dataset (python_stdlib_bytes,
 text_files) is read in the model's own tokens, and train.generate's
 --prompt too. Without one, the model reads the dataset's token ids
 (python_stdlib_bytes: bytes, ids 2-257), as the command says; either way
@@ -35,7 +37,6 @@ line naming it, exit status 2.
 """
 
 from collections.abc import Collection, Iterable
-import dataclasses
 import os
 
 from absl import flags
@@ -128,13 +129,28 @@ def with_architecture(config: ml_collections.ConfigDict, format_name: str,
 def _check_new(workdir: str) -> None:
   """InputError where `workdir` holds a run: an import writes step 0 of a
   new one, and a run's own checkpoint would be kept (orbax does not write
-  a step twice) under the import's checksums."""
+  a step twice) under the import's checksums. An import cut short while
+  it wrote its checkpoint holds none: the same import completes it."""
   held = workdir_lib.run_record(workdir)
-  if held:
+  if held and not (held == ['checkpoints'] and _cut_short(workdir)):
     raise InputError(
         f'--workdir={workdir} already holds a run ({", ".join(held)}): an '
         'import writes a new one; give a new --workdir, or delete this one '
         'first.')
+
+
+def _cut_short(workdir: str) -> bool:
+  """Whether the checkpoints of `workdir` are a start's save that did not
+  complete: of step 0 alone, and none complete (a start's resume deletes
+  what it left)."""
+  steps = {path.name.split('.')[0] for path in
+           (storage.path(workdir) / 'checkpoints').iterdir()}
+  checkpointer = checkpointing.Checkpointer(workdir, keep=1, read_only=True)
+  try:
+    return (checkpointer.latest_step() is None
+            and {step for step in steps if step.isdigit()} == {'0'})
+  finally:
+    checkpointer.close()
 
 
 def write_start(config: ml_collections.ConfigDict, program: Program,
@@ -166,12 +182,10 @@ def import_checkpoint(source: str, format_name: str, workdir: str,
   source = os.path.expanduser(source)
   _check_new(workdir)
   config, keys = import_config(source, format_name, config, overrides)
-  tokenizer_files = [
-      name for name in (tokenizers.HF_TOKENIZER, tokenizers.HF_CONFIG)
-      if os.path.isfile(os.path.join(source, name))]
-  own_tokenizer = tokenizers.HF_TOKENIZER in tokenizer_files
+  own_tokenizer = os.path.isfile(os.path.join(source,
+                                              tokenizers.HF_TOKENIZER))
   if own_tokenizer:  # The run reads text as the model was trained to.
-    config.tokenizer = storage.resolve(workdir)
+    config.tokenizer = source
   else:
     print(f'--from={source} has no {tokenizers.HF_TOKENIZER}: the model '
           f'reads the token ids of config.dataset={config.dataset!r}.',
@@ -188,22 +202,16 @@ def import_checkpoint(source: str, format_name: str, workdir: str,
           np.asarray(array, dtypes.get(path, array.dtype)),
           program.mesh.devices.flat[0])), abstract)
   _check_tree(params, abstract, source)
-  # The dataset's token ids (its tokenizer's, read where it is until the
-  # workdir holds it) must fit the vocabulary.
-  reading = (dataclasses.replace(checked, tokenizer=source) if own_tokenizer
-             else checked)
-  dataset = datasets.load(reading, workdir)
+  # The dataset's token ids (its tokenizer's) must fit the vocabulary.
+  dataset = datasets.load(checked, workdir)
   config_validation.check_dataset_fits(
-      reading, dataset, vocabulary=f'--from={source}: its vocab_size')
-  # First: the config written next names them.
-  for name in tokenizer_files:
-    storage.write_whole(storage.path(workdir) / name,
-                        storage.path(source).joinpath(name).read_bytes())
+      checked, dataset, vocabulary=f'--from={source}: its vocab_size')
+  # The workdir's claim copies the tokenizer's files in.
   write_start(config, program, dataset,
               jax.device_put(params, program.state_sharding.params), workdir)
   return (f'Imported {program.num_params:,} parameters from {source} '
           f'({format_name}) into {workdir}: its config.json'
-          + (f', its {tokenizer_files[0]}' if own_tokenizer else '')
+          + (f', its {tokenizers.HF_TOKENIZER}' if own_tokenizer else '')
           + ' and the checkpoint of step 0.')
 
 

@@ -267,6 +267,9 @@ def transplant(source: str, variants: list[str], workdir: str, *,
       ('train', train, train in TRAINED, f'one of {list(TRAINED)}')):
     if not ok:
       raise InputError(f'--{name}={value!r} must be {must}.')
+  problem = init_from.source_problem(source, f'--from={source}')
+  if problem:
+    raise InputError(problem)
   for name in variants:
     common.check_variant('--variants', name)
   common.check_options(options)

@@ -47,10 +47,11 @@ def _set_options(options: Mapping[str, Any]) -> dict[str, Any]:
   return kept
 
 
-def _values(value: Any) -> tuple | None:
+def occurrence_values(value: Any) -> tuple | None:
   """The values of an option given one per occurrence of its attention in
   the pattern: a tuple or list, or a string of them separated by commas
-  (the command line's form, '1024,128'); None for a single value."""
+  (the command line's form, '1024,128'); None for a single value. So
+  are the entries of a pattern of attentions ('local,dense')."""
   if isinstance(value, (tuple, list)):
     return tuple(value)
   if isinstance(value, str) and ',' in value:
@@ -70,6 +71,31 @@ def _typed(value: Any, kind: type | None) -> Any:
       isinstance(value, bool) and kind is not bool):
     raise ValueError(value)
   return value
+
+
+def resolved(name: str, *, dropout: bool) -> str:
+  """The attention `name` stands for: 'auto' the fastest exact one (with
+  attention `dropout` or without), any other itself."""
+  return attention.fastest_exact(dropout=dropout) if name == 'auto' else name
+
+
+def option_fits(pattern: Any, key: str, value: Any, *,
+                dropout: bool = False) -> bool:
+  """Whether `value` set for the attention option `key` (`window`, or
+  `local.window` under an attention's name) is one that
+  config.model.attention=`pattern` reads: under the name of an entry,
+  one value or one per occurrence of it; flat, an option of the one
+  attention (`auto` resolved as `resolved` does)."""
+  names = occurrence_values(pattern) or (pattern,)
+  name, _, option = key.rpartition('.')
+  if not name and len(names) == 1:
+    one = resolved(names[0], dropout=dropout)
+    if one in attention.names() and option in variant_options.option_names(
+        one):
+      name = names[0]
+  values = occurrence_values(value)
+  count = names.count(name)
+  return count > 0 and (values is None or len(values) == count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +185,7 @@ class ModelConfig:
   # self-attention in each layer of a stack after its first attends with
   # a * v + b * v_first, v_first the first layer's values and a, b learned
   # per layer (both 0.5 at first). Transformer families with attention
-  # projections only.
+  # projections only; a stack of one layer has nothing to mix.
   value_residual: bool = False
   # Value embeddings (the modded-nanogpt records): this many extra token
   # embedding tables of the values' width (num_kv_heads x head_dim); table
@@ -344,9 +370,6 @@ class ModelConfig:
       if not isinstance(getattr(self, name), bool):
         fail(f'config.model.{name}={getattr(self, name)!r} must be True or '
              'False.')
-    if self.value_residual and self.num_layers < 2:
-      fail('config.model.value_residual mixes the first layer\'s values into '
-           f'later ones; config.model.num_layers={self.num_layers} has none.')
     tables = self.value_embeddings
     if (isinstance(tables, bool) or not isinstance(tables, int)
         or not 0 <= 2 * tables <= self.num_layers):
@@ -507,7 +530,7 @@ class ModelConfig:
     for option, value in options.items():
       key = ('config.model.attention_options.' + (f'{name}.' if keyed else '')
              + option)
-      values = _values(value)
+      values = occurrence_values(value)
       if values is None:
         values = (value,) * count
       elif len(values) != count:
@@ -545,11 +568,9 @@ class ModelConfig:
     object.__setattr__(self, 'attention', tuple(resolved))
 
   def _resolved(self, name: str) -> str:
-    """The attention `name` stands for: 'auto' the fastest exact one for
-    this config's attention dropout, any other itself."""
-    if name != 'auto':
-      return name
-    return attention.fastest_exact(dropout=self.attention_dropout_rate > 0)
+    """The attention `name` stands for, for this config's attention
+    dropout."""
+    return resolved(name, dropout=self.attention_dropout_rate > 0)
 
   def _check_attention(self, fail) -> None:
     """The one attention: a registered name (`auto` resolved) and its
@@ -593,8 +614,9 @@ class ModelConfig:
   @property
   def scan_start(self) -> int:
     """Blocks run one by one before the scanned groups: value_residual's
-    first, whose values the others mix with."""
-    return 1 if self.value_residual else 0
+    first, whose values the others mix with (one layer alone mixes
+    none)."""
+    return 1 if self.value_residual and self.num_layers > 1 else 0
 
   def value_embedding_table(self, layer: int) -> int | None:
     """The value embedding table (config.value_embeddings) whose rows

@@ -11,12 +11,15 @@ exit statuses.
   130  interrupted (Ctrl-C) without a traceback, where the command does not
      stop on it by itself (the trainer saves and exits with 0)
 Each error is one line on stderr, `error: ...`, naming what to fix and,
-where one exists, the nearest valid name.
+where one exists, the nearest valid name. What the command line sets wins
+over what its config file set, attention options included: those the
+file set for an attention the command line replaced are left out, with a
+line that says so.
 
 A command defines its flags, then hands its `main` to `run`.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 import glob
 import os
 import re
@@ -41,6 +44,10 @@ def fail(message: str, status: int = 2, *, at_once: bool = False
   store that does not answer would wait on it for minutes)."""
   for line in message.splitlines() or ['']:
     print(f'error: {line}', file=sys.stderr)
+  _exit(status, at_once=at_once)
+
+
+def _exit(status: int, *, at_once: bool) -> NoReturn:
   if at_once:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -166,8 +173,66 @@ def _config_file_error(argv: list[str], name: str, error: Exception) -> str:
   return f'--{name}={given}: no such file{did_you_mean(path, files)}'
 
 
+def drop_attention_options(config, keep: Callable[[str, Any], bool]) -> str:
+  """Unsets each option that config.model.attention_options sets
+  (`window`, or `local.window` under an attention's name) and
+  `keep(key, value)` does not keep; says which, `key=value, ...` ('' for
+  none)."""
+  options = config.model.get('attention_options')
+  if not hasattr(options, 'items'):  # Not a group of keys to unset.
+    return ''
+  groups = [('', options)] + [(f'{name}.', group)
+                              for name, group in options.items()
+                              if hasattr(group, 'items')]
+  dropped = []
+  for prefix, group in groups:
+    for option, value in list(group.items()):
+      if value is not None and not hasattr(value, 'items') and not keep(
+          prefix + option, value):
+        group[option] = None
+        dropped.append(f'{prefix}{option}={value!r}')
+  return ', '.join(dropped)
+
+
+def _command_line_wins(config, typed: Collection[str], shown: str) -> None:
+  """`config`'s attention options as the command line says over its file:
+  `typed`, the dotted keys it set. A flat option typed replaces the
+  file's under an attention's name, one typed under a name the file's
+  flat one; where it typed model.attention, the file's options that the
+  new pattern does not read (model.config.option_fits) are left out, in
+  a line that names the keys as typed (`shown`: `--config.`)."""
+  if 'attention_options' not in config.get('model', {}):
+    return
+  # Here, not at the top: a command without a model's config (launch)
+  # starts without JAX.
+  from model.config import option_fits  # pylint: disable=import-outside-toplevel
+  group = 'model.attention_options.'
+  options = {key.removeprefix(group) for key in typed
+             if key.startswith(group)}
+  flat = {key for key in options if '.' not in key}
+  named = {key.rpartition('.')[2] for key in options if '.' in key}
+
+  def not_replaced(key: str, value: Any) -> bool:
+    name, _, option = key.rpartition('.')
+    return key in options or option not in (flat if name else named)
+
+  drop_attention_options(config, not_replaced)
+  if 'model.attention' not in typed:
+    return
+  model = config.model
+  left_out = drop_attention_options(config, lambda key, value: (
+      key in options or option_fits(
+          model.attention, key, value,
+          dropout=bool(model.get('attention_dropout_rate')))))
+  if left_out:
+    print(f'config.model.attention_options ({left_out}) left out: the '
+          f'config file set these for the attention that {shown}model.'
+          f'attention={model.attention!r} replaced.', flush=True)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, config files loaded; each mistake is one line
+  """absl's flag parsing, config files loaded and the command line's
+  keys winning over theirs (_command_line_wins); each mistake is one line
   and exit status 2."""
   try:
     rest = flags.FLAGS(argv)
@@ -176,19 +241,23 @@ def parse_flags(argv: list[str]) -> list[str]:
   except (AttributeError, KeyError) as error:
     fail(_override_error(argv, error))
   for name in _config_flags():
+    flag = flags.FLAGS[name]
     try:  # ml_collections defers a file's failure to the first access.
-      flags.FLAGS[name].value.keys()
+      flag.value.keys()
     except OSError as error:
       fail(_config_file_error(argv, name, error))
+    _command_line_wins(flag.value, config_flags.get_override_values(flag),
+                       f'--{name}.')
   return rest
 
 
 def load_config(config_arg: str, overrides: dict[str, Any], *,
                 typed: str = '--config.'):
   """The config that `python -m train.train --config=CONFIG_ARG
-  --config.KEY=VALUE ...` trains, read the way that command reads it;
-  InputError naming the file, or the override as it was typed:
-  `{typed}KEY=VALUE` (a sweep's `--set=KEY=VALUE`)."""
+  --config.KEY=VALUE ...` trains, read the way that command reads it (the
+  line of _command_line_wins printed); InputError naming the file, or the
+  override as it was typed: `{typed}KEY=VALUE` (a sweep's
+  `--set=KEY=VALUE`)."""
   argv = ['train', f'--config={config_arg}',
           *(f'--config.{key}={value}' for key, value in overrides.items())]
   values = flags.FlagValues()
@@ -205,6 +274,7 @@ def load_config(config_arg: str, overrides: dict[str, Any], *,
   except OSError as error:
     message = _config_file_error(argv, 'config', error)
   else:
+    _command_line_wins(values.config, overrides, typed)
     return values.config
   raise InputError(message.replace('--config.', typed))
 
@@ -233,8 +303,8 @@ def outcome(work: Callable[[], Any]) -> Any:
     fail(str(error), status=1, at_once=True)
   except TrainingError as error:
     fail(str(error), status=1)
-  except Stopped:
-    sys.exit(0)
+  except Stopped as stopped:
+    _exit(0, at_once=stopped.at_once)
   except KeyboardInterrupt:  # A command with no handler of its own.
     print('Interrupted.', file=sys.stderr)
     sys.exit(130)

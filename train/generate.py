@@ -7,6 +7,13 @@ r"""Command line: text from a trained language model.
 Loads the run's latest checkpoint; reads the prompt in one call, then
 generates up to --max_new_tokens tokens with a key/value cache, stopping a
 sample at the end of a document. Prints each sample, prompt included.
+
+The prompt is encoded as the run's tokenizer makes one: bytes and
+SentencePiece put the document boundary (the id every document starts
+with) before it; an imported tokenizer.json encodes it as its own
+post-processor does, as transformers does (Llama's adds its BOS, GPT-2's
+nothing): begin the text with the boundary token (GPT-2's <|endoftext|>)
+to start a document there.
 """
 
 from absl import flags
@@ -41,7 +48,8 @@ def generate(workdir: str, prompt: str, *, max_new_tokens: int,
       rng=jax.random.key(seed), num_samples=num_samples,
       max_positions=SCHEMES[run.model_config.position].max_positions(
           run.model_config),
-      temperature=temperature, top_k=top_k, top_p=top_p)
+      prompt_key='--prompt', temperature=temperature, top_k=top_k,
+      top_p=top_p)
 
 
 def main(argv: list[str]) -> None:
@@ -55,7 +63,12 @@ def main(argv: list[str]) -> None:
 
 if __name__ == '__main__':
   flags.DEFINE_string('workdir', None, 'A language model\'s training workdir.')
-  flags.DEFINE_string('prompt', '', 'Text to continue.')
+  flags.DEFINE_string('prompt', '', 'Text to continue, encoded as the '
+                      'run\'s tokenizer makes a prompt: after the document '
+                      'boundary for bytes and SentencePiece, as its own '
+                      'post-processor does for an imported tokenizer.json '
+                      '(Llama\'s adds its BOS, GPT-2\'s nothing: begin the '
+                      'text with <|endoftext|> to start a document).')
   flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to generate at most.')
   flags.DEFINE_float('temperature', 0.8, 'Softmax temperature; 0 is greedy. '
                      'Applied first, before --top_k and --top_p.')

@@ -12,6 +12,8 @@ an input it cannot honour.
 
 from collections.abc import Callable
 import dataclasses
+import inspect
+import os
 from typing import Any
 
 import jax
@@ -113,6 +115,11 @@ _REGISTRY: dict[str, Variant] = {
 }
 
 
+# The variants `register` added, by name: the file whose code called it
+# (None: code in no file, an interpreter's).
+_ADDED: dict[str, str | None] = {}
+
+
 def register(name: str, variant: Variant) -> None:
   """Adds `variant` under a new `name` (e.g. one of flex_variant.variant,
   a variant given by its score function and pattern): configs, models and
@@ -120,6 +127,15 @@ def register(name: str, variant: Variant) -> None:
   if name in _REGISTRY or name == 'auto':
     raise ValueError(f'attention {name!r} is registered already.')
   _REGISTRY[name] = variant
+  # The caller's file: a run records it, and a reader runs it again.
+  caller = inspect.currentframe().f_back.f_globals.get('__file__')
+  _ADDED[name] = os.path.abspath(caller) if caller else None
+
+
+def added() -> dict[str, str | None]:
+  """{name: the file that registered it (None: no file)} of the variants
+  added by `register`, not built in."""
+  return dict(_ADDED)
 
 
 def names() -> list[str]:
@@ -156,8 +172,7 @@ def get(name: str) -> Callable[..., Array]:
   return spec(name).fn
 
 
-__all__ = ['PositionBias', 'SegmentMask', 'Variant', 'attention_weights',
-           'causal_attention', 'causal_mask', 'cross_attention',
-           'fastest_exact', 'get', 'lookup', 'names', 'register',
-           'scaled_dot_product_attention',
-           'spec']
+__all__ = ['PositionBias', 'SegmentMask', 'Variant', 'added',
+           'attention_weights', 'causal_attention', 'causal_mask',
+           'cross_attention', 'fastest_exact', 'get', 'lookup', 'names',
+           'register', 'scaled_dot_product_attention', 'spec']

@@ -110,7 +110,7 @@ def test_the_configs_own_attention_options_are_left_out_and_said(
   dense, = compare_attention.compare(config, ['dense'], workdir,
                                      lengths=[32, 16], timing_steps=1)
   assert dense == rows[0]
-  assert ("config.model.attention_options ({'local.window': '(8, 4)'}) "
+  assert ('config.model.attention_options (local.window=(8, 4)) '
           "belong to config.model.attention='local,local', which each "
           'variant replaces: left out') in capsys.readouterr().out
 

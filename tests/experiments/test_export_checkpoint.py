@@ -59,8 +59,8 @@ def test_a_run_sharded_on_eight_devices_exports_its_checkpoint_by_step(
   """A bfloat16 Llama with biases and chunked attention (dense's function)
   saved by FSDP over 8 devices: step 0 exports and imports back bit for
   bit, its attention as dense; step 1, whose readout bias (which Llama's
-  lm_head lacks) is not zero, is refused by that parameter, nothing
-  written."""
+  lm_head lacks) is not zero, is refused by that parameter, and a step
+  the run lacks by --step, naming those it has, nothing written."""
   config = tiny_runs.shrink(published.get_config('llama'), data_dir,
                             seq_len=16)
   config.model.update(param_dtype='bfloat16', use_bias=True, num_kv_heads=1,
@@ -90,4 +90,9 @@ def test_a_run_sharded_on_eight_devices_exports_its_checkpoint_by_step(
       'embedder/output_projection/bias, which is not zero.')):
     export_checkpoint(str(workdir), 'hf_llama', str(tmp_path / 'one'),
                       step=1)
+  with pytest.raises(InputError, match=re.escape(
+      f'--step=99: {workdir} has no checkpoint of step 99; it has steps 0, '
+      '1.')):
+    export_checkpoint(str(workdir), 'hf_llama', str(tmp_path / 'one'),
+                      step=99)
   assert not os.path.exists(tmp_path / 'one')

@@ -92,3 +92,19 @@ def test_a_variant_that_cannot_take_the_source_is_refused_by_name(
                   r'adds a bias to the logits.*; linformer: ', message)
   assert 'local' not in message
   assert not workdir.exists()
+
+
+def test_a_source_that_is_no_run_is_refused_by_from(source, tmp_path):
+  """A workdir that is not there, and a checkpoint its run lacks: named by
+  --from, with the steps there are, before anything is written."""
+  missing = str(tmp_path / 'none')
+  for given, line in (
+      (missing, f"--from={missing} is not a training run's workdir (it has "
+                'no config.json) nor one of its checkpoints '
+                '(WORKDIR/checkpoints/STEP).'),
+      (f'{source}/checkpoints/99',
+       f'--from={source}/checkpoints/99: {source} has no checkpoint of step '
+       '99; it has step 0.')):
+    with pytest.raises(InputError, match=re.escape(line)):
+      transplant.transplant(given, ['local'], str(tmp_path / 'w'), steps=2)
+  assert not (tmp_path / 'w').exists()

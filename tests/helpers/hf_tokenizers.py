@@ -1,14 +1,16 @@
 """Tokenizers in Hugging Face's tokenizer.json format, trained here with
 the `tokenizers` package on a sample of the standard library (no network):
-one like GPT-2's (byte-level BPE, <|endoftext|> its only special token)
-and one like Llama 3's (byte-level BPE after its splitting pattern,
-<|begin_of_text|> and <|end_of_text|>, named in a tokenizer_config.json)."""
+one like GPT-2's (byte-level BPE, <|endoftext|> its only special token,
+no post-processor) and one like Llama 3's (byte-level BPE after its
+splitting pattern, <|begin_of_text|> and <|end_of_text|>, named in a
+tokenizer_config.json; its post-processor puts <|begin_of_text|> before
+a text encoded with special tokens)."""
 
 import json
 import pathlib
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from tokenizers import trainers
+from tokenizers import processors, trainers
 
 from train.data import stdlib
 
@@ -50,6 +52,10 @@ def train(kind: str, directory: pathlib.Path, vocab_size: int) -> str:
   tokenizer.train_from_iterator(sample_texts(), trainers.BpeTrainer(
       vocab_size=vocab_size, special_tokens=special, show_progress=False,
       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  if kind == 'llama':
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f'{special[0]} $A', special_tokens=[
+            (special[0], tokenizer.token_to_id(special[0]))])
   directory.mkdir(parents=True, exist_ok=True)
   tokenizer.save(str(directory / 'tokenizer.json'))
   if kind == 'llama':

@@ -1,7 +1,7 @@
 """`python -m train.train`, interrupted on cue: for the reliability tests.
 
   python tests/helpers/interrupted_train.py --interrupt=HOW:STEP \
-      [train.train flags]
+      [--lease_s=SECONDS] [train.train flags]
 
 HOW is one of
   kill:  SIGKILL this process once step STEP is dispatched (with several
@@ -17,19 +17,29 @@ HOW is one of
          run ends;
   stall: SIGSTOP it where `kill` would kill it (a stall, a partition),
          for whoever waits on it to send SIGCONT;
+  partition: from its first upload of metrics.jsonl once step STEP is
+         dispatched (the one before a checkpoint of STEP, right after the
+         lease was confirmed), hold every request its gcsfs makes (its
+         files, orbax's metadata, the lock's renewals), as a network cut
+         off from the store holds them, until SIGUSR1 heals it: each then
+         goes on. One cancelled while held is never sent. Says
+         `partitioned` on stdout as it begins;
 or `none` (no interruption). The cues hook the loop's per-step call
-(StopRequest.due), the checkpointer and orbax's commit (the atomic
-rename). The lock of a workdir on an object store is leased for
-LEASE_S seconds, not a minute, so that the run after a killed one waits
-that long. Nothing else changes.
+(StopRequest.due), the checkpointer, orbax's commit (the atomic rename)
+and gcsfs's requests. The lock of a workdir on an object store is leased
+for LEASE_S seconds (or --lease_s), not a minute, so that the run after a
+killed one waits that long. Nothing else changes.
 """
 
+import asyncio
 import os
 import signal
 import sys
+import threading
 import time
 
 from absl import app
+import gcsfs
 from orbax.checkpoint._src.path import atomicity
 
 from train import cli, train
@@ -40,12 +50,34 @@ SLOWED_STEP_S = 0.2
 LEASE_S = 2.0
 
 
-def _cue(interrupt: str) -> None:
-  workdir.LEASE_S = LEASE_S
+def _partition(cut_off: threading.Event) -> None:
+  """Holds gcsfs's requests from the first upload of metrics.jsonl once
+  `cut_off` is set, until SIGUSR1."""
+  healed, holding = threading.Event(), threading.Event()
+  signal.signal(signal.SIGUSR1, lambda *_: healed.set())
+  request = gcsfs.GCSFileSystem._request
+
+  async def held(self, *args, **kwargs):
+    if (cut_off.is_set() and not holding.is_set()
+        and 'metrics.jsonl' in repr((args, kwargs))):
+      holding.set()
+      print('partitioned', flush=True)
+    while holding.is_set() and not healed.is_set():
+      await asyncio.sleep(0.05)
+    return await request(self, *args, **kwargs)
+
+  gcsfs.GCSFileSystem._request = held
+
+
+def _cue(interrupt: str, lease_s: float) -> None:
+  workdir.LEASE_S = lease_s
   if interrupt == 'none':
     return
   how, step = interrupt.split(':')
   step = int(step)
+  cut_off = threading.Event()
+  if how == 'partition':
+    _partition(cut_off)
   if how == 'save':
     finalize = atomicity.AtomicRenameTemporaryPath.finalize
 
@@ -81,6 +113,8 @@ def _cue(interrupt: str) -> None:
               else signal.SIGSTOP)
     if cued and how == 'term':
       os.kill(os.getpid(), signal.SIGTERM)
+    if cued and how == 'partition':
+      cut_off.set()
     if how == 'term' and done >= step:
       time.sleep(SLOWED_STEP_S)
     return due(self, done)
@@ -88,8 +122,15 @@ def _cue(interrupt: str) -> None:
   preemption.StopRequest.due = signalled_after
 
 
+def _flag(name: str, default: str) -> str:
+  """The value of --NAME=, taken out of the command line."""
+  for arg in sys.argv:
+    if arg.startswith(f'--{name}='):
+      sys.argv.remove(arg)
+      return arg.split('=', 1)[1]
+  return default
+
+
 if __name__ == '__main__':
-  flag = next(arg for arg in sys.argv if arg.startswith('--interrupt='))
-  sys.argv.remove(flag)
-  _cue(flag.split('=', 1)[1])
+  _cue(_flag('interrupt', 'none'), float(_flag('lease_s', str(LEASE_S))))
   app.run(train.main, flags_parser=cli.parse_flags)

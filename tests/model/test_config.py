@@ -100,6 +100,20 @@ def test_a_window_per_occurrence_reaches_each_layer():
   assert not np.allclose(alternating, same)
 
 
+@pytest.mark.parametrize('scan_layers', [False, True])
+def test_value_residual_on_one_layer_is_the_model_without_it(scan_layers):
+  """No later layer mixes the first one's values: the parameters of
+  value_residual=False, one by one or as a scanned loop (shapes only)."""
+  def parameters(value_residual):
+    config = ModelConfig(vocab_size=32, d_model=16, num_heads=2, mlp_dim=32,
+                         num_layers=1, max_len=16, scan_layers=scan_layers,
+                         value_residual=value_residual)
+    return jax.eval_shape(DecoderLM(config).init, jax.random.key(0),
+                          jnp.ones((1, 16), jnp.int32))
+
+  assert parameters(True) == parameters(False)
+
+
 def test_every_model_field_has_a_comment():
   source = inspect.getsource(config_module)
   for field in dataclasses.fields(ModelConfig):
@@ -141,8 +155,6 @@ def test_every_model_field_has_a_comment():
      'config.model.value_residual is for the Transformer families'),
     (dict(value_residual=True, attention_projections=False),
      'config.model.value_residual mixes projected values'),
-    (dict(value_residual=True, num_layers=1),
-     'config.model.num_layers=1 has none'),
     (dict(value_embeddings=3, num_layers=4),
      'config.model.value_embeddings=3 must be a whole number from 0 to '
      'config.model.num_layers / 2 = 2'),

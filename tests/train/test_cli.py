@@ -12,9 +12,11 @@ import sys
 
 import pytest
 
+from model import ModelConfig
 from tests.helpers import REPO
 from train import cli
 from train.base.errors import InputError
+from train.config import validation as config_validation
 
 LM = '--config=configs/lm_stdlib.py'
 LISTOPS = '--config=configs/listops.py'
@@ -84,6 +86,23 @@ CASES = {
                         '--config.model.attention_options.local.kernl=xla'],
         "config.model.attention_options.local has no key 'kernl'; did you "
         'mean kernel?'),
+    'train_attention_name': (
+        'train.train', [LM, '--workdir={tmp}/w',
+                        '--config.model.attention=lokal'],
+        "config.model.attention='lokal' must be one of ['auto', 'additive', "
+        "'bigbird', 'chunked', 'dense', 'fixed', 'hedgehog', 'linear', "
+        "'linformer', 'local', 'memory_compressed', 'performer', 'ring', "
+        "'strided']; did you mean local?"),
+    'train_attention_entry_name': (
+        'train.train', [LM, '--workdir={tmp}/w',
+                        '--config.model.attention=dense,lokal'],
+        "config.model.attention[1]='lokal' must be one of ['auto', "),
+    'train_position_name': (
+        'train.train', [LM, '--workdir={tmp}/w',
+                        '--config.model.position=alibii'],
+        "config.model.position='alibii' must be one of ['none', "
+        "'sinusoidal', 'learned', 'random_sinusoidal', 'relative', "
+        "'t5_bias', 'rope', 'alibi', 'deberta']; did you mean alibi?"),
     'generate_no_workdir': ('train.generate', [], '--workdir is required'),
     'generate_not_a_run': ('train.generate', ['--workdir={tmp}/none'],
                            "--workdir must be a training run's workdir"),
@@ -199,6 +218,15 @@ CASES = {
                      'unknown flag --bogus.'),
 }
 
+# What a case says on stdout before its error: make train's windows left
+# out where the command line replaced its attention.
+SAID = {
+    case: ("config.model.attention_options (local.window=(256, 64)) left "
+           'out: the config file set these for the attention that '
+           f"--config.model.attention={attention!r} replaced.\n")
+    for case, attention in (('train_attention_name', 'lokal'),
+                            ('train_attention_entry_name', 'dense,lokal'))}
+
 
 @pytest.fixture(scope='module')
 def outcomes(tmp_path_factory) -> dict[str, dict]:
@@ -235,7 +263,7 @@ def test_a_mistake_is_one_line_and_status_2(case, outcomes):
   assert not re.search(r'Error: |invalid literal|Non-boolean|could not '
                        r'convert', outcome['stderr']), outcome['stderr']
   assert outcome['status'] == 2
-  assert outcome['stdout'] == ''
+  assert outcome['stdout'] == SAID.get(case, '')
 
 
 def test_a_config_files_error_is_said_once_without_its_type(tmp_path):
@@ -271,3 +299,51 @@ def test_an_interrupted_command_says_so_with_status_130(capsys):
     cli.outcome(interrupted)
   assert stop.value.code == 130
   assert capsys.readouterr().err == 'Interrupted.\n'
+
+
+def test_an_attention_typed_leaves_out_the_files_options_for_another(
+    capsys):
+  """make train's config, its windows set for 'local,local', with chunked
+  attention: the windows left out in one line, and a config that checks
+  (its model traced on the task's batches)."""
+  config = cli.load_config('configs/lm_stdlib.py',
+                           {'model.attention': 'chunked'})
+  assert capsys.readouterr().out == (
+      'config.model.attention_options (local.window=(256, 64)) left out: '
+      'the config file set these for the attention that '
+      "--config.model.attention='chunked' replaced.\n")
+  model = config_validation.validate(config).model
+  assert (model.attention, model.attention_options) == ('chunked', ())
+
+
+def test_a_pattern_typed_leaves_out_the_files_values_per_occurrence(
+    capsys):
+  """One window for each of 'local,local', where the command line names
+  local once (--set as a sweep types it)."""
+  config = cli.load_config('configs/lm_stdlib.py',
+                           {'model.attention': 'local'}, typed='--set=')
+  assert "--set=model.attention='local' replaced." in capsys.readouterr().out
+  model = ModelConfig.from_mapping(config.model)
+  assert (model.attention, model.attention_options) == ('local', ())
+
+
+def test_a_flat_option_typed_replaces_the_files_under_the_attentions_name(
+    capsys):
+  """make train's windows, set under local's name, and one typed flat for
+  one local attention: the one typed, and nothing said."""
+  config = cli.load_config('configs/lm_stdlib.py', {
+      'model.attention': 'local', 'model.attention_options.window': 16})
+  model = ModelConfig.from_mapping(config.model)
+  assert (model.attention, model.attention_options) == (
+      'local', (('window', 16),))
+  assert capsys.readouterr().out == ''
+
+
+def test_an_option_typed_for_an_attention_not_in_the_pattern_is_refused():
+  config = cli.load_config('configs/lm_stdlib.py', {
+      'model.attention': 'chunked',
+      'model.attention_options.local.window': 16})
+  with pytest.raises(InputError, match=(
+      r"^config.model.attention_options.local names no entry of "
+      r"config.model.attention='chunked'\.$")):
+    config_validation.validate(config)

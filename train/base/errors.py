@@ -26,7 +26,10 @@ class StoreFailure(TrainingError):
 class Stopped(Exception):
   """A signal or preemption notice stopped the run after it saved a
   checkpoint; running it again resumes there. Entry points exit with
-  status 0."""
+  status 0; `at_once`, without waiting for other threads or running exit
+  handlers (as for StoreFailure)."""
+
+  at_once = False
 
 
 class Pruned(Stopped):

@@ -24,7 +24,11 @@ An object store has no free-space figure either: checkpoints check the
 space free on disks only. And it can stop answering (an outage, a
 partition) while its libraries retry for many minutes: a run waits on it
 at most ATTNLAB_STORE_TIMEOUT_S seconds at a time (`timeout_s`,
-`bounded`), then fails or goes on as its caller decides.
+`bounded`), then fails or goes on as its caller decides. Where the run
+holds the lease of a workdir (`lease`), every operation there is also
+started only while the lease is known to hold, and waited for no longer
+than it does; a request of this layer's own is then cancelled, so that
+none lands once another run may own the workdir.
 
 A path on an object store is a URL; a local one is made absolute (`~`
 expanded), so that every host and every library reads the same place.
@@ -32,6 +36,7 @@ expanded), so that every host and every library reads the same place.
 
 from collections.abc import Callable
 import functools
+import logging
 import math
 import os
 import sys
@@ -51,6 +56,9 @@ import fsspec  # noqa: E402
 # watching a lock) and other writers (tensorstore, orbax's arrays) change
 # the bucket behind gcsfs's back.
 fsspec.config.conf.setdefault('gcs', {})['use_listings_cache'] = False
+# gcsfs logs each request that failed (out of retries, or not retried)
+# with its traceback, some 50 lines: the caller says what failed, in one.
+logging.getLogger('gcsfs').setLevel(logging.CRITICAL)
 
 from train.base.errors import InputError  # noqa: E402
 
@@ -67,6 +75,12 @@ _Result = TypeVar('_Result')
 # still waits, the store is taken as not answering, and every other
 # operation on it fails at once rather than wait again.
 _unanswered: dict[str, threading.Thread] = {}
+# By workdir (a URL), how long the lease this run holds of it is known to
+# last yet, in seconds: a function that raises (LeaseLost) once it is not.
+_leases: dict[str, Callable[[], float]] = {}
+# The seconds left to the operation a thread of `bounded` runs, when a
+# lease bounds it: its requests of this layer are cancelled then.
+_operation = threading.local()
 
 
 # The object stores a run may live on, by URL scheme.
@@ -90,33 +104,76 @@ def timeout_s() -> float:
   return seconds
 
 
+def lease(workdir: str, seconds_left: Callable[[], float] | None) -> None:
+  """From now on, every operation under `workdir` (a URL) in `bounded` is
+  started only while `seconds_left()` says the lease this run holds of it
+  lasts (it raises once it does not), and waited for no longer than that:
+  a run cut off from the store past its lease writes nothing more there.
+  None: no longer (the lease is released)."""
+  if seconds_left is None:
+    _leases.pop(resolve(workdir), None)
+  else:
+    _leases[resolve(workdir)] = seconds_left
+
+
+def check_lease(location: str) -> float | None:
+  """The seconds left of the lease of the workdir `location` lies in
+  (None: no lease bounds it); what that lease raises once it has lapsed
+  or been taken over."""
+  location = resolve(location)
+  for workdir, seconds_left in list(_leases.items()):
+    if location == workdir or location.startswith(workdir + '/'):
+      return seconds_left()
+  return None
+
+
+def _cancel_after() -> float | None:
+  """The seconds a request of this layer may take: those left to the lease
+  bounding the operation it serves (None: no lease bounds it)."""
+  return getattr(_operation, 'seconds', None)
+
+
 def bounded(work: Callable[[], _Result], location: str) -> _Result:
   """work(), operations on the store of `location`: on an object store,
   waited for up to timeout_s() seconds, then TimeoutError saying so
   (`work` goes on in the background, its libraries retrying); at once
-  while an earlier operation there still waits past its time."""
+  while an earlier operation there still waits past its time. Under a
+  workdir whose lease this run holds (`lease`), started only while the
+  lease is known to hold and waited for only as long as it does (what
+  the lease raises then: `work`'s own requests of this layer are
+  cancelled as it ends)."""
   if not is_object_store(location):
     return work()
   seconds, store = timeout_s(), bucket(location)
   unanswered = TimeoutError(f'{store} did not answer within {seconds:g} s '
                             f'({TIMEOUT_VARIABLE})')
+  leased = check_lease(location)
   if store in _unanswered and _unanswered[store].is_alive():
     raise unanswered
   outcome = {}
 
   def run() -> None:
+    _operation.seconds = leased
     try:
       outcome['result'] = work()
     except BaseException as error:  # pylint: disable=broad-except
       outcome['error'] = error
 
   thread = threading.Thread(target=run, daemon=True, name='store operation')
+  deadline = time.monotonic() + seconds
   thread.start()
-  thread.join(seconds)
-  if thread.is_alive():
-    _unanswered[store] = thread
-    raise unanswered
+  while thread.is_alive():
+    # A lease renewed meanwhile waits longer; one that lapsed raises.
+    left = deadline - time.monotonic()
+    if leased is not None:
+      left = min(left, check_lease(location))
+    thread.join(max(left, 0.0))
+    if thread.is_alive() and time.monotonic() >= deadline:
+      _unanswered[store] = thread
+      raise unanswered
   if 'error' in outcome:
+    if leased is not None:  # Cancelled as the lease ended: that is said.
+      check_lease(location)
     raise outcome['error']
   return outcome['result']
 
@@ -164,15 +221,13 @@ def write_whole(file: epath.Path, data: str | bytes) -> None:
   """Writes `file` so that a reader finds the old contents or the new,
   never a part (see the module docstring); its directory is made if
   needed."""
-  mode = 'wb' if isinstance(data, bytes) else 'w'
   if is_object_store(str(file)):
-
-    def upload() -> None:
-      with file.open(mode) as f:
-        f.write(data)
-
-    bounded(upload, str(file))
+    store, name = fsspec.core.url_to_fs(str(file))
+    content = data.encode() if isinstance(data, str) else data
+    bounded(lambda: store.pipe_file(name, content, timeout=_cancel_after()),
+            str(file))
     return
+  mode = 'wb' if isinstance(data, bytes) else 'w'
   file.parent.mkdir(parents=True, exist_ok=True)
   descriptor, temporary = tempfile.mkstemp(dir=file.parent,
                                            prefix=f'.{file.name}.')
@@ -224,7 +279,8 @@ def read_versioned(file: epath.Path) -> tuple[str, str] | None:
   store, bucket_name, key = _object(file)
   try:
     headers, contents = bounded(lambda: store.call(
-        'GET', 'b/{}/o/{}', bucket_name, key, alt='media'), str(file))
+        'GET', 'b/{}/o/{}', bucket_name, key, alt='media',
+        timeout=_cancel_after()), str(file))
   except FileNotFoundError:
     return None
   return contents.decode(), headers['x-goog-generation']
@@ -241,8 +297,8 @@ def write_if(file: epath.Path, text: str, generation: str) -> str | None:
   try:
     written = bounded(lambda: store.call(
         'POST', uploads, bucket_name, uploadType='media', name=key,
-        ifGenerationMatch=generation, data=text.encode(), json_out=True),
-        str(file))
+        ifGenerationMatch=generation, data=text.encode(), json_out=True,
+        timeout=_cancel_after()), str(file))
   except FileExistsError:  # gcsfs's word for 412 Precondition Failed.
     return None
   return written['generation']
@@ -254,7 +310,8 @@ def delete_if(file: epath.Path, generation: str) -> None:
   store, bucket_name, key = _object(file)
   try:
     bounded(lambda: store.call('DELETE', 'b/{}/o/{}', bucket_name, key,
-                               ifGenerationMatch=generation), str(file))
+                               ifGenerationMatch=generation,
+                               timeout=_cancel_after()), str(file))
   except (FileExistsError, FileNotFoundError):
     pass
 

@@ -215,6 +215,8 @@ class TrainConfig:
   # A language model's text tokenized by a Hugging Face tokenizer.json (or
   # a directory holding one: an import's workdir) instead of the dataset's
   # own (bytes): python_stdlib_bytes and text_files. None: the dataset's.
+  # A run copies it into its workdir, whose config.json names the copy,
+  # relative to the workdir (train/run/portable.py).
   tokenizer: str | None = key(None, text(optional=True))
   # The fingerprint (sha256, 64 hex digits) of the corpus that this
   # config's track is measured on: a python_stdlib_bytes or text_files

@@ -19,6 +19,7 @@ import ml_collections
 from model import ModelConfig, attention, families
 from model.attention import options as variant_options
 from model.attention import fused
+from model.config import occurrence_values
 from model.positions import SCHEMES
 from train.base import hosts
 from train.base import train_config
@@ -115,6 +116,8 @@ def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
   mesh = collect(mesh_lib.make_mesh, config.parallelism, devices)
   if not problems:
     collect(layout_validation.check_splits, config, mesh, positions)
+  if not problems:  # Before tracing, which a long length makes slow.
+    collect(check_step_bound, config, task, mesh.size, positions)
   traced = None
   if not problems:
     traced = collect(layout_validation.trace_model, config, task, mesh)
@@ -123,18 +126,39 @@ def check(config: ml_collections.ConfigDict, devices=None) -> Checked:
   if not problems:
     collect(layout_validation.check_parameters, config, mesh,
             traced.param_shapes)
+  if not problems:
+    collect(check_step_bound, config, task, mesh.size, positions,
+            traced.param_shapes)
   if problems:
     raise InputError('\n'.join(problems))
   return Checked(config, task, mesh, traced.param_shapes, traced.kernels)
 
 
 def _model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+  unknown = _unknown_names(config.model)
+  if unknown:
+    raise InputError('\n'.join(unknown))
   try:
     model_config = ModelConfig.from_mapping(config.model)
     families.check(model_config)
     return model_config
   except ValueError as error:
     raise InputError(str(error)) from None
+
+
+def _unknown_names(model: ml_collections.ConfigDict) -> list[str]:
+  """Each attention and position scheme `model` names that is not
+  registered, with the nearest registered name."""
+  pattern = model.get('attention', ModelConfig.attention)
+  entries = occurrence_values(pattern)
+  keys = ([f'model.attention[{index}]' for index in range(len(entries))]
+          if entries else ['model.attention'])
+  registered = train_config.one_of(['auto'] + attention.names())
+  found = [registered(key, name)
+           for key, name in zip(keys, entries or (pattern,))]
+  found.append(train_config.one_of(list(SCHEMES))(
+      'model.position', model.get('position', ModelConfig.position)))
+  return [problem for problem in found if problem]
 
 
 def _attention_problems(config: TrainConfig, task: Task,
@@ -244,6 +268,12 @@ def warnings_of(config: TrainConfig) -> list[str]:
           f'config.{key}={value} has no effect: config.optimizer='
           f'{config.optimizer!r} does not read it ({" and ".join(readers)} '
           f'do{"es" * (len(readers) == 1)}).')
+  model = config.model
+  if model.value_residual and model.num_layers < 2:
+    found.append(
+        'config.model.value_residual=True has no effect: config.model.'
+        f'num_layers={model.num_layers} has no layer after the first to mix '
+        "the first layer's values into.")
   return found
 
 
@@ -309,10 +339,32 @@ def check_step_fits(compiled: jax.stages.Compiled,
     return
   needed = device_memory.needed_bytes(memory)
   if needed > held:
-    model = config.model
-    _fail(f'a train step needs {_size(needed)} on each device, which '
-          f'holds {_size(held)}: lower config.batch_size='
-          f'{config.batch_size} or config.seq_len={config.seq_len}, or the '
-          f'model (config.model.d_model={model.d_model}, num_layers='
-          f'{model.num_layers}, mlp_dim={model.mlp_dim}), or raise '
-          f'config.grad_accum_steps={config.grad_accum_steps}.')
+    _fail(_too_big(config, _size(needed), held))
+
+
+def check_step_bound(config: TrainConfig, task: Task, devices: int,
+                     positions: int, param_shapes=None) -> None:
+  """Before compiling (and before tracing, without `param_shapes`): what
+  a train step holds at least (device_memory.least_step_bytes, with the
+  parameters once `param_shapes` gives them) fits in what each device
+  holds; InputError with the figures and the keys that set them
+  otherwise."""
+  params = sum(leaf.size for leaf in jax.tree.leaves(param_shapes))
+  parts = device_memory.least_step_bytes(config, task, positions, devices,
+                                         params)
+  held = hosts.minimum_over_hosts(device_bytes())  # Every host alike.
+  if sum(parts.values()) > held:
+    kinds = ', '.join(f'{kind} {_size(size)}' for kind, size in parts.items())
+    _fail(_too_big(config, f'at least {_size(sum(parts.values()))}', held)
+          .removesuffix('.') + f'; counted before compiling: {kinds}.')
+
+
+def _too_big(config: TrainConfig, needed: str, held: int) -> str:
+  """The refusal of a train step that needs `needed` on each device."""
+  model = config.model
+  return (f'a train step needs {needed} on each device, which holds '
+          f'{_size(held)}: lower config.batch_size={config.batch_size} or '
+          f'config.seq_len={config.seq_len}, or the model (config.model.'
+          f'd_model={model.d_model}, num_layers={model.num_layers}, '
+          f'mlp_dim={model.mlp_dim}), or raise config.grad_accum_steps='
+          f'{config.grad_accum_steps}.')

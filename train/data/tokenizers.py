@@ -10,6 +10,7 @@ segment ids and weights say where padding is).
 
 from collections.abc import Iterable, Iterator
 import io
+from typing import Any
 
 import json
 
@@ -18,17 +19,29 @@ import sentencepiece as spm
 import tokenizers as hf_tokenizers
 
 from train.base import storage
+from train.base.errors import InputError
 
 PAD_ID = 0
 EOS_ID = 1
 
 
-class ByteTokenizer:
+class _OwnIds:
+  """A tokenizer of ours: its documents, and so a prompt, start with the
+  end-of-sequence id."""
+
+  eos_id = EOS_ID
+
+  def encode_prompt(self, text: str) -> np.ndarray:
+    """`text` as the model reads a prompt: after the id that starts a
+    document."""
+    return np.concatenate([[self.eos_id], self.encode(text)]).astype(np.int32)
+
+
+class ByteTokenizer(_OwnIds):
   """UTF-8 bytes as ids: byte b is id b + 2."""
 
   offset = 2
   vocab_size = 256 + offset
-  eos_id = EOS_ID
 
   def encode(self, text: str | bytes) -> np.ndarray:
     data = text.encode('utf-8') if isinstance(text, str) else text
@@ -41,10 +54,8 @@ class ByteTokenizer:
     return data.decode('utf-8', errors='replace')
 
 
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(_OwnIds):
   """A trained SentencePiece model (Kudo & Richardson 2018)."""
-
-  eos_id = EOS_ID
 
   def __init__(self, model_path: str):
     self._processor = spm.SentencePieceProcessor(
@@ -111,6 +122,12 @@ class HfTokenizer:
     return np.asarray(self._tokenizer.encode(
         text, add_special_tokens=False).ids, np.int32)
 
+  def encode_prompt(self, text: str) -> np.ndarray:
+    """`text` as the model's own tokenizer makes a prompt: its
+    post-processor's special tokens added (Llama's BOS; GPT-2's none),
+    and a special token's text (<|endoftext|>) read as that token."""
+    return np.asarray(self._tokenizer.encode(text).ids, np.int32)
+
   def decode(self, ids: Iterable[int]) -> str:
     """Text of the ids; special tokens (the document boundary) dropped."""
     return self._tokenizer.decode([int(i) for i in ids],
@@ -122,6 +139,19 @@ def hf_tokenizer_file(location: str) -> str:
   holding one (an import's workdir)."""
   path = storage.path(location)
   return str(path / HF_TOKENIZER) if path.is_dir() else location
+
+
+def hf_files(location: str, key: str = 'config.tokenizer') -> dict[str, Any]:
+  """{name: its path (storage.path)} of the tokenizer.json that `location`
+  names and of the tokenizer_config.json beside it, where there is one;
+  InputError naming `key` where there is no tokenizer.json."""
+  path = storage.path(hf_tokenizer_file(location))
+  if not path.is_file():
+    raise InputError(f'{key}={location!r}: there is no tokenizer.json '
+                     f'there ({path}).')
+  beside = path.parent / HF_CONFIG
+  return {HF_TOKENIZER: path} | (
+      {HF_CONFIG: beside} if beside.is_file() else {})
 
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int, model_path: str,

@@ -16,19 +16,23 @@ from train.decode import decoding
 def continue_text(model: nn.Module, params, dataset: datasets.Dataset,
                   prompt: str, *, num_tokens: int, rng: jax.Array,
                   num_samples: int = 1, max_positions: int | None = None,
+                  prompt_key: str = 'config.sample_prompt',
                   **choice) -> list[str]:
-  """`num_samples` texts: `prompt` (after the end-of-sequence id that
-  starts a document) and up to `num_tokens` tokens after it, fewer where
-  the positions would reach `max_positions`, ending at the end of a
-  document; `choice`: temperature, top_k, top_p (decoding.choose)."""
+  """`num_samples` texts: `prompt` (encoded as the tokenizer makes a
+  prompt, tokenizers.*.encode_prompt) and up to `num_tokens` tokens after
+  it, fewer where the positions would reach `max_positions`, ending at the
+  end of a document; `choice`: temperature, top_k, top_p
+  (decoding.choose). InputError naming `prompt_key`, what gave the
+  prompt, where no token fits after it."""
   tokenizer = dataset.tokenizer
-  prompt_ids = np.concatenate([[tokenizer.eos_id],
-                               tokenizer.encode(prompt)]).astype(np.int32)
+  prompt_ids = tokenizer.encode_prompt(prompt)
   if max_positions is not None:
     num_tokens = min(num_tokens, max_positions - len(prompt_ids))
     if num_tokens < 1:
-      raise InputError(f'the prompt is {len(prompt_ids)} tokens; the model '
-                       f'reads positions below {max_positions}.')
+      raise InputError(
+          f'{prompt_key} is {len(prompt_ids)} tokens; the model reads '
+          f'positions below {max_positions}, so a prompt of at most '
+          f'{max_positions - 1} leaves room for a token after it.')
   sample = jax.jit(functools.partial(
       decoding.sample_lm, model, num_tokens=num_tokens,
       eos_id=tokenizer.eos_id, vocab_size=dataset.vocab_size, **choice))

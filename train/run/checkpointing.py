@@ -5,7 +5,13 @@ Saves are asynchronous; orbax writes each checkpoint under a temporary name
 complete checkpoints are ever restored; on an object store, where a rename
 is a copy, it writes `<step>` and commits it by writing the file
 `commit_success.txt` last. One left behind by a run killed mid-save is
-reported and deleted when the next run starts. A save that fails
+reported and deleted when the next run starts. Where the run holds the
+workdir's lease (train/run/workdir.py), every write of a checkpoint (its
+start, the wait for it, its record of file sizes, the deletion of
+checkpoints older than the last `keep`) goes through storage.bounded,
+which makes it only while the lease is known to hold, and orbax commits a
+save in flight only then: one that outlived the lease stays incomplete.
+A save that fails
 (a full disk, a lost mount) stops the run with a TrainingError naming the
 step and the last complete checkpoint; there is no silent loss. On an
 object store, each wait on it (a save started, waited for, orbax closed)
@@ -44,7 +50,9 @@ record is damaged.
 """
 
 from collections.abc import Callable
+import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import shutil
@@ -57,7 +65,8 @@ import orbax.checkpoint as ocp
 
 from model import layer_stack
 from train.base import hosts, quiet, storage
-from train.base.errors import InputError, StoreFailure, TrainingError
+from train.base.errors import (InputError, Stopped, StoreFailure,
+                               TrainingError)
 from train.data import pipeline
 from train.program.steps import TrainState
 from train.run import checksums
@@ -99,6 +108,20 @@ def use_array_handler() -> None:
             # of a save, typed keys), which a new handler would lack.
             array_metadata_store=default._array_metadata_store),  # pylint: disable=protected-access
         override=True)
+
+
+class _CommittedWithinTheLease(ocp.path.atomicity.CommitFileTemporaryPath):
+  """orbax's commit of a checkpoint on an object store (its commit file,
+  written last), made only while the workdir's lease is known to hold
+  (storage.check_lease): a save that outlived it is left uncommitted, as
+  a save cut short is, and the run stops at its next wait on it."""
+
+  async def finalize(self):
+    try:
+      storage.check_lease(str(self.get_final()))
+    except Stopped:  # orbax ends the save quietly; the run says why.
+      raise asyncio.CancelledError from None
+    await super().finalize()
 
 
 class Damaged(Exception):
@@ -214,9 +237,14 @@ class Checkpointer:
           contextlib.nullcontext()):
       self._manager = ocp.CheckpointManager(
           self.directory,
+          # The checkpoints past `keep` are deleted by `_finished`, within
+          # the lease: orbax would, in a thread of its own, whatever it is.
           options=ocp.CheckpointManagerOptions(
-              max_to_keep=keep, create=not read_only, read_only=read_only,
-              cleanup_tmp_directories=not read_only),
+              create=not read_only, read_only=read_only,
+              cleanup_tmp_directories=not read_only,
+              temporary_path_class=(
+                  _CommittedWithinTheLease
+                  if storage.is_object_store(self.directory) else None)),
           # A reader restores parameters only: orbax's partial restore is
           # the pytree handler's (the files are the standard handler's).
           item_handlers={'state': (ocp.PyTreeCheckpointHandler()
@@ -294,23 +322,31 @@ class Checkpointer:
         f'{self.directory}: {error}. {self._last_complete()}')
 
   def _finished(self) -> None:
-    """Waits for the save in flight; raises TrainingError if it failed."""
+    """Waits for the save in flight; raises TrainingError if it failed.
+    Then deletes the checkpoints older than the last `keep`."""
     if self._saving is None:
       return
     try:
       storage.bounded(self._manager.wait_until_finished, self.directory)
+    except Stopped:  # The lease lapsed (storage.bounded).
+      raise
     except Exception as error:  # orbax re-raises the writer thread's error.
       raise self._failed(error) from error
     if jax.process_index() == 0:
       step_dir = f'{self.directory}/{self._saving}'
       try:
         storage.bounded(lambda: _record_file_sizes(step_dir), step_dir)
+      except Stopped:
+        raise
       except Exception as error:  # pylint: disable=broad-except
         # Any error of the store (gcsfs's are not all OSErrors).
         print(f'warning: could not record the file sizes of {step_dir} '
               f'({storage.reason(error)}); its checksums still verify it.',
               flush=True)
     self._complete, self._saving = self._saving, None
+    for step in sorted(self._manager.all_steps())[:-self._keep]:
+      storage.bounded(functools.partial(self._manager.delete, step),
+                      self.directory)
 
   def latest_step(self) -> int | None:
     """The step of the last complete checkpoint (None: there is none)."""
@@ -430,6 +466,16 @@ class Checkpointer:
     except Exception:  # orbax's errors have many types.
       return None
 
+  def saved_mesh(self, step: int) -> dict[str, int] | None:
+    """{axis: size} of the mesh the state of `step` was saved from, as
+    orbax's metadata records its arrays' shardings (None where it does
+    not say)."""
+    for leaf in jax.tree.leaves(self._saved_tree(step)):
+      sharding = getattr(leaf, 'sharding', None)
+      if hasattr(sharding, 'axis_names') and hasattr(sharding, 'shape'):
+        return dict(zip(sharding.axis_names, map(int, sharding.shape)))
+    return None
+
   def _written_without_checksums(self, step: int) -> bool:
     """Whether orbax's metadata of `step`, as its commit wrote it, lists
     its items without `checksums`: a checkpoint of an older attnlab. One
@@ -524,7 +570,6 @@ class Checkpointer:
     """
     self._finished()
     self._require_space(state, TrainingError)
-    self._saving = step
     data_state = data_iterator.get_state()
     if jax.process_count() > 1:
       # Each host's iterator holds the state of its own rows of the batch:
@@ -536,6 +581,8 @@ class Checkpointer:
       if jax.process_index() == 0:
         try:
           _write_ledger(self.directory, step, sums)
+        except Stopped:
+          raise
         except Exception as error:  # pylint: disable=broad-except
           print(f'warning: could not add step {step} to the ledger '
                 f'{self.directory}/{LEDGER} ({storage.reason(error)}); '
@@ -549,7 +596,11 @@ class Checkpointer:
       storage.bounded(start, self.directory)
     # Creating the directory failed at once, or the store did not answer.
     except OSError as error:
-      raise self._failed(error) from error
+      raise self._failed(
+          error, f'write the checkpoint of step {step}') from error
+    # In flight only once started: a save interrupted before (a second
+    # Ctrl-C) leaves nothing to wait for.
+    self._saving = step
 
   def wait(self) -> int | None:
     """Waits for the save in flight; returns the last complete step."""
@@ -564,5 +615,7 @@ class Checkpointer:
     self._finished()
     try:
       storage.bounded(self._manager.close, self.directory)
+    except Stopped:
+      raise
     except Exception as error:  # orbax's errors have many types.
       raise self._failed(error, 'close the checkpoints') from error

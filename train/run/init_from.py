@@ -193,9 +193,20 @@ def run_source(path: str) -> tuple[str, int | None]:
 
 def _resumes(workdir: str) -> bool:
   """Whether `workdir` holds a checkpoint, which its run resumes from."""
-  checkpoints = storage.path(workdir) / 'checkpoints'
-  return checkpoints.is_dir() and any(
-      path.name.isdigit() for path in checkpoints.iterdir())
+  return bool(trained_run.checkpoint_steps(workdir))
+
+
+def source_problem(path: str, named: str) -> str | None:
+  """What is wrong with `path` as a run to start from, `named` the flag or
+  key that gave it (and its value), before anything is built: it must be
+  a training run's workdir or one of its checkpoints."""
+  run, step = run_source(path)
+  if not (storage.path(run) / 'config.json').is_file():
+    return (f'{named} is not a training run\'s workdir (it has no '
+            'config.json) nor one of its checkpoints '
+            '(WORKDIR/checkpoints/STEP).')
+  missing = step is not None and trained_run.no_checkpoint(run, step)
+  return f'{named}: {missing}.' if missing else None
 
 
 def check(init_from: str, workdir: str) -> str | None:
@@ -204,15 +215,7 @@ def check(init_from: str, workdir: str) -> str | None:
   resumes from its own), else the source must be there."""
   if _resumes(workdir):
     return None
-  run, step = run_source(init_from)
-  if not (storage.path(run) / 'config.json').is_file():
-    return (f'config.init_from={init_from!r} is not a training run\'s '
-            'workdir (it has no config.json) nor one of its checkpoints '
-            '(WORKDIR/checkpoints/STEP).')
-  if step is not None and not (
-      storage.path(run) / 'checkpoints' / str(step)).is_dir():
-    return f'config.init_from={init_from!r}: {run} has no checkpoint {step}.'
-  return None
+  return source_problem(init_from, f'config.init_from={init_from!r}')
 
 
 def _source(init_from: str) -> tuple[str, int | None, Program]:

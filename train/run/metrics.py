@@ -32,7 +32,7 @@ import tensorboardX
 import tqdm
 
 from train.base import storage
-from train.base.errors import TrainingError
+from train.base.errors import Stopped, TrainingError
 
 LN2 = math.log(2.0)
 # Seconds between uploads of the metrics to an object store.
@@ -269,6 +269,8 @@ class MetricWriter:
     if self._jsonl is not None:
       try:
         self._jsonl.flush()
+      except Stopped:  # The workdir's lease lapsed (storage.bounded).
+        raise
       except Exception as error:  # pylint: disable=broad-except
         # Any error of the store (gcsfs's are not all OSErrors).
         if not self._refused:
@@ -286,6 +288,8 @@ class MetricWriter:
     try:
       storage.bounded(getattr(self._tensorboard, action),
                       self._tensorboard.logdir)
+    except Stopped:
+      raise
     except Exception as error:  # pylint: disable=broad-except
       print(f"warning: could not write TensorBoard's events ({error}).",
             flush=True)
@@ -344,6 +348,8 @@ class MetricWriter:
     if self._jsonl is not None:
       try:
         self._jsonl.close()
+      except Stopped:
+        raise
       except Exception as error:  # pylint: disable=broad-except
         lost = self._lost(error)
     self._on_tensorboard('close')

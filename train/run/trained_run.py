@@ -16,7 +16,7 @@ from train.base.errors import InputError
 from train.base.train_config import TrainConfig
 from train.data import datasets
 from train.decode import decoding
-from train.run import checkpointing
+from train.run import checkpointing, portable
 from train.run import workdir as workdir_lib
 from train.run.program import Program
 
@@ -38,12 +38,14 @@ class TrainedRun:
 def load_config(workdir: str) -> ml_collections.ConfigDict:
   """The config a run was trained with (as its resumes changed it), set
   for one device (whatever the mesh it trained on: the checkpoint is
-  restored into one device's layout)."""
+  restored into one device's layout), its tokenizer the workdir's, the
+  variants it names that files registered registered again
+  (train/run/portable.py)."""
   path = storage.path(workdir) / 'config.json'
   if not path.exists():
     raise InputError(f'{path} does not exist: --workdir must be a training '
                      'run\'s workdir.')
-  values = workdir_lib.run_config(workdir)
+  values = portable.readable(workdir, workdir_lib.run_config(workdir))
   # Training keys added since the run was written hold their defaults.
   for key, value in train_config.defaults().to_dict().items():
     values.setdefault(key, value)
@@ -55,6 +57,25 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   # no longer matters (and may be gone).
   config.init_from = None
   return config
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """The steps of the checkpoints in `workdir`, sorted (complete or not:
+  a restore says which do not verify)."""
+  directory = storage.path(workdir) / 'checkpoints'
+  return sorted(int(path.name) for path in directory.iterdir()
+                if path.name.isdigit()) if directory.is_dir() else []
+
+
+def no_checkpoint(workdir: str, step: int) -> str | None:
+  """What a reader asking for checkpoint `step` of `workdir` is told where
+  it has none (None: it has one)."""
+  steps = checkpoint_steps(workdir)
+  if step in steps:
+    return None
+  return (f'{workdir} has no checkpoint of step {step}; it has '
+          + (f'step{"s" * (len(steps) > 1)} {", ".join(map(str, steps))}'
+             if steps else 'none'))
 
 
 def restore_params(workdir: str, abstract_params: Any,

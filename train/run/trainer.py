@@ -186,8 +186,7 @@ def _say_what_runs(config: TrainConfig, program: Program, workdir: str,
   warnings, the steps each call runs, and the kernel each self-attention
   runs."""
   model_config = program.model_config
-  split = ' x '.join(f'{axis} {size}' for axis, size in
-                     program.mesh.shape.items() if size > 1) or 'one device'
+  split = mesh_shown(dict(program.mesh.shape))
   devices = jax.device_count()
   _say(f'{model_config.family} on {config.dataset}: {program.num_params:,} '
        f'parameters, {devices} {jax.default_backend().upper()} '
@@ -264,8 +263,8 @@ def train_and_evaluate(
   workdir in use or one that holds another config;
   TrainingError when non-finite values or a failed save stop the run;
   Stopped when SIGTERM, SIGINT or a preemption notice did, after saving,
-  and LeaseLost (a Stopped) when another run took the workdir's lock over,
-  before writing again.
+  and LeaseLost (a Stopped) when the workdir's lease lapsed or another run
+  took it over, before writing again.
   """
   started = time.perf_counter()
   problem = (isinstance(config.get('init_from'), str)
@@ -285,6 +284,9 @@ def train_and_evaluate(
     try:
       return _train(program, workdir, stop, owned, started, on_evaluation,
                     on_compiled, hparams)
+    except workdir_lib.LeaseLost as error:
+      _say(str(error))
+      raise
     finally:
       stop.close()
 
@@ -307,7 +309,28 @@ def _restore_or_init(program: Program,
     _say(f'Starting from the parameters of the checkpoint at step {latest}.')
     return program.start_from(state.params)
   _say(f'Resumed from the checkpoint at step {latest}.')
+  note = relaid(checkpointer.saved_mesh(latest), dict(program.mesh.shape))
+  if note:
+    _say(note)
   return state
+
+
+def mesh_shown(shape: dict[str, int]) -> str:
+  """'data 2 x fsdp 4' of a mesh's {axis: size} ('one device')."""
+  return ' x '.join(f'{axis} {size}' for axis, size in shape.items()
+                    if size > 1) or 'one device'
+
+
+def relaid(saved: dict[str, int] | None, mesh: dict[str, int]) -> str | None:
+  """The line a resume says where its checkpoint was `saved` from another
+  mesh than this run's `mesh` (None where the same, or not known)."""
+  if saved is None or mesh_shown(saved) == mesh_shown(mesh):
+    return None
+  return (f'The checkpoint was saved on {mesh_shown(saved)} and resumes on '
+          f'{mesh_shown(mesh)}: from here the run equals one never '
+          'interrupted to float32 rounding (its sums run in another order), '
+          'not bit for bit, which holds where a run resumes on the layout '
+          'it was saved from.')
 
 
 def calls(first_step: int, last_step: int, steps_per_call: int,
@@ -390,8 +413,8 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
   workdir, `stop` listening; `started`: when the run started
   (time.perf_counter); `hparams`: the config as given, flattened for
   TensorBoard; `owned(confirm=False)`: the check before each write of the
-  workdir (workdir.claim's), which raises LeaseLost once another run has
-  taken it over."""
+  workdir (workdir.claim's), which raises LeaseLost once the lease lapsed
+  or another run took it over."""
   config, model_config = program.config, program.model_config
   dataset = datasets.load(config, workdir)
   config_validation.check_dataset_fits(config, dataset)
@@ -429,7 +452,7 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
       return program.place(batches)
 
   final, evaluations, last_logged, pruned = None, [], {}, False
-  lost = None  # The LeaseLost that stopped the run.
+  lost = False  # Whether LeaseLost stopped the run.
   compiled = set()
   try:
     with program.scope():
@@ -487,7 +510,8 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
                         and on_evaluation(done, final))
               save_now = save_now or pruned
             # A checkpoint asks the store whether the workdir is still
-            # this run's, right before it is written.
+            # this run's, right before it is written; every write after
+            # is made within the lease this renews (storage.bounded).
             owned(confirm=save_now)
             if summary:
               writer.write(done, summary)
@@ -511,13 +535,12 @@ def _train(program: Program, workdir: str, stop: preemption.StopRequest,
              f'the last checkpoint, step {latest} in '
              f'{checkpointer.directory}, is from before it')
     raise TrainingError(f'{error} Stopped; {where}.') from None
-  except workdir_lib.LeaseLost as error:
-    lost = error
-    _say(str(error))
+  except workdir_lib.LeaseLost:
+    lost = True
     raise
   finally:
     train_iterator.close()
-    if lost is None:  # Else the workdir is another run's: nothing more.
+    if not lost:  # Else the workdir may be another run's: nothing more.
       unwritten = writer.close()
       checkpointer.close()
 

@@ -7,8 +7,9 @@ stops, naming the holder; a killed run's lock is taken over with a warning.
 On a disk the lock is an advisory file lock, which the kernel lets go of
 when its holder dies, so the second run stops at once. An object store
 (gs://...) has no such lock: there the lock is a lease (`LeaseLock`), which
-a run that finds it watches for up to LEASE_S seconds, and a holder whose
-lease another run took over stops before its next write.
+a run that finds it watches for up to LEASE_S seconds; its holder writes
+the workdir only while it knows the lease holds, and stops before its next
+write once it lapsed or another run took it over.
 
 One config: `config.json` is written when the workdir holds no record of a
 run yet (RECORDS: no metrics, no checkpoint, no history), and never
@@ -45,6 +46,7 @@ from model.config import ModelConfig
 from train.base import hosts, storage, train_config
 from train.base.errors import InputError, Stopped
 from train.program import optim
+from train.run import portable
 
 # Keys (or dotted prefixes) a resume may change: logging, evaluation,
 # checkpoints, the closing sample, what stops a run, where the data lives,
@@ -250,13 +252,20 @@ class Lock:
 # Seconds an object-store lock stays its holder's without being renewed;
 # the holder renews it four times in that time.
 LEASE_S = 60.0
+# The part of a lease its holder does not count on: room for a request
+# sent at the end of what it counts to reach the store in time.
+UNCOUNTED = 0.1
 
 
 class LeaseLost(Stopped):
-  """Another run took over this run's lock (this run could not renew it
-  for LEASE_S seconds: a stall, a partition); the message says so in one
-  line. The run stops without writing again, and entry points exit with
-  status 0, as for a stop: the other run owns the workdir."""
+  """This run's lease of its workdir lapsed (it could not renew it for
+  LEASE_S seconds: a stall, a partition) or another run took it over; the
+  message says which in one line. The run stops without writing again,
+  and entry points exit with status 0, as for a stop, at once: the
+  threads of the store's libraries may still wait on it, and another run
+  may own the workdir."""
+
+  at_once = True
 
 
 def _parsed(text: str) -> Any:
@@ -286,11 +295,18 @@ class LeaseLock:
   read or written last (its generation, a precondition the store checks):
   a run deletes the expired lock it watched, never one another run has
   just created; a renewal fails where another run has taken the lock
-  over. The holder then stops before its next write of the workdir
-  (`check`, LeaseLost).
+  over. And the holder knows how long its lease lasts: a run taking it
+  over watches it unrenewed for LEASE_S from after the start of the last
+  renewal the store confirmed. It counts that time less UNCOUNTED of it
+  (`seconds_left`), and every operation of the workdir through
+  storage.bounded (metrics, evaluations' outputs, checkpoints, the lock's
+  own renewals) is started only while some of it is left and waited for
+  no longer (storage.lease): past it, or once a renewal was refused, the
+  run stops before its next write (LeaseLost).
   """
 
   def __init__(self, workdir: str):
+    self._workdir = storage.resolve(workdir)
     self._object = storage.path(workdir) / 'lock'
     self._path = str(self._object)
     found = storage.read_versioned(self._object)
@@ -300,13 +316,17 @@ class LeaseLock:
       storage.delete_if(self._object, found[1])
     self._record = _holder_record() | {'token': uuid.uuid4().hex,
                                        'renewals': 0}
+    # The start of the last write of the lock the store confirmed.
+    self._confirmed = time.monotonic()
     self._generation = self._write('0')
     if self._generation is None:
       raise _in_use(self._path, _described(self._holder()) or 'another run')
-    self._tried = time.monotonic()  # The last renewal's start or end.
     self._taken_by = None  # Who has the lock, once a renewal failed.
+    # When renewals began to fail (None: the last one was confirmed).
+    self._failing_since = None
     self._writing = threading.Lock()
     self._released = threading.Event()
+    storage.lease(self._workdir, self.seconds_left)
     self._renewing = threading.Thread(target=self._renew, daemon=True,
                                       name='workdir lock')
     self._renewing.start()
@@ -354,35 +374,63 @@ class LeaseLock:
           flush=True)
     return found
 
-  def _lost(self) -> LeaseLost:
-    return LeaseLost(
-        f'{self._path} was taken over by {self._taken_by}: this run could '
-        f'not renew it for {LEASE_S:g} s (stalled, or cut off from the '
-        'store), and stopped without writing the workdir again; that run '
-        'now owns it.')
+  def _left(self) -> float:
+    return (self._confirmed + LEASE_S * (1 - UNCOUNTED)
+            - time.monotonic())
+
+  def seconds_left(self) -> float:
+    """Seconds this run's lease is known to last yet (see the class);
+    LeaseLost once none are, or once another run took the lock over."""
+    left = self._left()
+    if self._taken_by is not None:
+      raise LeaseLost(
+          f'{self._path} was taken over by {self._taken_by}: this run '
+          f'could not renew it for {LEASE_S:g} s (stalled, or cut off from '
+          'the store), and stopped without writing the workdir again; that '
+          'run now owns it.')
+    if left <= 0:
+      raise LeaseLost(
+          f'{self._path} could not be renewed for {LEASE_S:g} s (this run '
+          'stalled, or was cut off from the store), so another run may own '
+          'the workdir now: this run stopped without writing the workdir '
+          'again; run the same command to resume.')
+    return left
 
   def renew(self) -> None:
     """Rewrites the lock if it is still as this run last wrote it;
-    LeaseLost if another run has taken it over (or deleted it). An error
-    of the store is said, and tried again at the next renewal."""
+    LeaseLost if another run has taken it over (or deleted it), or once
+    the lease has lapsed. An error of the store is said once, until a
+    renewal is confirmed again (said too), and tried again at the next
+    renewal."""
     with self._writing:
-      self._tried = time.monotonic()
       if self._taken_by is None:
         self._record['renewals'] += 1
+        started = time.monotonic()
         try:
           generation = self._write(self._generation)
+        except LeaseLost:
+          raise
+        # Any error of the store (gcsfs's are not all OSErrors).
+        except Exception as error:  # pylint: disable=broad-except
+          if self._failing_since is None:
+            self._failing_since = started
+            print(f'warning: could not renew {self._path} '
+                  f'({storage.reason(error)}); trying again every '
+                  f'{LEASE_S / 4:g} s. Unless the store answers within '
+                  f'{max(self._left(), 0):.0f} s, the run stops before its '
+                  'next write of the workdir.', flush=True)
+        else:
           if generation is None:
             self._taken_by = (_described(self._holder())
                               or 'a run that deleted it')
           else:
-            self._generation = generation
-        # Any error of the store (gcsfs's are not all OSErrors).
-        except Exception as error:  # pylint: disable=broad-except
-          print(f'warning: could not renew {self._path} '
-                f'({storage.reason(error)}).', flush=True)
-      self._tried = time.monotonic()
-      if self._taken_by is not None:
-        raise self._lost()
+            self._generation, self._confirmed = generation, started
+            if self._failing_since is not None:
+              print(f'{self._path} renewed again, '
+                    f'{started - self._failing_since:.0f} s after its '
+                    'renewals began to fail.', flush=True)
+              self._failing_since = None
+    self.seconds_left()
 
   def _renew(self) -> None:
     with contextlib.suppress(LeaseLost):  # Said by `check`, before a write.
@@ -390,26 +438,31 @@ class LeaseLock:
         self.renew()
 
   def check(self, *, confirm: bool = False) -> None:
-    """Before a write of the workdir: LeaseLost if another run has taken
-    the lock over. Asks the store (renewing the lock) only when told to
-    `confirm` (before a checkpoint), or when the lease may have lapsed
-    unseen (no renewal tried for LEASE_S / 2 seconds: a stall)."""
-    if (confirm or self._taken_by is not None
-        or time.monotonic() - self._tried > LEASE_S / 2):
+    """Before a write of the workdir: LeaseLost unless this run's lease is
+    known to last (`seconds_left`). Told to `confirm` (before a
+    checkpoint), renews it first, for a whole lease."""
+    if confirm:
       self.renew()
+    else:
+      self.seconds_left()
 
   def release(self) -> None:
-    """Stops renewing the lock and deletes it, if it is still this run's;
-    a failure is said, not raised (the next run takes it over)."""
+    """Stops renewing the lock and deletes it, if it is still this run's
+    and its lease lasts; a failure is said, not raised (the next run takes
+    it over)."""
     self._released.set()
     self._renewing.join(timeout=LEASE_S / 4)
     try:
       with self._writing:
         storage.delete_if(self._object, self._generation)
+    except LeaseLost:  # Said by the run it stopped.
+      pass
     except Exception as error:  # pylint: disable=broad-except
       print(f'warning: could not release {self._path} '
             f'({storage.reason(error)}); the next run takes it over after '
             f'{LEASE_S:g} s.', flush=True)
+    finally:
+      storage.lease(self._workdir, None)
 
 
 def claim(config: ml_collections.ConfigDict, workdir: str
@@ -419,11 +472,11 @@ def claim(config: ml_collections.ConfigDict, workdir: str
   the allowed changes. Every host checks it can write there. Returns a
   context that holds the lock and gives `check(confirm=False)`, to call
   before each write of the workdir (LeaseLost once another run has taken
-  the lock over); InputError before anything is written if
-  the workdir cannot be written, is locked, holds another config, or
-  holds a run without its config.json. A workdir it made is removed again
-  where the start is refused, then or later in the context (InputError),
-  before the run recorded anything there."""
+  the lock over, or the lease lapsed); InputError before anything is
+  written if the workdir cannot be written, is locked, holds another
+  config, or holds a run without its config.json. A workdir it made is
+  removed again where the start is refused, then or later in the context
+  (InputError), before the run recorded anything there."""
   problem, lock, made = None, None, False
   workdir = storage.resolve(workdir)
   try:
@@ -519,20 +572,23 @@ def _holding(lock: Lock | LeaseLock | None, workdir: str, made: bool
 
 def _record_config(config: ml_collections.ConfigDict, workdir: str) -> None:
   """config.json of a workdir without a record of a run; else the resume
-  checked and its changes appended to config_history.jsonl. InputError,
-  before anything is written, for a record without its config.json."""
+  checked and its changes appended to config_history.jsonl; either way of
+  the config as the workdir keeps it (portable.recorded: its tokenizer
+  copied in). InputError, before anything is written, for a record
+  without its config.json."""
   path = storage.path(workdir) / 'config.json'
   history = storage.path(workdir) / 'config_history.jsonl'
   record = run_record(workdir)
-  if not record:
-    storage.write_whole(path, _as_json(config))
-    return
-  if not path.exists():
+  if record and not path.exists():
     raise InputError(
         f'--workdir={workdir} holds a run ({", ".join(record)}) but not its '
         'config.json, which a resume is checked against: restore '
         f'{path} from a copy to resume it, or give this run another '
         '--workdir.')
+  config = portable.recorded(config, workdir, new=not record)
+  if not record:
+    storage.write_whole(path, _as_json(config))
+    return
   changes = check_resume(recorded_config(workdir),
                          _flat(json.loads(_as_json(config))),
                          f'--workdir={workdir}')

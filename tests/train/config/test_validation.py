@@ -76,6 +76,18 @@ def test_a_key_the_optimizer_does_not_read_is_warned_of():
   assert warnings_of(config) == []
 
 
+def test_value_residual_on_one_layer_is_warned_of_not_refused():
+  """make train's config shrunk to one layer: no later layer to mix the
+  first one's values into; the config checks (its model traced)."""
+  config = lm_stdlib.get_config()
+  config.model.num_layers = 1
+  checked = config_validation.validate(config)
+  assert config_validation.warnings_of(checked) == [
+      'config.model.value_residual=True has no effect: config.model.'
+      'num_layers=1 has no layer after the first to mix the first layer\'s '
+      'values into.']
+
+
 def test_every_problem_of_a_config_is_reported_in_one_pass():
   """A sample that local attention cannot take and a misspelt kernel: both
   at once, the kernel with the nearest name."""
@@ -146,8 +158,8 @@ INVALID = [
      'be (step, window) pairs of positive integers'),
     ('trained_params', 'mlp', "config.trained_params='mlp' must be one of"),
     ('tokenizer', '/nowhere/tokenizer.json',
-     "config.tokenizer='/nowhere/tokenizer.json' is not a readable "
-     'tokenizer.json'),
+     "config.tokenizer='/nowhere/tokenizer.json': there is no "
+     'tokenizer.json there'),
     ('track_corpus', 'ABC', "config.track_corpus='ABC' must be a sha256 (64 "
      "lowercase hex digits) or ''"),
     ('optimizer', 'lamb', "config.optimizer='lamb' must be one of"),
@@ -403,14 +415,20 @@ def config_keys(config, prefix: str = '') -> set[str]:
 
 def test_every_key_of_every_config_has_an_invalid_case():
   """Keys all configs share are checked alike, on lm_stdlib; the dataset
-  options of each config on that config. The attention options are
-  checked by name below, their values by each attention as it builds."""
+  options each config sets on that config (an unset one is refused by
+  name, as `dataset_options.task` is on lm_stdlib). The attention options
+  are checked by name below, their values by each attention as it
+  builds."""
   shared = {key for key, _, _ in INVALID} | TYPE_CHECKED
   shared |= {key.rsplit('.', 1)[0] for key in shared}  # Option groups.
   for name, get_config in SHIPPED.items():
     own = {key for base, key, _, _ in INVALID_ELSEWHERE if base == name}
-    keys = {key for key in config_keys(get_config())
-            if not key.startswith('model.attention_options.')}
+    config = get_config()
+    keys = {key for key in config_keys(config)
+            if not key.startswith('model.attention_options.')
+            and not (key.startswith('dataset_options.')
+                     and config.dataset_options[key.partition('.')[2]]
+                     is None)}
     assert keys <= shared | own, name
   assert len(INVALID) + len(INVALID_ELSEWHERE) >= 25
 

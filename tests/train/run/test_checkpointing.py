@@ -1,6 +1,7 @@
 """A damaged checkpoint is found, reported in one line, moved aside and
 never deleted, and the run resumes from the newest one that verifies."""
 
+import asyncio
 import glob
 import json
 import os
@@ -16,10 +17,13 @@ import pytest
 from experiments.import_checkpoint import write_start
 from tests.helpers.checkpoint_damage import flip_a_bit_orbax_reads_silently
 from tests.helpers.tiny_runs import tiny_config
+from train.base import storage
 from train.base.errors import InputError, TrainingError
 from train.data import datasets
 from train.run import checkpointing, checksums, metrics, trained_run
+from train.run import workdir as workdir_lib
 from train.run.program import Program
+from train.run import trainer
 from train.run.trainer import train_and_evaluate
 
 
@@ -67,6 +71,55 @@ DAMAGE = {
         os.remove(f'{step_dir}/state/_METADATA'),
         os.remove(f'{step_dir}/{checkpointing.FILE_SIZES}')),
 }
+
+
+def test_a_save_interrupted_as_it_starts_leaves_nothing_to_wait_for(
+    run, capsys):
+  """A second Ctrl-C while a save starts (here as the data iterator's
+  state is read) leaves no save in flight: closing waits for none and
+  says nothing of that step, which was never written."""
+  _, workdir, abstract_state = run
+  checkpointer = checkpointing.Checkpointer(workdir, keep=3)
+  _, state = checkpointer.restore_latest(abstract_state)
+
+  class InterruptedIterator:
+    def get_state(self):
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    checkpointer.save(5, state, InterruptedIterator())
+  checkpointer.close()
+  assert capsys.readouterr().out == ''
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == [
+      '2', '4', checkpointing.LEDGER]
+
+
+def test_on_an_object_store_a_save_is_committed_only_within_the_lease(
+    object_store, tmp_path):
+  """orbax's commit of a checkpoint there (its commit file, written last)
+  is made only while the workdir's lease holds: a save in flight whose
+  lease lapsed first stays uncommitted, as one cut short does."""
+  workdir = f'{object_store}/{tmp_path.name}'
+
+  def lapsed() -> float:
+    raise workdir_lib.LeaseLost('lapsed')
+
+  def commit(step: int, seconds_left) -> bool:
+    """Whether orbax's commit of `step` under the lease wrote its file."""
+    step_dir = storage.path(f'{workdir}/checkpoints/{step}')
+    storage.lease(workdir, seconds_left)
+    try:
+      asyncio.run(checkpointing._CommittedWithinTheLease.from_final(
+          step_dir).finalize())
+    finally:
+      storage.lease(workdir, None)
+    return (step_dir / checkpointing.COMMITTED).exists()
+
+  with pytest.raises(asyncio.CancelledError):  # orbax's save ends quietly.
+    commit(5, lapsed)
+  assert not storage.path(
+      f'{workdir}/checkpoints/5/{checkpointing.COMMITTED}').exists()
+  assert commit(6, lambda: 60.0)
 
 
 @pytest.mark.parametrize('damage', DAMAGE)
@@ -318,3 +371,21 @@ def test_small_replicated_arrays_are_saved_whole_and_large_ones_in_slices(
       chex.assert_trees_all_equal(restored, tree)
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_a_resume_on_another_mesh_says_it_is_not_bit_for_bit(trained):
+  """A checkpoint records the mesh it was saved from; a resume on another
+  says that bitwise equality holds on that one only, and on the same
+  says nothing."""
+  config, workdir = trained
+  saved = checkpointing.Checkpointer(workdir, keep=2,
+                                     read_only=True).saved_mesh(4)
+  assert saved == dict(Program.from_config(config).mesh.shape)
+  assert trainer.relaid(saved, saved) is None
+  relaid = dict(saved, data=2, fsdp=4)
+  assert trainer.relaid(saved, relaid) == (
+      f'The checkpoint was saved on {trainer.mesh_shown(saved)} and resumes '
+      'on data 2 x fsdp 4: from here the run equals one never interrupted '
+      'to float32 rounding (its sums run in another order), not bit for '
+      'bit, which holds where a run resumes on the layout it was saved '
+      'from.')

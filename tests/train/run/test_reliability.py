@@ -72,12 +72,14 @@ def config_of(values: dict):
   return config_overrides.apply(lm_stdlib.get_config('round2'), values)
 
 
-def interrupted_command(workdir, values: dict, interrupt: str | None
+def interrupted_command(workdir, values: dict, interrupt: str | None,
+                        lease_s: float = interrupted_train.LEASE_S
                         ) -> list[str]:
   """The command line of train.train interrupted on cue (see
-  tests/helpers/interrupted_train.py) unless `interrupt` is None."""
+  tests/helpers/interrupted_train.py) unless `interrupt` is None, its
+  lease on an object store `lease_s` long."""
   return [sys.executable, 'tests/helpers/interrupted_train.py',
-          f'--interrupt={interrupt or "none"}',
+          f'--interrupt={interrupt or "none"}', f'--lease_s={lease_s}',
           '--config=configs/lm_stdlib.py:round2', f'--workdir={workdir}',
           *[f'--config.{key}={value}' for key, value in values.items()]]
 
@@ -228,38 +230,55 @@ def unchanging_objects(workdir) -> dict[str, str]:
           if not name.endswith('/lock') and '/tensorboard/' not in name}
 
 
-def test_a_run_whose_lease_was_taken_over_stops_before_writing_again(
+def wait_until_said(process: subprocess.Popen, output, line: str,
+                    errors) -> None:
+  """Returns once `process` has said `line` in the file of its `output`;
+  fails, showing the file of its `errors`, if it ends first or takes
+  300 s."""
+  deadline = time.monotonic() + 300
+  while line not in output.read_text().splitlines():
+    assert process.poll() is None, errors.read_text()[-2000:]
+    if time.monotonic() > deadline:
+      process.kill()
+      pytest.fail(f'the run did not say {line!r} in 300 s')
+    time.sleep(0.1)
+
+
+def test_a_run_cut_off_past_its_lease_writes_nothing_once_it_heals(
     data_dir, object_store, tmp_path, monkeypatch):
-  """A run on gs:// stalled (SIGSTOP) for longer than its lease once the
-  checkpoint of step 6 is written, its lock taken over meanwhile by a
-  newcomer: let go on (SIGCONT), it stops before its next write, saying
-  so in one line, with exit status 0 as for a stop; the newcomer keeps
-  the lock, and no other object of the workdir changes."""
+  """The race of a partition that heals: a run on gs:// whose upload of
+  metrics.jsonl, right after its lease was confirmed for the checkpoint
+  of step 6, is held (interrupted_train's `partition`) past its lease,
+  and taken over meanwhile by a newcomer. Once the partition heals,
+  neither that upload (the line of step 6) nor the checkpoint of step 6
+  has landed, nor does any other object of the workdir change; the run
+  says in one line that it stopped without writing again, and exits with
+  status 0, as for a stop. The newcomer keeps the lock."""
   monkeypatch.setattr(workdir_lib, 'LEASE_S', interrupted_train.LEASE_S)
   workdir = f'{object_store}/{tmp_path.name}'
   output, errors = tmp_path / 'stdout', tmp_path / 'stderr'
   with open(output, 'w') as out, open(errors, 'w') as err:
-    stalled = subprocess.Popen(
-        interrupted_command(workdir, overrides(data_dir), 'stall:7'),
+    cut_off = subprocess.Popen(
+        interrupted_command(workdir, overrides(data_dir), 'partition:6'),
         cwd=REPO, stdout=out, stderr=err, text=True)
-  wait_until_stopped(stalled, errors)
+  wait_until_said(cut_off, output, 'partitioned', errors)
   newcomer = workdir_lib.LeaseLock(workdir)
   try:
     before = unchanging_objects(workdir)
-    stalled.send_signal(signal.SIGCONT)
-    assert stalled.wait(timeout=120) == 0, errors.read_text()[-2000:]
+    if cut_off.poll() is None:
+      cut_off.send_signal(signal.SIGUSR1)  # Healed.
+    assert cut_off.wait(timeout=120) == 0, errors.read_text()[-2000:]
     assert unchanging_objects(workdir) == before
     holder = json.loads(storage.path(f'{workdir}/lock').read_text())
   finally:
     newcomer.release()
   assert holder['pid'] == os.getpid()
+  assert checkpoints(workdir) == ['3']
+  assert max(line['step'] for line in metric_lines(workdir)) < 6
   [said] = [line for line in output.read_text().splitlines()
-            if 'taken over' in line]
-  assert said.startswith(f'{workdir}/lock was taken over by the run of pid '
-                         f'{os.getpid()} on ')
-  assert said.endswith('stopped without writing the workdir again; that '
-                       'run now owns it.')
-  assert checkpoints(workdir) == ['3', '6']
+            if 'stopped without writing the workdir again' in line]
+  assert said.startswith(f'{workdir}/lock ')
+  assert 'Traceback' not in errors.read_text()
 
 
 # The store's time bound in the outage test, in seconds: more than a save
@@ -269,6 +288,9 @@ STORE_TIMEOUT_S = 10
 # leaves (metrics, TensorBoard's events, the lock's release), which fail
 # at once once one operation on the store has waited past the bound.
 MARGIN_S = 10
+# The outage test's lease, longer than the bound: its run meets the bound
+# first (a lease that lapses first stops the run as when it is taken over).
+LEASE_OVER_STORE_TIMEOUT_S = 3 * STORE_TIMEOUT_S
 
 
 def test_a_store_that_stops_answering_stops_the_run_at_its_next_save(
@@ -276,8 +298,8 @@ def test_a_store_that_stops_answering_stops_the_run_at_its_next_save(
   """A run on gs:// whose store stops answering (an emulator of its own,
   killed while the run is stalled once the checkpoint of step 6 is
   written) fails its next save within the store's time bound
-  (ATTNLAB_STORE_TIMEOUT_S) and a margin: exit status 1, one line naming
-  the step and the last complete checkpoint."""
+  (ATTNLAB_STORE_TIMEOUT_S, below its lease) and a margin: exit status 1,
+  one line naming the step and the last complete checkpoint."""
   environ = dict(os.environ)
   environ[storage.TIMEOUT_VARIABLE] = str(STORE_TIMEOUT_S)
   server = emulator.emulate(environ)
@@ -286,7 +308,8 @@ def test_a_store_that_stops_answering_stops_the_run_at_its_next_save(
   try:
     with open(errors, 'w') as err:
       cut_off = subprocess.Popen(
-          interrupted_command(workdir, overrides(data_dir), 'stall:7'),
+          interrupted_command(workdir, overrides(data_dir), 'stall:7',
+                              lease_s=LEASE_OVER_STORE_TIMEOUT_S),
           cwd=REPO, env=environ, stdout=subprocess.DEVNULL, stderr=err,
           text=True)
     wait_until_stopped(cut_off, errors)

@@ -2,10 +2,17 @@
 a killed run's lock is taken over, a resume may change only how the run is
 observed, stopped or laid out."""
 
+import asyncio
+import errno
 import json
+import logging
 import os
+import socket
 import threading
+import time
+import types
 
+import gcsfs
 import pytest
 
 from tests.helpers.tiny_runs import tiny_config
@@ -377,6 +384,70 @@ def test_on_an_object_store_a_renewal_written_unseen_keeps_the_lease(
   finally:
     lock.release()
   assert not storage.path(f'{path}/lock').exists()
+
+
+def test_on_an_object_store_failing_renewals_are_said_once_then_as_they_end(
+    object_store, tmp_path, monkeypatch, capsys):
+  """Renewals the store fails (a partition) are said once, not at each
+  renewal; once one is confirmed again, that is said; and once none has
+  been for the lease, the run's next check stops it (LeaseLost, one
+  line), the lock's own thread having said nothing more."""
+  monkeypatch.setattr(workdir, 'LEASE_S', 2.0)
+  path = f'{object_store}/{tmp_path.name}'
+  lock = workdir.LeaseLock(path)
+  write_if = storage.write_if
+
+  def unavailable(file, text, generation):
+    raise OSError(errno.EIO, '503 Service Unavailable')
+
+  try:
+    monkeypatch.setattr(storage, 'write_if', unavailable)
+    for _ in range(3):
+      lock.renew()
+    monkeypatch.setattr(storage, 'write_if', write_if)
+    lock.renew()
+    monkeypatch.setattr(storage, 'write_if', unavailable)
+    with pytest.raises(workdir.LeaseLost) as lost:
+      # The run's checks before its writes, for up to two leases.
+      for _ in range(int(2 * workdir.LEASE_S / 0.05)):
+        lock.check()
+        time.sleep(0.05)
+  finally:
+    lock.release()
+  failing = (f'warning: could not renew {path}/lock (503 Service '
+             'Unavailable); trying again every 0.5 s.')
+  said = capsys.readouterr().out.splitlines()
+  assert [line.startswith(failing) for line in said] == [True, False, True]
+  assert said[1].startswith(f'{path}/lock renewed again, ')
+  assert str(lost.value) == (
+      f'{path}/lock could not be renewed for 2 s (this run stalled, or was '
+      'cut off from the store), so another run may own the workdir now: '
+      'this run stopped without writing the workdir again; run the same '
+      'command to resume.')
+
+
+def test_an_unreachable_store_is_said_in_one_line(data_dir, monkeypatch,
+                                                 capsys, caplog):
+  """A gs:// workdir whose store nothing answers for (a closed port): one
+  line, exit status 2, and none of gcsfs's logs of its failed retries
+  (each with its traceback)."""
+  with socket.socket() as probe:  # A port nothing listens on, once closed.
+    probe.bind(('127.0.0.1', 0))
+    port = probe.getsockname()[1]
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', f'http://127.0.0.1:{port}')
+  # gcsfs's retries at once, not over half a minute.
+  monkeypatch.setattr(gcsfs.retry, 'asyncio', types.SimpleNamespace(
+      sleep=lambda seconds: asyncio.sleep(0)))
+  config = tiny_config('lm_stdlib', data_dir)
+  with pytest.raises(SystemExit) as exit_info:
+    cli.outcome(lambda: workdir.claim(config, 'gs://a-bucket/run'))
+  assert exit_info.value.code == 2
+  assert capsys.readouterr().err == (
+      'error: --workdir=gs://a-bucket/run cannot be written: Connect call '
+      f"failed ('127.0.0.1', {port}).\n")
+  assert not [record for record in caplog.records
+              if record.name.startswith('gcsfs')
+              and record.levelno >= logging.WARNING]
 
 
 def test_on_an_object_store_every_host_stops_once_process_0_lost_the_lease(
