@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 # The default experiment; running it again resumes from its last checkpoint.
 # ARGS adds flags (quoted when there are several) and WORKDIR moves it,
-# e.g. a first look (about 20 s once .venv exists):
+# e.g. a first look (its lines say how long each part takes):
 #   make train WORKDIR=/tmp/smoke \
 #       ARGS='--config.num_train_steps=20 --config.num_eval_steps=20'
 WORKDIR ?= workdirs/lm_stdlib
