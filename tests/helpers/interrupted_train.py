@@ -47,7 +47,11 @@ from train.run import checkpointing, preemption, workdir
 
 # Seconds each step takes after a SIGTERM cue.
 SLOWED_STEP_S = 0.2
-LEASE_S = 2.0
+# The lease of its workdir's lock on an object store: renewed every 1.25 s,
+# room for a renewal on cores shared with a compile and the store itself
+# (at 2 s, runs on shared cores lost theirs: the run must renew within
+# 0.9 of a lease to go on writing).
+LEASE_S = 5.0
 
 
 def _partition(cut_off: threading.Event) -> None:

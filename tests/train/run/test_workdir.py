@@ -77,6 +77,9 @@ def test_on_an_object_store_a_renewed_lock_refuses_a_killed_one_is_taken(
   path = f'{object_store}/{tmp_path.name}'
   config = tiny_config('lm_stdlib', data_dir)
   held = workdir.LeaseLock(path)
+  # Another run's lock, as another process would hold it: its lease bounds
+  # that run's operations on the store, not those of the run claiming it.
+  storage.lease(path, None)
   try:
     assert exit_status(config, path) == 2
   finally:
