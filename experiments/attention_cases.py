@@ -142,7 +142,7 @@ def variant_fn(name: str, rows: str, length: int, options: dict, *,
         q, k, v, mask, bias, causal=causal)), {}
   base, kernel = parse_variant(name)
   variant = attention.spec(base)
-  if rows == 'packed' and variant.masks != 'any':
+  if rows == 'packed' and not variant.packs:
     return f'{name} takes key padding masks only, not packed rows'
   if rows in ('alibi', 't5') and not variant.bias:
     return f'{name} takes no position bias'

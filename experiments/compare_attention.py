@@ -197,7 +197,7 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
   preset = cli.drop_attention_options(copy.deepcopy(base),
                                       keep=lambda key, value: False)
   unpacked = (datasets.task_of(base.dataset).packs and base.pack_sequences
-              and any(attention.spec(name).masks != 'any'
+              and any(not attention.spec(name).packs
                       for name in variants))
   # Every variant's config is checked before any trains.
   configs, skipped = {}, {}

@@ -278,7 +278,7 @@ def transplant(source: str, variants: list[str], workdir: str, *,
   eval_every = eval_every or max(1, steps // 4)
   # Rows unpacked for every variant (and the source's evaluation) where
   # one reads key-padding masks only: all see the same data.
-  unpacked = any(attention.spec(name).masks != 'any' for name in variants)
+  unpacked = any(not attention.spec(name).packs for name in variants)
   configs = {name: stage_config(source, name, options, model, steps=steps,
                                 eval_every=eval_every, unpacked=unpacked)
              for name in variants}

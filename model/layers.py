@@ -204,6 +204,8 @@ class MultiHeadAttention(nn.Module):
       q_BxTxNxH = self._rotate(q_BxTxNxH, q_positions_BxT)
       k_BxSxKxH = self._rotate(k_BxSxKxH, kv_positions_BxS)
     variant = self.variant
+    if variant.reads_inputs and not self.cross:
+      kwargs['inputs'] = inputs_q_BxTxD
     if cache is not None:
       if not variant.reads_cache:
         raise ValueError(

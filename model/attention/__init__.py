@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from model.attention import (additive, chunked, compressed, kernel,
+from model.attention import (additive, chunked, compressed, gated, kernel,
                              linformer, ring, sparse)
 from model.attention.core import (PositionBias, SegmentMask,
                                   attention_weights, causal_attention,
@@ -35,8 +35,9 @@ class Variant:
   fn: Callable[..., Array]
   # is_causal=True.
   causal: bool
-  # 'any' mask broadcastable to [B, N, T, S], or only 'key_padding' masks
-  # of shape [B, 1, 1, S] (with a T axis of 1).
+  # 'any' mask broadcastable to [B, N, T, S]; only 'key_padding' masks
+  # of shape [B, 1, 1, S] (with a T axis of 1); or 'segments': those and
+  # packed rows (a SegmentMask of self-attention).
   masks: str
   # An additive bias on the logits.
   bias: bool
@@ -65,6 +66,16 @@ class Variant:
   # where a query may see a key (the causal part aside), under which
   # decoding attends as dense does; None for none.
   cache_pattern: Callable[..., Callable[[Array, Array], Array]] | None = None
+  # fn takes the layer's input x [B, T, D] as `inputs` (gates computed
+  # from it by the variant's parameters).
+  reads_inputs: bool = False
+  # Causal only (is_causal=True always): a recurrence over the positions.
+  causal_only: bool = False
+
+  @property
+  def packs(self) -> bool:
+    """Keeps packed rows apart (takes a SegmentMask)."""
+    return self.masks in ('any', 'segments')
 
   @property
   def reads_cache(self) -> bool:
@@ -112,6 +123,16 @@ _REGISTRY: dict[str, Variant] = {
     'additive': Variant(additive.additive_attention, causal=True, masks='any',
                         bias=True, dropout=False, longer_keys=True,
                         dot_product=False, parameters=additive.parameters),
+    **{name: Variant(fn, causal=True, masks='segments', bias=False,
+                     dropout=False, self_only=True, parameters=parameters,
+                     reads_inputs=parameters is not None, causal_only=True)
+       for name, fn, parameters in (
+           ('retnet', gated.retnet_attention, None),
+           ('mamba2', gated.mamba2_attention, gated.ssm_parameters),
+           ('gla', gated.gla_attention, gated.gla_parameters),
+           ('deltanet', gated.deltanet_attention, gated.delta_parameters),
+           ('gated_deltanet', gated.gated_deltanet_attention,
+            gated.gated_delta_parameters))},
 }
 
 

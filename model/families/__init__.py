@@ -101,6 +101,9 @@ def _attention_problem(config: ModelConfig, family: Family) -> str | None:
   if family.decoder and not variant.causal:
     return (f'{named} cannot be causal, which the decoder of '
             f'config.model.family={config.family!r} needs.')
+  if variant.causal_only and not family.causal_stack:
+    return (f'{named} is causal only, and config.model.family='
+            f'{config.family!r} attends both ways.')
   if config.memory_length and not scheme.relative:
     relative = [name for name, s in SCHEMES.items() if s.relative]
     return (f'config.model.memory_length={config.memory_length} needs a '

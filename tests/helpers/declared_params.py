@@ -42,10 +42,10 @@ CONFIGS = {
                                rnn_score='additive'),
     'rnn_gru_general': small(family='rnn_attention', rnn_cell='gru',
                              rnn_score='general'),
-} | {f'attention_{name}': small(family='encoder_classifier', num_classes=3,
-                                pooling='mean',
-                                attention=name) for name in attention.names()
-                                if attention.spec(name).parameters} | {
+} | {f'attention_{name}': small(attention=name) if attention.spec(
+    name).causal_only else small(family='encoder_classifier', num_classes=3,
+                                 pooling='mean', attention=name)
+     for name in attention.names() if attention.spec(name).parameters} | {
     f'position_{name}': small(position=name, family=(
         'encoder_decoder' if SCHEMES[name].randomized else 'decoder_lm'))
     for name in POSITIONS}

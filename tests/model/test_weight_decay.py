@@ -23,9 +23,10 @@ def role(path) -> str:
   if name == 'bias' or name.endswith('_bias'):
     return 'bias'
   # Gains: a norm's, value residual's mix of values, the gates of value
-  # embeddings and smear, and U-net skips' weights.
+  # embeddings and smear, U-net skips' weights, and a recurrence's log
+  # decay rates (Mamba's A).
   return 'scale' if name in ('scale', 'value_mix', 'value_embedding_gate',
-                             'gain', 'unet_weights') else 'weight'
+                             'gain', 'unet_weights', 'a_log') else 'weight'
 
 
 @pytest.mark.parametrize('name', CONFIGS)

@@ -176,7 +176,7 @@ def _attention_problems(config: TrainConfig, task: Task,
             f'config.model.attention={layer_config.attention!r}; it takes '
             f'{known}{did_you_mean(name, known)}')
     variant = attention.spec(layer_config.attention)
-    if task.packs and config.pack_sequences and variant.masks != 'any':
+    if task.packs and config.pack_sequences and not variant.packs:
       problems.append(
           f'config.model.attention={layer_config.attention!r} cannot keep '
           'packed sequences apart (it takes key padding masks only); set '

@@ -10,14 +10,22 @@ import numpy as np
 import pytest
 
 from model import attention
+from tests.helpers.owned_parameters import owned
 
 B, N, H = 2, 2, 8
 
 
-def parameters(name: str, heads: int, length: int, dtype) -> dict:
+def parameters(name: str, batch: int, heads: int, length: int,
+               dtype) -> dict:
   """The arrays a parameter-owning variant takes as options (what
-  Variant.parameters would pass), and small block sizes."""
+  Variant.parameters would pass, and the layer's input where it reads
+  it), and small block sizes."""
   rng = jax.random.split(jax.random.key(7), 3)
+  if attention.spec(name).reads_inputs:
+    owned_kwargs, _ = owned(name, d_model=heads * H, num_heads=heads,
+                            num_kv_heads=heads)
+    return owned_kwargs | {'inputs': jax.random.normal(
+        rng[0], (batch, length, heads * H), dtype)}
   if name == 'linformer':
     projection = jax.random.normal(rng[0], (16, length), dtype) / length**0.5
     return dict(key_projection=projection, value_projection=projection)
@@ -43,7 +51,7 @@ def run(name: str, q, k, v, mask=None):
   variant can be, from one compiled program; jitted on an 8-device
   sequence mesh for ring."""
   causal = attention.spec(name).causal
-  options = parameters(name, q.shape[2], k.shape[1], q.dtype)
+  options = parameters(name, q.shape[0], q.shape[2], k.shape[1], q.dtype)
   fn = attention.get(name)
 
   def loss(q, k, v):

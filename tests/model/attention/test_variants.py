@@ -51,9 +51,10 @@ def grads(fn, q, k, v, bias=None, **kwargs):
 @pytest.mark.core
 def test_registry_lists_every_variant():
   assert attention.names() == sorted([
-      'additive', 'bigbird', 'chunked', 'dense', 'fixed', 'hedgehog',
-      'linear', 'linformer', 'local', 'memory_compressed', 'performer',
-      'ring', 'strided'])
+      'additive', 'bigbird', 'chunked', 'deltanet', 'dense', 'fixed',
+      'gated_deltanet', 'gla', 'hedgehog', 'linear', 'linformer', 'local',
+      'mamba2', 'memory_compressed', 'performer', 'retnet', 'ring',
+      'strided'])
   assert attention.get('chunked') is attention.spec('chunked').fn
 
 

@@ -32,6 +32,11 @@ OPTIONS = {
     'additive': {'hidden': 8},
     'memory_compressed': {'stride': 3, 'width': 3},
     'ring': {},
+    'retnet': {'chunk_size': 3},
+    'mamba2': {'chunk_size': 3},
+    'gla': {'chunk_size': 3, 'gate_rank': 4},
+    'deltanet': {'chunk_size': 3},
+    'gated_deltanet': {'chunk_size': 3},
 }
 CAUSAL = [name for name in attention.names() if attention.spec(name).causal]
 
@@ -125,6 +130,9 @@ def variant_runs() -> list[tuple[str, str, str]]:
   for family in FAMILIES:
     names = [name for name in attention.names()
              if family == 'encoder_classifier' or name in CAUSAL]
+    if family != 'decoder_lm':  # A causal-only recurrence needs its stack.
+      names = [name for name in names
+               if not attention.spec(name).causal_only]
     given = {}
     for position in POSITIONS:
       taker = next((name for name in names if name not in given

@@ -1,0 +1,173 @@
+"""The gated linear recurrence, with or without the delta rule: the one
+mechanism under retnet, mamba2, gla, deltanet and gated_deltanet
+(gated.py gives each its gate and its parameters).
+
+Per head, a state S_t [F, H] (key dims F, value dims H) runs over the
+positions and is read by each query:
+
+  gated linear:  S_t = a_t * S_{t-1} + k_t v_t^T
+  delta rule:    S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T
+  output:        o_t = S_t^T q_t
+
+with a_t = exp(log_gate_t) in (0, 1], a scalar per head or one per key
+dim (acting on S's rows), and b_t in [0, 1] the delta rule's step (Schlag
+et al. 2021; Yang et al. 2024). A document start empties the state
+(a_t = 0 there), so no state crosses a packed boundary.
+
+Two forms compute it:
+- `chunked`, for training and prompts (Yang et al. 2024's chunkwise form;
+  Mamba-2's SSD): per chunk of C positions, the pairs inside it as [C, C]
+  matrices of decays, and the state of the chunks before it, all chunks'
+  states at once by a parallel scan over the chunks (O(log(T / C))
+  dependent steps). The delta rule's corrections inside a chunk are one
+  unit lower-triangular solve, (I + A) [U, W] = [b v, b a k] (the UT form
+  of the WY representation, Yang et al. 2024). Work O(T C (F + H) + T F H)
+  (and O(T F^2 + T F^2 H / C) for the delta rule's chunk transitions),
+  memory O(T) at a fixed chunk.
+- `steps`, one position at a time from a state: what decoding carries,
+  constant in T.
+
+Decays are only ever formed as exp(b_t - b_s) with s <= t (b the running
+sum of log gates inside a chunk), never as exp(b_t) / exp(b_s): each is at
+most 1, so nothing overflows, and a decay that underflows to 0 is below
+float32's least number anyway.
+"""
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg
+
+Array = jax.Array
+
+
+def _chunks(x: Array, chunk: int) -> Array:
+  """[B, N, T, ...] -> [B, N, n, C, ...], zero-padded to n * C positions."""
+  length = x.shape[2]
+  padded = -(-length // chunk) * chunk
+  pad = [(0, 0)] * x.ndim
+  pad[2] = (0, padded - length)
+  x = jnp.pad(x, pad)
+  return x.reshape(*x.shape[:2], padded // chunk, chunk, *x.shape[3:])
+
+
+def _compose(earlier, later):
+  """Two chunks' transitions S -> M S + R, each (M [..., F, F] or, diagonal,
+  [..., G], R [..., F, H]): the later applied after the earlier."""
+  (m_a, r_a), (m_b, r_b) = earlier, later
+  if m_a.ndim == r_a.ndim:  # Full matrices (the delta rule).
+    return m_b @ m_a, m_b @ r_a + r_b
+  return m_b * m_a, m_b[..., None] * r_a + r_b
+
+
+def chunked(query: Array, key: Array, value: Array, log_gate: Array,
+            beta: Array | None = None, *, starts: Array | None = None,
+            initial: Array | None = None, chunk: int = 64
+            ) -> tuple[Array, Array]:
+  """(outputs [B, N, T, H], the state after the last position [B, N, F, H]),
+  float32, of the recurrence in the module docstring.
+
+  Heads first: query, key [B, N, T, F], value [B, N, T, H]; log_gate
+  [B, N, T, G], log a_t <= 0, with G = 1 (a scalar per head) or G = F;
+  beta [B, N, T] in [0, 1] for the delta rule (then G = 1), None for the
+  gated linear recurrence; starts [B, T], True where a document starts (the
+  state before it is dropped), None for one document a row; initial
+  [B, N, F, H], the state before the first position (None: zeros).
+  """
+  batch, heads, length, features = key.shape
+  if beta is not None and log_gate.shape[-1] != 1:
+    raise ValueError('the delta rule takes a scalar gate per head, not '
+                     f'log_gate of shape {log_gate.shape}.')
+  if chunk < 1:
+    raise ValueError(f'chunk={chunk} must be positive.')
+  chunk = min(chunk, length)
+  f32 = jnp.float32
+  q, k, v, g = (_chunks(x.astype(f32), chunk)
+                for x in (query, key, value, log_gate))
+  decay = jnp.cumsum(g, axis=3)  # b_t [B, N, n, C, G], inclusive.
+  causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+  if starts is None:
+    count = jnp.zeros((1, 1, 1, chunk), jnp.int32)
+  else:  # Document starts so far in the chunk, [B, 1, n, C].
+    count = jnp.cumsum(_chunks(starts[:, None].astype(jnp.int32), chunk),
+                       axis=3)
+  # Pairs s <= t of one document, and the decay between them.
+  same = causal & (count[..., :, None] == count[..., None, :])
+  pair_decay = jnp.exp(jnp.where(
+      same[..., None], decay[..., :, None, :] - decay[..., None, :, :],
+      -jnp.inf))  # [B, N, n, C (t), C (s), G]
+  # What reaches position t from the state before the chunk, [.., C, G]...
+  from_before = jnp.exp(decay) * (count == 0)[..., None]
+  # ... and what reaches the chunk's end: from before it [.., G], and from
+  # each of its positions, as keys weighted by it [.., C, F].
+  last = decay[..., -1:, :]
+  through = jnp.exp(last[..., 0, :]) * (count[..., -1] == 0)[..., None]
+  to_end = (count == count[..., -1:])[..., None]
+  k_to_end = k * jnp.exp(last - decay) * to_end
+  if log_gate.shape[-1] == 1:
+    scores = jnp.einsum('...tf,...sf->...ts', q, k) * pair_decay[..., 0]
+  else:
+    scores = jnp.einsum('...tf,...sf,...tsf->...ts', q, k, pair_decay)
+  if beta is None:
+    # The state takes in each chunk's keys and values as they are.
+    transition = (through,
+                  jnp.einsum('...sf,...sh->...fh', k_to_end, v))
+    new_values, from_state = v, None
+  else:
+    # u_t = b_t (v_t - a_t S_{t-1}^T k_t) enters the state as k_t u_t^T;
+    # with S_0 the state before the chunk, U = U0 - W S_0, where
+    # (I + A) [U0, W] = [b v, b a k], A_ts = b_t decay_ts k_t . k_s (s < t).
+    b = _chunks(beta[..., None].astype(f32), chunk)
+    strictly = jnp.einsum('...tf,...sf->...ts', k, k) * pair_decay[..., 0]
+    lower = b * jnp.where(causal & ~jnp.eye(chunk, dtype=bool), strictly, 0.0)
+    unit = jnp.eye(chunk, dtype=f32)
+    solved = jax.scipy.linalg.solve_triangular(
+        unit + lower, jnp.concatenate([b * v, b * from_before * k], -1),
+        lower=True, unit_diagonal=True)
+    new_values, from_state = solved[..., :v.shape[-1]], solved[..., v.shape[-1]:]
+    k_to_end_t = jnp.swapaxes(k_to_end, -1, -2)
+    transition = (through[..., None] * jnp.eye(features, dtype=f32)
+                  - k_to_end_t @ from_state, k_to_end_t @ new_values)
+  # Every chunk's end state from the first position: M_n ... M_1 S_0 + R.
+  across, added = jax.lax.associative_scan(_compose, transition, axis=2)
+  start = (jnp.zeros((batch, heads, features, v.shape[-1]), f32)
+           if initial is None else initial.astype(f32))
+  if across.ndim == added.ndim:
+    ends = across @ start[:, :, None] + added
+  else:
+    ends = across[..., None] * start[:, :, None] + added
+  before = jnp.concatenate([start[:, :, None], ends[:, :, :-1]], axis=2)
+  if from_state is not None:
+    new_values = new_values - from_state @ before
+  out = (jnp.einsum('...tf,...fh->...th', q * from_before, before)
+         + scores @ new_values)
+  out = out.reshape(batch, heads, -1, v.shape[-1])[:, :, :length]
+  return out, ends[:, :, -1]
+
+
+def steps(query: Array, key: Array, value: Array, log_gate: Array,
+          beta: Array | None = None, *, initial: Array | None = None
+          ) -> tuple[Array, Array]:
+  """`chunked`'s outputs and final state for one document a row, one
+  position at a time (lax.scan): what decoding carries from a token to the
+  next, a state of constant size."""
+  batch, heads, _, features = key.shape
+  state = (jnp.zeros((batch, heads, features, value.shape[-1]), jnp.float32)
+           if initial is None else initial.astype(jnp.float32))
+
+  def step(state, inputs):
+    q, k, v, g, b = inputs  # [B, N, F], .., [B, N, H], [B, N, G], [B, N]
+    gate = jnp.exp(g)[..., None]
+    if b is None:
+      state = gate * state + k[..., None] * v[..., None, :]
+    else:
+      correction = v - jnp.einsum('bnf,bnfh->bnh', k, gate * state)
+      state = gate * state + k[..., None] * (b[..., None] * correction)[
+          ..., None, :]
+    return state, jnp.einsum('bnf,bnfh->bnh', q, state)
+
+  inputs = [jnp.moveaxis(x.astype(jnp.float32), 2, 0)
+            for x in (query, key, value, log_gate)]
+  inputs.append(None if beta is None
+                else jnp.moveaxis(beta.astype(jnp.float32), 2, 0))
+  state, out = jax.lax.scan(step, state, tuple(inputs))
+  return jnp.moveaxis(out, 0, 2), state
