@@ -117,7 +117,8 @@ def xla_attention(q, k, v, mask, bias, *, causal: bool) -> jax.Array:
 
 class Attend(nn.Module):
   """A registered variant with the parameters it owns (Linformer's
-  projections, additive attention's weights) created in its scope."""
+  projections, additive attention's weights, a recurrence's gates) created
+  in its scope."""
 
   config: ModelConfig
   is_causal: bool
@@ -125,6 +126,9 @@ class Attend(nn.Module):
   @nn.compact
   def __call__(self, q, k, v, mask, bias=None):
     kwargs = variant_options.variant_kwargs(self, self.config)
+    if attention.spec(self.config.attention).reads_inputs:
+      # The layer's input its gates read: here the queries, [B, T, N * H].
+      kwargs['inputs'] = q.reshape(*q.shape[:2], -1)
     return attention.get(self.config.attention)(
         q, k, v, bias, mask, is_causal=self.is_causal, **kwargs)
 

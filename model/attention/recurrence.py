@@ -17,13 +17,14 @@ et al. 2021; Yang et al. 2024). A document start empties the state
 Two forms compute it:
 - `chunked`, for training and prompts (Yang et al. 2024's chunkwise form;
   Mamba-2's SSD): per chunk of C positions, the pairs inside it as [C, C]
-  matrices of decays, and the state of the chunks before it, all chunks'
-  states at once by a parallel scan over the chunks (O(log(T / C))
-  dependent steps). The delta rule's corrections inside a chunk are one
-  unit lower-triangular solve, (I + A) [U, W] = [b v, b a k] (the UT form
-  of the WY representation, Yang et al. 2024). Work O(T C (F + H) + T F H)
-  (and O(T F^2 + T F^2 H / C) for the delta rule's chunk transitions),
-  memory O(T) at a fixed chunk.
+  matrices of decays, and the state of the chunks before it. With a gate
+  alone, every chunk's state comes at once from a parallel scan over the
+  chunks (O(log(T / C)) dependent steps). The delta rule's corrections
+  inside a chunk are one unit lower-triangular solve,
+  (I + A) [U, W] = [b v, b a k] (the UT form of the WY representation,
+  Yang et al. 2024), and its states pass from chunk to chunk (T / C steps
+  of [C, F] x [F, H] products, as flash-linear-attention's kernels run
+  them). Work O(T C (F + H) + T F H), memory O(T) at a fixed chunk.
 - `steps`, one position at a time from a state: what decoding carries,
   constant in T.
 
@@ -50,12 +51,10 @@ def _chunks(x: Array, chunk: int) -> Array:
   return x.reshape(*x.shape[:2], padded // chunk, chunk, *x.shape[3:])
 
 
-def _compose(earlier, later):
-  """Two chunks' transitions S -> M S + R, each (M [..., F, F] or, diagonal,
-  [..., G], R [..., F, H]): the later applied after the earlier."""
+def _multiply(earlier, later):
+  """Two chunks' transitions S -> m * S + R (m [..., G] on S's rows,
+  R [..., F, H]): the later applied after the earlier."""
   (m_a, r_a), (m_b, r_b) = earlier, later
-  if m_a.ndim == r_a.ndim:  # Full matrices (the delta rule).
-    return m_b @ m_a, m_b @ r_a + r_b
   return m_b * m_a, m_b[..., None] * r_a + r_b
 
 
@@ -107,11 +106,8 @@ def chunked(query: Array, key: Array, value: Array, log_gate: Array,
     scores = jnp.einsum('...tf,...sf->...ts', q, k) * pair_decay[..., 0]
   else:
     scores = jnp.einsum('...tf,...sf,...tsf->...ts', q, k, pair_decay)
-  if beta is None:
-    # The state takes in each chunk's keys and values as they are.
-    transition = (through,
-                  jnp.einsum('...sf,...sh->...fh', k_to_end, v))
-    new_values, from_state = v, None
+  if beta is None:  # The state takes in the values as they are.
+    new_values = v
   else:
     # u_t = b_t (v_t - a_t S_{t-1}^T k_t) enters the state as k_t u_t^T;
     # with S_0 the state before the chunk, U = U0 - W S_0, where
@@ -123,25 +119,38 @@ def chunked(query: Array, key: Array, value: Array, log_gate: Array,
     solved = jax.scipy.linalg.solve_triangular(
         unit + lower, jnp.concatenate([b * v, b * from_before * k], -1),
         lower=True, unit_diagonal=True)
-    new_values, from_state = solved[..., :v.shape[-1]], solved[..., v.shape[-1]:]
-    k_to_end_t = jnp.swapaxes(k_to_end, -1, -2)
-    transition = (through[..., None] * jnp.eye(features, dtype=f32)
-                  - k_to_end_t @ from_state, k_to_end_t @ new_values)
-  # Every chunk's end state from the first position: M_n ... M_1 S_0 + R.
-  across, added = jax.lax.associative_scan(_compose, transition, axis=2)
+    new_values, from_state = (solved[..., :v.shape[-1]],
+                              solved[..., v.shape[-1]:])
   start = (jnp.zeros((batch, heads, features, v.shape[-1]), f32)
            if initial is None else initial.astype(f32))
-  if across.ndim == added.ndim:
-    ends = across @ start[:, :, None] + added
-  else:
+  if beta is None:
+    # Every chunk's end state from the first position, M_n ... M_1 S_0 + R
+    # with M_n diagonal, by a parallel scan over the chunks.
+    transition = (through, jnp.einsum('...sf,...sh->...fh', k_to_end, v))
+    across, added = jax.lax.associative_scan(_multiply, transition, axis=2)
     ends = across[..., None] * start[:, :, None] + added
-  before = jnp.concatenate([start[:, :, None], ends[:, :, :-1]], axis=2)
-  if from_state is not None:
+    before = jnp.concatenate([start[:, :, None], ends[:, :, :-1]], axis=2)
+    final = ends[:, :, -1]
+  else:
+    # One chunk after another: a parallel scan would compose the delta
+    # rule's [F, F] transitions, F / C times the work.
+    def next_chunk(state, chunk_inputs):
+      through_n, k_to_end_n, values_n, from_state_n = chunk_inputs
+      entering = values_n - from_state_n @ state
+      return (through_n[..., None] * state
+              + jnp.swapaxes(k_to_end_n, -1, -2) @ entering), state
+
+    final, before = jax.lax.scan(next_chunk, start, tuple(
+        jnp.moveaxis(x, 2, 0)
+        for x in (through, k_to_end, new_values, from_state)))
+    before = jnp.moveaxis(before, 0, 2)
     new_values = new_values - from_state @ before
-  out = (jnp.einsum('...tf,...fh->...th', q * from_before, before)
-         + scores @ new_values)
+  # What the state before the chunk gives plus what the chunk's own
+  # positions give, as one product [C, F + C] x [F + C, H].
+  out = (jnp.concatenate([q * from_before, scores], -1)
+         @ jnp.concatenate([before, new_values], -2))
   out = out.reshape(batch, heads, -1, v.shape[-1])[:, :, :length]
-  return out, ends[:, :, -1]
+  return out, final
 
 
 def steps(query: Array, key: Array, value: Array, log_gate: Array,
