@@ -172,6 +172,8 @@ def test_a_variant_is_refused_what_it_cannot_honour():
     config_for('encoder_classifier', 'linear', position='alibi')
   with pytest.raises(ValueError, match="position='rope' makes scores"):
     config_for('decoder_lm', 'additive', position='rope')
+  with pytest.raises(ValueError, match="attention='retnet' is causal only"):
+    config_for('encoder_classifier', 'retnet')
 
 
 TRANSFORMER_XL_CASES = (
