@@ -90,9 +90,10 @@ CASES = {
         'train.train', [LM, '--workdir={tmp}/w',
                         '--config.model.attention=lokal'],
         "config.model.attention='lokal' must be one of ['auto', 'additive', "
-        "'bigbird', 'chunked', 'dense', 'fixed', 'hedgehog', 'linear', "
-        "'linformer', 'local', 'memory_compressed', 'performer', 'ring', "
-        "'strided']; did you mean local?"),
+        "'bigbird', 'chunked', 'deltanet', 'dense', 'fixed', "
+        "'gated_deltanet', 'gla', 'hedgehog', 'linear', 'linformer', "
+        "'local', 'mamba2', 'memory_compressed', 'performer', 'retnet', "
+        "'ring', 'strided']; did you mean local?"),
     'train_attention_entry_name': (
         'train.train', [LM, '--workdir={tmp}/w',
                         '--config.model.attention=dense,lokal'],
