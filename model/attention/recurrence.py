@@ -20,11 +20,11 @@ Two forms compute it:
   matrices of decays, and the state of the chunks before it. With a gate
   alone, every chunk's state comes at once from a parallel scan over the
   chunks (O(log(T / C)) dependent steps). The delta rule's corrections
-  inside a chunk are one unit lower-triangular solve,
+  inside a chunk are one unit lower-triangular system,
   (I + A) [U, W] = [b v, b a k] (the UT form of the WY representation,
-  Yang et al. 2024), and its states pass from chunk to chunk (T / C steps
-  of [C, F] x [F, H] products, as flash-linear-attention's kernels run
-  them). Work O(T C (F + H) + T F H), memory O(T) at a fixed chunk.
+  Yang et al. 2024), solved by `unit_lower_inverse`, and its states pass
+  from chunk to chunk (T / C steps of [C, F] x [F, H] products, as
+  flash-linear-attention's kernels run them). Work O(T C (F + H) + T F H), memory O(T) at a fixed chunk.
 - `steps`, one position at a time from a state: what decoding carries,
   constant in T.
 
@@ -36,7 +36,6 @@ float32's least number anyway.
 
 import jax
 import jax.numpy as jnp
-import jax.scipy.linalg
 
 Array = jax.Array
 
@@ -56,6 +55,39 @@ def _multiply(earlier, later):
   R [..., F, H]): the later applied after the earlier."""
   (m_a, r_a), (m_b, r_b) = earlier, later
   return m_b * m_a, m_b[..., None] * r_a + r_b
+
+
+def unit_lower_inverse(strictly_lower: Array) -> Array:
+  """(I + L)^-1 [..., C, C] for L strictly lower triangular [..., C, C].
+
+  By doubling: the inverses of the diagonal blocks of size s give those of
+  size 2 s, [[A, 0], [X, B]]^-1 = [[A^-1, 0], [-B^-1 X A^-1, B^-1]], so each
+  block formed is a block of the exact inverse (forward substitution's
+  accuracy) and all the work is log2(C) rounds of batched matmuls: what a
+  GPU's or TPU's matrix units run best, with no triangular solve to call
+  (XLA's CPU one, LAPACK's, can deadlock when two run at once on a
+  2-thread pool).
+  """
+  size = strictly_lower.shape[-1]
+  padded = 1 << (size - 1).bit_length()
+  pad = [(0, 0)] * (strictly_lower.ndim - 2) + [(0, padded - size)] * 2
+  lower = jnp.pad(strictly_lower, pad)
+  lead = lower.shape[:-2]
+  inverse = jnp.ones((*lead, padded, 1, 1), lower.dtype)  # [.., n, s, s]
+  block = 1
+  while block < padded:
+    pairs = padded // (2 * block)
+    diagonal = jnp.diagonal(
+        lower.reshape(*lead, pairs, 2 * block, pairs, 2 * block),
+        axis1=-4, axis2=-2)  # [.., 2 s, 2 s, pairs]
+    below = jnp.moveaxis(diagonal, -1, -3)[..., block:, :block]
+    first, second = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+    corner = -(second @ below @ first)
+    inverse = jnp.concatenate([
+        jnp.concatenate([first, jnp.zeros_like(first)], -1),
+        jnp.concatenate([corner, second], -1)], -2)
+    block *= 2
+  return inverse[..., 0, :size, :size]
 
 
 def chunked(query: Array, key: Array, value: Array, log_gate: Array,
@@ -115,10 +147,8 @@ def chunked(query: Array, key: Array, value: Array, log_gate: Array,
     b = _chunks(beta[..., None].astype(f32), chunk)
     strictly = jnp.einsum('...tf,...sf->...ts', k, k) * pair_decay[..., 0]
     lower = b * jnp.where(causal & ~jnp.eye(chunk, dtype=bool), strictly, 0.0)
-    unit = jnp.eye(chunk, dtype=f32)
-    solved = jax.scipy.linalg.solve_triangular(
-        unit + lower, jnp.concatenate([b * v, b * from_before * k], -1),
-        lower=True, unit_diagonal=True)
+    solved = unit_lower_inverse(lower) @ jnp.concatenate(
+        [b * v, b * from_before * k], -1)
     new_values, from_state = (solved[..., :v.shape[-1]],
                               solved[..., v.shape[-1]:])
   start = (jnp.zeros((batch, heads, features, v.shape[-1]), f32)

@@ -185,3 +185,12 @@ def test_a_recurrence_refuses_what_it_cannot_honour():
   with pytest.raises(ValueError, match='scalar gate per head'):
     recurrence.chunked(*(jnp.zeros((1, 1, 3, 2)),) * 3, jnp.zeros((1, 1, 3, 2)),
                        jnp.zeros((1, 1, 3)))
+
+
+def test_the_unit_lower_inverse_is_the_inverse_at_sizes_off_a_power_of_two():
+  rng = np.random.default_rng(0)
+  for size in (1, 3, 8, 11):
+    lower = np.tril(rng.normal(size=(2, size, size)), -1) * 0.5
+    np.testing.assert_allclose(
+        recurrence.unit_lower_inverse(jnp.asarray(lower, jnp.float32)),
+        np.linalg.inv(np.eye(size) + lower), rtol=1e-5, atol=1e-5)
