@@ -24,7 +24,8 @@ Two forms compute it:
   (I + A) [U, W] = [b v, b a k] (the UT form of the WY representation,
   Yang et al. 2024), solved by `unit_lower_inverse`, and its states pass
   from chunk to chunk (T / C steps of [C, F] x [F, H] products, as
-  flash-linear-attention's kernels run them). Work O(T C (F + H) + T F H), memory O(T) at a fixed chunk.
+  flash-linear-attention's kernels run them). Work O(T C (F + H) + T F H),
+  memory O(T) at a fixed chunk.
 - `steps`, one position at a time from a state: what decoding carries,
   constant in T.
 

@@ -187,7 +187,7 @@ def test_a_recurrence_refuses_what_it_cannot_honour():
                        jnp.zeros((1, 1, 3)))
 
 
-def test_the_unit_lower_inverse_is_the_inverse_at_sizes_off_a_power_of_two():
+def test_the_unit_lower_inverse_is_the_inverse_on_and_off_a_power_of_two():
   rng = np.random.default_rng(0)
   for size in (1, 3, 8, 11):
     lower = np.tril(rng.normal(size=(2, size, size)), -1) * 0.5
