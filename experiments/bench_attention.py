@@ -68,7 +68,6 @@ committed results change only when --out names them.
 from collections.abc import Sequence
 import itertools
 import json
-import math
 import os
 import re
 import sys
@@ -132,41 +131,6 @@ def attention_flops(length: int, *, batch: int, heads: int, head_dim: int,
   weighted sum), half of it causal; the backward pass 2.5 times that."""
   forward = 4 * batch * heads * length**2 * head_dim * (0.5 if causal else 1)
   return forward * (3.5 if backward else 1.0)
-
-
-# Substrings of a primitive's name that mark a fused kernel, whose matmuls
-# the jaxpr does not show (cuDNN's: dot_product_attention_fwd, _bwd, ...).
-FUSED_PRIMITIVES = ('pallas', 'custom_call', 'dot_product_attention')
-
-
-def matmul_flops(jaxpr) -> float | None:
-  """FLOPs of the matmuls (dot_general) in `jaxpr` and the jaxprs inside
-  it, a scan's body counted once per step, a cond's costliest branch;
-  None where they cannot be counted from the jaxpr: a while loop (its
-  trip count) or a fused kernel (pallas_call, cuDNN's attention
-  primitives, or XLA's custom calls)."""
-  total = 0.0
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name == 'while' or any(kernel in name for kernel in FUSED_PRIMITIVES):
-      return None
-    if name == 'dot_general':
-      (contracting, _), _ = eqn.params['dimension_numbers']
-      lhs = eqn.invars[0].aval.shape
-      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(
-          lhs[i] for i in contracting)
-    inner = []
-    for param in eqn.params.values():
-      for value in param if isinstance(param, (tuple, list)) else [param]:
-        value = getattr(value, 'jaxpr', value)
-        if isinstance(value, jax.extend.core.Jaxpr):
-          inner.append(matmul_flops(value))
-    if None in inner:
-      return None
-    if inner:
-      steps = eqn.params.get('length', 1) if name == 'scan' else 1
-      total += steps * (max(inner) if name == 'cond' else sum(inner))
-  return total
 
 
 def recorded_kernels(fn, args) -> list[fused.Decision]:
@@ -252,7 +216,7 @@ def measure(name: str, kind: str, length: int, *, options: dict,
   # the tiles its Pallas kernel visits.
   own = (attention_flops(length, batch=batch, heads=heads,
                          head_dim=head_dim, causal=causal, backward=True)
-         if exact else matmul_flops(
+         if exact else flops.matmul_flops(
              jax.make_jaxpr(programs['fwd_bwd'])(*args).jaxpr))
   if own is None:
     own = tile_flops(recorded_kernels(fn, args), batch=batch, heads=heads,

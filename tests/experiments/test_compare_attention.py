@@ -9,8 +9,9 @@ import chex
 import jax
 import numpy as np
 import pytest
+from scipy import stats
 
-from experiments import attention_maps, compare_attention
+from experiments import attention_maps, common, compare_attention
 from model import build, layer_stack
 from model.config import ModelConfig
 from tests.helpers.tiny_runs import tiny_config
@@ -24,13 +25,13 @@ PNG = b'\x89PNG'
 
 @pytest.fixture(scope='module')
 def comparison(data_dir, tmp_path_factory):
-  """dense and linformer trained on tiny ListOps, measured at two
-  lengths."""
+  """dense and linformer trained on tiny ListOps from two seeds at equal
+  training FLOPs, measured at two lengths."""
   workdir = str(tmp_path_factory.mktemp('compare'))
   config = tiny_config('listops', data_dir)
   rows = compare_attention.compare(
       config, ['dense', 'linformer'], workdir, lengths=[32, 16],
-      timing_steps=1, command='test')
+      timing_steps=1, seeds=2, budget='flops', command='test')
   return workdir, rows
 
 
@@ -40,12 +41,14 @@ def test_compare_writes_the_table_csv_and_plots(comparison):
     table = list(csv.DictReader(f))
   assert [row['variant'] for row in table] == ['dense', 'linformer']
   assert list(table[0]) == [
-      'variant', 'status', 'eval_accuracy', 'eval_loss', 'params',
+      'variant', 'status', 'eval_accuracy', 'eval_accuracy_sd', 'p',
+      'eval_loss', 'steps', 'gflop_per_step', 'train_gflop', 'params',
       'train_step_ms', 'tokens_per_s', 'peak_memory_mb', 'temp_memory_mb',
       'step_ms@16', 'temp_mb@16', 'step_ms@32', 'temp_mb@32']
   for row in table:
     assert row['status'] == 'trained'
     assert 0.0 <= float(row['eval_accuracy']) <= 1.0
+    assert float(row['eval_accuracy_sd']) >= 0.0
     for key in ('train_step_ms', 'tokens_per_s', 'step_ms@32'):
       assert float(row[key]) > 0
     assert float(row['temp_mb@32']) > float(row['temp_mb@16'])
@@ -59,6 +62,51 @@ def test_compare_writes_the_table_csv_and_plots(comparison):
       assert f.read(4) == PNG
 
 
+def test_seeds_give_a_mean_a_deviation_and_p_against_the_baseline(
+    comparison):
+  workdir, (dense, linformer) = comparison
+  for row in (dense, linformer):
+    values = [common.load_json(os.path.join(
+        workdir, row['variant'], f'seed={seed}', 'result.json'))[
+            'eval_accuracy'] for seed in (0, 1)]
+    assert row['values'] == values
+    assert row['eval_accuracy'] == pytest.approx(np.mean(values))
+    assert row['eval_accuracy_sd'] == pytest.approx(np.std(values, ddof=1))
+  assert 'p' not in dense  # The baseline is not tested against itself.
+  want = stats.ttest_ind(linformer['values'], dense['values'],
+                         equal_var=False, alternative='greater').pvalue
+  if np.isnan(want):  # Both seeds alike in both: no variance to test.
+    assert np.isnan(linformer['p'])
+  else:
+    assert linformer['p'] == pytest.approx(want)
+
+
+def test_equal_flops_give_a_cheaper_variant_more_steps(comparison):
+  """dense trains config.num_train_steps; linformer as many steps as its
+  own FLOPs a step buy with dense's training FLOPs."""
+  _, (dense, linformer) = comparison
+  assert dense['steps'] == 4
+  assert linformer['gflop_per_step'] != dense['gflop_per_step']
+  assert linformer['steps'] == round(
+      4 * dense['gflop_per_step'] / linformer['gflop_per_step'])
+  assert linformer['steps'] != dense['steps']
+  assert linformer['train_gflop'] == pytest.approx(dense['train_gflop'],
+                                                   rel=0.5)
+
+
+def test_a_budget_of_seconds_times_each_variants_step():
+  costs = {'dense': {'step_ms': 30.0}, 'linear': {'step_ms': 10.0}}
+  assert compare_attention.budget_steps(costs, 100, 'dense', 'seconds') == {
+      'dense': 100, 'linear': 300}
+  assert compare_attention.budget_steps(costs, 100, 'linear', 'seconds',
+                                        per_call=4) == {'dense': 32,
+                                                        'linear': 100}
+  with pytest.raises(InputError, match='--budget=flops: the FLOPs of dense '
+                     'cannot be counted'):
+    compare_attention.budget_steps({'dense': {'gflop_per_step': None}}, 10,
+                                   'dense', 'flops')
+
+
 def test_compare_does_not_train_a_finished_variant_again(comparison,
                                                          data_dir,
                                                          monkeypatch):
@@ -70,7 +118,8 @@ def test_compare_does_not_train_a_finished_variant_again(comparison,
 
   monkeypatch.setattr(compare_attention, 'train_and_evaluate', refuse)
   again = compare_attention.compare(
-      config, ['dense'], workdir, lengths=[32, 16], timing_steps=1)
+      config, ['dense'], workdir, lengths=[32, 16], timing_steps=1, seeds=2,
+      budget='flops')
   assert again[0] == rows[0]
 
 
@@ -91,7 +140,7 @@ def test_compare_skips_a_variant_that_cannot_run_only_when_asked(
                       lambda *args: pytest.fail('trained again'))
   dense, local = compare_attention.compare(
       config, ['dense', 'local'], workdir, options=options, lengths=[32, 16],
-      timing_steps=1, skip_unrunnable=True)
+      timing_steps=1, skip_unrunnable=True, seeds=2, budget='flops')
   assert dense == rows[0]
   assert local['status'].startswith('skipped: config.model does not build')
 
@@ -108,7 +157,8 @@ def test_the_configs_own_attention_options_are_left_out_and_said(
   monkeypatch.setattr(compare_attention, 'train_and_evaluate',
                       lambda *args: pytest.fail('trained again'))
   dense, = compare_attention.compare(config, ['dense'], workdir,
-                                     lengths=[32, 16], timing_steps=1)
+                                     lengths=[32, 16], timing_steps=1,
+                                     seeds=2, budget='flops')
   assert dense == rows[0]
   assert ('config.model.attention_options (local.window=(8, 4)) '
           "belong to config.model.attention='local,local', which each "
@@ -124,7 +174,7 @@ def test_compare_refuses_a_config_no_variant_can_run(data_dir, tmp_path):
 
 
 def test_attention_maps_of_a_trained_checkpoint(comparison, monkeypatch):
-  workdir = os.path.join(comparison[0], 'dense')
+  workdir = os.path.join(comparison[0], 'dense', 'seed=0')
   drawn = {}
   draw = attention_maps.draw
   monkeypatch.setattr(attention_maps, 'draw', lambda layers, labels, path: (
@@ -138,12 +188,13 @@ def test_attention_maps_of_a_trained_checkpoint(comparison, monkeypatch):
   assert weights.shape == (2, len(labels), len(labels))
   np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
   with pytest.raises(InputError, match='exact softmax attention'):
-    attention_maps.attention_maps(os.path.join(comparison[0], 'linformer'),
-                                  example=0)
+    attention_maps.attention_maps(
+        os.path.join(comparison[0], 'linformer', 'seed=0'), example=0)
 
 
 def test_attention_weights_mask_padding(comparison):
-  config = trained_run.load_config(os.path.join(comparison[0], 'dense'))
+  config = trained_run.load_config(os.path.join(comparison[0], 'dense',
+                                                    'seed=0'))
   model = build(ModelConfig.from_mapping(config.model))
   params = steps.init_params(model, tasks.CLASSIFICATION, jax.random.key(0), 8)
   tokens = np.array([3, 4, 5, 6, 0, 0], np.int32)  # Two padding tokens.
@@ -156,7 +207,7 @@ def test_attention_weights_mask_padding(comparison):
 
 def test_a_scanned_stacks_maps_are_its_blocks_one_by_one(comparison):
   config = ModelConfig.from_mapping(trained_run.load_config(
-      os.path.join(comparison[0], 'dense')).model)
+      os.path.join(comparison[0], 'dense', 'seed=0')).model)
   plain = build(dataclasses.replace(config, num_layers=2))
   scanned = build(dataclasses.replace(config, num_layers=2,
                                       scan_layers=True))

@@ -11,6 +11,7 @@ shapes a step computes, so padding costs what it costs.
 """
 
 import functools
+import math
 import time
 from typing import Any
 
@@ -91,3 +92,38 @@ def peak_flops_per_s() -> float | None:
   if per_device is None or jax.devices()[0].platform == 'cpu':
     return per_device
   return per_device * jax.device_count()
+
+
+# Substrings of a primitive's name that mark a fused kernel, whose matmuls
+# the jaxpr does not show (cuDNN's: dot_product_attention_fwd, _bwd, ...).
+FUSED_PRIMITIVES = ('pallas', 'custom_call', 'dot_product_attention')
+
+
+def matmul_flops(jaxpr) -> float | None:
+  """FLOPs of the matmuls (dot_general) in `jaxpr` and the jaxprs inside
+  it, a scan's body counted once per step, a cond's costliest branch;
+  None where they cannot be counted from the jaxpr: a while loop (its
+  trip count) or a fused kernel (pallas_call, cuDNN's attention
+  primitives, or XLA's custom calls)."""
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == 'while' or any(kernel in name for kernel in FUSED_PRIMITIVES):
+      return None
+    if name == 'dot_general':
+      (contracting, _), _ = eqn.params['dimension_numbers']
+      lhs = eqn.invars[0].aval.shape
+      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(
+          lhs[i] for i in contracting)
+    inner = []
+    for param in eqn.params.values():
+      for value in param if isinstance(param, (tuple, list)) else [param]:
+        value = getattr(value, 'jaxpr', value)
+        if isinstance(value, jax.extend.core.Jaxpr):
+          inner.append(matmul_flops(value))
+    if None in inner:
+      return None
+    if inner:
+      steps = eqn.params.get('length', 1) if name == 'scan' else 1
+      total += steps * (max(inner) if name == 'cond' else sum(inner))
+  return total

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from model import ModelConfig, build
+from model import ModelConfig, attention, build
 from train.data import tasks
 from train.program import flops, steps
 
@@ -65,3 +65,32 @@ def test_a_token_goes_through_top_k_of_the_experts():
 
 def test_peak_of_a_cpu_is_its_measured_matmul_speed():
   assert flops.peak_flops_per_s() == flops.measured_matmul_flops_per_s() > 0
+
+
+def test_matmul_flops_count_dots_scan_steps_and_refuse_loops():
+  def count(fn, *shapes):
+    return flops.matmul_flops(jax.make_jaxpr(fn)(
+        *(jnp.ones(shape) for shape in shapes)).jaxpr)
+
+  assert count(lambda x, w: x @ w, (4, 8), (8, 16)) == 2 * 4 * 8 * 16
+  assert count(lambda a, b: jnp.einsum('bij,bjk->bik', a, b), (2, 4, 8),
+               (2, 8, 16)) == 2 * 2 * 4 * 8 * 16
+  # Inside jit, a scan's body once per step.
+  scanned = jax.jit(lambda x, w: jax.lax.scan(
+      lambda c, _: (c, c @ w), x, None, length=3)[1])
+  assert count(scanned, (4, 8), (8, 8)) == 3 * 2 * 4 * 8 * 8
+  looped = lambda x, w: jax.lax.while_loop(
+      lambda c: c[1] < 3, lambda c: (c[0] @ w, c[1] + 1), (x, 0))[0]
+  assert count(looped, (4, 8), (8, 8)) is None
+  # cuDNN's attention, a primitive whose matmuls the jaxpr does not show.
+  cudnn = jax.extend.core.Primitive('dot_product_attention_fwd')
+  cudnn.def_abstract_eval(lambda x: x)
+  assert count(lambda x, w: cudnn.bind(x @ w), (4, 8), (8, 8)) is None
+  # Causal linear attention, B 1, 2 heads of 8, 16 positions in one
+  # chunk: scores and their sum of values inside the chunk (2 C^2 H
+  # each), the chunk's state and the earlier chunks' (none, but computed)
+  # read by the queries (2 C H^2 each), and their denominator (2 C H).
+  q = jnp.ones((1, 16, 2, 8))
+  assert count(lambda q: attention.get('linear')(q, q, q, is_causal=True),
+               q.shape) == 2 * (2 * 2 * 16 * 16 * 8 + 2 * 2 * 16 * 8 * 8
+                                + 2 * 16 * 8)
