@@ -98,6 +98,6 @@ class DecoderLM(nn.Module):
 
 
 FAMILY = Family(
-    name='decoder_lm', module=DecoderLM, tasks=('lm',),
+    name='decoder_lm', module=DecoderLM, tasks=('lm', 'mqar'),
     attention_layers=lambda config: config.num_layers,
     memory=True, causal_stack=True)

@@ -8,7 +8,8 @@ import pathlib
 
 import tensorflow_datasets as tfds
 
-from configs import algorithmic, default, listops, lm1b, lm_stdlib, wmt14_ende
+from configs import algorithmic, default, listops, lm1b, lm_stdlib, mqar
+from configs import wmt14_ende
 from train.run import checkpointing
 
 
@@ -74,6 +75,17 @@ def tiny_config(name: str, data_dir: str):
                     seq_len=16)
     config.dataset_options.update(num_train=200, num_eval=20, max_length=8,
                                   long_max_length=12)
+    return config
+  if name == 'mqar':
+    # Two layers (recall takes a layer that finds the key's earlier place
+    # and one that reads the value after it) of 4-pair recall, which a
+    # dense model learns in a few hundred steps.
+    config = shrink(mqar.get_config('length=32,pairs=4'), data_dir,
+                    seq_len=32, batch_size=32, learning_rate=3e-3)
+    config.dataset_options.update(vocab_size=64, num_train=10_000,
+                                  num_eval=64)
+    config.model.update(vocab_size=64, d_model=64, num_layers=2,
+                        mlp_dim=128, position='rope')
     return config
   if name == 'listops':
     config = shrink(listops.get_config(), data_dir, seq_len=32)

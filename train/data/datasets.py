@@ -9,9 +9,12 @@ of three canonical forms, one per task (train/data/tasks.py), which
   seq2seq:         {'inputs': int32 [s], 'targets': int32 [t]}, each ending
                    with EOS_ID
   classification:  {'inputs': int32 [s], 'label': int}
+  mqar:            {'inputs': int32 [s], 'targets': int32 [s]}, a target
+                   where an answer is scored, else 0
 
 The embedded datasets (python_stdlib_bytes, text_files, algorithmic,
-listops) are built on first use into `config.data_dir`; the two text
+listops) are built on first use into `config.data_dir`, and mqar's
+examples are generated as they are read; the two text
 corpora are tokenized as bytes, or by `config.tokenizer` (a Hugging Face
 tokenizer.json). lm1b and translation datasets must have
 been prepared there beforehand (see `not_prepared_message`).
@@ -34,7 +37,8 @@ import tensorflow_datasets as tfds
 from train.base import hosts, quiet, storage
 from train.base.errors import InputError, did_you_mean
 from train.base.train_config import TrainConfig
-from train.data import algorithmic, builder_config, integrity, listops, stdlib
+from train.data import algorithmic, builder_config, integrity, listops, mqar
+from train.data import stdlib
 from train.data import tasks, tokenizers
 
 
@@ -254,6 +258,20 @@ def load_listops(config: TrainConfig, data_dir: str,
                  num_classes=listops.NUM_CLASSES)
 
 
+def load_mqar(config: TrainConfig, data_dir: str, workdir: str) -> Dataset:
+  """Multi-query associative recall, generated from its options (nothing
+  is written to data_dir)."""
+  del data_dir, workdir
+  options = _options(config)
+  try:
+    recall = mqar.MqarConfig(**options)
+  except ValueError as error:  # MqarConfig's own check: 'key=value ...'.
+    raise InputError(f'config.dataset_options.{error}') from None
+  splits = {split: grain.MapDataset.source(mqar.Examples(recall, split))
+            for split in mqar.SPLITS}
+  return Dataset(tasks.MQAR, splits, recall.vocab_size)
+
+
 def _how_to_prepare(name: str, data_dir: str) -> str:
   return ('prepare it on a machine with network access (TensorFlow is '
           'needed for this step only):\n'
@@ -372,6 +390,8 @@ LOADERS = {
                     builder_config.options_of(algorithmic.AlgorithmicConfig)),
     'listops': (tasks.CLASSIFICATION, load_listops,
                 builder_config.options_of(listops.ListOpsConfig)),
+    'mqar': (tasks.MQAR, load_mqar,
+             builder_config.options_of(mqar.MqarConfig)),
     'lm1b': (tasks.LM, load_lm1b, {}),
     'wmt14_translate/de-en': (tasks.SEQ2SEQ, load_translation,
                               {'source_language': str,

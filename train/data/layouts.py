@@ -23,7 +23,8 @@ A packed row is first-fit packed among packing.PACKING_BINS rows of its
 stream.
 Shuffling is by document, or window by window for a corpus held in memory
 (`Dataset.shuffle_windows`), so that a batch mixes many documents.
-Sequence-to-sequence and classification examples are one a row, padded;
+Sequence-to-sequence, classification and recall examples are one a row,
+padded;
 those longer than L are left out rather than truncated, which would change
 their meaning.
 """
@@ -291,6 +292,15 @@ def classification_row(example, seq_len: int) -> dict[str, np.ndarray]:
   return {'inputs': _pad_to(example['inputs'], seq_len),
           'targets': np.int32(example['label']),
           'weights': np.float32(1.0)}
+
+
+def recall_row(example, seq_len: int) -> dict[str, np.ndarray]:
+  """A recall example's row: scored where its target is given (not 0)."""
+  targets = _pad_to(example['targets'], seq_len)
+  return {'inputs': _pad_to(example['inputs'], seq_len),
+          'targets': targets,
+          'positions': np.arange(seq_len, dtype=np.int32),
+          'weights': (targets > 0).astype(np.float32)}
 
 
 def _fits(example, seq_len: int) -> bool:

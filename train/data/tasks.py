@@ -11,12 +11,15 @@ testing its name.
                   match); decoded by beam search with config.decode_splits
                   and train.translate
   classification  one class of a sequence
+  mqar            the values of keys asked again (multi-query associative
+                  recall), read causally and scored on the answers alone
 
 Batches (see train/data/pipeline.py) are dicts of arrays [b, L]:
   lm:             inputs, targets, positions, weights, and segment_ids
                   when rows are packed
   seq2seq:        inputs, decoder_inputs, targets, weights
   classification: inputs [b, L]; targets, weights [b]
+  mqar:           inputs, targets, positions, weights (1 on the answers)
 """
 
 from collections.abc import Sequence
@@ -232,7 +235,30 @@ class Classification(Task):
     return layouts.classification_row(example, seq_len)
 
 
+class AssociativeRecall(Task):
+  """A causal model's next tokens, scored where a target is given (the
+  answers); its quality is the accuracy of those answers."""
+
+  name = 'mqar'
+
+  def model_args(self, batch):
+    return batch['inputs'], batch['positions'], None
+
+  def synthetic_batch(self, config: TrainConfig, seed=0):
+    rng = np.random.default_rng(seed)
+    shape = (config.batch_size, config.seq_len)
+    return {'inputs': _random_tokens(config, rng),
+            'targets': _random_tokens(config, rng),
+            'weights': (rng.random(shape) < 0.25).astype(np.float32),
+            'positions': np.broadcast_to(
+                np.arange(config.seq_len, dtype=np.int32), shape).copy()}
+
+  def _row(self, example, seq_len):
+    return layouts.recall_row(example, seq_len)
+
+
 LM = LanguageModelling()
 SEQ2SEQ = SequenceToSequence()
 CLASSIFICATION = Classification()
-TASKS = {task.name: task for task in (LM, SEQ2SEQ, CLASSIFICATION)}
+MQAR = AssociativeRecall()
+TASKS = {task.name: task for task in (LM, SEQ2SEQ, CLASSIFICATION, MQAR)}
