@@ -11,10 +11,12 @@ from model import logical_axes
 from model.config import ModelConfig
 from model.layers import MultiHeadAttention, Mlp, make_norm
 from model.moe import MoeMlp
-from model.state import Cache, KeysValues
+from model.state import Cache, KeysValues, RecurrentState
 from model.weight_decay import undecayed
 
 Array = jax.Array
+# One self-attention layer's decoding cache.
+LayerCache = KeysValues | RecurrentState
 
 # What config.model.remat keeps of a block for the backward pass: nothing
 # but its inputs (None: jax.checkpoint's default), or the matmul outputs.
@@ -94,11 +96,11 @@ class TransformerBlock(nn.Module):
 
   def __call__(self, x_BxTxD: Array, inputs: BlockInputs,
                memory_BxMxD: Array | None = None,
-               cache: KeysValues | None = None,
+               cache: LayerCache | None = None,
                source: KeysValues | None = None,
                first_values_BxSxKxH: Array | None = None,
                value_embedding_BxTxKxH: Array | None = None
-               ) -> tuple[Array, KeysValues | None, Array]:
+               ) -> tuple[Array, LayerCache | None, Array]:
     """(output [B, T, D], self-attention's cache after it or None, the
     values self-attention attended with for this call's positions).
 
@@ -212,24 +214,24 @@ def _run(blocks, x_BxTxD: Array, inputs: BlockInputs,
   return x_BxTxD, block_inputs, new_caches, first_values_BxSxKxH
 
 
-def _unmarked(cache: KeysValues | None) -> KeysValues | None:
-  """One block's keys and values as the loop slices them from stacked ones:
-  no longer stacked."""
+def _unmarked(cache: LayerCache | None) -> LayerCache | None:
+  """One block's cache as the loop slices it from stacked ones: no longer
+  stacked."""
   return None if cache is None else cache.replace(stacked=False)
 
 
-def _group_of(stacked: KeysValues, group: Array) -> KeysValues:
-  """Group `group`'s entry of stacked keys and values."""
+def _group_of(stacked: LayerCache, group: Array) -> LayerCache:
+  """Group `group`'s entry of a stacked cache (keys and values, or a
+  recurrent state)."""
   take = lambda x: jax.lax.dynamic_index_in_dim(x, group, keepdims=False)
-  return KeysValues(take(stacked.key), take(stacked.value))
+  return jax.tree.map(take, stacked).replace(stacked=False)
 
 
-def _written(stacked: KeysValues, entry: KeysValues,
-             group: Array) -> KeysValues:
-  """Stacked keys and values with group `group`'s entry replaced."""
+def _written(stacked: LayerCache, entry: LayerCache,
+             group: Array) -> LayerCache:
+  """A stacked cache with group `group`'s entry replaced."""
   put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, group, 0)
-  return KeysValues(put(stacked.key, entry.key),
-                    put(stacked.value, entry.value), stacked=True)
+  return jax.tree.map(put, stacked, entry.replace(stacked=True))
 
 
 class BlockGroup(nn.Module):

@@ -14,7 +14,7 @@ from model import activations, attention, logical_axes, positions
 from model.attention import fused
 from model.attention import options as variant_options
 from model.config import ModelConfig
-from model.state import KeysValues
+from model.state import KeysValues, RecurrentState
 from model.weight_decay import undecayed
 
 Array = jax.Array
@@ -156,11 +156,11 @@ class MultiHeadAttention(nn.Module):
                *, mask: Array | None = None,
                q_positions_BxT: Array | None = None,
                kv_positions_BxS: Array | None = None,
-               cache: KeysValues | None = None,
+               cache: KeysValues | RecurrentState | None = None,
                first_values_BxSxKxH: Array | None = None,
                value_embedding_BxSxKxH: Array | None = None,
                deterministic: bool = True
-               ) -> tuple[Array, KeysValues | None, Array]:
+               ) -> tuple[Array, KeysValues | RecurrentState | None, Array]:
     """(attention output [B, T, D], the cache after it or None, the values
     [B, S, K, H] of this call's keys); positions are needed by relative
     schemes (self-attention only). A layer that `adds_value_embedding`
@@ -172,7 +172,10 @@ class MultiHeadAttention(nn.Module):
     values of positions 0..C-1 written so far. This call's keys and values
     are written at `q_positions_BxT`, each query attends to the cached
     positions up to its own, and the cache with them is returned: a prompt
-    of any length is read in one call, then one token a call.
+    of any length is read in one call, then one token a call. A recurrent
+    attention's cache is its state instead (model.state.RecurrentState),
+    read and returned after this call's positions. With a cache, `mask` is
+    None or [B, 1, 1, T], False at the padding of right-padded prompts.
 
     With a `cache` for cross-attention: the source's keys and values
     (`source_keys_values`; `inputs_kv_BxSxD` is not read), returned as
@@ -210,10 +213,20 @@ class MultiHeadAttention(nn.Module):
       if not variant.reads_cache:
         raise ValueError(
             f'config.model.attention={config.attention!r} cannot read a cache '
-            '(cached decoding needs dense, chunked, additive or local '
-            'attention).')
+            '(train/decode/decoding.py\'s cache_refusal says which can).')
+      if isinstance(cache, RecurrentState):
+        # The call's padding (`mask`, a right-padded prompt's) leaves the
+        # state as it was.
+        with fused.caller(self.path), jax.named_scope(ATTENTION_SCOPE):
+          out_BxTxNxH, state = variant.fn(
+              q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, None, mask, is_causal=True,
+              state=cache.state, **kwargs)
+        return (self._out(out_BxTxNxH), cache.replace(state=state),
+                new_values_BxSxKxH)
       if 'kernel' in kwargs:  # No fused kernel reads a cache.
         kwargs['kernel'] = 'auto'
+      # The call's padding is written too, and overwritten by the tokens
+      # that follow before any query reads it.
       cache = _write(cache, k_BxSxKxH, v_BxSxKxH, q_positions_BxT)
       k_BxSxKxH, v_BxSxKxH = cache.key, cache.value
       kv_positions_BxS = jnp.broadcast_to(
@@ -225,7 +238,7 @@ class MultiHeadAttention(nn.Module):
         written &= variant.cache_pattern(**kwargs)(q_positions, kv_positions)
         variant, kwargs = attention.spec('dense'), {
             key: value for key, value in kwargs.items() if key == 'scale'}
-      mask = written if mask is None else mask & written
+      mask = written
     bias = None
     if not self.cross and self.scheme.bias:
       bias = self.scheme.bias(

@@ -11,6 +11,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from model import attention
 from model.config import ModelConfig
 
 Array = jax.Array
@@ -29,19 +30,36 @@ class KeysValues:
 
 
 @flax.struct.dataclass
+class RecurrentState:
+  """A recurrent attention's state (model/attention/recurrence.py) after
+  the positions read so far, float32 [B, N, H, H] (each query head's key
+  dims by value dims): what decoding carries in place of keys and values,
+  of the same size however many positions it has read."""
+
+  state: Array
+  # As KeysValues.stacked: [n, B, N, H, H] under a scanned stack.
+  stacked: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+def _is_layer_cache(node) -> bool:
+  return isinstance(node, (KeysValues, RecurrentState))
+
+
+@flax.struct.dataclass
 class Cache:
-  """A decoder's cache, a KeysValues per layer (under scan_layers: per
-  block run before the loop, then per block of the group the loop repeats,
-  stacked over the groups). `self_attention`: the keys
-  and values of the positions written so far, [B, C, ...] for C positions
-  (decoding writes one position in place a call); `cross_attention`: the
+  """A decoder's cache, a KeysValues per layer, or a RecurrentState for a
+  layer whose attention carries one (under scan_layers: per block run
+  before the loop, then per block of the group the loop repeats, stacked
+  over the groups). `self_attention`: the keys and values of the positions
+  written so far, [B, C, ...] for C positions (decoding writes one
+  position in place a call), or the state after them; `cross_attention`: the
   source's, projected once (EncoderDecoder.start_decoding) and read by
   every beam of a source, never copied. Each decoding step puts the
   source's half in and takes it out again, so that the cache a decoding
   loop carries (and beam search copies per beam) holds None there, as a
   decoder without cross-attention does."""
 
-  self_attention: tuple[KeysValues, ...]
+  self_attention: tuple[KeysValues | RecurrentState, ...]
   cross_attention: tuple[KeysValues, ...] | None = None
   # The embeddings [B, C, D] written so far, each read by the next
   # position's smear (config.smear); None without smear.
@@ -58,33 +76,39 @@ class Cache:
     if not config.attention_projections:  # The inputs themselves, one head.
       shape = (batch_size, length, 1, config.d_model)
 
-    def zeros(*groups):
+    def zeros(layer, *groups):
+      if attention.spec(config.for_layer(layer).attention).carries_state:
+        return RecurrentState(
+            jnp.zeros(groups + (batch_size, config.num_heads,
+                                config.head_dim, config.head_dim),
+                      jnp.float32), stacked=bool(groups))
       return KeysValues(jnp.zeros(groups + shape, config.compute_dtype),
                         jnp.zeros(groups + shape, config.compute_dtype),
                         stacked=bool(groups))
     embeddings = (jnp.zeros((batch_size, length, config.d_model),
                             config.compute_dtype) if config.smear else None)
     if not config.scan_layers:
-      return cls(tuple(zeros() for _ in range(config.num_layers)),
+      return cls(tuple(zeros(layer) for layer in range(config.num_layers)),
                  embeddings=embeddings)
     start, group = config.scan_start, config.scan_group
     count = (config.num_layers - start) // group
-    return cls(tuple(zeros() for _ in range(start))
-               + tuple(zeros(count) for _ in range(group)),
+    return cls(tuple(zeros(layer) for layer in range(start))
+               + tuple(zeros(start + j, count) for j in range(group)),
                embeddings=embeddings)
 
 
 def map_rows(fn: Callable[[Array, int], Array], cache: Any) -> Any:
   """`fn(array, axis)` applied to each array of a decoding cache (a Cache,
   or a recurrent model's state), `axis` the one its rows are on: the
-  second of stacked keys and values, else the first."""
+  second of a scanned stack's stacked arrays, else the first."""
   def apply(node):
     if isinstance(node, KeysValues):
       axis = 1 if node.stacked else 0
       return node.replace(key=fn(node.key, axis), value=fn(node.value, axis))
+    if isinstance(node, RecurrentState):
+      return node.replace(state=fn(node.state, 1 if node.stacked else 0))
     return fn(node, 0)
-  return jax.tree.map(apply, cache,
-                      is_leaf=lambda node: isinstance(node, KeysValues))
+  return jax.tree.map(apply, cache, is_leaf=_is_layer_cache)
 
 
 @flax.struct.dataclass

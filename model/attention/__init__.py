@@ -71,6 +71,11 @@ class Variant:
   reads_inputs: bool = False
   # Causal only (is_causal=True always): a recurrence over the positions.
   causal_only: bool = False
+  # Decoding carries a recurrent state (model.state.RecurrentState) in
+  # place of keys and values: fn takes `state` [B, N, H, H], the state
+  # before the call's first position, and then returns (out, the state
+  # after its last).
+  carries_state: bool = False
 
   @property
   def packs(self) -> bool:
@@ -79,11 +84,11 @@ class Variant:
 
   @property
   def reads_cache(self) -> bool:
-    """Decoding with a key/value cache: queries after more keys, under a
-    mask saying which cache positions are written (and its cache_pattern
-    where it has one)."""
+    """Decoding with a cache: of keys and values (queries after more keys,
+    under a mask saying which cache positions are written, and its
+    cache_pattern where it has one), or of a recurrent state."""
     return (self.longer_keys and self.masks == 'any') or (
-        self.cache_pattern is not None)
+        self.cache_pattern is not None) or self.carries_state
 
 
 _REGISTRY: dict[str, Variant] = {
@@ -125,7 +130,8 @@ _REGISTRY: dict[str, Variant] = {
                         dot_product=False, parameters=additive.parameters),
     **{name: Variant(fn, causal=True, masks='segments', bias=False,
                      dropout=False, self_only=True, parameters=parameters,
-                     reads_inputs=parameters is not None, causal_only=True)
+                     reads_inputs=parameters is not None, causal_only=True,
+                     carries_state=True)
        for name, fn, parameters in (
            ('retnet', gated.retnet_attention, None),
            ('mamba2', gated.mamba2_attention, gated.ssm_parameters),

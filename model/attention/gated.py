@@ -73,12 +73,16 @@ def recurrent_attention(name: str, query: Array, key: Array, value: Array,
                         is_causal: bool, log_gate: Array,
                         beta: Array | None = None, unit_keys: bool = False,
                         key_scale: Array | None = None,
-                        chunk_size: int | None = None) -> Array:
+                        chunk_size: int | None = None,
+                        state: Array | None = None
+                        ) -> Array | tuple[Array, Array]:
   """Attention `name` as a causal recurrence on the dense signature:
   query [B, T, N, H], key and value [B, T, K, H]; log_gate [B, T, N, G]
   (G = 1 or H), beta [B, T, N] (the delta rule) or None, key_scale
   [B, T, N] (a factor on each query head's keys) or None; queries and keys
-  L2-normalised where `unit_keys`. Out [B, T, N, H] in query's dtype."""
+  L2-normalised where `unit_keys`. Out [B, T, N, H] in query's dtype; with
+  `state` [B, N, H, H] (float32, the state before the first position, as
+  decoding carries it), (out, the state after the last position)."""
   core.check_inputs(query, key, value, bias, mask)
   if bias is not None:
     raise ValueError(f'{name} attention cannot add a bias to logits it never '
@@ -108,10 +112,15 @@ def recurrent_attention(name: str, query: Array, key: Array, value: Array,
     k = jnp.where(keep[..., None], k, 0.0)
     g = jnp.where(keep[..., None], g, 0.0)
     b = None if b is None else jnp.where(keep, b, 0.0)
-  chunk = kernel.default_chunk_size() if chunk_size is None else chunk_size
-  out, _ = recurrence.chunked(q, k, v, g, b, starts=starts, chunk=chunk)
+  if length == 1 and starts is None:  # A decoding step.
+    out, final = recurrence.steps(q, k, v, g, b, initial=state)
+  else:
+    chunk = kernel.default_chunk_size() if chunk_size is None else chunk_size
+    out, final = recurrence.chunked(q, k, v, g, b, starts=starts,
+                                    initial=state, chunk=chunk)
   out = out * jax.lax.rsqrt(jnp.mean(out * out, -1, keepdims=True) + 1e-6)
-  return jnp.swapaxes(out, 1, 2).astype(query.dtype)
+  out = jnp.swapaxes(out, 1, 2).astype(query.dtype)
+  return out if state is None else (out, final)
 
 
 def _projected(inputs: Array, kernel_DxN: Array) -> Array:
@@ -128,18 +137,23 @@ def retention_log_decays(num_heads: int) -> Array:
 def retnet_attention(query: Array, key: Array, value: Array,
                      bias: Array | None = None, mask=None, *,
                      scale: float | None = None, is_causal: bool = False,
-                     chunk_size: int | None = None) -> Array:
+                     chunk_size: int | None = None,
+                     state: Array | None = None
+                     ) -> Array | tuple[Array, Array]:
   """Retention (Sun et al. 2023): a fixed decay per head, no parameters.
 
   Args:
     chunk_size: positions per chunk (default kernel.default_chunk_size()).
+    state: decoding's state before the first position [B, N, H, H]; given,
+      the return is (out, the state after the last position).
   """
   heads = query.shape[2]
   log_gate = jnp.broadcast_to(retention_log_decays(heads)[:, None],
                               (*query.shape[:2], heads, 1))
   return recurrent_attention('retnet', query, key, value, bias, mask,
                              scale=scale, is_causal=is_causal,
-                             log_gate=log_gate, chunk_size=chunk_size)
+                             log_gate=log_gate, chunk_size=chunk_size,
+                             state=state)
 
 
 def _ssm_log_gate(inputs: Array, dt_kernel: Array, dt_bias: Array,
@@ -155,7 +169,9 @@ def mamba2_attention(query: Array, key: Array, value: Array,
                      bias: Array | None = None, mask=None, *,
                      scale: float | None = None, is_causal: bool = False,
                      inputs: Array, dt_kernel: Array, dt_bias: Array,
-                     a_log: Array, chunk_size: int | None = None) -> Array:
+                     a_log: Array, chunk_size: int | None = None,
+                     state: Array | None = None
+                     ) -> Array | tuple[Array, Array]:
   """Mamba-2's SSD (Dao & Gu 2024) on queries (C), keys (B) and values
   (x): S_t = a_t S_{t-1} + dt_t k_t v_t^T, a scalar decay per head.
 
@@ -163,12 +179,14 @@ def mamba2_attention(query: Array, key: Array, value: Array,
     inputs: the layer's input x [B, T, D].
     dt_kernel, dt_bias, a_log: [D, N], [N], [N] (see ssm_parameters).
     chunk_size: positions per chunk (default kernel.default_chunk_size()).
+    state: decoding's state before the first position [B, N, H, H]; given,
+      the return is (out, the state after the last position).
   """
   log_gate, dt = _ssm_log_gate(inputs, dt_kernel, dt_bias, a_log)
   return recurrent_attention('mamba2', query, key, value, bias, mask,
                              scale=scale, is_causal=is_causal,
                              log_gate=log_gate, key_scale=dt,
-                             chunk_size=chunk_size)
+                             chunk_size=chunk_size, state=state)
 
 
 def gla_attention(query: Array, key: Array, value: Array,
@@ -176,7 +194,8 @@ def gla_attention(query: Array, key: Array, value: Array,
                   scale: float | None = None, is_causal: bool = False,
                   inputs: Array, gate_down: Array, gate_up: Array,
                   gate_bias: Array, gate_temperature: float = 16.0,
-                  chunk_size: int | None = None) -> Array:
+                  chunk_size: int | None = None,
+                  state: Array | None = None) -> Array | tuple[Array, Array]:
   """Gated linear attention (Yang et al. 2024): a decay per key dim,
   log a_t = logsigmoid(x W_down W_up + c) / gate_temperature, a low-rank
   gate.
@@ -188,6 +207,8 @@ def gla_attention(query: Array, key: Array, value: Array,
     gate_temperature: the divisor of the log gate (16 in the paper: gates
       near 1 at the start).
     chunk_size: positions per chunk (default kernel.default_chunk_size()).
+    state: decoding's state before the first position [B, N, H, H]; given,
+      the return is (out, the state after the last position).
   """
   if gate_temperature <= 0:
     raise ValueError(f'gate_temperature={gate_temperature} must be positive.')
@@ -197,14 +218,17 @@ def gla_attention(query: Array, key: Array, value: Array,
       logits + gate_bias.astype(jnp.float32)) / gate_temperature
   return recurrent_attention('gla', query, key, value, bias, mask,
                              scale=scale, is_causal=is_causal,
-                             log_gate=log_gate, chunk_size=chunk_size)
+                             log_gate=log_gate, chunk_size=chunk_size,
+                             state=state)
 
 
 def deltanet_attention(query: Array, key: Array, value: Array,
                        bias: Array | None = None, mask=None, *,
                        scale: float | None = None, is_causal: bool = False,
                        inputs: Array, beta_kernel: Array,
-                       chunk_size: int | None = None) -> Array:
+                       chunk_size: int | None = None,
+                       state: Array | None = None
+                       ) -> Array | tuple[Array, Array]:
   """DeltaNet (Schlag et al. 2021; Yang et al. 2024): the delta rule
   S_t = (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, b_t = sigmoid(x w).
 
@@ -212,13 +236,15 @@ def deltanet_attention(query: Array, key: Array, value: Array,
     inputs: the layer's input x [B, T, D].
     beta_kernel: w [D, N].
     chunk_size: positions per chunk (default kernel.default_chunk_size()).
+    state: decoding's state before the first position [B, N, H, H]; given,
+      the return is (out, the state after the last position).
   """
   log_gate = jnp.zeros((*query.shape[:3], 1), jnp.float32)
   return recurrent_attention(
       'deltanet', query, key, value, bias, mask, scale=scale,
       is_causal=is_causal, log_gate=log_gate,
       beta=jax.nn.sigmoid(_projected(inputs, beta_kernel)), unit_keys=True,
-      chunk_size=chunk_size)
+      chunk_size=chunk_size, state=state)
 
 
 def gated_deltanet_attention(query: Array, key: Array, value: Array,
@@ -227,7 +253,9 @@ def gated_deltanet_attention(query: Array, key: Array, value: Array,
                              is_causal: bool = False, inputs: Array,
                              beta_kernel: Array, dt_kernel: Array,
                              dt_bias: Array, a_log: Array,
-                             chunk_size: int | None = None) -> Array:
+                             chunk_size: int | None = None,
+                             state: Array | None = None
+                             ) -> Array | tuple[Array, Array]:
   """Gated DeltaNet (Yang, Kautz & Hatamizadeh 2025): the delta rule under
   Mamba-2's decay, S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T.
 
@@ -235,13 +263,15 @@ def gated_deltanet_attention(query: Array, key: Array, value: Array,
     inputs: the layer's input x [B, T, D].
     beta_kernel: [D, N]; dt_kernel, dt_bias, a_log: [D, N], [N], [N].
     chunk_size: positions per chunk (default kernel.default_chunk_size()).
+    state: decoding's state before the first position [B, N, H, H]; given,
+      the return is (out, the state after the last position).
   """
   log_gate, _ = _ssm_log_gate(inputs, dt_kernel, dt_bias, a_log)
   return recurrent_attention(
       'gated_deltanet', query, key, value, bias, mask, scale=scale,
       is_causal=is_causal, log_gate=log_gate,
       beta=jax.nn.sigmoid(_projected(inputs, beta_kernel)), unit_keys=True,
-      chunk_size=chunk_size)
+      chunk_size=chunk_size, state=state)
 
 
 def _uniform(low: float, high: float):

@@ -13,8 +13,10 @@ import flax.linen as nn
 
 from model import attention
 
-# Keyword arguments MultiHeadAttention sets itself, never options.
-_SET_BY_THE_MODEL = frozenset({'is_causal', 'dropout_rate', 'dropout_rng'})
+# Keyword arguments MultiHeadAttention sets itself, never options (state:
+# a recurrence's, while decoding).
+_SET_BY_THE_MODEL = frozenset({'is_causal', 'dropout_rate', 'dropout_rng',
+                               'state'})
 
 
 def _keyword_options(fn: Callable[..., Any]) -> dict[str, type]:

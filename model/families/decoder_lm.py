@@ -27,7 +27,8 @@ class DecoderLM(nn.Module):
   def __call__(self, tokens_BxT: Array, positions_BxT: Array | None = None,
                segment_ids_BxT: Array | None = None, *,
                memory: Memory | None = None, cache: Cache | None = None,
-               deterministic: bool = True, readout: bool = False
+               valid_BxT: Array | None = None, deterministic: bool = True,
+               readout: bool = False
                ) -> tuple[Array | Readout, Memory | Cache | None]:
     """(logits, state). With `readout`, a `Readout` of the logits in their
     place, for a loss that computes them a block at a time.
@@ -39,7 +40,8 @@ class DecoderLM(nn.Module):
     memory after it: the last config.memory_length positions, with no
     gradient. With a `cache` (Cache.empty), the tokens are read at
     `positions_BxT` after those the cache holds, and the state is the cache
-    with them.
+    with them; `valid_BxT`, False at the padding of right-padded prompts
+    (None: none), keeps a recurrent state from reading it.
     """
     if positions_BxT is None:
       positions_BxT = default_positions(tokens_BxT)
@@ -58,8 +60,10 @@ class DecoderLM(nn.Module):
     decoder = TransformerStack(config, causal=True, cross=False,
                                name='decoder')
     if cache is not None:
+      padding = None if valid_BxT is None else valid_BxT[:, None, None, :]
       x_BxTxD, cache = decoder(
-          x_BxTxD, BlockInputs(positions_BxT, deterministic=deterministic),
+          x_BxTxD, BlockInputs(positions_BxT, padding,
+                               deterministic=deterministic),
           cache=cache, value_embeddings=value_embeddings)
       if config.smear:
         cache = cache.replace(embeddings=written_BxCxD)

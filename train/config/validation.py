@@ -185,7 +185,7 @@ def _attention_problems(config: TrainConfig, task: Task,
   if task.continues_text and config.sample_length and refusal:
     problems.append(
         f'config.sample_length={config.sample_length} samples with a '
-        f'key/value cache, and {refusal}; set it to 0.')
+        f'cache, and {refusal}; set it to 0.')
   return list(dict.fromkeys(problems))  # A pattern repeats its layers.
 
 
@@ -221,7 +221,7 @@ def _kernel_option_problems(config: TrainConfig,
 
 def _check_decode_splits(config: TrainConfig, task: Task) -> None:
   """Decoding at each evaluation: split names, of a sequence-to-sequence
-  dataset, with an attention that reads a key/value cache."""
+  dataset, with attentions that decode with a cache."""
   splits = config.decode_splits
   if not splits:
     return
@@ -231,8 +231,8 @@ def _check_decode_splits(config: TrainConfig, task: Task) -> None:
           f'{config.dataset!r} is {task.name}; set it to ().')
   refusal = decoding.cache_refusal(config.model)
   if refusal:
-    _fail(f'config.decode_splits={tuple(splits)!r} decodes with a key/value '
-          f'cache, and {refusal}.')
+    _fail(f'config.decode_splits={tuple(splits)!r} decodes with a cache, '
+          f'and {refusal}.')
 
 
 def warnings_of(config: TrainConfig) -> list[str]:

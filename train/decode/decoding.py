@@ -1,12 +1,17 @@
-"""Decoding with a key/value cache: the prompts in one call, then one token
-a call, inside `lax.while_loop` (no Python loop per token).
+"""Decoding with a cache (keys and values, or a recurrent state): the
+prompts in one call, then one token a call, inside `lax.while_loop` (no
+Python loop per token).
 
-A model is seen through `step(tokens_BxT, positions_BxT, cache) ->
-(logits_BxTxV, cache)`: a DecoderLM, or a sequence-to-sequence family's
-decoding step with its sources bound (see `lm_step`, `seq2seq_step`; an
-RnnAttention's "cache" is its recurrent state). Prompts are
-right-padded to a common length and each example continues after its own
-(`prompt_lengths_B`), so examples of different lengths share a batch.
+A model is seen through `step(tokens_BxT, positions_BxT, cache,
+valid_BxT=None) -> (logits_BxTxV, cache)`: a DecoderLM, or a
+sequence-to-sequence family's decoding step with its sources bound (see
+`lm_step`, `seq2seq_step`; an RnnAttention's "cache" is its recurrent
+state). Prompts are right-padded to a common length and each example
+continues after its own (`prompt_lengths_B`), so examples of different
+lengths share a batch: the prompts' call says which of its tokens are
+padding (`valid_BxT`), which a recurrent attention's state must not read
+(keys and values written there are overwritten before anything reads
+them).
 """
 
 from collections.abc import Callable
@@ -23,19 +28,20 @@ Array = jax.Array
 # What a step carries from call to call, rows first: a model.state.Cache,
 # or an RNN decoder's state (RnnAttention.start).
 Cache = Any
-Step = Callable[[Array, Array, Cache], tuple[Array, Cache]]
+Step = Callable[..., tuple[Array, Cache]]
 
 
 def cache_refusal(model_config: ModelConfig) -> str | None:
   """Why this module cannot decode the model (None: it can): a
-  self-attention that cannot read a key/value cache."""
+  self-attention that reads neither a key/value cache nor a recurrent
+  state."""
   for layer_config in model_config.layer_configs():
     if not attention.spec(layer_config.attention).reads_cache:
       *others, last = [name for name in attention.names()
                        if attention.spec(name).reads_cache]
       readers = f'{", ".join(others)} and {last}' if others else last
       return (f'config.model.attention={layer_config.attention!r} cannot '
-              f'read a key/value cache ({readers} can)')
+              f'decode with a cache ({readers} can)')
   return None
 
 
@@ -50,9 +56,10 @@ def _only_known(logits_BxTxV: Array, vocab_size: int | None) -> Array:
 
 def lm_step(model: nn.Module, params, vocab_size: int | None = None) -> Step:
   """The step of a DecoderLM, choosing among ids below `vocab_size`."""
-  def step(tokens_BxT, positions_BxT, cache):
+  def step(tokens_BxT, positions_BxT, cache, valid_BxT=None):
     logits_BxTxV, cache = model.apply({'params': params}, tokens_BxT,
-                                      positions_BxT, cache=cache)
+                                      positions_BxT, cache=cache,
+                                      valid_BxT=valid_BxT)
     return _only_known(logits_BxTxV, vocab_size), cache
   return step
 
@@ -72,7 +79,8 @@ def seq2seq_step(model: nn.Module, params, inputs_BxS: Array, length: int,
   source, cache = model.apply(variables, inputs_BxS, length,
                               method='start_decoding')
 
-  def step(tokens_BxT, positions_BxT, cache):
+  def step(tokens_BxT, positions_BxT, cache, valid_BxT=None):
+    del valid_BxT  # Its decoder's prompts are one token each.
     logits_BxTxV, cache = model.apply(
         variables, source, inputs_BxS, tokens_BxT, positions_BxT, cache,
         method='decoding_step')
@@ -148,16 +156,26 @@ def sample(step: Step, cache: Cache, prompts_BxP: Array,
                  top_k=top_k, top_p=top_p, eos_id=eos_id)[0]
 
 
+def _read_prompts(step: Step, cache: Cache, prompts_BxP: Array,
+                  prompt_lengths_B: Array) -> tuple[Array, Cache]:
+  """(the logits after each row's last prompt token [B, V], the cache
+  after the prompts), in one call."""
+  batch, prompt_len = prompts_BxP.shape
+  positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), prompts_BxP.shape)
+  logits_BxPxV, cache = step(prompts_BxP, positions_BxP, cache,
+                             positions_BxP < prompt_lengths_B[:, None])
+  # Each example's next token follows its own last prompt token.
+  return logits_BxPxV[jnp.arange(batch), prompt_lengths_B - 1], cache
+
+
 def _decode(step: Step, cache: Cache, prompts_BxP: Array,
             prompt_lengths_B: Array, *, num_tokens: int, rng: Array,
             eos_id: int | None, **choice) -> tuple[Array, Array, Array]:
   """`sample`'s tokens [B, num_tokens], the log-probability the model gives
   each row's tokens up to and including EOS [B], and their number [B]."""
-  batch, prompt_len = prompts_BxP.shape
-  positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), prompts_BxP.shape)
-  logits_BxPxV, cache = step(prompts_BxP, positions_BxP, cache)
-  # Each example's next token follows its own last prompt token.
-  logits_BxV = logits_BxPxV[jnp.arange(batch), prompt_lengths_B - 1]
+  batch = prompts_BxP.shape[0]
+  logits_BxV, cache = _read_prompts(step, cache, prompts_BxP,
+                                    prompt_lengths_B)
 
   def not_done(carry):
     t, _, _, _, finished_B, _, _ = carry
@@ -234,11 +252,10 @@ def beam_search(step: Step, cache: Cache, prompts_BxP: Array,
         rng=jax.random.key(0), temperature=0.0, eos_id=eos_id)
     return (tokens_BxN[:, None],
             (logp_B / length_penalty(length_B, alpha))[:, None])
-  batch, prompt_len = prompts_BxP.shape
+  batch = prompts_BxP.shape[0]
   k = beam_size
-  positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), prompts_BxP.shape)
-  logits_BxPxV, cache = step(prompts_BxP, positions_BxP, cache)
-  logits_BxV = logits_BxPxV[jnp.arange(batch), prompt_lengths_B - 1]
+  logits_BxV, cache = _read_prompts(step, cache, prompts_BxP,
+                                    prompt_lengths_B)
   vocab = logits_BxV.shape[-1]
   # Each row's cache, and its last logits, copied for its K beams.
   cache = state.map_rows(lambda x, axis: jnp.repeat(x, k, axis=axis),

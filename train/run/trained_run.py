@@ -119,7 +119,7 @@ def load(workdir: str, decoder: str | None = None) -> TrainedRun:
   program = Program.from_config(config, jax.devices()[:1])
   refusal = decoder and decoding.cache_refusal(program.model_config)
   if refusal:
-    raise InputError(f'{decoder} decodes with a key/value cache, and in the '
+    raise InputError(f'{decoder} decodes with a cache, and in the '
                      f'run in {workdir} {refusal}.')
   config = program.config
   dataset = datasets.load(config, workdir)

@@ -97,9 +97,10 @@ def test_every_problem_of_a_config_is_reported_in_one_pass():
   with pytest.raises(InputError) as error:
     config_validation.check(config)
   assert str(error.value).splitlines() == [
-      "config.sample_length=300 samples with a key/value cache, and "
-      "config.model.attention='strided' cannot read a key/value cache "
-      '(additive, chunked, dense and local can); set it to 0.',
+      "config.sample_length=300 samples with a cache, and "
+      "config.model.attention='strided' cannot decode with a cache "
+      '(additive, chunked, deltanet, dense, gated_deltanet, gla, local, '
+      'mamba2 and retnet can); set it to 0.',
       "config.model.attention_options.kernel='palas_gpu' must be one of "
       "['auto', 'xla', 'cudnn', 'pallas_tpu', 'pallas_gpu']; did you mean "
       'pallas_gpu?']
@@ -305,9 +306,10 @@ INVALID_ELSEWHERE = [
      "config.decode_splits names 'dev', which is not a split of config."
      "dataset='algorithmic'; it has ['long', 'train', 'validation']"),
     ('algorithmic', 'model.attention', 'linear',
-     "config.decode_splits=('validation', 'long') decodes with a key/value "
-     "cache, and config.model.attention='linear' cannot read a key/value "
-     'cache (additive, chunked, dense and local can).'),
+     "config.decode_splits=('validation', 'long') decodes with a cache, "
+     "and config.model.attention='linear' cannot decode with a cache "
+     '(additive, chunked, deltanet, dense, gated_deltanet, gla, local, '
+     'mamba2 and retnet can).'),
     ('listops', 'dataset_options.min_length', -1,
      'config.dataset_options.min_length=-1 must be an integer >= 0'),
     ('listops', 'dataset_options.max_length', 17,
@@ -324,9 +326,9 @@ INVALID_ELSEWHERE = [
      "config.dataset_options.source_language='en' and target_language='en' "
      'must be two languages'),
     ('lm_stdlib', 'model.attention', 'strided', 'config.sample_length=300 '
-     "samples with a key/value cache, and config.model.attention='strided' "
-     'cannot read a key/value cache (additive, chunked, dense and local '
-     'can); set it to 0.'),
+     "samples with a cache, and config.model.attention='strided' cannot "
+     'decode with a cache (additive, chunked, deltanet, dense, '
+     'gated_deltanet, gla, local, mamba2 and retnet can); set it to 0.'),
     ('lm_stdlib', 'model.attention', 'dense,linear',
      "config.model.attention='linear' cannot keep packed sequences apart"),
     ('alternating', 'model.attention_options.local.window', 0,
@@ -534,7 +536,7 @@ def test_every_problem_of_a_config_is_reported_at_once():
   assert lines[0] == 'config.learning_rate=-1.0 must be a number in (0.0, inf).'
   assert 'cannot keep packed sequences apart' in lines[1]
   assert lines[2].startswith('config.sample_length=300 samples with a '
-                             'key/value cache')
+                             'cache')
 
 
 @pytest.mark.core

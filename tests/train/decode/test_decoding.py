@@ -34,15 +34,16 @@ def tiny(family: str, position: str, **overrides) -> ModelConfig:
 
 
 def cached_logits(step, positions_to_read: int) -> np.ndarray:
-  """[B, T, V] logits from `step(tokens_BxT, positions_BxT, cache)`: the
-  padded prompts in one call, then each example's next tokens one a call.
-  Positions never read stay zero."""
+  """[B, T, V] logits from `step(tokens_BxT, positions_BxT, cache,
+  valid_BxT)`: the padded prompts in one call (valid_BxT False at their
+  padding), then each example's next tokens one a call. Positions never
+  read stay zero."""
   tokens = np.asarray(jax.random.randint(jax.random.key(0), (B, T), 1, V))
   prompt_len = PROMPT_LENGTHS.max()
   prompts = np.where(np.arange(prompt_len) < PROMPT_LENGTHS[:, None],
                      tokens[:, :prompt_len], 0)
   logits, cache = step(prompts, np.tile(np.arange(prompt_len), (B, 1)),
-                       None)
+                       None, np.arange(prompt_len) < PROMPT_LENGTHS[:, None])
   got = np.zeros((B, T, V), np.float32)
   for b in range(B):
     got[b, :PROMPT_LENGTHS[b]] = logits[b, :PROMPT_LENGTHS[b]]
@@ -72,7 +73,20 @@ def cached_logits(step, positions_to_read: int) -> np.ndarray:
     # Local attention decodes as dense under its window, here one short
     # and one long (shorter than the rows).
     ('alibi', dict(attention='local,local',
-                   attention_options={'local': {'window': (4, 2)}}))])
+                   attention_options={'local': {'window': (4, 2)}})),
+    # Each recurrence carries its state [B, N, H, H] (four query heads on
+    # two key/value heads), the padding of the shorter prompt left out of
+    # it; chunks of 4 positions, so the prompts' call runs the chunked
+    # form across chunks and the tokens after it the recurrent one.
+    ('rope', dict(attention='retnet,mamba2,gla,deltanet,gated_deltanet',
+                  num_layers=5, attention_options={
+                      name: {'chunk_size': 4} for name in (
+                          'retnet', 'mamba2', 'gla', 'deltanet',
+                          'gated_deltanet')})),
+    # Under scan_layers, the states of the repeated blocks stacked, beside
+    # a dense layer's keys and values.
+    ('rope', dict(attention='gated_deltanet,dense', num_layers=4,
+                  scan_layers=True))])
 def test_decoder_lm_cached_logits_equal_a_full_pass(position, overrides):
   config = tiny('decoder_lm', position, **overrides)
   model = build(config)
@@ -83,12 +97,13 @@ def test_decoder_lm_cached_logits_equal_a_full_pass(position, overrides):
                                  'gain': jnp.ones((1,))}
 
   @jax.jit
-  def step(tokens, positions, cache):
-    return model.apply(params, tokens, positions, cache=cache)
+  def step(tokens, positions, cache, valid=None):
+    return model.apply(params, tokens, positions, cache=cache,
+                       valid_BxT=valid)
 
-  def step_or_start(tokens, positions, cache):
+  def step_or_start(tokens, positions, cache, valid=None):
     cache = Cache.empty(config, B, T) if cache is None else cache
-    return step(tokens, positions, cache)
+    return step(tokens, positions, cache, valid)
 
   tokens, got = cached_logits(step_or_start, T)
   want, _ = jax.jit(model.apply)(params, tokens)
@@ -110,8 +125,8 @@ def test_encoder_decoder_cached_logits_equal_a_full_pass(position, overrides):
   step, empty = decoding.seq2seq_step(model, params, source, T)
   step = jax.jit(step)
 
-  def step_or_start(tokens, positions, cache):
-    return step(tokens, positions, empty if cache is None else cache)
+  def step_or_start(tokens, positions, cache, valid=None):
+    return step(tokens, positions, empty if cache is None else cache, valid)
 
   tokens, got = cached_logits(step_or_start, T)
   want, _ = jax.jit(model.apply)({'params': params}, source, tokens)
@@ -131,8 +146,8 @@ def test_generate_refuses_a_run_that_cannot_read_a_cache_before_loading_it(
   config.sample_length = 0
   (tmp_path / 'config.json').write_text(config.to_json_best_effort())
   with pytest.raises(InputError, match=(
-      'train.generate decodes with a key/value cache, and in the run in '
-      f"{tmp_path} config.model.attention='strided' cannot read a key/value "
+      'train.generate decodes with a cache, and in the run in '
+      f"{tmp_path} config.model.attention='strided' cannot decode with a "
       'cache')):
     generate.generate(str(tmp_path), 'def ', max_new_tokens=4,
                       temperature=0.0)
@@ -321,7 +336,8 @@ def table_step(logits_BxLxVxV):
   """A step whose next-token logits are a table's, looked up by row (the
   "cache", which beam search copies and reorders with its beams), position
   and last token."""
-  def step(tokens_BxT, positions_BxT, rows_B):
+  def step(tokens_BxT, positions_BxT, rows_B, valid_BxT=None):
+    del valid_BxT
     return logits_BxLxVxV[rows_B[:, None], positions_BxT, tokens_BxT], rows_B
   return step
 

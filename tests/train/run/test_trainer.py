@@ -121,8 +121,9 @@ def test_the_closing_summary_offers_no_decoder_that_cannot_serve_the_run():
       workdir='w', extendable=False, cannot_decode=refusal)
   assert summary.endswith(
       'python -m train.generate does not apply: '
-      "config.model.attention='strided' cannot read a key/value cache "
-      '(additive, chunked, dense and local can).')
+      "config.model.attention='strided' cannot decode with a cache "
+      '(additive, chunked, deltanet, dense, gated_deltanet, gla, local, '
+      'mamba2 and retnet can).')
   assert decoding.cache_refusal(ModelConfig(attention='chunked')) is None
 
 
