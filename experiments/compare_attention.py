@@ -4,7 +4,8 @@ r"""Trains attention variants side by side and tabulates what each costs.
       --variants=dense,chunked,local,linformer,performer,bigbird \
       --options=local.window=32,bigbird.block=16 --workdir=DIR \
       [--seeds=3] [--baseline=dense] [--budget=steps|flops|seconds] \
-      [--lengths=512,1024,2048] [--skip_unrunnable] [--config.key=value ...]
+      [--sizes=64,128,256] [--lengths=512,1024,2048] [--skip_unrunnable] \
+      [--config.key=value ...]
 
 Every variant trains with the same data and model size, through
 `train_and_evaluate`, once from each of --seeds seeds (config.seed + k,
@@ -47,6 +48,14 @@ DIR/curves.png (training loss and the quality metric of every seed against
 the budget's measure) and, with --lengths, DIR/scaling.png (step time and
 memory against length, log-log, with O(n) and O(n^2) slopes for
 reference). The table is printed at the end.
+
+With --sizes (model widths), the whole comparison runs at each width
+(config.model.d_model, config.model.mlp_dim scaled with it, the heads
+kept) in DIR/d_model=<width>/, each with its own tables and plots, every
+width's configs checked before anything trains; DIR/results.md and .csv
+then hold every width's rows, and DIR/sizes.png each variant's quality
+metric against its training FLOPs, a point a width: how it scales with
+compute.
 """
 
 import copy
@@ -244,7 +253,8 @@ def summary_row(runs: list[dict], cost: dict, steps: int,
 
 # The x axis of the curves under each budget: (label, a step's measure).
 _CURVE_AXES = {'steps': ('step', lambda cost: 1.0),
-               'flops': ('training GFLOP', lambda cost: cost['gflop_per_step']),
+               'flops': ('training GFLOP',
+                         lambda cost: cost['gflop_per_step']),
                'seconds': ('training seconds (timed steps)',
                            lambda cost: cost['step_ms'] / 1e3)}
 
@@ -296,35 +306,31 @@ def _budget_words(budget: str, baseline: str, steps: int) -> str:
   }[budget]
 
 
-def compare(base: ml_collections.ConfigDict, variants: list[str],
-            workdir: str, *, options: dict[str, dict] | None = None,
-            lengths: list[int] = (), timing_steps: int = 3,
-            skip_unrunnable: bool = False, seeds: int = 1,
-            baseline: str | None = None, budget: str = 'steps',
-            command: str = '') -> list[dict]:
-  """Trains and measures every variant from each seed; writes the tables
-  and plots. InputError before anything trains for a mistake in what was
-  given, and (unless `skip_unrunnable`) for a variant that cannot run
-  `base`."""
-  options = options or {}
-  lengths = sorted(lengths)
-  for name in variants:
-    common.check_variant('--variants', name)
-  common.check_options(options)
-  common.check_among('--options', options, variants)
-  baseline = baseline or variants[0]
-  common.check_among('--baseline', [baseline], variants)
-  if budget not in BUDGETS:
-    raise InputError(f'--budget={budget} must be one of {", ".join(BUDGETS)}.')
-  if seeds < 1:
-    raise InputError(f'--seeds={seeds} must be at least 1.')
-  # The config's own attention's options, which each variant leaves out.
-  preset = cli.drop_attention_options(copy.deepcopy(base),
-                                      keep=lambda key, value: False)
+def sized(base: ml_collections.ConfigDict,
+          width: int) -> ml_collections.ConfigDict:
+  """`base` at d_model `width`: its MLP scaled with it, its heads kept;
+  InputError naming --sizes for a width the heads do not divide."""
+  heads = base.model.num_heads
+  if width % heads:
+    raise InputError(f'--sizes: d_model {width} is not a multiple of '
+                     f'config.model.num_heads={heads}.')
+  config = copy.deepcopy(base)
+  config.unlock()
+  config.model.mlp_dim = max(1, round(base.model.mlp_dim * width
+                                      / base.model.d_model))
+  config.model.d_model = width
+  return config
+
+
+def _variant_configs(base: ml_collections.ConfigDict, variants: list[str],
+                     options: dict[str, dict], *, skip_unrunnable: bool,
+                     baseline: str) -> tuple[dict, dict, bool]:
+  """(each variant's config, {variant: why it cannot run base}, whether
+  rows are unpacked for all), every config checked; InputError for a
+  variant that cannot run (unless `skip_unrunnable`), or the baseline."""
   unpacked = (datasets.task_of(base.dataset).packs and base.pack_sequences
               and any(not attention.spec(name).packs
                       for name in variants))
-  # Every variant's config is checked before any trains.
   configs, skipped = {}, {}
   for name in variants:
     configs[name] = variant_config(base, name, options, unpacked)
@@ -343,11 +349,74 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
   if baseline in skipped:
     raise InputError(f'--baseline={baseline} cannot run this config '
                      f'({skipped[baseline]}).')
+  return configs, skipped, unpacked
+
+
+def compare(base: ml_collections.ConfigDict, variants: list[str],
+            workdir: str, *, options: dict[str, dict] | None = None,
+            lengths: list[int] = (), timing_steps: int = 3,
+            skip_unrunnable: bool = False, seeds: int = 1,
+            baseline: str | None = None, budget: str = 'steps',
+            sizes: list[int] = (), command: str = '') -> list[dict]:
+  """Trains and measures every variant from each seed (at each of `sizes`,
+  model widths, in DIR/d_model=<width>/); writes the tables and plots.
+  InputError before anything trains for a mistake in what was given, and
+  (unless `skip_unrunnable`) for a variant that cannot run `base`."""
+  options = options or {}
+  lengths = sorted(lengths)
+  for name in variants:
+    common.check_variant('--variants', name)
+  common.check_options(options)
+  common.check_among('--options', options, variants)
+  baseline = baseline or variants[0]
+  common.check_among('--baseline', [baseline], variants)
+  if budget not in BUDGETS:
+    raise InputError(f'--budget={budget} must be one of {", ".join(BUDGETS)}.')
+  if seeds < 1:
+    raise InputError(f'--seeds={seeds} must be at least 1.')
+  # The config's own attention's options, which each variant leaves out.
+  preset = cli.drop_attention_options(copy.deepcopy(base),
+                                      keep=lambda key, value: False)
+  # Every variant's config (at every size) is checked before any trains.
+  settings = dict(lengths=lengths, timing_steps=timing_steps, seeds=seeds,
+                  baseline=baseline, budget=budget, options=options,
+                  command=command)
+  plans = [(base, workdir, _variant_configs(
+      base, variants, options, skip_unrunnable=skip_unrunnable,
+      baseline=baseline))] if not sizes else [
+          (config, os.path.join(workdir, f'd_model={width}'),
+           _variant_configs(config, variants, options,
+                            skip_unrunnable=skip_unrunnable,
+                            baseline=baseline))
+          for width, config in ((width, sized(base, width))
+                                for width in sorted(sizes))]
   if preset:
     print(f'config.model.attention_options ({preset}) belong to '
           f'config.model.attention={base.model.attention!r}, which each '
           'variant replaces: left out; a variant takes its options from '
           '--options, e.g. --options=local.window=32.', flush=True)
+  rows = []
+  for config, directory, (configs, skipped, unpacked) in plans:
+    if sizes:
+      print(f'd_model {config.model.d_model}', flush=True)
+    compared = _compare(config, variants, directory, configs, skipped,
+                        unpacked, **settings)
+    rows += [row | {'d_model': config.model.d_model} for row in compared
+             ] if sizes else compared
+  if sizes:
+    _write_sizes(rows, workdir, base, sorted(sizes), seeds=seeds,
+                 baseline=baseline, budget=budget, command=command)
+  return rows
+
+
+def _compare(base: ml_collections.ConfigDict, variants: list[str],
+             workdir: str, configs: dict, skipped: dict, unpacked: bool, *,
+             lengths: list[int], timing_steps: int, seeds: int,
+             baseline: str, budget: str, options: dict[str, dict],
+             command: str) -> list[dict]:
+  """`compare` at one size: each runnable variant of `configs` trained
+  from each seed, its row measured; the tables and plots written in
+  `workdir`."""
   os.makedirs(workdir, exist_ok=True)
   runnable = [name for name in variants if name not in skipped]
   costs = {name: variant_cost(configs[name], os.path.join(workdir, name),
@@ -425,6 +494,42 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
   return rows
 
 
+def _write_sizes(rows: list[dict], workdir: str,
+                 base: ml_collections.ConfigDict, sizes: list[int], *,
+                 seeds: int, baseline: str, budget: str,
+                 command: str) -> None:
+  """DIR/results.md and .csv of every size's rows, and DIR/sizes.png: each
+  variant's quality metric against its training FLOPs, one point a size."""
+  trained = [row for row in rows if row['status'] == 'trained']
+  metric = trained[0]['metric']
+  columns = ['d_model', 'variant', 'status', metric]
+  if seeds > 1:
+    columns += [f'{metric}_sd', 'p']
+  columns += ['eval_loss', 'steps', 'train_gflop', 'params']
+  preamble = (f'# Attention variants against compute: {base.dataset}\n\n'
+              + (f'Command: `{command}`\n\n' if command else '')
+              + f'Machine: {common.machine_description()}.\n\n'
+              f'At each d_model ({", ".join(map(str, sizes))}; MLPs scaled '
+              f'with it, {base.model.num_heads} heads), '
+              f'{_budget_words(budget, baseline, base.num_train_steps)}; '
+              f'{seeds} seed(s). Each size\'s own table: '
+              'DIR/d_model=<width>/results.md.\n\n')
+  table = common.write_table(rows, columns, os.path.join(workdir, 'results'),
+                             preamble)
+  figure, axes = plt.subplots(figsize=(6, 4))
+  for name in dict.fromkeys(row['variant'] for row in trained):
+    points = sorted((row['train_gflop'], row[metric]) for row in trained
+                    if row['variant'] == name and row.get('train_gflop'))
+    if points:
+      axes.plot(*zip(*points), marker='o', label=name)
+  axes.set(xscale='log', xlabel='training GFLOP (matmuls)', ylabel=metric)
+  axes.legend()
+  figure.tight_layout()
+  figure.savefig(os.path.join(workdir, 'sizes.png'), dpi=120)
+  plt.close(figure)
+  print(table)
+
+
 def main(argv: list[str]) -> None:
   cli.run_main(argv, lambda: compare(
       FLAGS.config, FLAGS.variants, common.local_workdir(FLAGS.workdir),
@@ -432,6 +537,7 @@ def main(argv: list[str]) -> None:
       lengths=common.parse_integers('--lengths', FLAGS.lengths),
       timing_steps=FLAGS.timing_steps, skip_unrunnable=FLAGS.skip_unrunnable,
       seeds=FLAGS.seeds, baseline=FLAGS.baseline, budget=FLAGS.budget,
+      sizes=common.parse_integers('--sizes', FLAGS.sizes),
       command='python -m experiments.compare_attention '
       + ' '.join(sys.argv[1:])))
 
@@ -466,6 +572,10 @@ def _define_flags() -> None:
       'budget', 'steps', list(BUDGETS), 'What every variant gets the same '
       'of: training steps, training FLOPs (a cheaper variant trains more '
       'steps), or training seconds on this machine.')
+  flags.DEFINE_list(
+      'sizes', [], 'Model widths (config.model.d_model, the MLP scaled with '
+      'it): the comparison at each, in DIR/d_model=<width>/, and each '
+      "variant's quality against its training FLOPs (DIR/sizes.png).")
   flags.DEFINE_boolean(
       'skip_unrunnable', False, 'List the variants that cannot run the '
       'config as skipped, with the reason, and compare the others; without '

@@ -91,6 +91,42 @@ def unit_lower_inverse(strictly_lower: Array) -> Array:
   return inverse[..., 0, :size, :size]
 
 
+def per_dim_scores(q: Array, k: Array, decay: Array,
+                   sub_chunk: int = 16) -> Array:
+  """sum_f q_tf k_sf exp(b_tf - b_sf) for s <= t inside each chunk
+  ([..., C, F] each, b = `decay` the running sum of log gates; [..., C (t),
+  C (s)], zero above the diagonal), without forming the [C, C, F]
+  decays (GLA's secondary chunking, Yang et al. 2024). Between sub-chunks
+  i > j of `sub_chunk` positions the decay factors as exp(b_t - e_{i-1})
+  exp(e_{i-1} - e_j) exp(e_j - b_s), e_j the running sum at the end of
+  sub-chunk j: each at most 1, the first on the queries, the last on the
+  keys and the middle a vector per pair of sub-chunks, so their scores are
+  matmuls; inside a sub-chunk the decays are formed, [c, c, F]."""
+  chunk, features = q.shape[-2:]
+  c = sub_chunk if chunk % sub_chunk == 0 else chunk
+  m = chunk // c
+  split = lambda x: x.reshape(*x.shape[:-2], m, c, features)
+  q, k, b = split(q), split(k), split(decay)  # [..., m, c, F]
+  within = jnp.tril(jnp.ones((c, c), bool))[..., None]
+  diagonal = jnp.einsum('...itf,...isf,...itsf->...its', q, k, jnp.exp(
+      jnp.where(within, b[..., :, None, :] - b[..., None, :, :], -jnp.inf)))
+  ends = b[..., -1, :]  # e_j [..., m, F]
+  # e_{i-1}, the reference of query sub-chunk i (none for the first).
+  before = jnp.concatenate([jnp.zeros_like(ends[..., :1, :]),
+                            ends[..., :-1, :]], axis=-2)
+  earlier = jnp.tril(jnp.ones((m, m), bool), -1)[..., None]
+  between = jnp.exp(jnp.where(
+      earlier, before[..., :, None, :] - ends[..., None, :, :], -jnp.inf))
+  q_scaled = q * jnp.exp(b - before[..., None, :])
+  k_scaled = k * jnp.exp(ends[..., None, :] - b)
+  off = jnp.einsum('...itf,...ijf,...jsf->...itjs', q_scaled, between,
+                   k_scaled)
+  eye = jnp.eye(m, dtype=bool)[:, None, :, None]
+  scores = jnp.where(eye, jnp.einsum('...its,ij->...itjs', diagonal,
+                                     jnp.eye(m, dtype=q.dtype)), off)
+  return scores.reshape(*scores.shape[:-4], chunk, chunk)
+
+
 def chunked(query: Array, key: Array, value: Array, log_gate: Array,
             beta: Array | None = None, *, starts: Array | None = None,
             initial: Array | None = None, chunk: int = 64
@@ -122,11 +158,8 @@ def chunked(query: Array, key: Array, value: Array, log_gate: Array,
   else:  # Document starts so far in the chunk, [B, 1, n, C].
     count = jnp.cumsum(_chunks(starts[:, None].astype(jnp.int32), chunk),
                        axis=3)
-  # Pairs s <= t of one document, and the decay between them.
+  # Pairs s <= t of one document.
   same = causal & (count[..., :, None] == count[..., None, :])
-  pair_decay = jnp.exp(jnp.where(
-      same[..., None], decay[..., :, None, :] - decay[..., None, :, :],
-      -jnp.inf))  # [B, N, n, C (t), C (s), G]
   # What reaches position t from the state before the chunk, [.., C, G]...
   from_before = jnp.exp(decay) * (count == 0)[..., None]
   # ... and what reaches the chunk's end: from before it [.., G], and from
@@ -136,9 +169,12 @@ def chunked(query: Array, key: Array, value: Array, log_gate: Array,
   to_end = (count == count[..., -1:])[..., None]
   k_to_end = k * jnp.exp(last - decay) * to_end
   if log_gate.shape[-1] == 1:
-    scores = jnp.einsum('...tf,...sf->...ts', q, k) * pair_decay[..., 0]
+    # The decay between each pair, [B, N, n, C (t), C (s)].
+    pair_decay = jnp.exp(jnp.where(
+        same, decay[..., :, None, 0] - decay[..., None, :, 0], -jnp.inf))
+    scores = jnp.einsum('...tf,...sf->...ts', q, k) * pair_decay
   else:
-    scores = jnp.einsum('...tf,...sf,...tsf->...ts', q, k, pair_decay)
+    scores = jnp.where(same, per_dim_scores(q, k, decay), 0.0)
   if beta is None:  # The state takes in the values as they are.
     new_values = v
   else:
@@ -146,7 +182,7 @@ def chunked(query: Array, key: Array, value: Array, log_gate: Array,
     # with S_0 the state before the chunk, U = U0 - W S_0, where
     # (I + A) [U0, W] = [b v, b a k], A_ts = b_t decay_ts k_t . k_s (s < t).
     b = _chunks(beta[..., None].astype(f32), chunk)
-    strictly = jnp.einsum('...tf,...sf->...ts', k, k) * pair_decay[..., 0]
+    strictly = jnp.einsum('...tf,...sf->...ts', k, k) * pair_decay
     lower = b * jnp.where(causal & ~jnp.eye(chunk, dtype=bool), strictly, 0.0)
     solved = unit_lower_inverse(lower) @ jnp.concatenate(
         [b * v, b * from_before * k], -1)

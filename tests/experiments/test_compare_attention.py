@@ -107,6 +107,28 @@ def test_a_budget_of_seconds_times_each_variants_step():
                                    'dense', 'flops')
 
 
+def test_sizes_compare_at_each_width_against_its_compute(data_dir,
+                                                       tmp_path):
+  config = tiny_config('listops', data_dir)
+  with pytest.raises(InputError, match='--sizes: d_model 9 is not a '
+                     'multiple of config.model.num_heads=2'):
+    compare_attention.compare(config, ['dense'], str(tmp_path / 'odd'),
+                              sizes=[8, 9])
+  assert not (tmp_path / 'odd').exists()
+  small, large = compare_attention.compare(config, ['dense'], str(tmp_path),
+                                           sizes=[16, 8])
+  assert (small['d_model'], large['d_model']) == (8, 16)
+  assert small['train_gflop'] < large['train_gflop']
+  assert small['params'] < large['params']
+  with open(tmp_path / 'results.csv') as f:
+    table = list(csv.DictReader(f))
+  assert [row['d_model'] for row in table] == ['8', '16']
+  for name in ('d_model=8/results.md', 'd_model=16/results.md'):
+    assert (tmp_path / name).exists()
+  with open(tmp_path / 'sizes.png', 'rb') as f:
+    assert f.read(4) == PNG
+
+
 def test_compare_does_not_train_a_finished_variant_again(comparison,
                                                          data_dir,
                                                          monkeypatch):

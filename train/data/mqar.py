@@ -8,8 +8,10 @@ the value it was paired with. Only those answers are scored. Query i sits
 probability proportional to gap^(power_a - 1) (a power law: most queries
 come soon after the pairs, some far away).
 
-Ids: 0 is padding and never drawn; keys are 1 .. V/2 - 1, values V/2 ..
-V - 1 (V: vocab_size); the tokens between queries are uniform in 1 .. V - 1.
+Ids: keys are 1 .. V/2 - 1, values V/2 .. V - 1 (V: vocab_size); the
+tokens between the queries are uniform in 1 .. V - 1 (a filler may repeat
+a key: Zoology's generator's default), or with `random_fillers` False all
+0 (the padding id, which nothing else draws: its figure 2's setting).
 Examples are generated from (seed, split, index) when read, so a split of
 any size costs no disk and no memory; `train` and `validation` draw from
 different streams.
@@ -34,6 +36,8 @@ class MqarConfig:
   length: int = 64
   # Exponent of the query gaps' power law; 1 is uniform [power_a].
   power_a: float = 0.01
+  # The tokens between queries random, else 0 [random_non_queries].
+  random_fillers: bool = True
   num_train: int = 100_000
   num_eval: int = 3_000
   seed: int = 0
@@ -47,6 +51,9 @@ class MqarConfig:
       if not isinstance(value, int) or value < (name != 'seed'):
         raise ValueError(f'{name}={value!r} must be an integer >= '
                          f'{int(name != "seed")}.')
+    if not isinstance(self.random_fillers, bool):
+      raise ValueError(f'random_fillers={self.random_fillers!r} must be True '
+                       'or False.')
     if not 0 < self.power_a <= 1:
       raise ValueError(f'power_a={self.power_a!r} must be in (0, 1].')
     if self.length % 2 or self.length < 4 * self.num_pairs:
@@ -83,7 +90,8 @@ def example(config: MqarConfig, split: str, index: int
   space = (config.length - context) // 2
   gaps = rng.choice(space, pairs, replace=False,
                     p=gap_probabilities(space, config.power_a))
-  inputs = rng.integers(1, config.vocab_size, config.length)
+  inputs = (rng.integers(1, config.vocab_size, config.length)
+            if config.random_fillers else np.zeros(config.length, np.int64))
   inputs[0:context:2], inputs[1:context:2] = keys, values
   queries = context + 2 * gaps
   inputs[queries] = keys

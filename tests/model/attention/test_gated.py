@@ -194,3 +194,24 @@ def test_the_unit_lower_inverse_is_the_inverse_on_and_off_a_power_of_two():
     np.testing.assert_allclose(
         recurrence.unit_lower_inverse(jnp.asarray(lower, jnp.float32)),
         np.linalg.inv(np.eye(size) + lower), rtol=1e-5, atol=1e-5)
+
+
+def test_per_dim_scores_by_sub_chunks_equal_the_formed_decays():
+  """Chunks of 8 in sub-chunks of 2 (and one sub-chunk, 8 not dividing by
+  3): the scores of the [C, C, F] decays, formed here in float64, under
+  gates mild and so strong (log a = -40) that their decays underflow,
+  with no overflow in the factors."""
+  rng = np.random.default_rng(3)
+  q, k = (rng.normal(size=(2, 3, 8, 5)) for _ in range(2))
+  for scale in (1.0, 40.0):
+    decay = np.cumsum(-scale * rng.uniform(size=(2, 3, 8, 5)), axis=-2)
+    formed = np.exp(np.where(np.tril(np.ones((8, 8), bool))[..., None],
+                             decay[..., :, None, :] - decay[..., None, :, :],
+                             -np.inf))
+    want = np.einsum('...tf,...sf,...tsf->...ts', q, k, formed)
+    for sub_chunk in (2, 3):
+      got = recurrence.per_dim_scores(
+          *(jnp.asarray(x, jnp.float32) for x in (q, k, decay)),
+          sub_chunk=sub_chunk)
+      assert np.all(np.isfinite(got))
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -119,7 +119,7 @@ def test_the_default_config_holds_every_dataset_option_unset():
   types = {}
   for _, _, declared in datasets.LOADERS.values():
     for option, kind in declared.items():
-      assert kind in (int, float, str), (option, kind)
+      assert kind in (int, float, str, bool), (option, kind)
       assert types.setdefault(option, kind) == kind, option
   assert set(options) == set(types) == {'paths', 'task', 'num_train',
                                         'num_eval', 'max_length',
@@ -127,7 +127,7 @@ def test_the_default_config_holds_every_dataset_option_unset():
                                         'min_length', 'max_depth', 'max_args',
                                         'source_language', 'target_language',
                                         'vocab_size', 'num_pairs', 'length',
-                                        'power_a'}
+                                        'power_a', 'random_fillers'}
   assert all(options[option] is None for option in options)
 
 

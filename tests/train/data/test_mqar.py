@@ -16,36 +16,45 @@ CONFIG = mqar.MqarConfig(vocab_size=64, num_pairs=5, length=40,
                          num_train=50, num_eval=20)
 
 
-def _answers(inputs: np.ndarray, pairs: int) -> dict[int, int]:
-  """What the pairs at the start of `inputs` say each key's value is."""
-  return dict(zip(inputs[0:2 * pairs:2].tolist(),
-                  inputs[1:2 * pairs:2].tolist()))
+def _check_pairs_and_answers(inputs: np.ndarray, targets: np.ndarray):
+  """The pairs at the start of `inputs`: distinct keys from the lower half
+  of the ids, distinct values from the upper; each key asked once, after
+  the pairs, on an even offset from them, and scored there alone, on the
+  value it was paired with."""
+  pairs, half = CONFIG.num_pairs, CONFIG.vocab_size // 2
+  paired = dict(zip(inputs[0:2 * pairs:2].tolist(),
+                    inputs[1:2 * pairs:2].tolist()))
+  assert len(paired) == len(set(paired.values())) == pairs
+  assert all(1 <= key < half <= value for key, value in paired.items())
+  asked = np.flatnonzero(targets)
+  assert len(asked) == pairs and asked.min() >= 2 * pairs
+  assert np.all((asked - 2 * pairs) % 2 == 0)
+  assert sorted(inputs[asked].tolist()) == sorted(paired)
+  for position in asked:
+    assert targets[position] == paired[int(inputs[position])]
 
 
 @pytest.mark.parametrize('split', mqar.SPLITS)
 def test_each_answer_is_the_value_its_key_was_paired_with(split):
   source = mqar.Examples(CONFIG, split)
   assert len(source) == CONFIG.size(split)
-  half = CONFIG.vocab_size // 2
   for index in range(len(source)):
     inputs, targets = source[index]['inputs'], source[index]['targets']
     assert inputs.shape == targets.shape == (CONFIG.length,)
     assert inputs.dtype == targets.dtype == np.int32
     assert 1 <= inputs.min() and inputs.max() < CONFIG.vocab_size
-    paired = _answers(inputs, CONFIG.num_pairs)
-    # Distinct keys from the lower half of the ids, values from the upper.
-    assert len(paired) == CONFIG.num_pairs
-    assert len(set(paired.values())) == CONFIG.num_pairs
-    assert all(1 <= key < half <= value for key, value in paired.items())
-    # Each key asked once, after the pairs, on an even offset from them;
-    # scored there alone, on its value.
-    asked = np.flatnonzero(targets)
-    assert len(asked) == CONFIG.num_pairs
-    assert asked.min() >= 2 * CONFIG.num_pairs
-    assert np.all((asked - 2 * CONFIG.num_pairs) % 2 == 0)
-    assert sorted(inputs[asked].tolist()) == sorted(paired)
-    for position in asked:
-      assert targets[position] == paired[int(inputs[position])]
+    _check_pairs_and_answers(inputs, targets)
+
+
+def test_without_random_fillers_the_tokens_between_queries_are_zero():
+  config = mqar.MqarConfig(**{**CONFIG.__dict__, 'random_fillers': False})
+  for index in range(20):
+    example = mqar.example(config, 'train', index)
+    inputs, targets = example['inputs'], example['targets']
+    _check_pairs_and_answers(inputs, targets)
+    fillers = np.ones(config.length, bool)
+    fillers[:2 * config.num_pairs] = fillers[np.flatnonzero(targets)] = False
+    np.testing.assert_array_equal(inputs[fillers], 0)
 
 
 def test_examples_are_one_per_seed_split_and_index():
@@ -82,6 +91,7 @@ def test_queries_come_soon_after_the_pairs_more_often():
      'ids, fewer than num_pairs=4'),
     ({'power_a': 0.0}, r'power_a=0.0 must be in \(0, 1\]'),
     ({'num_train': 0}, 'num_train=0 must be an integer >= 1'),
+    ({'random_fillers': 1}, 'random_fillers=1 must be True or False'),
 ])
 def test_settings_no_example_can_meet_are_named(options, message):
   config = TrainConfig(dataset='mqar', dataset_options=options)
