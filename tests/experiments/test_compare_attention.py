@@ -26,12 +26,12 @@ PNG = b'\x89PNG'
 @pytest.fixture(scope='module')
 def comparison(data_dir, tmp_path_factory):
   """dense and linformer trained on tiny ListOps from two seeds at equal
-  training FLOPs, measured at two lengths."""
+  training FLOPs."""
   workdir = str(tmp_path_factory.mktemp('compare'))
   config = tiny_config('listops', data_dir)
   rows = compare_attention.compare(
-      config, ['dense', 'linformer'], workdir, lengths=[32, 16],
-      timing_steps=1, seeds=2, budget='flops', command='test')
+      config, ['dense', 'linformer'], workdir, seeds=2, budget='flops',
+      command='test')
   return workdir, rows
 
 
@@ -43,23 +43,40 @@ def test_compare_writes_the_table_csv_and_plots(comparison):
   assert list(table[0]) == [
       'variant', 'status', 'eval_accuracy', 'eval_accuracy_sd', 'p',
       'eval_loss', 'steps', 'gflop_per_step', 'train_gflop', 'params',
-      'train_step_ms', 'tokens_per_s', 'peak_memory_mb', 'temp_memory_mb',
-      'step_ms@16', 'temp_mb@16', 'step_ms@32', 'temp_mb@32']
+      'train_step_ms', 'tokens_per_s', 'peak_memory_mb', 'temp_memory_mb']
   for row in table:
     assert row['status'] == 'trained'
     assert 0.0 <= float(row['eval_accuracy']) <= 1.0
     assert float(row['eval_accuracy_sd']) >= 0.0
-    for key in ('train_step_ms', 'tokens_per_s', 'step_ms@32'):
+    for key in ('train_step_ms', 'tokens_per_s'):
       assert float(row[key]) > 0
-    assert float(row['temp_mb@32']) > float(row['temp_mb@16'])
     assert float(row['peak_memory_mb']) > float(row['temp_memory_mb'])
   # Linformer owns its projections.
   assert int(table[1]['params']) > int(table[0]['params'])
   results = open(os.path.join(workdir, 'results.md')).read()
   assert 'Command: `test`' in results and '| dense | trained |' in results
-  for name in ('curves.png', 'scaling.png'):
-    with open(os.path.join(workdir, name), 'rb') as f:
-      assert f.read(4) == PNG
+  with open(os.path.join(workdir, 'curves.png'), 'rb') as f:
+    assert f.read(4) == PNG
+
+
+def test_lengths_time_a_train_step_and_its_memory_at_each(data_dir,
+                                                          tmp_path):
+  """The @length columns (on synthetic batches), kept for a re-run, and
+  their plot."""
+  config = compare_attention.variant_config(
+      tiny_config('listops', data_dir), 'dense', {}, unpacked=False)
+  columns = compare_attention.length_scaling(config, str(tmp_path), [16, 32],
+                                             timing_steps=1)
+  assert list(columns) == ['step_ms@16', 'temp_mb@16', 'step_ms@32',
+                           'temp_mb@32']
+  assert columns['step_ms@32'] > 0
+  assert columns['temp_mb@32'] > columns['temp_mb@16'] > 0
+  assert compare_attention.length_scaling(config, str(tmp_path), [16, 32],
+                                          timing_steps=1) == columns
+  compare_attention.plot_scaling([{'variant': 'dense'} | columns], [16, 32],
+                                 str(tmp_path / 'scaling.png'))
+  with open(tmp_path / 'scaling.png', 'rb') as f:
+    assert f.read(4) == PNG
 
 
 def test_seeds_give_a_mean_a_deviation_and_p_against_the_baseline(
@@ -140,8 +157,7 @@ def test_compare_does_not_train_a_finished_variant_again(comparison,
 
   monkeypatch.setattr(compare_attention, 'train_and_evaluate', refuse)
   again = compare_attention.compare(
-      config, ['dense'], workdir, lengths=[32, 16], timing_steps=1, seeds=2,
-      budget='flops')
+      config, ['dense'], workdir, seeds=2, budget='flops')
   assert again[0] == rows[0]
 
 
@@ -161,8 +177,8 @@ def test_compare_skips_a_variant_that_cannot_run_only_when_asked(
   monkeypatch.setattr(compare_attention, 'train_and_evaluate',
                       lambda *args: pytest.fail('trained again'))
   dense, local = compare_attention.compare(
-      config, ['dense', 'local'], workdir, options=options, lengths=[32, 16],
-      timing_steps=1, skip_unrunnable=True, seeds=2, budget='flops')
+      config, ['dense', 'local'], workdir, options=options,
+      skip_unrunnable=True, seeds=2, budget='flops')
   assert dense == rows[0]
   assert local['status'].startswith('skipped: config.model does not build')
 
@@ -178,9 +194,8 @@ def test_the_configs_own_attention_options_are_left_out_and_said(
   config.model.attention_options.local.window = (8, 4)
   monkeypatch.setattr(compare_attention, 'train_and_evaluate',
                       lambda *args: pytest.fail('trained again'))
-  dense, = compare_attention.compare(config, ['dense'], workdir,
-                                     lengths=[32, 16], timing_steps=1,
-                                     seeds=2, budget='flops')
+  dense, = compare_attention.compare(config, ['dense'], workdir, seeds=2,
+                                     budget='flops')
   assert dense == rows[0]
   assert ('config.model.attention_options (local.window=(8, 4)) '
           "belong to config.model.attention='local,local', which each "

@@ -123,8 +123,9 @@ def test_the_config_takes_a_cell_of_the_grid():
 
 def test_a_small_dense_model_learns_four_pair_recall(data_dir, tmp_path):
   config = tiny_config('mqar', data_dir)
-  config.num_train_steps = 600  # Seeds 0, 1 and 2 learn it by step 300.
-  config.eval_every = config.checkpoint_every = 600
+  # At a constant 3e-3, seeds 0, 1 and 2 answer 0.99 or more by step 200.
+  config.schedule = 'constant'
+  config.num_train_steps = config.eval_every = config.checkpoint_every = 400
   config.log_every = 100
   summary = train_and_evaluate(config, str(tmp_path))
   assert summary['eval_accuracy'] >= 0.99
