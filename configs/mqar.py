@@ -9,7 +9,7 @@ fixed-state recurrences from attention (Zoology, Arora et al. 2023).
 
 `arg` gives the cell of the grid: `length` (tokens of an example, the
 config's seq_len too) and `pairs` (key-value pairs, each asked once), by
-default length=64,pairs=8; the width is config.model.d_model. The quality
+default length=64,pairs=4; the width is config.model.d_model. The quality
 metric is eval_accuracy: the fraction of answers right (train/data/mqar.py
 says what an example holds).
 
@@ -20,23 +20,28 @@ learning rates 1e-4 to 1e-2 (4, log-spaced); 100,000 training examples,
 3,000 test ones, 64 epochs, batches of 512 / 256 / 128 by length; gaps
 drawn with power_a 0.01, and the tokens between queries left 0 in that
 figure (random here, its generator's default, so a filler may repeat a
-key).
+key; dataset_options.random_fillers=False leaves them 0).
 
 The reduced grid this 2-core CPU runs (the defaults below): vocabulary
-256; (length, pairs) (64, 8) and (128, 16), so the pairs grow with the
-length and fill a quarter of the tokens; d_model 64 and 128, 2 layers of
-2 heads with MLPs of twice the width, rotary positions; one learning rate
-(3e-3, warmed up over 100 steps, then a cosine decay); 20,000 training
-examples, 1,000 test ones, 2,000 steps of 64 (about 6 epochs). A dense
-model of width 64 at (64, 8) trained 3,000 steps passed 0.98 of the
-answers by step 1,500 and 0.999 by 2,000; at vocabulary 512 and 2e-3 it had
-0.15 right after 3,000, little more than picking one of the 8 values
-given (0.125).
+256; Zoology's first two cells, (64, 4) and (128, 8), so the pairs grow
+with the length; d_model 64 and 128, 2 layers of 2 heads with MLPs of
+twice the width, rotary positions; one learning rate (3e-3, warmed up over
+100 steps, constant, then decayed over the last fifth: wsd); 20,000
+training examples, 1,000 test ones, 2,000 steps of 64 (about 6 epochs).
+Measured here, a dense model of width 64 (the seeds are config.seed):
+at (64, 4) seeds 1 and 2 answer 0.9995 at step 2,000 (seed 1 0.9965
+already at 500; 4 minutes each, two at once); at (128, 8) seed 0 answers
+0.9995 (0.997 at 1,500) and seed 1 0.18 (7 minutes each); at (64, 8) seed
+0 0.9999 and seed 1 0.20; at vocabulary 512 and 2e-3, seed 0 0.15 after
+3,000 steps. A seed that fails has learnt which tokens are values, not
+which value: recall is learnt suddenly, after a plateau whose length
+varies by seed, so a comparison here needs its seeds, and the (128, 8)
+cell more steps than 2,000 for dense to pass 0.99 from every seed.
 """
 
 from configs import default
 
-LENGTH, PAIRS = 64, 8
+LENGTH, PAIRS = 64, 4
 
 
 def cell(arg: str) -> tuple[int, int]:
@@ -67,6 +72,7 @@ def get_config(arg: str = ''):
   config.num_train_steps = 2000
   config.learning_rate = 3e-3
   config.warmup_steps = 100
+  config.schedule = 'wsd'
   config.eval_every = 500
   config.checkpoint_every = 500
   config.sample_length = 0
