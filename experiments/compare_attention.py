@@ -298,8 +298,9 @@ def _budget_words(budget: str, baseline: str, steps: int) -> str:
   return {
       'steps': f'the same steps ({steps}) for every variant',
       'flops': (f'the same training FLOPs for every variant: those of '
-                f'{baseline}\'s {steps} steps (matmuls of the compiled train '
-                'step; steps: each variant\'s share)'),
+                f'{baseline}\'s {steps} steps (the matmuls of its compiled '
+                'train step), each variant training as many steps as they '
+                'buy at its own FLOPs a step'),
       'seconds': (f'the same training seconds for every variant: those of '
                   f'{baseline}\'s {steps} steps, each variant\'s step timed '
                   'on this machine before training'),
