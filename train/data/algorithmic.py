@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 import tensorflow_datasets as tfds
 
+from train.data import builder_config
 from train.data.tokenizers import EOS_ID
 
 TASKS = ('copy', 'reverse', 'sort', 'addition')
@@ -67,11 +68,8 @@ class AlgorithmicConfig(tfds.core.BuilderConfig):
     satisfy (before anything is generated)."""
     if self.task not in TASKS:
       raise ValueError(f'task={self.task!r} must be one of {list(TASKS)}.')
-    for name in ('num_train', 'num_eval', 'seed'):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < (name != 'seed'):
-        raise ValueError(f'{name}={value!r} must be an integer >= '
-                         f'{int(name != "seed")}.')
+    builder_config.check_integers(
+        self, {'num_train': 1, 'num_eval': 1, 'seed': 0})
     shortest = _shortest(self.task)
     if self.max_length < shortest:
       raise ValueError(f'max_length={self.max_length} must be at least '

@@ -22,3 +22,13 @@ def named(config_cls, **values) -> tfds.core.BuilderConfig:
   name = '_'.join(f'{option}-{getattr(draft, option)}'
                   for option in options_of(config_cls))
   return config_cls(name=name, **values)
+
+
+def check_integers(config, minimums: dict[str, int]) -> None:
+  """ValueError naming the first of `config`'s fields in `minimums` that is
+  not an integer at least its minimum (the generated datasets' own check
+  of their sizes, lengths and seeds)."""
+  for name, minimum in minimums.items():
+    value = getattr(config, name)
+    if not isinstance(value, int) or value < minimum:
+      raise ValueError(f'{name}={value!r} must be an integer >= {minimum}.')

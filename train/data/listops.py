@@ -19,6 +19,8 @@ import random
 import numpy as np
 import tensorflow_datasets as tfds
 
+from train.data import builder_config
+
 DIGIT_OFFSET = 2
 OPERATORS = ('[MIN', '[MAX', '[MED', '[SM')
 OPERATOR_IDS = {name: DIGIT_OFFSET + 10 + i for i, name in enumerate(OPERATORS)}
@@ -92,12 +94,9 @@ class ListOpsConfig(tfds.core.BuilderConfig):
   def __post_init__(self):
     """Raises ValueError, naming the option, for values no build can
     satisfy (before anything is generated)."""
-    for name, minimum in (('min_length', 0), ('num_train', 1),
-                          ('num_eval', 1), ('max_depth', 1), ('max_args', 2),
-                          ('seed', 0)):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < minimum:
-        raise ValueError(f'{name}={value!r} must be an integer >= {minimum}.')
+    builder_config.check_integers(self, {
+        'min_length': 0, 'num_train': 1, 'num_eval': 1, 'max_depth': 1,
+        'max_args': 2, 'seed': 0})
     if self.max_length < self.min_length + 2:
       raise ValueError(f'max_length={self.max_length} must exceed min_length='
                        f'{self.min_length} + 1: lengths lie strictly between.')

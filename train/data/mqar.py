@@ -21,6 +21,8 @@ import dataclasses
 
 import numpy as np
 
+from train.data import builder_config
+
 SPLITS = ('train', 'validation')
 
 
@@ -45,12 +47,9 @@ class MqarConfig:
   def __post_init__(self):
     """Raises ValueError, naming the option, for settings no example can
     meet."""
-    for name in ('vocab_size', 'num_pairs', 'length', 'num_train',
-                 'num_eval', 'seed'):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < (name != 'seed'):
-        raise ValueError(f'{name}={value!r} must be an integer >= '
-                         f'{int(name != "seed")}.')
+    builder_config.check_integers(self, {
+        'vocab_size': 1, 'num_pairs': 1, 'length': 1, 'num_train': 1,
+        'num_eval': 1, 'seed': 0})
     if not isinstance(self.random_fillers, bool):
       raise ValueError(f'random_fillers={self.random_fillers!r} must be True '
                        'or False.')
