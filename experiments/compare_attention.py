@@ -382,15 +382,13 @@ def compare(base: ml_collections.ConfigDict, variants: list[str],
   settings = dict(lengths=lengths, timing_steps=timing_steps, seeds=seeds,
                   baseline=baseline, budget=budget, options=options,
                   command=command)
-  plans = [(base, workdir, _variant_configs(
-      base, variants, options, skip_unrunnable=skip_unrunnable,
-      baseline=baseline))] if not sizes else [
-          (config, os.path.join(workdir, f'd_model={width}'),
-           _variant_configs(config, variants, options,
-                            skip_unrunnable=skip_unrunnable,
-                            baseline=baseline))
-          for width, config in ((width, sized(base, width))
-                                for width in sorted(sizes))]
+  places = ([(sized(base, width), os.path.join(workdir, f'd_model={width}'))
+             for width in sorted(sizes)] if sizes else [(base, workdir)])
+  plans = [(config, directory,
+            _variant_configs(config, variants, options,
+                             skip_unrunnable=skip_unrunnable,
+                             baseline=baseline))
+           for config, directory in places]
   if preset:
     print(f'config.model.attention_options ({preset}) belong to '
           f'config.model.attention={base.model.attention!r}, which each '

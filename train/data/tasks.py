@@ -132,6 +132,12 @@ def _random_tokens(config: TrainConfig,
                       (config.batch_size, config.seq_len)).astype(np.int32)
 
 
+def _positions(config: TrainConfig) -> np.ndarray:
+  """int32 [batch, seq_len]: each row's positions 0 .. seq_len - 1."""
+  return np.broadcast_to(np.arange(config.seq_len, dtype=np.int32),
+                         (config.batch_size, config.seq_len)).copy()
+
+
 class LanguageModelling(Task):
   name = 'lm'
   documents = True
@@ -154,8 +160,7 @@ class LanguageModelling(Task):
     batch = {'inputs': _random_tokens(config, rng),
              'targets': _random_tokens(config, rng),
              'weights': np.ones(shape, np.float32),
-             'positions': np.broadcast_to(
-                 np.arange(config.seq_len, dtype=np.int32), shape).copy()}
+             'positions': _positions(config)}
     if config.pack_sequences:
       batch['segment_ids'] = np.ones(shape, np.int32)
     return batch
@@ -250,8 +255,7 @@ class AssociativeRecall(Task):
     return {'inputs': _random_tokens(config, rng),
             'targets': _random_tokens(config, rng),
             'weights': (rng.random(shape) < 0.25).astype(np.float32),
-            'positions': np.broadcast_to(
-                np.arange(config.seq_len, dtype=np.int32), shape).copy()}
+            'positions': _positions(config)}
 
   def _row(self, example, seq_len):
     return layouts.recall_row(example, seq_len)
