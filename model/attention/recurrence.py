@@ -121,9 +121,9 @@ def per_dim_scores(q: Array, k: Array, decay: Array,
   k_scaled = k * jnp.exp(ends[..., None, :] - b)
   off = jnp.einsum('...itf,...ijf,...jsf->...itjs', q_scaled, between,
                    k_scaled)
-  eye = jnp.eye(m, dtype=bool)[:, None, :, None]
-  scores = jnp.where(eye, jnp.einsum('...its,ij->...itjs', diagonal,
-                                     jnp.eye(m, dtype=q.dtype)), off)
+  # Sub-chunk i's own block where j == i, the factored ones elsewhere.
+  scores = jnp.where(jnp.eye(m, dtype=bool)[:, None, :, None],
+                     diagonal[..., None, :], off)
   return scores.reshape(*scores.shape[:-4], chunk, chunk)
 
 
