@@ -31,13 +31,15 @@ class KeysValues:
 
 @flax.struct.dataclass
 class RecurrentState:
-  """A recurrent attention's state (model/attention/recurrence.py) after
-  the positions read so far, float32 [B, N, H, H] (each query head's key
-  dims by value dims): what decoding carries in place of keys and values,
-  of the same size however many positions it has read."""
+  """A recurrent attention's state after the positions read so far, a
+  tree of arrays with rows first (Variant.decoding_state; for the gated
+  recurrences a DecodingState of model/attention/gated.py: each query
+  head's float32 [H, H] matrix, and the short convolutions' last inputs):
+  what decoding carries in place of keys and values, of the same size
+  however many positions it has read."""
 
-  state: Array
-  # As KeysValues.stacked: [n, B, N, H, H] under a scanned stack.
+  state: Any
+  # As KeysValues.stacked: each array [n, B, ...] under a scanned stack.
   stacked: bool = flax.struct.field(pytree_node=False, default=False)
 
 
@@ -77,11 +79,13 @@ class Cache:
       shape = (batch_size, length, 1, config.d_model)
 
     def zeros(layer, *groups):
-      if attention.spec(config.for_layer(layer).attention).carries_state:
-        return RecurrentState(
-            jnp.zeros(groups + (batch_size, config.num_heads,
-                                config.head_dim, config.head_dim),
-                      jnp.float32), stacked=bool(groups))
+      layer_config = config.for_layer(layer)
+      variant = attention.spec(layer_config.attention)
+      if variant.carries_state:
+        return RecurrentState(jax.tree.map(
+            lambda a: jnp.zeros(groups + a.shape, a.dtype),
+            variant.decoding_state(layer_config, batch_size)),
+                              stacked=bool(groups))
       return KeysValues(jnp.zeros(groups + shape, config.compute_dtype),
                         jnp.zeros(groups + shape, config.compute_dtype),
                         stacked=bool(groups))
@@ -106,7 +110,9 @@ def map_rows(fn: Callable[[Array, int], Array], cache: Any) -> Any:
       axis = 1 if node.stacked else 0
       return node.replace(key=fn(node.key, axis), value=fn(node.value, axis))
     if isinstance(node, RecurrentState):
-      return node.replace(state=fn(node.state, 1 if node.stacked else 0))
+      axis = 1 if node.stacked else 0
+      return node.replace(state=jax.tree.map(lambda a: fn(a, axis),
+                                             node.state))
     return fn(node, 0)
   return jax.tree.map(apply, cache, is_leaf=_is_layer_cache)
 

@@ -72,10 +72,16 @@ class Variant:
   # Causal only (is_causal=True always): a recurrence over the positions.
   causal_only: bool = False
   # Decoding carries a recurrent state (model.state.RecurrentState) in
-  # place of keys and values: fn takes `state` [B, N, H, H], the state
-  # before the call's first position, and then returns (out, the state
-  # after its last).
-  carries_state: bool = False
+  # place of keys and values, or None: decoding_state(config, batch_size)
+  # gives its zeros (a tree of arrays, rows first) for a layer of `config`
+  # (a ModelConfig); fn takes `state`, the state before the call's first
+  # position, and then returns (out, the state after its last).
+  decoding_state: Callable[..., Any] | None = None
+
+  @property
+  def carries_state(self) -> bool:
+    """Decoding carries a recurrent state (decoding_state)."""
+    return self.decoding_state is not None
 
   @property
   def packs(self) -> bool:
@@ -130,10 +136,10 @@ _REGISTRY: dict[str, Variant] = {
                         dot_product=False, parameters=additive.parameters),
     **{name: Variant(fn, causal=True, masks='segments', bias=False,
                      dropout=False, self_only=True, parameters=parameters,
-                     reads_inputs=parameters is not None, causal_only=True,
-                     carries_state=True)
+                     reads_inputs=name != 'retnet', causal_only=True,
+                     decoding_state=gated.decoding_state)
        for name, fn, parameters in (
-           ('retnet', gated.retnet_attention, None),
+           ('retnet', gated.retnet_attention, gated.conv_parameters),
            ('mamba2', gated.mamba2_attention, gated.ssm_parameters),
            ('gla', gated.gla_attention, gated.gla_parameters),
            ('deltanet', gated.deltanet_attention, gated.delta_parameters),

@@ -14,9 +14,10 @@ import flax.linen as nn
 from model import attention
 
 # Keyword arguments MultiHeadAttention sets itself, never options (state:
-# a recurrence's, while decoding).
+# a recurrence's, while decoding; convolution: the kernels its parameters
+# make, of the option conv_width).
 _SET_BY_THE_MODEL = frozenset({'is_causal', 'dropout_rate', 'dropout_rng',
-                               'state'})
+                               'state', 'convolution'})
 
 
 def _keyword_options(fn: Callable[..., Any]) -> dict[str, type]:

@@ -33,15 +33,39 @@ def _softplus(x):
   return jnp.log1p(jnp.exp(x))
 
 
+def papers_convolution(x, kernel, *, starts, keep):
+  """SiLU of the causal convolution [B, T, C, H] of x by kernel [W, C, H]:
+  position t's sum over the positions s = t - W + 1 .. t of its document,
+  kernel[W - 1 - (t - s)] x_s, a dropped position's x read as 0."""
+  width = kernel.shape[0]
+  x = jnp.where(keep[..., None, None], x, 0.0)
+  document = np.cumsum(starts, axis=1)
+  outs = []
+  for t in range(T):
+    total = 0.0
+    for s in range(max(0, t - width + 1), t + 1):
+      same = (document[:, s] == document[:, t])[:, None, None]
+      total = total + jnp.where(same, kernel[width - 1 - (t - s)] * x[:, s],
+                                0.0)
+    outs.append(total)
+  return jax.nn.silu(jnp.stack(outs, axis=1))
+
+
 def papers_recurrence(name, q, k, v, x, params, *, starts, keep):
   """float64 out [B, T, N, H] of attention `name`: the state S [F, H] per
   head updated position by position as its paper writes it, emptied at
   each document start, left as it was at a dropped position; out the
-  RMS-normalised S^T q / sqrt(H)."""
+  RMS-normalised S^T q / sqrt(H). With short convolutions, q, k and v are
+  their outputs."""
+  if params.get('convolution') is not None:
+    q, k, v = (papers_convolution(a, kernel, starts=starts, keep=keep)
+               for a, kernel in zip((q, k, v), params['convolution']))
   k, v = (jnp.repeat(a, N // K, axis=2) for a in (k, v))
   delta = name in ('deltanet', 'gated_deltanet')
   if delta:
-    q, k = (a / jnp.linalg.norm(a, axis=-1, keepdims=True) for a in (q, k))
+    # (+ 1e-12: a convolution's output is 0 where its window was dropped.)
+    q, k = (a / jnp.sqrt(jnp.sum(a * a, -1, keepdims=True) + 1e-12)
+            for a in (q, k))
   ones = jnp.ones((B, T, N, 1))
   if name == 'retnet':
     decay = ones * (1 - 2.0 ** (-5 - jnp.arange(N)))[:, None]
@@ -96,16 +120,22 @@ def _documents(case):
   return starts, (KEEP if case == 'padded' else np.ones((B, T), bool))
 
 
-CASES = ([(name, 'packed') for name in GATED]
-         + [('gla', 'padded'), ('gated_deltanet', 'padded')])
+# (name, case, conv_width): short convolutions of the papers' width 4 and
+# of 3, across documents and around dropped positions.
+CASES = ([(name, 'packed', 0) for name in GATED]
+         + [('gla', 'padded', 0), ('gated_deltanet', 'padded', 0),
+            ('mamba2', 'packed', 4), ('deltanet', 'padded', 3)])
 
 
-@pytest.mark.parametrize('name, case', CASES)
-def test_the_chunked_form_equals_the_papers_recurrence(name, case):
+@pytest.mark.parametrize('name, case, conv_width', CASES)
+def test_the_chunked_form_equals_the_papers_recurrence(name, case,
+                                                       conv_width):
   """Outputs and the gradients of q, k, v, the input x and the variant's
   parameters; the gradients of every position after the last one the loss
   reads are exactly zero (causality)."""
-  params, _ = owned(name, d_model=D, num_heads=N, num_kv_heads=K, seed=3)
+  options = {'conv_width': conv_width} if conv_width else {}
+  params, _ = owned(name, d_model=D, num_heads=N, num_kv_heads=K, seed=3,
+                    **options)
   q, k, v, x = (jnp.asarray(a, jnp.float32) for a in _inputs(0))
   cotangent = jnp.asarray(np.random.default_rng(1).normal(size=(B, T, N, H)),
                           jnp.float32)
@@ -115,7 +145,8 @@ def test_the_chunked_form_equals_the_papers_recurrence(name, case):
   mask = _mask(case)
 
   def ours(q, k, v, x, params):
-    kwargs = params | ({'inputs': x} if params else {})
+    kwargs = params | ({'inputs': x} if attention.spec(name).reads_inputs
+                       else {})
     out = fn(q, k, v, None, mask, is_causal=True, chunk_size=CHUNK, **kwargs)
     return out, jnp.sum(out * cotangent)
 

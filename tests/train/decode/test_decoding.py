@@ -77,16 +77,21 @@ def cached_logits(step, positions_to_read: int) -> np.ndarray:
     # Each recurrence carries its state [B, N, H, H] (four query heads on
     # two key/value heads), the padding of the shorter prompt left out of
     # it; chunks of 4 positions, so the prompts' call runs the chunked
-    # form across chunks and the tokens after it the recurrent one.
+    # form across chunks and the tokens after it the recurrent one. Two
+    # of them convolve q/k/v too, so their states hold the last inputs.
     ('rope', dict(attention='retnet,mamba2,gla,deltanet,gated_deltanet',
                   num_layers=5, attention_options={
-                      name: {'chunk_size': 4} for name in (
-                          'retnet', 'mamba2', 'gla', 'deltanet',
-                          'gated_deltanet')})),
+                      name: {'chunk_size': 4} | (
+                          {'conv_width': 4} if name in ('mamba2', 'deltanet')
+                          else {})
+                      for name in ('retnet', 'mamba2', 'gla', 'deltanet',
+                                   'gated_deltanet')})),
     # Under scan_layers, the states of the repeated blocks stacked, beside
-    # a dense layer's keys and values.
+    # a dense layer's keys and values; the recent inputs of the
+    # convolution stacked with them.
     ('rope', dict(attention='gated_deltanet,dense', num_layers=4,
-                  scan_layers=True))])
+                  scan_layers=True,
+                  attention_options={'gated_deltanet': {'conv_width': 3}}))])
 def test_decoder_lm_cached_logits_equal_a_full_pass(position, overrides):
   config = tiny('decoder_lm', position, **overrides)
   model = build(config)
