@@ -11,12 +11,12 @@ from model import logical_axes
 from model.config import ModelConfig
 from model.layers import MultiHeadAttention, Mlp, make_norm
 from model.moe import MoeMlp
-from model.state import Cache, KeysValues, RecurrentState
+from model.state import Cache, KeysValues, LatentCache, RecurrentState
 from model.weight_decay import undecayed
 
 Array = jax.Array
 # One self-attention layer's decoding cache.
-LayerCache = KeysValues | RecurrentState
+LayerCache = KeysValues | RecurrentState | LatentCache
 
 # What config.model.remat keeps of a block for the backward pass: nothing
 # but its inputs (None: jax.checkpoint's default), or the matmul outputs.

@@ -14,7 +14,7 @@ from model import activations, attention, logical_axes, positions
 from model.attention import fused
 from model.attention import options as variant_options
 from model.config import ModelConfig
-from model.state import KeysValues, RecurrentState
+from model.state import KeysValues, LatentCache, RecurrentState
 from model.weight_decay import undecayed
 
 Array = jax.Array
@@ -115,12 +115,17 @@ class MultiHeadAttention(nn.Module):
       heads = (config.num_heads, config.head_dim)
       kv_heads = (config.num_kv_heads, config.head_dim)
       heads_axis, kv_heads_axis = logical_axes.HEADS, logical_axes.KV_HEADS
-      self.query = _dense(heads, ('embed', heads_axis, 'kv'), config,
-                          'query')
-      self.key = _dense(kv_heads, ('embed', kv_heads_axis, 'kv'), config,
-                        'key')
-      self.value = _dense(kv_heads, ('embed', kv_heads_axis, 'kv'), config,
-                          'value')
+      if self._latent:
+        self.latent = attention.spec(config.attention).latent_projections(
+            config, positions.rotated_channels(config),
+            **variant_options.projection_options(config))
+      else:
+        self.query = _dense(heads, ('embed', heads_axis, 'kv'), config,
+                            'query')
+        self.key = _dense(kv_heads, ('embed', kv_heads_axis, 'kv'), config,
+                          'key')
+        self.value = _dense(kv_heads, ('embed', kv_heads_axis, 'kv'),
+                            config, 'value')
       self.out = _dense(config.d_model, (heads_axis, 'kv', 'embed'), config,
                         'out', num_in=2, zero_init=config.zero_init_outputs)
       if config.qk_norm != 'none':  # Over each head's dims: a scale per dim.
@@ -214,6 +219,10 @@ class MultiHeadAttention(nn.Module):
         raise ValueError(
             f'config.model.attention={config.attention!r} cannot read a cache '
             '(train/decode/decoding.py\'s cache_refusal says which can).')
+      if isinstance(cache, LatentCache):
+        return (*self._cached_latent(inputs_q_BxTxD, q_BxTxNxH,
+                                     q_positions_BxT, cache, kwargs),
+                new_values_BxSxKxH)
       if isinstance(cache, RecurrentState):
         # The call's padding (`mask`, a right-padded prompt's) leaves the
         # state as it was.
@@ -264,6 +273,43 @@ class MultiHeadAttention(nn.Module):
                                mask, is_causal=causal, **kwargs)
     return self._out(out_BxTxNxH), cache, new_values_BxSxKxH
 
+  def _rotated_rope(self, rope_BxTxR: Array, positions_BxT: Array) -> Array:
+    """Latent attention's keys' rope parts [B, T, R] rotated as the first R
+    channels of a head are (`_rotate`)."""
+    if not rope_BxTxR.shape[-1]:
+      return rope_BxTxR
+    return positions.rotate(rope_BxTxR[:, :, None], positions_BxT,
+                            **self.scheme.rotation(self.config)
+                            | {'fraction': 1.0})[:, :, 0]
+
+  def _cached_latent(self, inputs_BxTxD: Array, q_BxTxNxH: Array,
+                     q_positions_BxT: Array, cache: LatentCache,
+                     kwargs) -> tuple[Array, LatentCache]:
+    """(output, cache) of a latent attention decoding: this call's
+    latents and rotated rope parts written at its positions (its padding
+    too, overwritten by the tokens after it before any query reads it),
+    then its queries (rotated) attend over the positions up to their own,
+    keys and values never formed."""
+    latent_BxTxC, rope_BxTxR = self.latent.compress(inputs_BxTxD)
+    cache = cache.replace(
+        latent=_put(cache.latent, latent_BxTxC, q_positions_BxT),
+        rope=_put(cache.rope, self._rotated_rope(rope_BxTxR, q_positions_BxT),
+                  q_positions_BxT))
+    written = (jnp.arange(cache.latent.shape[1])[None, None, None, :]
+               <= q_positions_BxT[:, None, :, None])
+    with fused.caller(self.path), jax.named_scope(ATTENTION_SCOPE):
+      out_BxTxNxH = self.latent.attend_cached(
+          q_BxTxNxH, cache.latent, cache.rope, written,
+          scale=kwargs.get('scale'), logit_cap=kwargs.get('logit_cap', 0.0))
+    return self._out(out_BxTxNxH), cache
+
+  @property
+  def _latent(self) -> bool:
+    """Self-attention whose variant makes its own projections from a
+    latent (Variant.latent_projections)."""
+    return (not self.cross and not self._parameter_free and attention.spec(
+        self.config.attention).latent_projections is not None)
+
   @property
   def _parameter_free(self) -> bool:
     """Self-attention of the inputs themselves, with no projections."""
@@ -273,6 +319,8 @@ class MultiHeadAttention(nn.Module):
     """Queries [B, T, N, H] of the inputs ([B, T, 1, D] parameter-free)."""
     if self._parameter_free:
       return inputs_q_BxTxD[:, :, None]
+    if self._latent:  # QK-norm is refused it (model.families.check).
+      return self.latent.queries(inputs_q_BxTxD)
     q_BxTxNxH = self.query(inputs_q_BxTxD)
     return (self.query_norm(q_BxTxNxH) if self.config.qk_norm != 'none'
             else q_BxTxNxH)
@@ -288,6 +336,9 @@ class MultiHeadAttention(nn.Module):
     if self._parameter_free:
       return KeysValues(inputs_kv_BxSxD[:, :, None],
                         inputs_kv_BxSxD[:, :, None])
+    if self._latent:
+      return KeysValues(*self.latent.keys_values(
+          *self.latent.compress(inputs_kv_BxSxD)))
     k_BxSxKxH = self.key(inputs_kv_BxSxD)
     if self.config.qk_norm != 'none':
       k_BxSxKxH = self.key_norm(k_BxSxKxH)
@@ -316,16 +367,21 @@ def is_self_attention_call(context) -> bool:
           and not context.module.cross and context.method_name == '__call__')
 
 
+def _put(cached_BxSx: Array, new_BxTx: Array, positions_BxT: Array
+         ) -> Array:
+  """`cached_BxSx` with each example's `new_BxTx` entries at its
+  positions."""
+  rows_BxT = jnp.broadcast_to(jnp.arange(positions_BxT.shape[0])[:, None],
+                              positions_BxT.shape)
+  return cached_BxSx.at[rows_BxT, positions_BxT].set(
+      new_BxTx.astype(cached_BxSx.dtype))
+
+
 def _write(cache: KeysValues, k_BxTxKxH: Array, v_BxTxKxH: Array,
            positions_BxT: Array) -> KeysValues:
   """The cache with each example's new keys and values at its positions."""
-  rows_BxT = jnp.broadcast_to(jnp.arange(positions_BxT.shape[0])[:, None],
-                              positions_BxT.shape)
-  return KeysValues(
-      cache.key.at[rows_BxT, positions_BxT].set(
-          k_BxTxKxH.astype(cache.key.dtype)),
-      cache.value.at[rows_BxT, positions_BxT].set(
-          v_BxTxKxH.astype(cache.value.dtype)))
+  return KeysValues(_put(cache.key, k_BxTxKxH, positions_BxT),
+                    _put(cache.value, v_BxTxKxH, positions_BxT))
 
 
 class Mlp(nn.Module):

@@ -6,7 +6,7 @@ rest being left to an elementwise one.
 The rule, read from each parameter's declaration:
 - A hidden matrix is a weight (weight decay reaches it: model/weight_decay.py)
   whose logical axes are all hidden features (embed, heads, kv_heads, kv,
-  mlp) but for leading stacking axes (expert, one matrix per expert;
+  mlp, latent) but for leading stacking axes (expert, one matrix per expert;
   layers, one per group of a scanned stack), and
   which reads or writes a vector of the model's width (one of its axes is
   embed: the residual stream, or DeBERTa's relative position embeddings).
@@ -32,12 +32,12 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 
-from model.logical_axes import LAYERS
+from model.logical_axes import LATENT, LAYERS
 from model.weight_decay import Undecayed
 
 # Axes of the residual stream and the features read from or written to it.
 _EMBED = 'embed'
-_FEATURES = frozenset({_EMBED, 'heads', 'kv_heads', 'kv', 'mlp'})
+_FEATURES = frozenset({_EMBED, 'heads', 'kv_heads', 'kv', 'mlp', LATENT})
 # Axes along which one parameter stacks matrices of the same kind: one per
 # expert, one per group of a scanned stack's blocks.
 _STACKS = frozenset({'expert', LAYERS})

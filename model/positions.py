@@ -91,6 +91,14 @@ def rotated_width(head_dim: int, fraction: float) -> int:
   return round(head_dim * fraction)
 
 
+def rotated_channels(config) -> int:
+  """The channels of each head that the position scheme of `config` (a
+  ModelConfig) rotates: 0 where it rotates none."""
+  if not SCHEMES[config.position].rotation:
+    return 0
+  return rotated_width(config.head_dim, config.rope_fraction)
+
+
 def alibi_slopes(num_heads: int) -> np.ndarray:
   """The per-head slopes of ALiBi (Press et al. 2022): a geometric sequence
   starting at 2^(-8/n) for the nearest power of two n, interleaved with the

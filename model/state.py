@@ -11,7 +11,8 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from model import attention
+from model import attention, positions
+from model.attention import latent
 from model.config import ModelConfig
 
 Array = jax.Array
@@ -43,14 +44,31 @@ class RecurrentState:
   stacked: bool = flax.struct.field(pytree_node=False, default=False)
 
 
+@flax.struct.dataclass
+class LatentCache:
+  """A latent attention's cache (model/attention/latent.py): each
+  position's latent [B, S, C] and its keys' rope part [B, S, R], rotated,
+  in the compute dtype; C + R numbers a position where KeysValues holds
+  2 K H."""
+
+  latent: Array
+  rope: Array
+  # As KeysValues.stacked.
+  stacked: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+LAYER_CACHES = (KeysValues, RecurrentState, LatentCache)
+
+
 def _is_layer_cache(node) -> bool:
-  return isinstance(node, (KeysValues, RecurrentState))
+  return isinstance(node, LAYER_CACHES)
 
 
 @flax.struct.dataclass
 class Cache:
-  """A decoder's cache, a KeysValues per layer, or a RecurrentState for a
-  layer whose attention carries one (under scan_layers: per block run
+  """A decoder's cache, a KeysValues per layer, a RecurrentState for a
+  layer whose attention carries one, or a LatentCache for one that caches
+  latents (under scan_layers: per block run
   before the loop, then per block of the group the loop repeats, stacked
   over the groups). `self_attention`: the keys and values of the positions
   written so far, [B, C, ...] for C positions (decoding writes one
@@ -61,7 +79,7 @@ class Cache:
   loop carries (and beam search copies per beam) holds None there, as a
   decoder without cross-attention does."""
 
-  self_attention: tuple[KeysValues | RecurrentState, ...]
+  self_attention: tuple[KeysValues | RecurrentState | LatentCache, ...]
   cross_attention: tuple[KeysValues, ...] | None = None
   # The embeddings [B, C, D] written so far, each read by the next
   # position's smear (config.smear); None without smear.
@@ -86,6 +104,13 @@ class Cache:
             lambda a: jnp.zeros(groups + a.shape, a.dtype),
             variant.decoding_state(layer_config, batch_size)),
                               stacked=bool(groups))
+      if variant.latent_projections:
+        widths = latent.cache_widths(
+            layer_config, positions.rotated_channels(layer_config),
+            **dict(layer_config.attention_options))
+        return LatentCache(*(jnp.zeros(groups + (batch_size, length, width),
+                                       config.compute_dtype)
+                             for width in widths), stacked=bool(groups))
       return KeysValues(jnp.zeros(groups + shape, config.compute_dtype),
                         jnp.zeros(groups + shape, config.compute_dtype),
                         stacked=bool(groups))
@@ -106,13 +131,9 @@ def map_rows(fn: Callable[[Array, int], Array], cache: Any) -> Any:
   or a recurrent model's state), `axis` the one its rows are on: the
   second of a scanned stack's stacked arrays, else the first."""
   def apply(node):
-    if isinstance(node, KeysValues):
+    if _is_layer_cache(node):
       axis = 1 if node.stacked else 0
-      return node.replace(key=fn(node.key, axis), value=fn(node.value, axis))
-    if isinstance(node, RecurrentState):
-      axis = 1 if node.stacked else 0
-      return node.replace(state=jax.tree.map(lambda a: fn(a, axis),
-                                             node.state))
+      return jax.tree.map(lambda a: fn(a, axis), node)
     return fn(node, 0)
   return jax.tree.map(apply, cache, is_leaf=_is_layer_cache)
 

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from model.attention import (additive, chunked, compressed, gated, kernel,
-                             linformer, ring, sparse)
+                             latent, linformer, ring, sparse)
 from model.attention.core import (PositionBias, SegmentMask,
                                   attention_weights, causal_attention,
                                   causal_mask, cross_attention, lookup,
@@ -77,6 +77,14 @@ class Variant:
   # (a ModelConfig); fn takes `state`, the state before the call's first
   # position, and then returns (out, the state after its last).
   decoding_state: Callable[..., Any] | None = None
+  # Makes the layer's queries, keys and values itself, from a shared
+  # low-rank latent (model/attention/latent.py), in place of
+  # MultiHeadAttention's projections, or None: latent_projections(config,
+  # **options) gives the Flax module (a latent.LatentProjections), its
+  # keyword-only arguments being the options that shape it; fn attends
+  # over what it makes, and decoding caches its latents
+  # (model.state.LatentCache).
+  latent_projections: Callable[..., Any] | None = None
 
   @property
   def carries_state(self) -> bool:
@@ -134,6 +142,9 @@ _REGISTRY: dict[str, Variant] = {
     'additive': Variant(additive.additive_attention, causal=True, masks='any',
                         bias=True, dropout=False, longer_keys=True,
                         dot_product=False, parameters=additive.parameters),
+    'mla': Variant(chunked.chunked_attention, causal=True, masks='any',
+                   bias=False, dropout=False, longer_keys=True,
+                   latent_projections=latent.projections),
     **{name: Variant(fn, causal=True, masks='segments', bias=False,
                      dropout=False, self_only=True, parameters=parameters,
                      reads_inputs=name != 'retnet', causal_only=True,

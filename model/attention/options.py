@@ -1,7 +1,8 @@
 """A variant's options (config.model.attention_options): which keys it
 takes and of what type, read from the signatures of its function and of
-the parameters it owns (Variant.parameters), and its keyword arguments in
-a model, those parameters created.
+the parameters it owns (Variant.parameters) or the projections it makes
+(Variant.latent_projections), and its keyword arguments in a model, those
+parameters created.
 """
 
 from collections.abc import Callable
@@ -40,9 +41,10 @@ def option_types(name: str) -> dict[str, type]:
   taken = {option: kind
            for option, kind in _keyword_options(attention.get(name)).items()
            if option not in _SET_BY_THE_MODEL}
-  parameters = attention.spec(name).parameters
-  if parameters:
-    taken |= _keyword_options(parameters)
+  variant = attention.spec(name)
+  for maker in (variant.parameters, variant.latent_projections):
+    if maker:
+      taken |= _keyword_options(maker)
   return taken
 
 
@@ -74,7 +76,20 @@ def variant_kwargs(module: nn.Module, config) -> dict[str, Any]:
   ModelConfig) for the attention layer `module`: its options, with any
   parameters it owns created in `module` and passed in."""
   options = dict(config.attention_options)
-  parameters = attention.spec(config.attention).parameters
-  if parameters:
-    return parameters(module, config, **options)
+  variant = attention.spec(config.attention)
+  if variant.parameters:
+    return variant.parameters(module, config, **options)
+  if variant.latent_projections:
+    projecting = _keyword_options(variant.latent_projections)
+    return {key: value for key, value in options.items()
+            if key not in projecting}
   return options
+
+
+def projection_options(config) -> dict[str, Any]:
+  """The options of `config.attention` (config: a layer's ModelConfig)
+  that shape its latent projections (Variant.latent_projections)."""
+  projecting = _keyword_options(
+      attention.spec(config.attention).latent_projections)
+  return {key: value for key, value in dict(config.attention_options).items()
+          if key in projecting}

@@ -28,7 +28,7 @@ from model.families.decoder_lm import DecoderLM
 from model.families.encoder_classifier import EncoderClassifier
 from model.families.encoder_decoder import EncoderDecoder
 from model.families.rnn_attention import RnnAttention
-from model.positions import SCHEMES
+from model.positions import SCHEMES, rotated_channels
 
 # What a key holds when it is not set.
 _DEFAULTS = ModelConfig()
@@ -119,6 +119,28 @@ def _attention_problem(config: ModelConfig, family: Family) -> str | None:
   if scheme.bias and not variant.bias:
     return (f'config.model.position={config.position!r} adds a bias to the '
             f'logits, which {named} cannot take.')
+  if variant.latent_projections:
+    return _latent_problem(config, named)
+  return None
+
+
+def _latent_problem(config: ModelConfig, named: str) -> str | None:
+  """What an attention that projects from a latent (`named`) cannot
+  honour in `config`, or None: its decoding never forms a key or value."""
+  if not config.attention_projections:
+    return (f'{named} makes its queries, keys and values from a latent; '
+            'config.model.attention_projections=False wants none.')
+  for key, on in (('qk_norm', config.qk_norm != 'none'),
+                  ('value_residual', config.value_residual),
+                  ('value_embeddings', config.value_embeddings)):
+    if on:
+      return (f'config.model.{key} changes keys or values, which {named} '
+              'never forms while decoding (it attends over their latent).')
+  if rotated_channels(config) >= config.head_dim:
+    return (f'{named} takes its rope part from the channels rope rotates, '
+            f'and config.model.rope_fraction={config.rope_fraction} leaves '
+            'its latent none; give a fraction below 1 (DeepSeek-V2 rotates '
+            '1/3 of a head).')
   return None
 
 

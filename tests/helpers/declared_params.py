@@ -1,5 +1,5 @@
 """Models of every family, MoE, the attention variants that own parameters
-and the position schemes, at toy size, with their parameters as `init`
+or make their own projections, and the position schemes, at toy size, with their parameters as `init`
 declares them: what the tests of the declarations (weight decay, hidden
 matrices) read."""
 
@@ -45,7 +45,8 @@ CONFIGS = {
 } | {f'attention_{name}': small(attention=name) if attention.spec(
     name).causal_only else small(family='encoder_classifier', num_classes=3,
                                  pooling='mean', attention=name)
-     for name in attention.names() if attention.spec(name).parameters} | {
+     for name in attention.names() if attention.spec(name).parameters
+     or attention.spec(name).latent_projections} | {
     f'position_{name}': small(position=name, family=(
         'encoder_decoder' if SCHEMES[name].randomized else 'decoder_lm'))
     for name in POSITIONS}

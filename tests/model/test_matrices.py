@@ -39,6 +39,9 @@ def _unstacked(path: tuple[str, ...], family: str) -> Matrix | None:
     return _INTO_HEADS
   if module == 'disentangled' and name in ('query_position', 'key_position'):
     return _INTO_HEADS
+  if module == 'latent':  # Latent attention's: those that read x [D].
+    return {'query': _INTO_HEADS, 'kv_down': _DENSE, 'q_down': _DENSE,
+            'rope_key': _DENSE}.get(name)
   if name == 'kernel' and module == 'out':
     return _OUT_OF_HEADS
   if name == 'kernel' and module in ('wi', 'wi_gate', 'wo'):

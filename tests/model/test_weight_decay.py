@@ -22,9 +22,12 @@ def role(path) -> str:
   name = path[-1].key
   if name == 'bias' or name.endswith('_bias'):
     return 'bias'
-  # Gains: a norm's, value residual's mix of values, the gates of value
-  # embeddings and smear, U-net skips' weights, and a recurrence's log
-  # decay rates (Mamba's A).
+  # Gains: a norm's (latent attention's norms' too, kv_gain and q_gain),
+  # value residual's mix of values, the gates of value embeddings and
+  # smear, U-net skips' weights, and a recurrence's log decay rates
+  # (Mamba's A).
+  if name.endswith('_gain'):
+    return 'scale'
   return 'scale' if name in ('scale', 'value_mix', 'value_embedding_gate',
                              'gain', 'unet_weights', 'a_log') else 'weight'
 

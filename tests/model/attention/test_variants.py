@@ -53,7 +53,7 @@ def test_registry_lists_every_variant():
   assert attention.names() == sorted([
       'additive', 'bigbird', 'chunked', 'deltanet', 'dense', 'fixed',
       'gated_deltanet', 'gla', 'hedgehog', 'linear', 'linformer', 'local',
-      'mamba2', 'memory_compressed', 'performer', 'retnet', 'ring',
+      'mamba2', 'memory_compressed', 'mla', 'performer', 'retnet', 'ring',
       'strided'])
   assert attention.get('chunked') is attention.spec('chunked').fn
 

@@ -37,6 +37,7 @@ OPTIONS = {
     'gla': {'chunk_size': 3, 'gate_rank': 4},
     'deltanet': {'chunk_size': 3},
     'gated_deltanet': {'chunk_size': 3},
+    'mla': {'kv_rank': 6, 'q_rank': 5, 'chunk_size': 3},
 }
 CAUSAL = [name for name in attention.names() if attention.spec(name).causal]
 

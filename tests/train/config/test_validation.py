@@ -100,7 +100,7 @@ def test_every_problem_of_a_config_is_reported_in_one_pass():
       "config.sample_length=300 samples with a cache, and "
       "config.model.attention='strided' cannot decode with a cache "
       '(additive, chunked, deltanet, dense, gated_deltanet, gla, local, '
-      'mamba2 and retnet can); set it to 0.',
+      'mamba2, mla and retnet can); set it to 0.',
       "config.model.attention_options.kernel='palas_gpu' must be one of "
       "['auto', 'xla', 'cudnn', 'pallas_tpu', 'pallas_gpu']; did you mean "
       'pallas_gpu?']
@@ -309,7 +309,7 @@ INVALID_ELSEWHERE = [
      "config.decode_splits=('validation', 'long') decodes with a cache, "
      "and config.model.attention='linear' cannot decode with a cache "
      '(additive, chunked, deltanet, dense, gated_deltanet, gla, local, '
-     'mamba2 and retnet can).'),
+     'mamba2, mla and retnet can).'),
     ('listops', 'dataset_options.min_length', -1,
      'config.dataset_options.min_length=-1 must be an integer >= 0'),
     ('listops', 'dataset_options.max_length', 17,
@@ -328,7 +328,7 @@ INVALID_ELSEWHERE = [
     ('lm_stdlib', 'model.attention', 'strided', 'config.sample_length=300 '
      "samples with a cache, and config.model.attention='strided' cannot "
      'decode with a cache (additive, chunked, deltanet, dense, '
-     'gated_deltanet, gla, local, mamba2 and retnet can); set it to 0.'),
+     'gated_deltanet, gla, local, mamba2, mla and retnet can); set it to 0.'),
     ('lm_stdlib', 'model.attention', 'dense,linear',
      "config.model.attention='linear' cannot keep packed sequences apart"),
     ('alternating', 'model.attention_options.local.window', 0,

@@ -87,11 +87,13 @@ def cached_logits(step, positions_to_read: int) -> np.ndarray:
                       for name in ('retnet', 'mamba2', 'gla', 'deltanet',
                                    'gated_deltanet')})),
     # Under scan_layers, the states of the repeated blocks stacked, beside
-    # a dense layer's keys and values; the recent inputs of the
-    # convolution stacked with them.
-    ('rope', dict(attention='gated_deltanet,dense', num_layers=4,
-                  scan_layers=True,
-                  attention_options={'gated_deltanet': {'conv_width': 3}}))])
+    # a latent attention's latents and rope parts (half of each head, of
+    # four on two key/value heads); the recent inputs of the convolution
+    # stacked with them.
+    ('rope', dict(attention='gated_deltanet,mla', num_layers=4,
+                  scan_layers=True, rope_fraction=0.5,
+                  attention_options={'gated_deltanet': {'conv_width': 3},
+                                     'mla': {'kv_rank': 6, 'q_rank': 5}}))])
 def test_decoder_lm_cached_logits_equal_a_full_pass(position, overrides):
   config = tiny('decoder_lm', position, **overrides)
   model = build(config)
