@@ -78,6 +78,7 @@ from train.base.errors import InputError
 from train.config import validation as config_validation
 from train.data import datasets
 from train.program import flops
+from train.run import workdir as workdir_lib
 from train.run.program import Program
 from train.run.trainer import train_and_evaluate
 
@@ -151,7 +152,8 @@ def variant_cost(config, workdir: str, timing_steps: int) -> dict:
   path = os.path.join(workdir, 'cost.json')
   described = config.to_json_best_effort(sort_keys=True)
   cost = common.load_json(path)
-  if (cost is None or cost.pop('config') != described
+  if (cost is None
+      or not workdir_lib.same_config(cost.pop('config'), described)
       or (timing_steps and 'step_ms' not in cost)):
     cost = measure(config, timing_steps)
     common.save_json(path, cost | {'config': described})
@@ -184,7 +186,8 @@ def run_seed(config, workdir: str) -> dict:
   os.makedirs(workdir, exist_ok=True)
   described = config.to_json_best_effort(sort_keys=True)
   row = common.load_json(os.path.join(workdir, 'result.json'))
-  if row is not None and row.pop('config') != described:
+  if row is not None and not workdir_lib.same_config(row.pop('config'),
+                                                 described):
     raise InputError(f'{workdir} holds a run of another config; compare '
                      'in a new --workdir.')
   if row is None:

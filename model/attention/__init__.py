@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from model.attention import (additive, chunked, compressed, gated, kernel,
-                             latent, linformer, ring, sparse)
+                             latent, linformer, moba, ring, sparse)
 from model.attention.core import (PositionBias, SegmentMask,
                                   attention_weights, causal_attention,
                                   causal_mask, cross_attention, lookup,
@@ -142,6 +142,8 @@ _REGISTRY: dict[str, Variant] = {
     'additive': Variant(additive.additive_attention, causal=True, masks='any',
                         bias=True, dropout=False, longer_keys=True,
                         dot_product=False, parameters=additive.parameters),
+    'moba': Variant(moba.moba_attention, causal=True, masks='key_padding',
+                    bias=False, dropout=False, self_only=True),
     'mla': Variant(chunked.chunked_attention, causal=True, masks='any',
                    bias=False, dropout=False, longer_keys=True,
                    latent_projections=latent.projections),

@@ -92,8 +92,8 @@ CASES = {
         "config.model.attention='lokal' must be one of ['auto', 'additive', "
         "'bigbird', 'chunked', 'deltanet', 'dense', 'fixed', "
         "'gated_deltanet', 'gla', 'hedgehog', 'linear', 'linformer', "
-        "'local', 'mamba2', 'memory_compressed', 'mla', 'performer', "
-        "'retnet', 'ring', 'strided']; did you mean local?"),
+        "'local', 'mamba2', 'memory_compressed', 'mla', 'moba', "
+        "'performer', 'retnet', 'ring', 'strided']; did you mean local?"),
     'train_attention_entry_name': (
         'train.train', [LM, '--workdir={tmp}/w',
                         '--config.model.attention=dense,lokal'],

@@ -153,6 +153,14 @@ def differences(old: dict[str, Any], new: dict[str, Any]
           if before(key) != new.get(key)}
 
 
+def same_config(old_json: str, new_json: str) -> bool:
+  """Whether two configs' JSON (to_json_best_effort) say one run: no
+  `differences`, so that a key added since (an option of a variant
+  registered since) left at its default is the same config."""
+  return not differences(_flat(json.loads(old_json)),
+                         _flat(json.loads(new_json)))
+
+
 def check_resume(old: dict[str, Any], new: dict[str, Any],
                  workdir: str = 'this workdir'
                  ) -> dict[str, tuple[Any, Any]]:

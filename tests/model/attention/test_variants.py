@@ -14,6 +14,7 @@ import pytest
 from model import attention
 from model.attention import chunk_plan, kernel, sparse
 from tests.helpers import tolerance
+from tests.helpers.distinct_variants import distinct_variants
 from tests.helpers.sparse_patterns import (bigbird_pattern, fixed_pattern,
                                           local_pattern, strided_pattern)
 
@@ -53,8 +54,8 @@ def test_registry_lists_every_variant():
   assert attention.names() == sorted([
       'additive', 'bigbird', 'chunked', 'deltanet', 'dense', 'fixed',
       'gated_deltanet', 'gla', 'hedgehog', 'linear', 'linformer', 'local',
-      'mamba2', 'memory_compressed', 'mla', 'performer', 'retnet', 'ring',
-      'strided'])
+      'mamba2', 'memory_compressed', 'mla', 'moba', 'performer', 'retnet',
+      'ring', 'strided'])
   assert attention.get('chunked') is attention.spec('chunked').fn
 
 
@@ -159,7 +160,7 @@ MASK_OPTIONS = {'chunked': dict(chunk_size=4), 'local': dict(window=3),
                      for shape in ((N, H, 5), (N, H, 5), (N, 5)))))}
 
 
-@pytest.mark.parametrize('name', [n for n in attention.names()
+@pytest.mark.parametrize('name', [n for n in distinct_variants()
                                   if attention.spec(n).masks == 'any'])
 def test_segment_ids_mask_as_the_array_they_stand_for(name):
   """Packed rows: a SegmentMask gives the outputs and gradients that the

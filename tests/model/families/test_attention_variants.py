@@ -38,6 +38,7 @@ OPTIONS = {
     'deltanet': {'chunk_size': 3},
     'gated_deltanet': {'chunk_size': 3},
     'mla': {'kv_rank': 6, 'q_rank': 5, 'chunk_size': 3},
+    'moba': {'block_size': 2, 'top_k': 1},
 }
 CAUSAL = [name for name in attention.names() if attention.spec(name).causal]
 

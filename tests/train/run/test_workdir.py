@@ -271,6 +271,17 @@ def test_a_key_added_since_and_left_unset_is_no_change():
     workdir.check_resume(old, new | {'model.attention_options.window': 32})
 
 
+def test_a_config_described_before_a_variant_was_registered_is_the_same():
+  """What a comparison's result.json records (its config's JSON) still
+  names the run once a variant registered since adds its unset options."""
+  old = json.dumps({'model': {'d_model': 32, 'attention_options': {}}})
+  new = json.dumps({'model': {'d_model': 32, 'attention_options': {
+      'moba': {'top_k': None}}}})
+  assert workdir.same_config(old, new)
+  assert not workdir.same_config(old, new.replace('null', '2'))
+  assert not workdir.same_config(old, new.replace('32', '64'))
+
+
 def test_a_key_added_since_at_its_default_is_no_change():
   """A workdir recorded before config.model.qk_norm and config.z_loss
   existed resumes with them at their defaults, and not with others."""
