@@ -75,15 +75,7 @@ def memory_compressed_attention(
   if bias is not None:
     raise ValueError('memory_compressed attention takes no bias: its keys '
                      'are not positions.')
-  if query.shape[1] != key.shape[1]:
-    raise ValueError(
-        'memory_compressed attention is self-attention: query length '
-        f'{query.shape[1]} must equal key length {key.shape[1]}.')
-  if mask is not None and (isinstance(mask, core.SegmentMask)
-                           or mask.shape[1] != 1 or mask.shape[2] != 1):
-    raise ValueError(
-        'memory_compressed attention honours key padding masks only (shape '
-        f'[B, 1, 1, S]), not a mask of shape {mask.shape}.')
+  core.check_self_key_padding('memory_compressed', query, key, mask)
   window = key_kernel.shape[0]
   if not 1 <= stride <= window:
     raise ValueError(f'stride={stride} must be in [1, width={window}]: '

@@ -356,6 +356,22 @@ def check_inputs(query, key, value, bias, mask) -> tuple[int, ...]:
   return full_shape
 
 
+def check_self_key_padding(name: str, query: Array, key: Array,
+                           mask) -> None:
+  """ValueError unless `name` attention is self-attention (query and key
+  lengths equal) under a key padding mask [B, 1, 1, S] or none: what a
+  variant that builds its own keys from the row's positions honours."""
+  if query.shape[1] != key.shape[1]:
+    raise ValueError(
+        f'{name} attention is self-attention: query length {query.shape[1]} '
+        f'must equal key length {key.shape[1]}.')
+  if mask is not None and (isinstance(mask, SegmentMask)
+                           or mask.shape[1] != 1 or mask.shape[2] != 1):
+    raise ValueError(
+        f'{name} attention honours key padding masks only (shape '
+        f'[B, 1, 1, S]), not a mask of shape {getattr(mask, "shape", mask)}.')
+
+
 def causal_mask(q_len: int, kv_len: int) -> Array:
   """[T, S] bool, aligned bottom-right: query i sees keys j <= i + (S - T).
 

@@ -26,15 +26,7 @@ def _check(query: Array, key: Array, value: Array, bias, mask,
   if bias is not None:
     raise ValueError('moba attention takes no bias: its blocks are chosen '
                      'by scores that never see one.')
-  if query.shape[1] != key.shape[1]:
-    raise ValueError(
-        f'moba attention is self-attention: query length {query.shape[1]} '
-        f'must equal key length {key.shape[1]}.')
-  if mask is not None and (isinstance(mask, core.SegmentMask)
-                           or mask.shape[1] != 1 or mask.shape[2] != 1):
-    raise ValueError(
-        'moba attention honours key padding masks only (shape [B, 1, 1, S]), '
-        f'not a mask of shape {getattr(mask, "shape", mask)}.')
+  core.check_self_key_padding('moba', query, key, mask)
   for name, value_ in (('block_size', block_size), ('top_k', top_k)):
     if isinstance(value_, bool) or not isinstance(value_, int) or value_ < 1:
       raise ValueError(f'{name}={value_!r} must be a whole number >= 1.')
