@@ -10,14 +10,15 @@ decoder caches the latent, not the keys and values.
 A head's first R channels are its decoupled rope part: exactly the
 channels rope rotates (config.model.rope_fraction of the head; R = 0 under
 a scheme that rotates none; model.positions.rotated_channels), rotated by
-the attention layer as it rotates queries and keys. The key's rope part is one projection shared
-by the heads, and the other H - R channels come from the latent, which
-rope never touches; so a query's product with a key's latent part is its
-product, through W_key_up, with the latent itself, and decoding attends
-over the cached latents and rope parts without forming a key or a value
-(`LatentProjections.attend_cached`): C + R numbers a position a layer in
-place of 2 K H. In training, the keys and values are formed and attended
-by the exact core as any layer's.
+the attention layer as it rotates queries and keys. The key's rope part
+is one projection shared by the heads, and the other H - R channels come
+from the latent, which rope never touches; so a query's product with a
+key's latent part is its product, through W_key_up, with the latent
+itself, and decoding attends over the cached latents and rope parts
+without forming a key or a value (`LatentProjections.attend_cached`):
+C + R numbers a position a layer in place of 2 K H. In training, the
+keys and values are formed and attended by the exact core as any
+layer's.
 """
 
 from typing import Any
@@ -50,9 +51,9 @@ class LatentProjections(nn.Module):
   """An attention layer's queries, keys and values from a shared latent,
   for a layer of `config` (a ModelConfig) whose position scheme rotates
   the first `rope_width` channels of a head (R, the rope part; 0 for
-  none): the latent's width `kv_rank` (None: d_model / 4), and the queries' own latent's `q_rank` (0: queries
-  projected from the input directly, as DeepSeek-V2-Lite does; DeepSeek-V2
-  uses 1536 of 5120)."""
+  none): the latent's width `kv_rank` (None: d_model / 4), and the
+  queries' own latent's `q_rank` (0: queries projected from the input
+  directly, as DeepSeek-V2-Lite does; DeepSeek-V2 uses 1536 of 5120)."""
 
   config: Any
   rope_width: int
@@ -145,28 +146,30 @@ class LatentProjections(nn.Module):
     """Attention of queries [B, T, N, H] (rotated) over cached latents
     [B, S, C] and rotated rope parts [B, S, R], under mask [B, 1, T, S]
     (True: attend), the logits scaled by `scale` (None: 1 / sqrt(H)) and
-    capped at `logit_cap` (0: none): what attending over their keys and values gives, with
-    neither formed. Each query's other H - R channels meet W_key_up before
-    the latents, and the weighted latents meet W_value_up after."""
+    capped at `logit_cap` (0: none): what attending over their keys and
+    values gives, with neither formed. Each query's other H - R channels
+    meet W_key_up before the latents, and the weighted latents meet
+    W_value_up after."""
     batch, length, heads, head_dim = q_BxTxNxH.shape
     kv_heads, rope = self.config.num_kv_heads, rope_BxSxR.shape[-1]
+    # As the core's: the products over the cache in its dtype, summed in
+    # float32, the softmax in float32.
+    dtype, f32 = latent_BxSxC.dtype, jnp.float32
     q = q_BxTxNxH.reshape(batch, length, kv_heads, heads // kv_heads,
-                          head_dim).astype(jnp.float32)
-    f32 = jnp.float32
+                          head_dim)
     scale = head_dim ** -0.5 if scale is None else scale
-    q_latent = jnp.einsum('btkgh,ckh->btkgc', q[..., rope:],
+    q_latent = jnp.einsum('btkgh,ckh->btkgc', q[..., rope:].astype(f32),
                           self.key_up.astype(f32))
-    logits = (jnp.einsum('btkgc,bsc->bkgts', q_latent,
-                         latent_BxSxC.astype(f32))
-              + jnp.einsum('btkgr,bsr->bkgts', q[..., :rope],
-                           rope_BxSxR.astype(f32)))
+    logits = (jnp.einsum('btkgc,bsc->bkgts', q_latent.astype(dtype),
+                         latent_BxSxC, preferred_element_type=f32)
+              + jnp.einsum('btkgr,bsr->bkgts', q[..., :rope].astype(dtype),
+                           rope_BxSxR, preferred_element_type=f32))
     logits = core.softcap(logits.reshape(batch, heads, length, -1) * scale,
                           logit_cap)
     weights = core.weights_from_logits(logits, None, mask, False)
-    weighted = jnp.einsum('bkgts,bsc->btkgc',
-                          weights.reshape(batch, kv_heads, -1, length,
-                                          weights.shape[-1]),
-                          latent_BxSxC.astype(f32))
+    weighted = jnp.einsum('bkgts,bsc->btkgc', weights.reshape(
+        batch, kv_heads, -1, length, weights.shape[-1]).astype(dtype),
+                          latent_BxSxC, preferred_element_type=f32)
     out = jnp.einsum('btkgc,ckh->btkgh', weighted, self.value_up.astype(f32))
     return out.reshape(batch, length, heads, head_dim).astype(
         q_BxTxNxH.dtype)

@@ -1,7 +1,7 @@
 """Models of every family, MoE, the attention variants that own parameters
-or make their own projections, and the position schemes, at toy size, with their parameters as `init`
-declares them: what the tests of the declarations (weight decay, hidden
-matrices) read."""
+or make their own projections, and the position schemes, at toy size,
+with their parameters as `init` declares them: what the tests of the
+declarations (weight decay, hidden matrices) read."""
 
 import jax
 

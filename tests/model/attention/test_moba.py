@@ -78,6 +78,8 @@ def test_moba_equals_dense_under_the_blocks_it_chooses(case):
                                                              allowed), 0.0),
                              atol=1e-5, rtol=1e-5)
 
+  if case != 'causal':  # One compiled gradient suffices.
+    return
   # Gradients: those of exact attention under the chosen mask (the choice
   # has none).
   def loss(fn, q, k, v):

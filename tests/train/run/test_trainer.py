@@ -123,7 +123,7 @@ def test_the_closing_summary_offers_no_decoder_that_cannot_serve_the_run():
       'python -m train.generate does not apply: '
       "config.model.attention='strided' cannot decode with a cache "
       '(additive, chunked, deltanet, dense, gated_deltanet, gla, local, '
-      'mamba2 and retnet can).')
+      'mamba2, mla and retnet can).')
   assert decoding.cache_refusal(ModelConfig(attention='chunked')) is None
 
 
