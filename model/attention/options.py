@@ -71,6 +71,13 @@ def takes_kernel(name: str) -> bool:
   return name in attention.names() and 'kernel' in option_names(name)
 
 
+def _projecting(config) -> set[str]:
+  """The option names that shape the latent projections of
+  `config.attention` (Variant.latent_projections; none without)."""
+  maker = attention.spec(config.attention).latent_projections
+  return set(_keyword_options(maker)) if maker else set()
+
+
 def variant_kwargs(module: nn.Module, config) -> dict[str, Any]:
   """The keyword arguments of `config.attention` (config: a layer's
   ModelConfig) for the attention layer `module`: its options, with any
@@ -79,17 +86,14 @@ def variant_kwargs(module: nn.Module, config) -> dict[str, Any]:
   variant = attention.spec(config.attention)
   if variant.parameters:
     return variant.parameters(module, config, **options)
-  if variant.latent_projections:
-    projecting = _keyword_options(variant.latent_projections)
-    return {key: value for key, value in options.items()
-            if key not in projecting}
-  return options
+  projecting = _projecting(config)
+  return {key: value for key, value in options.items()
+          if key not in projecting}
 
 
 def projection_options(config) -> dict[str, Any]:
   """The options of `config.attention` (config: a layer's ModelConfig)
   that shape its latent projections (Variant.latent_projections)."""
-  projecting = _keyword_options(
-      attention.spec(config.attention).latent_projections)
+  projecting = _projecting(config)
   return {key: value for key, value in dict(config.attention_options).items()
           if key in projecting}
