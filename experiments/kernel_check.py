@@ -17,7 +17,8 @@ Hopper only) is skipped with the reason, recorded while tracing.
 A case's program computes, in one jit, the output of its calls (summed,
 where there are two: layers of other windows) and the gradients of
 sum(sin(output)) with respect to q, k, v and the score function's float
-data (ALiBi's slopes, T5's table), and the same of the dense core
+data (ALiBi's slopes, T5's table) and the sinks, and the same of the dense
+core
 (attention.scaled_dot_product_attention) under the same bias, mask and cap,
 and each pattern's pairs as a mask, on float32 copies of the same inputs at
 full matmul precision. An error is the largest absolute difference from
@@ -36,6 +37,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 from absl import flags
 import jax
@@ -81,6 +83,8 @@ class Case:
   score: str | None = None  # 'alibi', 't5' (a core.PositionBias) or None.
   is_causal: bool = True
   logit_cap: float = 0.0  # chunked's; 0 for none.
+  # A learned logit per head in the normaliser (core.sink_softmax).
+  sinks: bool = False
   kernels: tuple[str, ...] = PALLAS  # The kernels it is a case of.
 
 
@@ -101,6 +105,8 @@ CASES = {
     'bigbird_alibi': Case('bigbird', score='alibi'),
     'windows_alibi': Case('windows', score='alibi'),
     'documents_alibi': Case('chunked', rows='packed', score='alibi'),
+    'sinks_packed': Case('chunked', rows='packed', sinks=True),
+    'window_sinks': Case('local', sinks=True),
 }
 
 
@@ -125,18 +131,22 @@ def calls(variant: str, length: int) -> list[tuple[str, dict]]:
   return [('chunked', {})]
 
 
-def score_data(score: str | None) -> dict[str, jax.Array]:
-  """The float data of score function `score`, which are differentiated."""
-  if score == 'alibi':
-    return {'slopes': jnp.asarray(positions.alibi_slopes(N))}
-  if score == 't5':
-    return {'table': jnp.asarray(np.random.default_rng(0).normal(
+def case_data(case: Case) -> dict[str, Any]:
+  """The case's float data, which are differentiated: {'score': its score
+  function's, 'sinks': [N] where it has sinks}."""
+  score = {}
+  if case.score == 'alibi':
+    score = {'slopes': jnp.asarray(positions.alibi_slopes(N))}
+  elif case.score == 't5':
+    score = {'table': jnp.asarray(np.random.default_rng(0).normal(
         size=(T5_BUCKETS, N)), jnp.float32)}
-  return {}
+  sinks = {'sinks': jnp.linspace(-2.0, 2.0, N)} if case.sinks else {}
+  return {'score': score, **sinks}
 
 
 def bias_and_mask(case: Case, data: dict, length: int):
-  """(the case's score function on `data`, or None; its rows' mask)."""
+  """(the case's score function on `data` (case_data's 'score'), or None;
+  its rows' mask)."""
   positions_BxT = jnp.broadcast_to(jnp.arange(length), (B, length))
   bias = None
   if case.score == 'alibi':
@@ -155,10 +165,11 @@ def attend_by(case: Case, kernel: str, length: int):
   cap = {'logit_cap': case.logit_cap} if case.logit_cap else {}
 
   def attend(q, k, v, data):
-    bias, mask = bias_and_mask(case, data, length)
+    bias, mask = bias_and_mask(case, data['score'], length)
     return sum(attention.get(variant)(q, k, v, bias, mask,
                                       is_causal=case.is_causal,
-                                      kernel=kernel, **options, **cap)
+                                      kernel=kernel, sinks=data.get('sinks'),
+                                      **options, **cap)
                for variant, options in calls(case.variant, length))
   return attend
 
@@ -168,11 +179,12 @@ def reference_by(case: Case, length: int, seen: list):
   pattern or None per call, as a core.PatternMask beside the rows' mask),
   summed."""
   def attend(q, k, v, data):
-    bias, mask = bias_and_mask(case, data, length)
+    bias, mask = bias_and_mask(case, data['score'], length)
     return sum(attention.scaled_dot_product_attention(
         q, k, v, bias, mask if pattern is None else core.PatternMask(
             mask, pattern), is_causal=case.is_causal,
-        logit_cap=case.logit_cap) for pattern in seen)
+        logit_cap=case.logit_cap, sinks=data.get('sinks'))
+               for pattern in seen)
   return attend
 
 
@@ -220,7 +232,7 @@ def case_errors(case: Case, kernel: str, length: int, dtype: str
   q = jax.random.normal(keys[0], (B, length, N, H), dtype)
   k, v = (jax.random.normal(key, (B, length, K, H), dtype)
           for key in keys[1:])
-  data = score_data(case.score)
+  data = case_data(case)
   attend = attend_by(case, kernel, length)
   decisions = recorded(attend, q, k, v, data)
   refused = [d for d in decisions if d.kernel != kernel]

@@ -258,6 +258,12 @@ class ModelConfig:
   # head over the whole width, logits unscaled (self-attention's first form,
   # before projections). Cross-attention keeps its projections.
   attention_projections: bool = True
+  # Attention sinks: a learned logit per query head (0 at first) in each
+  # self-attention row's softmax normaliser, a key of value zero that lets
+  # a row attend to nothing (Xiao et al. 2024; GPT-OSS). The variants
+  # whose weights are a softmax over keys take it (model.attention.spec(
+  # name).sinks), on XLA and the general fused kernels (not cuDNN's).
+  attention_sinks: bool = False
   # Options of that function (e.g. window for local, rank for linformer;
   # kernel for chunked and local: auto, xla, cudnn, pallas_tpu or
   # pallas_gpu, see model/attention/fused.py), as (name, value) pairs, or a
@@ -366,7 +372,8 @@ class ModelConfig:
         fail(f'config.model.{name}={rate!r} must be in [0, 1).')
     for name in ('tie_embeddings', 'attention_projections',
                  'zero_init_outputs', 'value_residual', 'scale_tied_readout',
-                 'use_bias', 'scan_layers', 'unet_skips', 'smear'):
+                 'use_bias', 'scan_layers', 'unet_skips', 'smear',
+                 'attention_sinks'):
       if not isinstance(getattr(self, name), bool):
         fail(f'config.model.{name}={getattr(self, name)!r} must be True or '
              'False.')
@@ -394,6 +401,10 @@ class ModelConfig:
       name = 'value_residual' if self.value_residual else 'value_embeddings'
       fail(f'config.model.{name} mixes projected values; '
            'config.model.attention_projections=False projects none.')
+    if not self.attention_projections and self.attention_sinks:
+      fail('config.model.attention_sinks learns a logit per head, and '
+           'config.model.attention_projections=False wants no parameters: '
+           'set attention_sinks=False.')
     if not self.attention_projections and self.qk_norm != 'none':
       fail(f'config.model.qk_norm={self.qk_norm!r} scales queries and keys '
            'by parameters, and config.model.attention_projections=False '

@@ -89,7 +89,9 @@ class MultiHeadAttention(nn.Module):
   parameters: the inputs are queries, keys and values of one head, the
   logits unscaled, and the output is not projected.
   Query heads are `config.num_heads`, key/value heads `config.num_kv_heads`
-  (grouped-query or multi-query attention when fewer).
+  (grouped-query or multi-query attention when fewer). With
+  `config.attention_sinks`, self-attention learns a sink logit per query
+  head (`sinks` [N]) in its softmax's normaliser.
   """
 
   config: ModelConfig
@@ -143,6 +145,10 @@ class MultiHeadAttention(nn.Module):
     if self.cross:
       self.variant, self.options = attention.spec('dense'), {}
       return
+    if config.attention_sinks:  # A logit per query head, 0 at first.
+      self.sinks = self.param(
+          'sinks', undecayed(nn.initializers.zeros, (logical_axes.HEADS,)),
+          (config.num_heads,), config.weight_dtype)
     self.variant = attention.spec(config.attention)
     self.options = variant_options.variant_kwargs(self, config)
     self.scheme = positions.SCHEMES[config.position]
@@ -211,6 +217,8 @@ class MultiHeadAttention(nn.Module):
         kwargs['scale'] = self.scheme.logit_scale(config)
       q_BxTxNxH = self._rotate(q_BxTxNxH, q_positions_BxT)
       k_BxSxKxH = self._rotate(k_BxSxKxH, kv_positions_BxS)
+      if config.attention_sinks:
+        kwargs['sinks'] = self.sinks
     variant = self.variant
     if variant.reads_inputs and not self.cross:
       kwargs['inputs'] = inputs_q_BxTxD
@@ -246,7 +254,8 @@ class MultiHeadAttention(nn.Module):
       if variant.cache_pattern is not None:  # Dense under its pattern.
         written &= variant.cache_pattern(**kwargs)(q_positions, kv_positions)
         variant, kwargs = attention.spec('dense'), {
-            key: value for key, value in kwargs.items() if key == 'scale'}
+            key: value for key, value in kwargs.items()
+            if key in ('scale', 'sinks')}
       mask = written
     bias = None
     if not self.cross and self.scheme.bias:
@@ -261,8 +270,8 @@ class MultiHeadAttention(nn.Module):
       self.sow('intermediates', 'attention_weights',
                attention.attention_weights(
                    q_BxTxNxH, k_BxSxKxH, bias, mask, scale=kwargs.get('scale'),
-                   is_causal=causal,
-                   logit_cap=kwargs.get('logit_cap', 0.0)))
+                   is_causal=causal, logit_cap=kwargs.get('logit_cap', 0.0),
+                   sinks=kwargs.get('sinks')))
     if variant.dropout and not deterministic and (
         config.attention_dropout_rate > 0.0):
       kwargs |= {'dropout_rate': config.attention_dropout_rate,
@@ -300,7 +309,8 @@ class MultiHeadAttention(nn.Module):
     with fused.caller(self.path), jax.named_scope(ATTENTION_SCOPE):
       out_BxTxNxH = self.latent.attend_cached(
           q_BxTxNxH, cache.latent, cache.rope, written,
-          scale=kwargs.get('scale'), logit_cap=kwargs.get('logit_cap', 0.0))
+          scale=kwargs.get('scale'), logit_cap=kwargs.get('logit_cap', 0.0),
+          sinks=kwargs.get('sinks'))
     return self._out(out_BxTxNxH), cache
 
   @property

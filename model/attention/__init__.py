@@ -87,6 +87,13 @@ class Variant:
   latent_projections: Callable[..., Any] | None = None
 
   @property
+  def sinks(self) -> bool:
+    """Takes attention sinks (fn's `sinks`: a logit per query head [N] in
+    each row's softmax normaliser, core.sink_softmax): every variant
+    whose weights are a softmax over keys."""
+    return 'sinks' in inspect.signature(self.fn).parameters
+
+  @property
   def carries_state(self) -> bool:
     """Decoding carries a recurrent state (decoding_state)."""
     return self.decoding_state is not None

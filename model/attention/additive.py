@@ -24,15 +24,18 @@ def additive_attention(query: Array, key: Array, value: Array,
                        bias: Array | None = None, mask: Array | None = None,
                        *, scale: float | None = None, is_causal: bool = False,
                        query_weight: Array, key_weight: Array,
-                       score_weight: Array) -> Array:
+                       score_weight: Array, sinks: Array | None = None
+                       ) -> Array:
   """softmax over keys of the additive score (plus bias, masked) times v.
 
   Args:
     query_weight: W_q [N, H, A].
     key_weight: W_k [N, H, A]; query head n reads key head n // (N // K).
     score_weight: v [N, A].
+    sinks: as dense's.
   """
   core.check_inputs(query, key, value, bias, mask)
+  core.check_sinks(sinks, query.shape[2])
   if scale is not None:
     raise ValueError('additive attention has no logit scale; leave scale '
                      'None.')
@@ -44,7 +47,8 @@ def additive_attention(query: Array, key: Array, value: Array,
   logits_BxNxTxS = jnp.einsum('btsna,na->bnts', hidden_BxTxSxNxA,
                               score_weight,
                               preferred_element_type=jnp.float32)
-  weights = core.weights_from_logits(logits_BxNxTxS, bias, mask, is_causal)
+  weights = core.weights_from_logits(logits_BxNxTxS, bias, mask, is_causal,
+                                     sinks)
   return core.weighted_values(weights, value, query.dtype)
 
 

@@ -49,9 +49,10 @@ def _scan(plan: chunk_plan.Plan, body, carry, xs):
   return carry, jax.tree.map(lambda *x: jnp.stack(x), *outputs)
 
 
-def _forward(plan: chunk_plan.Plan, query, key, value, bias, mask):
+def _forward(plan: chunk_plan.Plan, query, key, value, bias, mask, sinks):
   """Output [B, K, G, padded T, H] and log-sum-exp [B, K, G, padded T]
-  (+inf for rows that see no key)."""
+  (+inf for rows that see no key), each row's sink logit (sinks [N], or
+  None) counted in it."""
   q = plan.queries(query)
 
   def query_block(_, inputs):
@@ -66,8 +67,10 @@ def _forward(plan: chunk_plan.Plan, query, key, value, bias, mask):
 
     stats = _fori_loop(
         plan, 0, chunks_seen, visit,
-        online_softmax.init((plan.batch, plan.num_kv_heads, plan.group,
-                             plan.q_chunk), plan.head_dim))
+        online_softmax.init(
+            (plan.batch, plan.num_kv_heads, plan.group, plan.q_chunk),
+            plan.head_dim,
+            online_softmax.sinks_by_group(sinks, plan.num_kv_heads)))
     return None, online_softmax.result(stats)
 
   _, (out, log_sum_exp) = _scan(
@@ -84,14 +87,14 @@ def _to_output(plan: chunk_plan.Plan, out_BxKxGxTxH: Array, dtype) -> Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(plan, query, key, value, bias, mask):
-  out, _ = _forward(plan, query, key, value, bias, mask)
+def _attend(plan, query, key, value, bias, mask, sinks):
+  out, _ = _forward(plan, query, key, value, bias, mask, sinks)
   return _to_output(plan, out, query.dtype)
 
 
-def _attend_fwd(plan, query, key, value, bias, mask):
-  out, log_sum_exp = _forward(plan, query, key, value, bias, mask)
-  residuals = (query, key, value, bias, mask, out, log_sum_exp)
+def _attend_fwd(plan, query, key, value, bias, mask, sinks):
+  out, log_sum_exp = _forward(plan, query, key, value, bias, mask, sinks)
+  residuals = (query, key, value, bias, mask, sinks, out, log_sum_exp)
   return _to_output(plan, out, query.dtype), residuals
 
 
@@ -122,11 +125,17 @@ def _attend_bwd(plan, residuals, d_out):
   """Each chunk of keys in turn, with the blocks of queries that see it:
   its key and value gradients in the loop's carry, the query (and bias)
   gradients accumulated block by block in place."""
-  query, key, value, bias, mask, out, log_sum_exp = residuals
+  query, key, value, bias, mask, sinks, out, log_sum_exp = residuals
   q = plan.queries(query)
   d_out_5 = plan.queries(d_out)
   # D_i = sum_h dO_ih O_ih: the softmax backward's per-row correction.
   correction = jnp.sum(d_out_5 * out, axis=-1)
+  d_sinks = None
+  if sinks is not None:  # A key of value 0: -sum_i p_sink,i D_i.
+    sink_weights = jnp.exp(online_softmax.sinks_by_group(
+        sinks, plan.num_kv_heads) - log_sum_exp)
+    d_sinks = -jnp.sum(sink_weights * correction, axis=(0, 3)).reshape(
+        sinks.shape).astype(sinks.dtype)
   position_bias = isinstance(bias, core.PositionBias)
   if position_bias:
     d_bias = jax.tree.map(jnp.zeros_like, bias.data)
@@ -200,7 +209,7 @@ def _attend_bwd(plan, residuals, d_out):
     d_bias = d_bias.astype(bias.dtype)
   return (_to_output(plan, d_query, query.dtype),
           join_chunks(d_key).astype(key.dtype),
-          join_chunks(d_value).astype(value.dtype), d_bias, None)
+          join_chunks(d_value).astype(value.dtype), d_bias, None, d_sinks)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -231,7 +240,8 @@ def chunked_attention(query: Array, key: Array, value: Array,
                       scale: float | None = None, is_causal: bool = False,
                       chunk_size: int | None = None,
                       query_chunk_size: int | None = None,
-                      kernel: str = 'auto', logit_cap: float = 0.0) -> Array:
+                      kernel: str = 'auto', logit_cap: float = 0.0,
+                      sinks: Array | None = None) -> Array:
   """`scaled_dot_product_attention`, exactly, in O(T * H) memory besides a
   block of logits: by the blocked JAX code here, or by a fused kernel that
   computes the same blocked algorithm (model/attention/fused.py).
@@ -243,24 +253,25 @@ def chunked_attention(query: Array, key: Array, value: Array,
     kernel: one of fused.KERNELS: 'xla' for the JAX code, a fused kernel
       by name (KernelError where it cannot compute the case), or 'auto'
       for the fastest that can on this backend.
-    logit_cap: as `scaled_dot_product_attention`'s.
+    logit_cap, sinks: as `scaled_dot_product_attention`'s.
   """
   return attend(query, key, value, bias, mask, scale=scale,
                 is_causal=is_causal, chunk_size=chunk_size,
                 query_chunk_size=query_chunk_size, kernel=kernel,
-                logit_cap=logit_cap)
+                logit_cap=logit_cap, sinks=sinks)
 
 
 def attend(query: Array, key: Array, value: Array, bias, mask, *,
            scale: float | None, is_causal: bool, kernel: str,
            chunk_size: int | None = None,
            query_chunk_size: int | None = None, logit_cap: float = 0.0,
-           pattern=None) -> Array:
+           pattern=None, sinks: Array | None = None) -> Array:
   """`chunked_attention` over the pairs a pattern allows too (patterns.py's
   interface; None: every pair): on the fused kernel chosen for the case,
   or by the JAX code under the pattern as a core.PatternMask."""
   core.check_inputs(query, key, value, bias, mask)
   core.check_logit_cap(logit_cap)
+  core.check_sinks(sinks, query.shape[2])
   for name, size in (('chunk_size', chunk_size),
                      ('query_chunk_size', query_chunk_size)):
     if size is not None and size < 1:
@@ -269,11 +280,11 @@ def attend(query: Array, key: Array, value: Array, bias, mask, *,
   scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
   kernel = fused.choose(kernel, fused.case_of(
       query, key, bias, mask, is_causal=is_causal, pattern=pattern,
-      logit_cap=logit_cap))
+      logit_cap=logit_cap, sinks=sinks))
   if kernel != 'xla':
     return fused.run(kernel, query, key, value, bias, mask, scale=scale,
                      is_causal=is_causal, pattern=pattern,
-                     logit_cap=logit_cap)
+                     logit_cap=logit_cap, sinks=sinks)
   if pattern is not None:
     mask = core.PatternMask(mask, pattern)
   chunk_size = chunk_size or default_chunk_size(batch, num_heads, q_len,
@@ -299,4 +310,4 @@ def attend(query: Array, key: Array, value: Array, bias, mask, *,
     return pad(pad(split(mask, plan.num_kv_heads), -1, plan.padded_kv_len),
                -2, plan.padded_q_len)
 
-  return _attend(plan, query, key, value, bias, padded(mask))
+  return _attend(plan, query, key, value, bias, padded(mask), sinks)

@@ -62,7 +62,7 @@ def memory_compressed_attention(
     query: Array, key: Array, value: Array, bias: Array | None = None,
     mask: Array | None = None, *, scale: float | None = None,
     is_causal: bool = False, key_kernel: Array, value_kernel: Array,
-    stride: int = 3) -> Array:
+    stride: int = 3, sinks: Array | None = None) -> Array:
   """softmax(q compress(k)^T * scale) compress(v), [B, T, N, H].
 
   Args:
@@ -70,6 +70,7 @@ def memory_compressed_attention(
       key/value head and channel to key/value head and channel).
     value_kernel: the values', the same shape.
     stride: positions between consecutive windows, at most W.
+    sinks: as dense's.
   """
   core.check_inputs(query, key, value, bias, mask)
   if bias is not None:
@@ -107,7 +108,7 @@ def memory_compressed_attention(
   return core.scaled_dot_product_attention(
       query, compress(key, key_kernel, stride),
       compress(value, value_kernel, stride), mask=compressed_mask,
-      scale=scale)
+      scale=scale, sinks=sinks)
 
 
 def parameters(module: nn.Module, config, *, width: int = 3,

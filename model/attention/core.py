@@ -403,21 +403,36 @@ def _softmax_or_zero_jvp(primals, tangents):
                                            keepdims=True))
 
 
-def _masked_softmax(logits_BxNxTxS: Array, mask: Array | None) -> Array:
-  """Softmax over keys; masked keys get weight 0, a row with none left is 0.
+def check_sinks(sinks: Array | None, num_heads: int) -> None:
+  """ValueError unless `sinks` is None or one logit per query head [N]."""
+  if sinks is not None and jnp.shape(sinks) != (num_heads,):
+    raise ValueError(f'sinks has shape {jnp.shape(sinks)}; expected one '
+                     f'logit per query head, [N] = ({num_heads},).')
 
-  Masked logits become -inf (not a large finite number, whose gradient
-  would leak through `where`).
-  """
-  if mask is not None:
-    logits_BxNxTxS = jnp.where(mask, logits_BxNxTxS, -jnp.inf)
-  return softmax_or_zero(logits_BxNxTxS)
+
+def sink_softmax(logits_BxNxTxS: Array, sinks_N: Array | None) -> Array:
+  """softmax_or_zero over the last axis of logits [B, N, ..., S] (-inf:
+  excluded) with, where `sinks_N` is given, each head's sink logit as one
+  more entry (of value zero, so dropped from the weights): attention
+  sinks (Xiao et al. 2024; GPT-OSS's learned logit per head), which let a
+  row put weight on nothing. Its gradient reaches the sinks."""
+  if sinks_N is None:
+    return softmax_or_zero(logits_BxNxTxS)
+  column = jnp.broadcast_to(
+      jnp.reshape(sinks_N.astype(jnp.float32),
+                  (1, -1) + (1,) * (logits_BxNxTxS.ndim - 2)),
+      logits_BxNxTxS.shape[:-1] + (1,))
+  return softmax_or_zero(jnp.concatenate(
+      [logits_BxNxTxS.astype(jnp.float32), column], axis=-1))[..., :-1]
 
 
 def weights_from_logits(logits_BxNxTxS: Array, bias: Array | None,
-                        mask: Array | None, is_causal: bool) -> Array:
-  """Adds the bias, applies the mask and causality, and takes the softmax:
-  float32 [B, N, T, S], rows of zeros where nothing may be attended."""
+                        mask: Array | None, is_causal: bool,
+                        sinks: Array | None = None) -> Array:
+  """Adds the bias, applies the mask and causality, and takes the softmax
+  (with `sinks` [N], see sink_softmax): float32 [B, N, T, S], rows of
+  zeros where nothing may be attended. Masked logits become -inf (not a
+  large finite number, whose gradient would leak through `where`)."""
   every_pair = (np.arange(logits_BxNxTxS.shape[-2])[:, None],
                 np.arange(logits_BxNxTxS.shape[-1])[None, :])
   if isinstance(mask, (SegmentMask, PatternMask)):
@@ -426,7 +441,9 @@ def weights_from_logits(logits_BxNxTxS: Array, bias: Array | None,
   if is_causal:
     causal = causal_mask(*logits_BxNxTxS.shape[-2:])
     mask = causal if mask is None else jnp.logical_and(mask, causal)
-  return _masked_softmax(logits_BxNxTxS, mask)
+  if mask is not None:
+    logits_BxNxTxS = jnp.where(mask, logits_BxNxTxS, -jnp.inf)
+  return sink_softmax(logits_BxNxTxS, sinks)
 
 
 def weighted_values(weights_BxNxTxS: Array, value: Array, dtype) -> Array:
@@ -461,7 +478,8 @@ def check_logit_cap(logit_cap: float) -> None:
                      '(0: no cap).')
 
 
-def _weights(query, key, bias, mask, scale, is_causal, logit_cap) -> Array:
+def _weights(query, key, bias, mask, scale, is_causal, logit_cap,
+             sinks=None) -> Array:
   """`attention_weights` without the input checks."""
   batch, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
@@ -479,21 +497,23 @@ def _weights(query, key, bias, mask, scale, is_causal, logit_cap) -> Array:
                                preferred_element_type=jnp.float32)
   logits_BxNxTxS = softcap(logits_BxKxGTxS.reshape(
       batch, num_heads, q_len, kv_len) * scale, logit_cap)
-  return weights_from_logits(logits_BxNxTxS, bias, mask, is_causal)
+  return weights_from_logits(logits_BxNxTxS, bias, mask, is_causal, sinks)
 
 
 def attention_weights(query: Array, key: Array, bias: Array | None = None,
                       mask: Array | None = None, *, scale: float | None = None,
-                      is_causal: bool = False, logit_cap: float = 0.0
-                      ) -> Array:
+                      is_causal: bool = False, logit_cap: float = 0.0,
+                      sinks: Array | None = None) -> Array:
   """Attention probabilities, float32 [B, N, T, S].
 
-  Each row sums to 1 over the keys it may attend, or is all zeros when it
-  may attend none. Arguments as in `scaled_dot_product_attention`.
+  Each row sums to 1 over the keys it may attend (less what its sink
+  takes), or is all zeros when it may attend none. Arguments as in
+  `scaled_dot_product_attention`.
   """
   check_inputs(query, key, key, bias, mask)
   check_logit_cap(logit_cap)
-  return _weights(query, key, bias, mask, scale, is_causal, logit_cap)
+  check_sinks(sinks, query.shape[2])
+  return _weights(query, key, bias, mask, scale, is_causal, logit_cap, sinks)
 
 
 def _dropout(weights: Array, rate: float, rng: Array) -> Array:
@@ -505,7 +525,8 @@ def scaled_dot_product_attention(
     query: Array, key: Array, value: Array, bias: Array | None = None,
     mask: Array | None = None, *, scale: float | None = None,
     is_causal: bool = False, dropout_rate: float = 0.0,
-    dropout_rng: Array | None = None, logit_cap: float = 0.0) -> Array:
+    dropout_rng: Array | None = None, logit_cap: float = 0.0,
+    sinks: Array | None = None) -> Array:
   """softmax(q k^T * scale + bias, masked) v (Vaswani et al. 2017), [B, T, N, H].
 
   Args:
@@ -522,13 +543,16 @@ def scaled_dot_product_attention(
     logit_cap: softcap(q k^T * scale, logit_cap) before the bias and the
       mask (Gemma 2's attention logits); 0 for none. What the bias adds
       (ALiBi's, T5's, the relative schemes' position terms) is not capped.
+    sinks: float32 [N], a logit per query head in each row's normaliser
+      (`sink_softmax`); None for none.
   """
   if not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f'dropout_rate={dropout_rate} must be in [0, 1).')
   check_inputs(query, key, value, bias, mask)
   check_logit_cap(logit_cap)
+  check_sinks(sinks, query.shape[2])
   weights_BxNxTxS = _weights(query, key, bias, mask, scale, is_causal,
-                             logit_cap)
+                             logit_cap, sinks)
   if dropout_rate > 0.0 and dropout_rng is not None:
     weights_BxNxTxS = _dropout(weights_BxNxTxS, dropout_rate, dropout_rng)
   return weighted_values(weights_BxNxTxS, value, query.dtype)

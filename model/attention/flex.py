@@ -12,7 +12,9 @@ positions) come in as [B, T] arrays read tile by tile, its scalars and
 tables as one float32 row per head (`Layout`), whose gradient the dq
 kernel sums over the tiles it visits (the pull-back of the score
 function, taken inside the kernel), so that learned slopes, tables or
-temperatures train through it.
+temperatures train through it. Attention sinks (a logit per head in the
+normaliser) are applied around the kernels, from the log-sum-exp each
+forward pass returns (`with_sinks`, `differentiable`).
 """
 
 import dataclasses
@@ -282,30 +284,67 @@ def padded_inputs(plan: Plan, score: core.PositionBias | None, query: Array,
           *inputs(score, plan.scores.layout, batch, num_heads, padded))
 
 
-def differentiable(forward, backward):
-  """attention(plan, q, k, v, ids, tokens, params): the output of
-  `forward` (-> out, lse), its gradients by `backward(plan, (q, k, v, ids,
-  tokens, params, out, lse), d_out)`, which computes the columns' only
-  where they are differentiated (plan.data_grads)."""
+def with_sinks(out, lse, sinks_N, *, lse_as_out):
+  """(out, lse) of attention over the keys -> those with each row's sink
+  logit (sinks [N], the heads along lse's axis 1) one more key of value
+  zero in the normaliser: lse' = logaddexp(lse, sink), out * exp(lse -
+  lse'). `lse_as_out` lays an array of lse's shape out as out's,
+  broadcasting over its head dim."""
+  sinks = sinks_N.reshape((1, -1) + (1,) * (lse.ndim - 2))
+  with_sink = jnp.logaddexp(lse, sinks)
+  kept = lse_as_out(jnp.exp(lse - with_sink))
+  return (out.astype(jnp.float32) * kept).astype(out.dtype), with_sink
+
+
+def d_sinks(out, d_out, lse, sinks_N, *, heads_axis: int, lse_as_out):
+  """The gradient of the sinks [N] of `with_sinks` (its out and lse in):
+  a key of value zero, so -sum_i p_sink,i D_i, D_i = out_i . d_out_i."""
+  sinks = sinks_N.reshape((1, -1) + (1,) * (lse.ndim - 2))
+  product = (out.astype(jnp.float32) * d_out.astype(jnp.float32)
+             * lse_as_out(jnp.exp(sinks - lse)))
+  axes = tuple(axis for axis in range(product.ndim) if axis != heads_axis)
+  return -jnp.sum(product, axis=axes).astype(sinks_N.dtype)
+
+
+def differentiable(forward, backward, *, heads_axis: int, lse_as_out):
+  """attention(plan, q, k, v, ids, tokens, params, sinks): the output of
+  `forward(plan, q, k, v, ids, tokens, params)` (-> out, lse; the heads
+  along out's `heads_axis` and lse's axis 1, `lse_as_out` laying lse out
+  as out), each row's sink logit (sinks [N], or None) in its normaliser
+  (`with_sinks`); its gradients by `backward(plan, (q, k, v, ids, tokens,
+  params, out, lse), d_out)`, fed the output and log-sum-exp with the
+  sinks (so that its weights are theirs), which computes the columns'
+  only where they are differentiated (plan.data_grads), and the sinks'
+  beside it (`d_sinks`)."""
+  layout = dict(heads_axis=heads_axis, lse_as_out=lse_as_out)
+
+  def forward_with_sinks(plan, *args):
+    *args, sinks = args
+    out, lse = forward(plan, *args)
+    return (out, lse) if sinks is None else with_sinks(
+        out, lse, sinks, lse_as_out=lse_as_out)
+
   @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
   def attention(plan, *args):
-    return forward(plan, *args)[0]
+    return forward_with_sinks(plan, *args)[0]
 
   def attention_forward(plan, *args):
     primal = jax.custom_derivatives.CustomVJPPrimal
     values = jax.tree.map(lambda arg: arg.value, args,
                           is_leaf=lambda x: isinstance(x, primal))
-    out, lse = forward(plan, *values)
+    out, lse = forward_with_sinks(plan, *values)
     # A pytree marker, () or None: residuals hold no Python values.
-    return out, (*values, out, lse, () if args[-1].perturbed else None)
+    return out, (*values, out, lse, () if args[-2].perturbed else None)
 
   def attention_backward(plan, residuals, d_out):
-    *residuals, perturbed = residuals
+    *residuals, sinks, out, lse, perturbed = residuals
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
       d_out = jnp.zeros(d_out.aval.shape, d_out.aval.dtype)
-    return backward(
+    grads = backward(
         dataclasses.replace(plan, data_grads=perturbed is not None),
-        tuple(residuals), d_out)
+        (*residuals, out, lse), d_out)
+    return (*grads, None if sinks is None
+            else d_sinks(out, d_out, lse, sinks, **layout))
 
   attention.defvjp(attention_forward, attention_backward, symbolic_zeros=True)
   return attention

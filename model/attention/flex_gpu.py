@@ -255,23 +255,29 @@ def _backward(plan, residuals, d_out):
   return dq, dk, dv, None, None, d_params.sum((0, 1))
 
 
-_attention = flex.differentiable(_forward, _backward)
+# lse [B, N, T] is laid out as out [B, T, N, H] by moving its heads.
+_attention = flex.differentiable(
+    _forward, _backward, heads_axis=2,
+    lse_as_out=lambda lse: jnp.moveaxis(lse, 1, 2)[..., None])
 
 
 def attention(query: Array, key: Array, value: Array, *, score=None,
               pattern=None, scale: float, is_causal: bool,
               logit_cap: float = 0.0, q_ids_BxT: Array | None = None,
-              kv_ids_BxT: Array | None = None) -> Array:
+              kv_ids_BxT: Array | None = None,
+              sinks: Array | None = None) -> Array:
   """softmax(score(cap(q.k * scale))) v over the pairs `pattern.allowed`
   (a patterns.py Pattern; None: every pair) where query i and key j have
   equal ids (default: all do; the keys' default to the queries'; key ids
   alone are refused) and, when causal, j <= i; [B, T, N, H]. `score`: a
   kernel-ready core.PositionBias (flex.refusal) or None; `logit_cap` as
-  core.softcap's. A query that sees no key gives 0."""
+  core.softcap's; `sinks` [N] float32, a logit per head in each row's
+  normaliser (core.sink_softmax), or None. A query that sees no key gives
+  0."""
   # Triton's blocks are powers of two: so are the columns'.
   columns = 1 << (flex.layout_of(score).width - 1).bit_length()
   plan = flex.Plan(flex.scores_of(score, logit_cap, columns), pattern,
                    tile_size(pattern, query.shape[1]), scale, is_causal)
   return _attention(plan, *flex.padded_inputs(
-      plan, score, query, key, value, q_ids_BxT,
-      kv_ids_BxT))[:, :query.shape[1]]
+      plan, score, query, key, value, q_ids_BxT, kv_ids_BxT),
+                    sinks)[:, :query.shape[1]]

@@ -279,13 +279,17 @@ def _backward(plan, residuals, d_out):
   return dq, dk, dv, None, None, d_params.sum((0, 2))[:, 0, :width]
 
 
-_attention = flex.differentiable(_forward, _backward)
+# lse [B, N, T, 1] broadcasts over out [B, N, T, H] as it is.
+_attention = flex.differentiable(
+    _forward, _backward, heads_axis=1,
+    lse_as_out=lambda lse: lse)
 
 
 def attention(query: Array, key: Array, value: Array, *, score=None,
               pattern=None, scale: float, is_causal: bool,
               logit_cap: float = 0.0, q_ids_BxT: Array | None = None,
-              kv_ids_BxT: Array | None = None) -> Array:
+              kv_ids_BxT: Array | None = None,
+              sinks: Array | None = None) -> Array:
   """flex_gpu.attention on a TPU. ValueError for a pattern of whole tiles
   (BigBird's) whose block is not a multiple of 128: its pairs cannot be
   tested inside a tile."""
@@ -301,5 +305,6 @@ def attention(query: Array, key: Array, value: Array, *, score=None,
             for x, (_, role) in zip(tokens, plan.scores.layout.tokens)]
   heads_first = lambda x: jnp.transpose(x, (0, 2, 1, 3))
   out = _attention(plan, *map(heads_first, (q, k, v)),
-                   (q_ids[:, :, None], kv_ids[:, None, :]), tokens, params)
+                   (q_ids[:, :, None], kv_ids[:, None, :]), tokens, params,
+                   sinks)
   return heads_first(out)[:, :query.shape[1]]

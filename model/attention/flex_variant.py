@@ -65,7 +65,7 @@ def variant(*, name: str, pattern: Callable[..., Any] | None = None,
 
   def attend(query, key, value, bias=None, mask=None, *, scale=None,
              is_causal=False, kernel='auto', chunk_size=None, data=None,
-             **options):
+             sinks=None, **options):
     if options and pattern is None:
       raise TypeError(f'{name} takes no options {sorted(options)}.')
     if score:
@@ -76,7 +76,8 @@ def variant(*, name: str, pattern: Callable[..., Any] | None = None,
     return chunked.attend(query, key, value, bias, mask, scale=scale,
                           is_causal=is_causal, kernel=kernel,
                           chunk_size=chunk_size,
-                          pattern=pattern(**options) if pattern else None)
+                          pattern=pattern(**options) if pattern else None,
+                          sinks=sinks)
 
   keyword = inspect.Parameter.KEYWORD_ONLY
   attend.__signature__ = inspect.signature(attend).replace(parameters=[
@@ -88,7 +89,9 @@ def variant(*, name: str, pattern: Callable[..., Any] | None = None,
       inspect.Parameter('chunk_size', keyword, default=None,
                         annotation=int | None),
       *pattern_options,
-      *([inspect.Parameter('data', keyword)] if learned else [])])
+      *([inspect.Parameter('data', keyword)] if learned else []),
+      inspect.Parameter('sinks', keyword, default=None,
+                        annotation=Array | None)])
   attend.__annotations__ = {
       p.name: p.annotation for p in attend.__signature__.parameters.values()
       if p.annotation is not p.empty}

@@ -86,6 +86,8 @@ class Case:
     BigBird); None for none.
   logit_cap: a tanh cap on the scores (core.softcap), which the general
     kernels compute; 0 for none.
+  sinks: a learned logit per head in each row's normaliser
+    (core.sink_softmax), which the general kernels compute.
   """
 
   backend: str
@@ -104,6 +106,7 @@ class Case:
   logit_cap: float = 0.0
   score_name: str | None = None
   score_refusal: str | None = None
+  sinks: bool = False
 
   @property
   def seen(self) -> patterns.Pattern | None:
@@ -128,6 +131,8 @@ class Case:
       parts.append(f'length split over {self.length_shards} devices')
     if self.logit_cap:
       parts.append(f'logits capped at {self.logit_cap:g}')
+    if self.sinks:
+      parts.append('attention sinks')
     return ', '.join(parts)
 
 
@@ -159,8 +164,9 @@ def device_description() -> tuple[str, str | None]:
 def case_of(query: Array, key: Array, bias, mask, *, is_causal: bool,
             window: int | None = None,
             pattern: patterns.Pattern | None = None,
-            logit_cap: float = 0.0) -> Case:
-  """The Case of a call on the default backend."""
+            logit_cap: float = 0.0, sinks=None) -> Case:
+  """The Case of a call on the default backend (`sinks`: its sink logits
+  or None)."""
   score = isinstance(bias, core.PositionBias)
   bias_kind = 'none' if bias is None else 'function' if score else 'array'
 
@@ -175,7 +181,7 @@ def case_of(query: Array, key: Array, bias, mask, *, is_causal: bool,
                         for axis in length_axes), capability,
               getattr(mask, 'max_segments', None), pattern, logit_cap,
               bias.name if score else None,
-              flex.refusal(bias) if score else None)
+              flex.refusal(bias) if score else None, sinks is not None)
 
 
 def _cudnn_refusal(case: Case) -> str | None:
@@ -191,6 +197,9 @@ def _cudnn_refusal(case: Case) -> str | None:
             'when queries and keys differ in number')
   if case.pattern:
     return 'takes no block-sparse pattern (a sliding window only)'
+  if case.sinks:
+    return ('computes no attention sinks (a logit per head in the '
+            'normaliser: config.model.attention_sinks)')
   if case.mask == 'segments':
     return _cudnn_packed_refusal(case)
   if case.mask == 'other':
@@ -234,7 +243,7 @@ def _pallas_tpu_refusal(case: Case) -> str | None:
     return 'is causal only with as many queries as keys'
   if case.mask == 'other':
     return 'takes segment ids or a key padding mask, not a mask array'
-  if case.bias != 'none' or case.logit_cap or (
+  if case.bias != 'none' or case.logit_cap or case.sinks or (
       case.mask == 'key_padding' and case.pattern is not None
       and not hasattr(case.pattern, 'sees_keys')):
     return _general_refusal(case, tiles=(128,))  # The general kernel's.
@@ -253,8 +262,8 @@ def _pallas_gpu_refusal(case: Case) -> str | None:
     return 'takes segment ids or a key padding mask, not a mask array'
   if case.head_dim > 128:
     return f'takes head dims up to 128, not {case.head_dim}'
-  if (case.bias != 'none' or case.logit_cap or case.window or case.pattern
-      or case.mask == 'key_padding'):  # The general kernel's.
+  if (case.bias != 'none' or case.logit_cap or case.sinks or case.window
+      or case.pattern or case.mask == 'key_padding'):  # The general kernel's.
     return _general_refusal(case, tiles=(16, 32, 64, 128))
   return None
 
@@ -268,8 +277,8 @@ def _general_refusal(case: Case, tiles: tuple[int, ...]) -> str | None:
   if case.score_refusal:
     return case.score_refusal
   if case.q_len != case.kv_len:
-    return ('computes self-attention only under a score function, a '
-            'window, a block-sparse pattern or key padding')
+    return ('computes self-attention only under a score function, sinks, '
+            'a window, a block-sparse pattern or key padding')
   if case.head_dim not in (16, 32, 64, 128):
     return (f'takes head dims of 16, 32, 64 or 128 in its general kernel, '
             f'not {case.head_dim}')
@@ -373,15 +382,16 @@ def choose(kernel: str, case: Case) -> str:
 def run(kernel: str, query: Array, key: Array, value: Array, bias, mask, *,
         scale: float, is_causal: bool, window: int | None = None,
         pattern: patterns.Pattern | None = None,
-        logit_cap: float = 0.0) -> Array:
+        logit_cap: float = 0.0, sinks: Array | None = None) -> Array:
   """Attention [B, T, N, H] by fused `kernel` (as `choose` returned it),
   under local's `window` or a block-sparse `pattern` (patterns.py), the
-  scores capped by `logit_cap` (core.softcap)."""
+  scores capped by `logit_cap` (core.softcap), with `sinks` [N] (or
+  None) in the normaliser."""
   fn = {'cudnn': fused_kernels.cudnn_attention,
         'pallas_tpu': fused_kernels.splash,
         'pallas_gpu': fused_kernels.pallas_gpu}[kernel]
   return fused_kernels.over_shards(
-      lambda q, k, v, b, m: fn(q, k, v, b, m, scale=scale,
-                               is_causal=is_causal, window=window,
-                               pattern=pattern, logit_cap=logit_cap),
-      query, key, value, bias, mask)
+      lambda q, k, v, b, m, sinks: fn(
+          q, k, v, b, m, scale=scale, is_causal=is_causal, window=window,
+          pattern=pattern, logit_cap=logit_cap, sinks=sinks),
+      query, key, value, bias, mask, sinks)

@@ -56,7 +56,7 @@ def _key_valid(mask: Array, batch: int) -> Array:
 
 def cudnn_attention(query: Array, key: Array, value: Array, bias, mask, *,
                     scale: float, is_causal: bool, window: int | None,
-                    pattern=None, logit_cap: float = 0.0,
+                    pattern=None, logit_cap: float = 0.0, sinks=None,
                     implementation: str = 'cudnn') -> Array:
   """cuDNN's fused attention (tests run the same call with `implementation`
   'xla'). A key padding mask goes in as each row's number of keys, which is
@@ -64,7 +64,8 @@ def cudnn_attention(query: Array, key: Array, value: Array, bias, mask, *,
   train/data pads them): a row padded anywhere else comes out NaN, loudly,
   rather than differing from dense. A row with no key at all comes out 0,
   as from dense. Packed rows go in as cuDNN's packed layout."""
-  assert pattern is None and not logit_cap  # Refused (fused.py).
+  # Refused (fused.py).
+  assert pattern is None and not logit_cap and sinks is None
   if isinstance(mask, core.SegmentMask):
     return cudnn_packed.attention(
         query, key, value, mask.q_segment_ids_BxT, scale=scale,
@@ -146,18 +147,19 @@ class PatternMask(splash_ops.Mask):
 
 
 def splash(query, key, value, bias, mask, *, scale, is_causal, window,
-           pattern=None, logit_cap=0.0):
+           pattern=None, logit_cap=0.0, sinks=None):
   """Splash attention, vmapped over the batch; queries and keys padded to
   multiples of 128 (the TPU's lanes); local's window as its LocalMask, a
-  block-sparse pattern as a PatternMask. Under a score function or a cap,
-  and under key padding a pattern that cannot say which queries see no
-  key (no `sees_keys`), the project's general kernel (flex_tpu.py)."""
-  if bias is not None or logit_cap or (
+  block-sparse pattern as a PatternMask. Under a score function, a cap or
+  sinks, and under key padding a pattern that cannot say which queries
+  see no key (no `sees_keys`), the project's general kernel
+  (flex_tpu.py)."""
+  if bias is not None or logit_cap or sinks is not None or (
       pattern is not None and not hasattr(pattern, 'sees_keys')
       and mask is not None and not isinstance(mask, core.SegmentMask)):
     return _general(flex_tpu.attention, query, key, value, bias, mask,
                     scale=scale, is_causal=is_causal, window=window,
-                    pattern=pattern, logit_cap=logit_cap)
+                    pattern=pattern, logit_cap=logit_cap, sinks=sinks)
   batch, q_len, num_heads, _ = query.shape
   kv_len = key.shape[1]
   (padded_q, block_q), (padded_kv, block_kv) = (
@@ -211,7 +213,7 @@ def _pallas_gpu_length(length: int) -> int:
 
 
 def _general(attend, query, key, value, bias, mask, *, scale, is_causal,
-             window, pattern, logit_cap):
+             window, pattern, logit_cap, sinks):
   """The general kernel `attend` (flex_gpu's or flex_tpu's `attention`):
   the mask as segment ids, local's window as its pattern."""
   batch, length = query.shape[:2]
@@ -219,20 +221,21 @@ def _general(attend, query, key, value, bias, mask, *, scale, is_causal,
   return attend(
       query, key, value, score=bias,
       pattern=patterns.Window(window) if window else pattern, scale=scale,
-      is_causal=is_causal, logit_cap=logit_cap,
+      is_causal=is_causal, logit_cap=logit_cap, sinks=sinks,
       **({} if ids is None else dict(q_ids_BxT=ids[0], kv_ids_BxT=ids[1])))
 
 
 def pallas_gpu(query, key, value, bias, mask, *, scale, is_causal, window,
-               pattern=None, logit_cap=0.0):
+               pattern=None, logit_cap=0.0, sinks=None):
   """The Pallas (Triton) flash attention; self-attention only. Under a
-  score function, a cap, a window, a block-sparse pattern or key padding,
-  the project's general kernel (flex_gpu.py)."""
-  if (bias is not None or logit_cap or window or pattern is not None
+  score function, a cap, sinks, a window, a block-sparse pattern or key
+  padding, the project's general kernel (flex_gpu.py)."""
+  if (bias is not None or logit_cap or sinks is not None or window
+      or pattern is not None
       or (mask is not None and not isinstance(mask, core.SegmentMask))):
     return _general(flex_gpu.attention, query, key, value, bias, mask,
                     scale=scale, is_causal=is_causal, window=window,
-                    pattern=pattern, logit_cap=logit_cap)
+                    pattern=pattern, logit_cap=logit_cap, sinks=sinks)
   batch, length, num_heads, _ = query.shape
   padded = _pallas_gpu_length(length)
   block = min(128, padded)
@@ -297,9 +300,11 @@ def _shards(axes: tuple[str, ...]) -> int:
   return math.prod(mesh.shape[name] for name in axes)
 
 
-def over_shards(fn, query: Array, key: Array, value: Array, bias, mask):
-  """fn(query, key, value, bias, mask) with each device taking its examples
-  and its heads, where the mesh in context splits them as the model's
+def over_shards(fn, query: Array, key: Array, value: Array, bias, mask,
+                sinks: Array | None = None):
+  """fn(query, key, value, bias, mask, sinks) with each device taking its
+  examples and its heads (and those heads' sinks [N], where given), where
+  the mesh in context splits them as the model's
   activations (logical_axes.BATCH) and projections (HEADS, KV_HEADS) are:
   a kernel XLA cannot split runs in a `shard_map`, and nothing is gathered.
   The heads are split only where query and key/value heads go to the same
@@ -316,7 +321,7 @@ def over_shards(fn, query: Array, key: Array, value: Array, bias, mask):
       or key.shape[2] % _shards(head_axes)):
     head_axes = ()
   if not batch_axes and not head_axes:
-    return fn(query, key, value, bias, mask)
+    return fn(query, key, value, bias, mask, sinks)
   rows = P(batch_axes or None)
   heads = P(batch_axes or None, None, head_axes or None)
 
@@ -339,7 +344,8 @@ def over_shards(fn, query: Array, key: Array, value: Array, bias, mask):
                if isinstance(mask, core.SegmentMask)
                else None if mask is None else spec(mask))
   bias_spec = None if bias is None else bias_spec_of(bias)
+  sinks_spec = None if sinks is None else P(head_axes or None)
   return jax.shard_map(
-      fn, in_specs=(heads, heads, heads, bias_spec, mask_spec),
+      fn, in_specs=(heads, heads, heads, bias_spec, mask_spec, sinks_spec),
       out_specs=heads, axis_names=set(batch_axes + head_axes),
-      check_vma=False)(query, key, value, bias, mask)
+      check_vma=False)(query, key, value, bias, mask, sinks)

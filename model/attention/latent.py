@@ -141,12 +141,13 @@ class LatentProjections(nn.Module):
 
   def attend_cached(self, q_BxTxNxH: Array, latent_BxSxC: Array,
                     rope_BxSxR: Array, mask: Array, *,
-                    scale: float | None = None, logit_cap: float = 0.0
-                    ) -> Array:
+                    scale: float | None = None, logit_cap: float = 0.0,
+                    sinks: Array | None = None) -> Array:
     """Attention of queries [B, T, N, H] (rotated) over cached latents
     [B, S, C] and rotated rope parts [B, S, R], under mask [B, 1, T, S]
     (True: attend), the logits scaled by `scale` (None: 1 / sqrt(H)) and
-    capped at `logit_cap` (0: none): what attending over their keys and
+    capped at `logit_cap` (0: none), with `sinks` [N] (None: none) in the
+    normaliser (core.sink_softmax): what attending over their keys and
     values gives, with neither formed. Each query's other H - R channels
     meet W_key_up before the latents, and the weighted latents meet
     W_value_up after."""
@@ -166,7 +167,7 @@ class LatentProjections(nn.Module):
                            rope_BxSxR, preferred_element_type=f32))
     logits = core.softcap(logits.reshape(batch, heads, length, -1) * scale,
                           logit_cap)
-    weights = core.weights_from_logits(logits, None, mask, False)
+    weights = core.weights_from_logits(logits, None, mask, False, sinks)
     weighted = jnp.einsum('bkgts,bsc->btkgc', weights.reshape(
         batch, kv_heads, -1, length, weights.shape[-1]).astype(dtype),
                           latent_BxSxC, preferred_element_type=f32)

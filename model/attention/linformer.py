@@ -21,13 +21,14 @@ Array = jax.Array
 def linformer_attention(query: Array, key: Array, value: Array,
                         bias: Array | None = None, mask: Array | None = None,
                         *, scale: float | None = None, is_causal: bool = False,
-                        key_projection: Array, value_projection: Array
-                        ) -> Array:
+                        key_projection: Array, value_projection: Array,
+                        sinks: Array | None = None) -> Array:
   """Dense attention over E key and F value, E and F [rank, >= S].
 
   Args:
     key_projection: E, whose first S columns project the S keys.
     value_projection: F, likewise for the values.
+    sinks: as dense's.
   """
   core.check_inputs(query, key, value, bias, mask)
   if is_causal:
@@ -54,7 +55,8 @@ def linformer_attention(query: Array, key: Array, value: Array,
   projected_key = jnp.einsum('rs,bskh->brkh', e, key)
   projected_value = jnp.einsum('rs,bskh->brkh', f, value)
   return core.scaled_dot_product_attention(query, projected_key,
-                                           projected_value, scale=scale)
+                                           projected_value, scale=scale,
+                                           sinks=sinks)
 
 
 def parameters(module: nn.Module, config, *, rank: int = 64,

@@ -62,7 +62,8 @@ def chosen_blocks(query: Array, key: Array, keep: Array, *, block_size: int,
 def moba_attention(query: Array, key: Array, value: Array,
                    bias: Array | None = None, mask: Array | None = None, *,
                    scale: float | None = None, is_causal: bool = False,
-                   block_size: int = 64, top_k: int = 3) -> Array:
+                   block_size: int = 64, top_k: int = 3,
+                   sinks: Array | None = None) -> Array:
   """MoBA: each query attends to its own block of `block_size` positions
   and to the `top_k` other blocks its score against their mean keys ranks
   best (module docstring), [B, T, N, H].
@@ -73,8 +74,10 @@ def moba_attention(query: Array, key: Array, value: Array,
       block's mean and are never attended.
     block_size: positions a block (MoBA's 512 at 8K tokens).
     top_k: blocks chosen besides a query's own (MoBA's 3 counts its own).
+    sinks: as dense's.
   """
   _check(query, key, value, bias, mask, block_size, top_k)
+  core.check_sinks(sinks, query.shape[2])
   batch, length, heads, head_dim = query.shape
   kv_heads = key.shape[2]
   scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -117,7 +120,7 @@ def moba_attention(query: Array, key: Array, value: Array,
       jnp.where(own_allowed, own, -jnp.inf),
       jnp.where(picked_allowed, picked, -jnp.inf).reshape(
           batch, heads, padded, -1)], axis=-1) * scale
-  weights = core.softmax_or_zero(logits).astype(value.dtype)
+  weights = core.sink_softmax(logits, sinks).astype(value.dtype)
   out = (jnp.einsum('bnqic,bnqch->bnqih', weights[..., :block_size].reshape(
       batch, heads, count, block_size, block_size), values,
                     preferred_element_type=jnp.float32).reshape(

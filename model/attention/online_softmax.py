@@ -20,10 +20,24 @@ def split_heads(x: Array | None, num_kv_heads: int) -> Array | None:
   return x.reshape(x.shape[0], num_kv_heads, -1, *x.shape[2:])
 
 
-def init(shape: tuple[int, ...], head_dim: int):
+def sinks_by_group(sinks_N: Array | None, num_kv_heads: int
+                   ) -> Array | None:
+  """A sink logit per query head [N] as [1, K, G, 1]: what `init` takes
+  for rows [B, K, G, T]."""
+  if sinks_N is None:
+    return None
+  return sinks_N.astype(jnp.float32).reshape(1, num_kv_heads, -1, 1)
+
+
+def init(shape: tuple[int, ...], head_dim: int, sinks: Array | None = None):
   """The online softmax of rows `shape` before any key: (running max, running
-  sum of exponentials, running weighted sum of values [*shape, head_dim])."""
-  return (jnp.full(shape, -jnp.inf), jnp.zeros(shape),
+  sum of exponentials, running weighted sum of values [*shape, head_dim]);
+  with `sinks` (broadcastable to `shape`), each row has seen one key of
+  that logit and value zero already (core.sink_softmax)."""
+  if sinks is None:
+    return (jnp.full(shape, -jnp.inf), jnp.zeros(shape),
+            jnp.zeros(shape + (head_dim,)))
+  return (jnp.broadcast_to(sinks, shape), jnp.ones(shape),
           jnp.zeros(shape + (head_dim,)))
 
 

@@ -16,9 +16,10 @@ from model import attention
 
 # Keyword arguments MultiHeadAttention sets itself, never options (state:
 # a recurrence's, while decoding; convolution: the kernels its parameters
-# make, of the option conv_width).
+# make, of the option conv_width; sinks: its parameter of
+# config.model.attention_sinks).
 _SET_BY_THE_MODEL = frozenset({'is_causal', 'dropout_rate', 'dropout_rng',
-                               'state', 'convolution'})
+                               'state', 'convolution', 'sinks'})
 
 
 def _keyword_options(fn: Callable[..., Any]) -> dict[str, type]:

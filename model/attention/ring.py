@@ -48,10 +48,11 @@ def _columns(x: Array | None, start: Array, size: int) -> Array | None:
   return jax.lax.dynamic_slice_in_dim(x, start, size, axis=-1)
 
 
-def _ring_body(query, key, value, bias, mask, *, scale: float,
+def _ring_body(query, key, value, bias, mask, sinks, *, scale: float,
                is_causal: bool, axis: str, ring_size: int):
   """One device's share: queries [B, t, N, H] of block i against the key
-  blocks that pass round the ring; returns its output [B, t, N, H]."""
+  blocks that pass round the ring, with `sinks` [N] (or None) in their
+  normaliser; returns its output [B, t, N, H]."""
   batch, block, num_heads, head_dim = query.shape
   num_kv_heads = key.shape[2]
   group = num_heads // num_kv_heads
@@ -61,7 +62,8 @@ def _ring_body(query, key, value, bias, mask, *, scale: float,
     # Inputs the same on every device (a bias without query rows, a
     # PositionBias's data) become per-device values here, once: their
     # gradients are then summed over the ring once, not at every step.
-    bias, mask = jax.tree.map(lambda x: _per_device(x, axis), (bias, mask))
+    bias, mask, sinks = jax.tree.map(lambda x: _per_device(x, axis),
+                                     (bias, mask, sinks))
   q_BxKxGxTxH = jnp.transpose(
       query.reshape(batch, block, num_kv_heads, group, head_dim),
       (0, 2, 3, 1, 4)).astype(jnp.float32)
@@ -110,9 +112,10 @@ def _ring_body(query, key, value, bias, mask, *, scale: float,
     return (stats, k_blk, v_blk), None
 
   stats = online_softmax.init(
-      (batch, num_kv_heads, group, block), head_dim)
+      (batch, num_kv_heads, group, block), head_dim,
+      online_softmax.sinks_by_group(sinks, num_kv_heads))
   if ring_size > 1:  # The statistics differ from device to device.
-    stats = jax.lax.pcast(stats, axis, to='varying')
+    stats = jax.tree.map(lambda x: _per_device(x, axis), stats)
   stats = fold(stats, key, value, index)  # The device's own block first.
   if ring_size > 1:
     (stats, _, _), _ = jax.lax.scan(step, (stats, key, value),
@@ -174,15 +177,18 @@ def _row_spec(x, axis: str):
 def ring_attention(query: Array, key: Array, value: Array,
                    bias: Array | None = None, mask: Array | None = None, *,
                    scale: float | None = None, is_causal: bool = False,
-                   axis: str = 'sequence') -> Array:
+                   axis: str = 'sequence', sinks: Array | None = None
+                   ) -> Array:
   """`scaled_dot_product_attention`, exactly, the length split over `axis`.
 
   Self-attention only (S == T); T must divide evenly over the axis.
 
   Args:
     axis: the mesh axis the sequence is split over.
+    sinks: as dense's.
   """
   core.check_inputs(query, key, value, bias, mask)
+  core.check_sinks(sinks, query.shape[2])
   length = query.shape[1]
   if key.shape[1] != length:
     raise ValueError(
@@ -197,13 +203,13 @@ def ring_attention(query: Array, key: Array, value: Array,
       _ring_body, scale=1.0 / math.sqrt(query.shape[-1]) if scale is None
       else scale, is_causal=is_causal, axis=axis, ring_size=ring_size)
   if ring_size == 1:
-    return body(query, key, value, bias, mask)
+    return body(query, key, value, bias, mask, sinks)
   if isinstance(mask, core.SegmentMask):  # Every key's ids on each device.
     mask = core.SegmentMask(mask.q_segment_ids_BxT, mask.kv_ids)
   sequence = P(None, axis)
   in_specs = (sequence, sequence, sequence, _row_spec(bias, axis),
-              _row_spec(mask, axis))
-  inputs = (query, key, value, bias, mask)
+              _row_spec(mask, axis), None if sinks is None else P())
+  inputs = (query, key, value, bias, mask, sinks)
   axis_types = _axis_types()
   if axis_types[axis] == AxisType.Explicit:
     inputs = jax.tree.map(lambda spec, x: _reshard(x, spec, axis), in_specs,

@@ -58,8 +58,10 @@ def neighbour_blocks(num_blocks: int, size: int, offsets) -> np.ndarray:
 
 def attend_parts(query: Array, key: Array, value: Array,
                  bias: Array | None, mask: Array | None, *, scale: float,
-                 is_causal: bool, parts: list[Part]) -> Array:
-  """Exact attention over the union of `parts`, [B, T, N, H].
+                 is_causal: bool, parts: list[Part],
+                 sinks: Array | None = None) -> Array:
+  """Exact attention over the union of `parts`, [B, T, N, H], with
+  `sinks` (core.sink_softmax).
 
   The parts may cover a padded length; pairs with a key past the true
   length T are excluded, and outputs past it are dropped.
@@ -93,7 +95,7 @@ def attend_parts(query: Array, key: Array, value: Array,
     logits = logits.reshape(batch, num_heads, padded, -1)
     logits_parts.append(jnp.take(
         logits, np.argsort(part.query_index.ravel()), axis=2))
-  weights = core.softmax_or_zero(jnp.concatenate(logits_parts, axis=-1))
+  weights = core.sink_softmax(jnp.concatenate(logits_parts, axis=-1), sinks)
   out = 0.0
   start = 0
   for part in parts:
@@ -111,8 +113,9 @@ def attend_parts(query: Array, key: Array, value: Array,
 
 
 def _check_self_attention(name: str, query: Array, key: Array, value: Array,
-                          bias, mask) -> float:
+                          bias, mask, sinks) -> None:
   core.check_inputs(query, key, value, bias, mask)
+  core.check_sinks(sinks, query.shape[2])
   if query.shape[1] != key.shape[1]:
     raise ValueError(
         f'{name} attention is self-attention: query length {query.shape[1]} '
@@ -135,16 +138,18 @@ def _positive(**options):
 
 def _fused(kernel: str, query: Array, key: Array, value: Array, bias, mask, *,
            scale: float, is_causal: bool, window: int | None = None,
-           pattern: patterns.Pattern | None = None) -> Array | None:
+           pattern: patterns.Pattern | None = None,
+           sinks: Array | None = None) -> Array | None:
   """The output of the fused kernel that `kernel` names, or that 'auto'
   picks (model/attention/fused.py); None where the JAX code computes it."""
   kernel = fused.choose(kernel, fused.case_of(
       query, key, bias, mask, is_causal=is_causal, window=window,
-      pattern=pattern))
+      pattern=pattern, sinks=sinks))
   if kernel == 'xla':
     return None
   return fused.run(kernel, query, key, value, bias, mask, scale=scale,
-                   is_causal=is_causal, window=window, pattern=pattern)
+                   is_causal=is_causal, window=window, pattern=pattern,
+                   sinks=sinks)
 
 
 def _band(padded: int, block: int, window: int, is_causal: bool) -> Part:
@@ -173,46 +178,49 @@ def local_pattern(window: int = LOCAL_WINDOW, **unused_options
 def local_attention(query: Array, key: Array, value: Array,
                     bias: Array | None = None, mask: Array | None = None, *,
                     scale: float | None = None, is_causal: bool = False,
-                    window: int = LOCAL_WINDOW, kernel: str = 'auto'
-                    ) -> Array:
+                    window: int = LOCAL_WINDOW, kernel: str = 'auto',
+                    sinks: Array | None = None) -> Array:
   """Sliding-window attention: query i sees keys j with |i - j| < window
   (causal: 0 <= i - j < window). The JAX code ('xla') computes blocks of
   `window` positions, each reading its neighbour blocks: O(T * window); a
   window as long as the row is chunked attention, and computed by it (its
   kernel too);
   `kernel` picks it or a fused kernel as for `chunked`
-  (model/attention/fused.py)."""
-  _check_self_attention('local', query, key, value, bias, mask)
+  (model/attention/fused.py); `sinks` as dense's."""
+  _check_self_attention('local', query, key, value, bias, mask, sinks)
   _positive(window=window)
   if window >= query.shape[1]:  # Every key of the row: chunked's function.
     return chunked.chunked_attention(query, key, value, bias, mask,
                                      scale=scale, is_causal=is_causal,
-                                     kernel=kernel)
+                                     kernel=kernel, sinks=sinks)
   out = _fused(kernel, query, key, value, bias, mask,
-               scale=_scale(query, scale), is_causal=is_causal, window=window)
+               scale=_scale(query, scale), is_causal=is_causal, window=window,
+               sinks=sinks)
   if out is not None:
     return out
   block = min(window, query.shape[1])
   part = _band(_padded(query.shape[1], block), block, window, is_causal)
   return attend_parts(query, key, value, bias, mask, scale=_scale(query, scale),
-                      is_causal=is_causal, parts=[part])
+                      is_causal=is_causal, parts=[part], sinks=sinks)
 
 
 def strided_attention(query: Array, key: Array, value: Array,
                       bias: Array | None = None, mask: Array | None = None, *,
                       scale: float | None = None, is_causal: bool = False,
-                      stride: int = 128, kernel: str = 'auto') -> Array:
+                      stride: int = 128, kernel: str = 'auto',
+                      sinks: Array | None = None) -> Array:
   """The strided pattern of the Sparse Transformer (Child et al. 2019), both
   halves merged: query i sees keys j with |i - j| < stride, and keys j with
   i - j a multiple of stride. The JAX code ('xla'): local blocks plus the
   columns of the [T / stride, stride] grid, O(T * (stride + T / stride));
-  `kernel` picks it or a fused kernel as for `chunked`."""
-  _check_self_attention('strided', query, key, value, bias, mask)
+  `kernel` picks it or a fused kernel as for `chunked`; `sinks` as
+  dense's."""
+  _check_self_attention('strided', query, key, value, bias, mask, sinks)
   _positive(stride=stride)
   stride = min(stride, query.shape[1])
   out = _fused(kernel, query, key, value, bias, mask,
                scale=_scale(query, scale), is_causal=is_causal,
-               pattern=patterns.Strided(stride))
+               pattern=patterns.Strided(stride), sinks=sinks)
   if out is not None:
     return out
   padded = _padded(query.shape[1], stride)
@@ -220,25 +228,28 @@ def strided_attention(query: Array, key: Array, value: Array,
   columns = blocks(padded, stride).T  # Positions congruent mod stride.
   strides = Part(columns, columns, lambda q, k: np.abs(q - k) >= stride)
   return attend_parts(query, key, value, bias, mask, scale=_scale(query, scale),
-                      is_causal=is_causal, parts=[local, strides])
+                      is_causal=is_causal, parts=[local, strides],
+                      sinks=sinks)
 
 
 def fixed_attention(query: Array, key: Array, value: Array,
                     bias: Array | None = None, mask: Array | None = None, *,
                     scale: float | None = None, is_causal: bool = False,
                     block: int = 128, summary: int = 8,
-                    kernel: str = 'auto') -> Array:
+                    kernel: str = 'auto', sinks: Array | None = None
+                    ) -> Array:
   """The fixed pattern of the Sparse Transformer (Child et al. 2019), both
   halves merged: query i sees the keys of its own block of `block`
   positions, and the last `summary` positions of every block. The JAX
-  code: O(T * (block + T * summary / block)); `kernel` as for `strided`."""
-  _check_self_attention('fixed', query, key, value, bias, mask)
+  code: O(T * (block + T * summary / block)); `kernel` and `sinks` as
+  for `strided`."""
+  _check_self_attention('fixed', query, key, value, bias, mask, sinks)
   _positive(block=block, summary=summary)
   if summary > block:
     raise ValueError(f'summary={summary} must not exceed block={block}.')
   out = _fused(kernel, query, key, value, bias, mask,
                scale=_scale(query, scale), is_causal=is_causal,
-               pattern=patterns.Fixed(block, summary))
+               pattern=patterns.Fixed(block, summary), sinks=sinks)
   if out is not None:
     return out
   length = query.shape[1]
@@ -250,7 +261,8 @@ def fixed_attention(query: Array, key: Array, value: Array,
   columns = Part(np.arange(padded)[None], summaries[None],
                  lambda q, k: q // block != k // block)
   return attend_parts(query, key, value, bias, mask, scale=_scale(query, scale),
-                      is_causal=is_causal, parts=[own, columns])
+                      is_causal=is_causal, parts=[own, columns],
+                      sinks=sinks)
 
 
 def bigbird_random_blocks(num_blocks: int, num_global_blocks: int,
@@ -273,14 +285,15 @@ def bigbird_attention(query: Array, key: Array, value: Array,
                       scale: float | None = None, is_causal: bool = False,
                       block: int = 64, num_global_blocks: int = 1,
                       num_random_blocks: int = 3, seed: int = 0,
-                      kernel: str = 'auto') -> Array:
+                      kernel: str = 'auto', sinks: Array | None = None
+                      ) -> Array:
   """BigBird (Zaheer et al. 2020) on blocks of `block` positions: each query
   block sees its own and neighbouring blocks, the first `num_global_blocks`
   blocks, and `num_random_blocks` random blocks (fixed by `seed`); the
   global blocks' queries see every key. The JAX code: O(T * block * (3 +
   global + random)) for the rest, O(global * block * T) for the global
-  rows; `kernel` as for `strided`."""
-  _check_self_attention('bigbird', query, key, value, bias, mask)
+  rows; `kernel` and `sinks` as for `strided`."""
+  _check_self_attention('bigbird', query, key, value, bias, mask, sinks)
   _positive(block=block)
   if num_global_blocks < 0 or num_random_blocks < 0:
     raise ValueError('num_global_blocks and num_random_blocks must be >= 0.')
@@ -295,12 +308,13 @@ def bigbird_attention(query: Array, key: Array, value: Array,
   pattern = patterns.BigBird(block, num_global,
                              tuple(map(tuple, random_blocks.tolist())))
   out = _fused(kernel, query, key, value, bias, mask, scale=scale,
-               is_causal=is_causal, pattern=pattern)
+               is_causal=is_causal, pattern=pattern, sinks=sinks)
   if out is not None:
     return out
   if num_global * block >= length:  # Every row is global: dense attention.
     return core.scaled_dot_product_attention(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal)
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        sinks=sinks)
   not_global = lambda q, k: k // block >= num_global
   parts = [Part(blocks(padded, block),
                 neighbour_blocks(num_blocks, block, (-1, 0, 1)), not_global)]
@@ -315,7 +329,7 @@ def bigbird_attention(query: Array, key: Array, value: Array,
                            + np.arange(block), -1).reshape(num_blocks, -1)
     parts.append(Part(blocks(padded, block), random_keys, not_global))
   out = attend_parts(query, key, value, bias, mask, scale=scale,
-                     is_causal=is_causal, parts=parts)
+                     is_causal=is_causal, parts=parts, sinks=sinks)
   # The global blocks' queries attend to every key: dense rows.
   rows = np.arange(min(num_global * block, length))
   row_mask = core.causal_mask(length, length)[rows][None, None] if (
@@ -329,6 +343,7 @@ def bigbird_attention(query: Array, key: Array, value: Array,
     row_bias = core.pairs(bias, rows[:, None], np.arange(length)[None, :])
   if rows.size:
     global_out = core.scaled_dot_product_attention(
-        query[:, rows], key, value, row_bias, row_mask, scale=scale)
+        query[:, rows], key, value, row_bias, row_mask, scale=scale,
+        sinks=sinks)
     out = out.at[:, rows].set(global_out)
   return out

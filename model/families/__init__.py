@@ -79,6 +79,11 @@ def check(config: ModelConfig) -> None:
           f'config.model.{name} is for '
           f'{others(lambda f: f.causal_stack)}, one causal stack over its '
           f'tokens; not {config.family!r}.')
+  if config.attention_sinks and not family.multi_head:
+    raise ValueError(
+        'config.model.attention_sinks is for '
+        f'{others(lambda f: f.multi_head)}, not {config.family!r}, whose '
+        'attention has no heads of its own.')
   if config.qk_norm != 'none' and not family.multi_head:
     raise ValueError(
         f'config.model.qk_norm is for {others(lambda f: f.multi_head)}, '
@@ -116,6 +121,12 @@ def _attention_problem(config: ModelConfig, family: Family) -> str | None:
     return (f'config.model.position={config.position!r} makes scores '
             'relative only when they are dot products q . k, which those of '
             f'{named} are not.')
+  if config.attention_sinks and not variant.sinks:
+    sinking = ', '.join(name for name in attention.names()
+                        if attention.spec(name).sinks)
+    return (f'config.model.attention_sinks puts a logit in a softmax '
+            f'normaliser, which {named} has none of (its weights are no '
+            f'softmax over keys); the attentions that take it: {sinking}.')
   if scheme.bias and not variant.bias:
     return (f'config.model.position={config.position!r} adds a bias to the '
             f'logits, which {named} cannot take.')

@@ -12,12 +12,13 @@ from model.attention import fused_kernels
 
 # About 3 s a case (one compile, interpreted). On the GPU's kernels (64
 # positions), in bfloat16, the dtype with the least room: flash's own path
-# and the general kernel's scores, cap and patterns, T5's table gradient
-# and ALiBi's; on the TPU's, splash's own paths and the general kernel's
+# and the general kernel's scores, cap, sinks and patterns, T5's table
+# gradient, ALiBi's and the sinks'; on the TPU's, splash's own paths and the general kernel's
 # windows and BigBird's blocks of 128, in float32.
 SELECTIONS = {
     'pallas_gpu': (('plain', 'packed', 't5_padded', 'logit_cap',
-                    'bigbird_alibi', 'windows_alibi'), 'bfloat16'),
+                    'bigbird_alibi', 'windows_alibi', 'sinks_packed'),
+                   'bfloat16'),
     'pallas_tpu': (('plain', 'bigbird', 'bigbird_alibi', 'windows_alibi'),
                    'float32'),
 }
@@ -34,10 +35,10 @@ def test_every_case_agrees_with_dense_on_the_cpu(kernel):
   for row in rows:
     assert row['ok'] is True, row
     assert row['out_error'] <= row['tolerance'], row
-  # The score functions' data have gradients, and only theirs.
+  # The score functions' data and the sinks have gradients, and only they.
   has_data = {row['case']: 'd_data_error' in row for row in rows}
   assert has_data == {name: kernel_check.CASES[name].score is not None
-                      for name in expected}
+                      or kernel_check.CASES[name].sinks for name in expected}
 
 
 def test_a_kernel_that_computes_wrongly_is_reported_as_failed(

@@ -81,7 +81,7 @@ def test_attending_over_latents_equals_attending_over_their_keys_and_values(
     logit_cap):
   """attend_cached never forms a key or a value; what it gives is exact
   attention over those the latents make (grouped heads, a mask with
-  holes; capped logits against the core's cap)."""
+  holes; capped logits, with attention sinks, against the core's)."""
   config = config_of()
   projections = latent.projections(config, R, kv_rank=C, q_rank=Q)
   x = jax.random.normal(jax.random.key(2), (B, T, D))
@@ -96,11 +96,12 @@ def test_attending_over_latents_equals_attending_over_their_keys_and_values(
     compressed, rope = module.compress(x)
     rope = positions.rotate(rope[:, :, None], at)[:, :, 0]
     key, value = module.keys_values(compressed, rope)
+    sinks = jnp.linspace(-1.0, 2.0, q.shape[2]) if logit_cap else None
     got = module.attend_cached(q, compressed, rope, mask,
-                               logit_cap=logit_cap)
+                               logit_cap=logit_cap, sinks=sinks)
     if logit_cap:
       return got, core.scaled_dot_product_attention(
-          q, key, value, mask=mask, logit_cap=logit_cap)
+          q, key, value, mask=mask, logit_cap=logit_cap, sinks=sinks)
     return got, jax.nn.dot_product_attention(q, key, value, mask=mask)
 
   got, want = projections.apply(params, method=both)

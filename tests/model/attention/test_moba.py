@@ -1,6 +1,7 @@
 """moba (model/attention/moba.py) equals dense attention, in float64, under
-the mask of the blocks that a brute-force choice picks: for each query,
-its own block and the top-k others by q . (the block's mean key)."""
+the mask of the blocks that a brute-force choice picks
+(tests/helpers/moba_choice.py): for each query, its own block and the
+top-k others by q . (the block's mean key)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,32 +9,9 @@ import numpy as np
 import pytest
 
 from model import attention
+from tests.helpers.moba_choice import chosen_mask
 
 B, T, N, K, H = 2, 11, 4, 2, 8
-
-
-def chosen_mask(q, k, keep, block, top_k, causal) -> np.ndarray:
-  """bool [B, N, T, T]: the pairs moba attends, found by looping over the
-  examples, heads and blocks (float64)."""
-  count = -(-T // block)
-  of = np.arange(T) // block  # Each position's block.
-  allowed = np.zeros((B, N, T, T), bool)
-  for b in range(B):
-    for n in range(N):
-      kv = n // (N // K)
-      means = {}
-      for c in range(count):
-        kept = (of == c) & keep[b]
-        if kept.any():
-          means[c] = k[b, kept, kv].mean(0)
-      for t in range(T):
-        others = [c for c in means if (c < of[t] if causal else c != of[t])]
-        ranked = sorted(others, key=lambda c: -q[b, t, n] @ means[c])
-        picked = set(ranked[:top_k])
-        for s in range(T):
-          own = of[s] == of[t] and (s <= t or not causal)
-          allowed[b, n, t, s] = keep[b, s] and (own or of[s] in picked)
-  return allowed
 
 
 def dense_under(q, k, v, allowed):

@@ -61,8 +61,12 @@ def expected_parameter_count(config: ModelConfig) -> int:
                + heads * head_dim * d + d)
   mlp = (d + 1) * m * (2 if config.mlp_activation == 'swiglu' else 1) + m * d + d
 
+  # Self-attention's sinks: a logit per query head.
+  sinks = heads if config.attention_sinks else 0
+
   def stack(cross):
-    block = attention + mlp + 2 * norm + (attention + norm if cross else 0)
+    block = (attention + sinks + mlp + 2 * norm
+             + (attention + norm if cross else 0))
     return config.num_layers * block + (norm if config.norm_position == 'pre'
                                         else 0)
 
@@ -85,8 +89,8 @@ FAMILY_CONFIGS = {
     'decoder_lm_untied_learned_swiglu_rms': small_config(
         tie_embeddings=False, position='learned', mlp_activation='swiglu',
         norm='rmsnorm'),
-    'encoder_decoder_post_norm': small_config(family='encoder_decoder',
-                                              norm_position='post'),
+    'encoder_decoder_post_norm_sinks': small_config(
+        family='encoder_decoder', norm_position='post', attention_sinks=True),
     'classifier_cls': small_config(family='encoder_classifier', num_classes=5),
     'classifier_mean_mqa': small_config(family='encoder_classifier',
                                         num_classes=3, pooling='mean',
@@ -114,7 +118,7 @@ def test_output_shape_and_dtype(name):
 
 
 @pytest.mark.parametrize('name', ['decoder_lm_untied_learned_swiglu_rms',
-                                  'encoder_decoder_post_norm',
+                                  'encoder_decoder_post_norm_sinks',
                                   'classifier_cls'])
 def test_logit_softcap_caps_every_familys_logits(name):
   """cap * tanh(logits / cap) of the uncapped model's logits, with the same

@@ -374,7 +374,8 @@ TYPE_CHECKED = {'pack_sequences', 'vocab_path', 'distributed',
                 'model.tie_embeddings', 'model.attention_projections',
                 'model.zero_init_outputs', 'model.value_residual',
                 'model.scale_tied_readout', 'model.use_bias',
-                'model.scan_layers', 'model.smear', 'model.unet_skips'}
+                'model.scan_layers', 'model.smear', 'model.unet_skips',
+                'model.attention_sinks'}
 
 
 # The cases on lm_stdlib start from its baseline, whose sinusoidal positions
