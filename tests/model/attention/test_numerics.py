@@ -74,19 +74,6 @@ def named(output, grads):
 
 
 @pytest.mark.parametrize('name', distinct_variants())
-def test_logits_of_1e4_give_finite_outputs_and_gradients(name):
-  length = 64
-  signs = jnp.sign(jax.random.normal(jax.random.key(0), (3, B, length, N, H)))
-  # q . k / sqrt(H) = +-1e4 where all signs agree; every value between.
-  size = (1e4 * H**0.5 / H)**0.5
-  q, k = size * signs[0], size * signs[1]
-  v = jax.random.normal(jax.random.key(1), (B, length, N, H))
-  assert float(jnp.max(jnp.einsum('bqnh,bknh->bnqk', q, k))) / H**0.5 == (
-      pytest.approx(1e4))
-  chex.assert_tree_all_finite(named(*run(name, q, k, v)))
-
-
-@pytest.mark.parametrize('name', distinct_variants())
 def test_bfloat16_at_4096_tokens_gives_finite_outputs_and_gradients(name):
   q, k, v = (jax.random.normal(key, (1, 4096, 1, H), jnp.bfloat16)
              for key in jax.random.split(jax.random.key(2), 3))
@@ -97,10 +84,17 @@ def test_bfloat16_at_4096_tokens_gives_finite_outputs_and_gradients(name):
 
 @pytest.mark.core
 @pytest.mark.parametrize('name', distinct_variants())
-def test_fully_masked_rows_give_zeros_and_finite_gradients(name):
+def test_logits_of_1e4_and_fully_masked_rows_stay_finite_and_rows_zero(name):
+  """One program each: logits of +-1e4 (q . k / sqrt(H) = +-1e4 where all
+  signs agree, every value between), and rows whose every key is masked,
+  which come out zero."""
   length = 64
-  q, k, v = (jax.random.normal(key, (B, length, N, H))
-             for key in jax.random.split(jax.random.key(3), 3))
+  signs = jnp.sign(jax.random.normal(jax.random.key(0), (2, B, length, N, H)))
+  size = (1e4 * H**0.5 / H)**0.5
+  q, k = size * signs[0], size * signs[1]
+  v = jax.random.normal(jax.random.key(1), (B, length, N, H))
+  assert float(jnp.max(jnp.einsum('bqnh,bknh->bnqk', q, k))) / H**0.5 == (
+      pytest.approx(1e4))
   if attention.spec(name).masks == 'any':
     mask = np.ones((B, 1, length, length), bool)
     mask[1, :, 5:20] = False  # Queries 5..19 of example 1 see no key.

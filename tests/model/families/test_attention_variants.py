@@ -45,10 +45,15 @@ CAUSAL = [name for name in attention.names() if attention.spec(name).causal]
 
 
 def config_for(family='decoder_lm', attention_name='dense', **overrides):
+  """A one-layer model of `attention_name`; of several (a tuple), a layer
+  each, each with its options."""
+  several = isinstance(attention_name, tuple)
   values = dict(family=family, vocab_size=V, d_model=16, num_heads=2,
-                num_layers=1, mlp_dim=32, max_len=T + 1,
-                attention=attention_name,
-                attention_options=OPTIONS[attention_name], num_classes=3)
+                num_layers=len(attention_name) if several else 1,
+                mlp_dim=32, max_len=T + 1, attention=attention_name,
+                attention_options={name: OPTIONS[name]
+                                   for name in attention_name}
+                if several else OPTIONS[attention_name], num_classes=3)
   values.update(overrides)
   config = ModelConfig(**values)
   families.check(config)
@@ -65,9 +70,9 @@ def tokens(seed=0):
   return jnp.asarray(ids)
 
 
-@pytest.mark.parametrize('name', CAUSAL)
-def test_decoder_lm_is_causal_with_every_causal_variant(name):
-  assert_causal(build(config_for(attention_name=name)), tokens(),
+def test_decoder_lm_is_causal_with_every_causal_variant():
+  """One model of a layer of each: no output depends on a later input."""
+  assert_causal(build(config_for(attention_name=tuple(CAUSAL))), tokens(),
                 positions=(0, 3, T - 1))
 
 
@@ -95,8 +100,9 @@ TASK = {'decoder_lm': tasks.LM, 'encoder_decoder': tasks.SEQ2SEQ,
         'encoder_classifier': tasks.CLASSIFICATION}
 
 
-def trains(config: ModelConfig) -> list[float]:
-  """Losses of three Adam steps on one batch."""
+def trains(config: ModelConfig) -> tuple[list[float], dict, dict]:
+  """(losses of three Adam steps on one batch, the parameters before,
+  after)."""
   model = build(config)
   task = TASK[config.family]
   params = steps.init_params(model, task, jax.random.key(0), T)
@@ -111,7 +117,7 @@ def trains(config: ModelConfig) -> list[float]:
   for _ in range(3):
     state, metrics = step(state, batch)
     losses.append(float(metrics['loss_sum'] / metrics['weight_sum']))
-  return losses
+  return losses, params, state.params
 
 
 FAMILIES = ['decoder_lm', 'encoder_decoder', 'encoder_classifier']
@@ -125,27 +131,36 @@ def _compatible(family: str, name: str, position: str) -> bool:
   return True
 
 
-def variant_runs() -> list[tuple[str, str, str]]:
-  """(family, variant, position): every variant a family supports, once,
-  each position scheme given to the first of them that takes it; the
-  rest keep the default. One compiled step tests a variant and a scheme."""
+def variant_runs() -> list[tuple[str, str, tuple[str, ...]]]:
+  """(family, position, variants): a model for each position scheme a
+  family takes, its layers the family's variants, each variant in one of
+  them (one that takes its scheme, the fewest variants first; dense where
+  there are fewer variants than schemes). One compiled step tests a scheme
+  and the variants of its layers."""
   runs = []
   for family in FAMILIES:
     names = [name for name in attention.names()
              if family == 'encoder_classifier' or name in CAUSAL]
-    if family != 'decoder_lm':
-      # A causal-only recurrence needs its stack; the encoders run each
+    if family == 'encoder_classifier':
+      # A causal-only recurrence needs its stack; the encoder runs each
       # function once (mla's is chunked's: its projections run above).
       names = [name for name in names
                if not attention.spec(name).causal_only
                and name in distinct_variants()]
-    given = {}
-    for position in POSITIONS:
-      taker = next((name for name in names if name not in given
-                    and _compatible(family, name, position)), None)
-      if taker:  # None: the family refuses the scheme (a randomized one).
-        given[taker] = position
-    runs += [(family, name, given.get(name, 'sinusoidal')) for name in names]
+    elif family == 'encoder_decoder':
+      # Its self-attention is the layer the decoder and the encoder above
+      # run every variant through, causal and not: its schemes on dense.
+      names = ['dense']
+    # The family refuses a randomized scheme but where it has its own.
+    layers = {position: [] for position in POSITIONS
+              if _compatible(family, 'dense', position)}
+    for name in names:
+      takes = [position for position in layers
+               if _compatible(family, name, position)]
+      layers[min(takes, key=lambda position: len(layers[position]))].append(
+          name)
+    runs += [(family, position, tuple(names or ['dense']))
+             for position, names in layers.items()]
   return runs
 
 
@@ -156,18 +171,44 @@ VARIANT_RUNS = variant_runs()
 def test_every_position_scheme_meets_every_family_that_takes_it():
   takes = {(family, position) for family in FAMILIES for position in POSITIONS
            if _compatible(family, 'dense', position)}
-  assert {(family, position) for family, _, position in VARIANT_RUNS} == takes
+  assert {(family, position) for family, position, _ in VARIANT_RUNS} == takes
   refused = {pair for pair in itertools.product(FAMILIES, POSITIONS)
              if pair not in takes}
   assert refused == {(family, 'random_sinusoidal') for family in FAMILIES
                      if family != 'encoder_decoder'}
 
 
-@pytest.mark.parametrize('family, name, position', VARIANT_RUNS)
+@pytest.mark.core
+def test_the_decoder_trains_each_causal_variant_and_the_encoder_each_other():
+  ran = {family: [name for run_family, _, names in VARIANT_RUNS
+                  if run_family == family for name in names]
+         for family in FAMILIES}
+  assert sorted(ran['decoder_lm']) == CAUSAL
+  assert sorted(ran['encoder_classifier']) == [
+      name for name in distinct_variants()
+      if not attention.spec(name).causal_only]
+  assert set(ran['encoder_decoder']) == {'dense'}
+
+
+@pytest.mark.parametrize('family, position, names', VARIANT_RUNS)
 def test_every_variant_and_position_scheme_trains_in_each_family(
-    family, name, position):
-  losses = trains(config_for(family, name, position=position))
+    family, position, names):
+  """Losses fall, and each layer's attention learns: its parameters but
+  its output projection move (their gradients reach through the
+  variant)."""
+  losses, before, after = trains(config_for(family, names,
+                                            position=position))
   assert np.isfinite(losses).all() and losses[-1] < losses[0]
+  moved = {}
+  for (path, old), new in zip(
+      jax.tree_util.tree_leaves_with_path(before), jax.tree.leaves(after)):
+    keys = [str(getattr(key, 'key', key)) for key in path]
+    if 'self_attention' in keys and 'out' not in keys:
+      block = tuple(keys[:keys.index('self_attention')])
+      moved[block] = moved.get(block, False) or bool(np.any(old != new))
+  assert len(moved) == len(names) * (2 if family == 'encoder_decoder'
+                                     else 1)
+  assert all(moved.values()), moved
 
 
 @pytest.mark.core

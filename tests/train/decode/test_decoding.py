@@ -58,8 +58,9 @@ def cached_logits(step, positions_to_read: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize('position,overrides', [
-    (position, {}) for position in ('learned', 'sinusoidal', 'rope', 'alibi',
-                                    'relative', 't5_bias', 'deberta')] + [
+    # Rope and ALiBi alone: in the cases below.
+    (position, {}) for position in ('learned', 'sinusoidal', 'relative',
+                                    't5_bias', 'deberta')] + [
     # Parameter-free self-attention caches the inputs themselves.
     ('rope', dict(attention_projections=False)),
     # Under QK-norm the cache holds keys normalised, then rotated.
@@ -71,8 +72,8 @@ def cached_logits(step, positions_to_read: int) -> np.ndarray:
     # the value embeddings of each call's tokens join its values.
     ('alibi', dict(smear=True, value_embeddings=1, unet_skips=True)),
     # Local attention decodes as dense under its window, here one short
-    # and one long (shorter than the rows).
-    ('alibi', dict(attention='local,local',
+    # and one long (shorter than the rows), with its sinks.
+    ('alibi', dict(attention='local,local', attention_sinks=True,
                    attention_options={'local': {'window': (4, 2)}})),
     # Each recurrence carries its state [B, N, H, H] (four query heads on
     # two key/value heads), the padding of the shorter prompt left out of

@@ -206,15 +206,16 @@ def compiled_step(kernel: str, model: dict, **parallelism):
 # name: (mesh, config.model's changes, the fused kernels compared with
 # xla).
 FUSED_LAYOUTS = {
-    'data8': (dict(data=8), {}, ('pallas_tpu', 'pallas_gpu')),
-    'data4_tensor2': (dict(data=4, tensor=2), {},
-                      ('pallas_tpu', 'pallas_gpu')),
+    # The examples split (over_shards is the same for both kernels).
+    'data8': (dict(data=8), {}, ('pallas_gpu',)),
     'data2_tensor4': (dict(data=2, tensor=4), {},
                       ('pallas_tpu', 'pallas_gpu')),
-    # ALiBi's slopes split by head, its positions by example; heads of 16.
-    'data4_tensor2_alibi': (dict(data=4, tensor=2),
-                            dict(position='alibi', num_heads=2),
-                            ('pallas_tpu', 'pallas_gpu')),
+    # ALiBi's slopes and the sinks split by head, its positions by
+    # example; heads of 16.
+    'data4_tensor2_alibi_sinks': (
+        dict(data=4, tensor=2),
+        dict(position='alibi', num_heads=2, attention_sinks=True),
+        ('pallas_tpu', 'pallas_gpu')),
 }
 
 
