@@ -9,10 +9,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import ModelConfig, attention, positions
+from model import attention, ModelConfig, positions
 from model.attention import options as variant_options
-from model.attention import fused
-from train.base.errors import InputError, did_you_mean
+from model.attention.kernels import fused
+from train.base.errors import did_you_mean, InputError
 
 # Variants that compute softmax(q k^T) v exactly (the FLOP count applies):
 # the fused kernel's row ('xla') and the registry's exact ones.
@@ -157,7 +157,7 @@ def variant_fn(name: str, rows: str, length: int, options: dict, *,
     return f'{name} is not causal'
   if base == 'ring':
     return ('ring needs a mesh with a sequence axis '
-            '(tests/model/attention/test_ring.py)')
+            '(tests/model/attention/variants/test_ring.py)')
   options = options.get(base, {}) | ({'kernel': kernel} if kernel else {})
   if rows == 'capped':
     options['logit_cap'] = CAP

@@ -10,7 +10,7 @@ or T5's bias, or capped logits.
       [--causal=True --batch=1 --heads=8 --head_dim=64 --dtype=float32] \
       [--options=local.window=256,...] [--reps=3] [--max_seconds=60]
 
-A variant that takes a fused kernel (model/attention/fused.py) is named
+A variant that takes a fused kernel (model/attention/kernels/fused.py) is named
 with it in brackets, `chunked[cudnn]`, `local[pallas_tpu]`, and measured by
 that kernel alone; plain `chunked` is its 'auto' choice. By default every
 registered variant is measured, and on a GPU also chunked[xla] (the JAX
@@ -78,7 +78,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import attention_cases, common
-from model.attention import flex, flex_gpu, fused, fused_kernels
+from model.attention.kernels import flex, flex_gpu, fused, fused_kernels
 from train import cli
 from train.base.errors import InputError
 from train.program import device_memory, flops
@@ -361,7 +361,7 @@ def _define_flags() -> None:
   common.define_out_flag('bench_attention')
   flags.DEFINE_list('variants', [], 'Variants to measure; xla is '
                     'jax.nn.dot_product_attention, chunked[cudnn] chunked '
-                    'by that fused kernel (any of model/attention/fused.py, '
+                    'by that fused kernel (any of model/attention/kernels/fused.py, '
                     'for a variant taking a kernel). Empty: xla, every '
                     'registered one, and chunked by each kernel of a GPU or '
                     'TPU.')

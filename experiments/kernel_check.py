@@ -6,7 +6,7 @@ first and marks the rows of the kernels that failed).
   python -m experiments.kernel_check --out=DIR [--kernels=pallas_gpu] \
       [--cases=plain,alibi] [--dtypes=bfloat16]
 
-The kernels (model/attention/fused.py) of the default backend: on a GPU
+The kernels (model/attention/kernels/fused.py) of the default backend: on a GPU
 cuDNN's and the Pallas ones (flash attention, and the project's general
 kernel flex_gpu.py), on a TPU splash attention and flex_tpu.py, on the CPU
 both Pallas families interpreted. Each case calls attention variants with
@@ -46,7 +46,8 @@ import numpy as np
 
 from experiments import attention_cases, common
 from model import attention, positions
-from model.attention import core, fused
+from model.attention import core
+from model.attention.kernels import fused
 from train import cli
 from train.base.errors import InputError
 

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import logical_axes
 from model import positions as positions_lib
-from model.config import PAD_ID, ModelConfig
+from model.attention.core import logical_axes
+from model.config import ModelConfig, PAD_ID
 from model.readout import Readout
 from model.weight_decay import undecayed
 

@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import logical_axes
+from model.attention.core import logical_axes
 from model.config import ModelConfig
 from model.weight_decay import undecayed
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.logical_axes import LAYERS
+from model.attention.core.logical_axes import LAYERS
 
 _PREFIX = 'block_'
 

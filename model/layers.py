@@ -10,9 +10,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import activations, attention, logical_axes, positions
-from model.attention import fused
+from model import activations, attention, positions
 from model.attention import options as variant_options
+from model.attention.core import logical_axes
+from model.attention.kernels import fused
 from model.config import ModelConfig
 from model.state import KeysValues, LatentCache, RecurrentState
 from model.weight_decay import undecayed

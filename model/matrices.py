@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 
-from model.logical_axes import LATENT, LAYERS
+from model.attention.core.logical_axes import LATENT, LAYERS
 from model.weight_decay import Undecayed
 
 # Axes of the residual stream and the features read from or written to it.

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from model import attention, positions
-from model.attention import latent
+from model.attention.variants import latent
 from model.config import ModelConfig
 
 Array = jax.Array
@@ -34,7 +34,7 @@ class KeysValues:
 class RecurrentState:
   """A recurrent attention's state after the positions read so far, a
   tree of arrays with rows first (Variant.decoding_state; for the gated
-  recurrences a DecodingState of model/attention/gated.py: each query
+  recurrences a DecodingState of model/attention/variants/gated.py: each query
   head's float32 [H, H] matrix, and the short convolutions' last inputs):
   what decoding carries in place of keys and values, of the same size
   however many positions it has read."""
@@ -46,7 +46,7 @@ class RecurrentState:
 
 @flax.struct.dataclass
 class LatentCache:
-  """A latent attention's cache (model/attention/latent.py): each
+  """A latent attention's cache (model/attention/variants/latent.py): each
   position's latent [B, S, C] and its keys' rope part [B, S, R], rotated,
   in the compute dtype; C + R numbers a position where KeysValues holds
   2 K H."""

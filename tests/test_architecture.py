@@ -82,6 +82,23 @@ def test_each_floor_imports_only_the_floors_below():
   assert not upward
 
 
+def test_each_room_of_attention_imports_only_the_rooms_listed_before_it():
+  """core/ <- kernels/ <- variants/, as model/attention/__init__.py lists
+  them; the registry above them is no room."""
+  from model import attention
+  rooms = re.findall(r'^  (\w+)/ ', attention.__doc__, flags=re.M)
+  assert sorted(rooms) == sorted(
+      path.parent.name
+      for path in (REPO / 'model' / 'attention').glob('*/__init__.py'))
+  room = lambda name: (name.split('.')[2] if name.startswith(
+      'model.attention.') and name.split('.')[2] in rooms else None)
+  later = [f'{name} -> {target}' for name, targets in IMPORTS.items()
+           if room(name) for target in targets
+           if room(target) and rooms.index(room(target))
+           > rooms.index(room(name))]
+  assert not later
+
+
 def test_each_room_of_train_imports_only_the_rooms_listed_before_it():
   rooms = re.findall(r'^  (\w+)/ ', train.__doc__, flags=re.M)
   assert sorted(rooms) == sorted(

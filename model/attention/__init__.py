@@ -8,6 +8,20 @@ says what a function honours (causal, which masks, bias, dropout), so that a
 config asking for something a variant cannot do is refused before anything
 is compiled. Each function also raises a ValueError itself when called with
 an input it cannot honour.
+
+The functions live in rooms, each importing only from the rooms listed
+before it; the registry here and a variant's options (options.py) stand
+above them:
+
+  core/      what the rooms share: the dense core (masks and score
+             functions as objects, the softmax with its sinks), the
+             online softmax, block patterns, the logical axis names
+  kernels/   the fused kernels and the table that chooses one for a case
+             (fused.py), the project's general Pallas kernel (flex*.py)
+  variants/  each variant's math, a module per idea, on the core's
+             signature, running on the kernels where one computes it
+
+A new variant is a module in variants/ and its line in _REGISTRY.
 """
 
 from collections.abc import Callable
@@ -18,12 +32,13 @@ from typing import Any
 
 import jax
 
-from model.attention import (additive, chunked, compressed, gated, kernel,
-                             latent, linformer, moba, ring, sparse)
-from model.attention.core import (PositionBias, SegmentMask,
-                                  attention_weights, causal_attention,
+from model.attention.core import (attention_weights, causal_attention,
                                   causal_mask, cross_attention, lookup,
-                                  scaled_dot_product_attention)
+                                  PositionBias, scaled_dot_product_attention,
+                                  SegmentMask)
+from model.attention.variants import (additive, chunked, compressed, gated,
+                                      kernel, latent, linformer, moba, ring,
+                                      sparse)
 
 Array = jax.Array
 
@@ -78,7 +93,7 @@ class Variant:
   # position, and then returns (out, the state after its last).
   decoding_state: Callable[..., Any] | None = None
   # Makes the layer's queries, keys and values itself, from a shared
-  # low-rank latent (model/attention/latent.py), in place of
+  # low-rank latent (model/attention/variants/latent.py), in place of
   # MultiHeadAttention's projections, or None: latent_projections(config,
   # **options) gives the Flax module (a latent.LatentProjections), its
   # keyword-only arguments being the options that shape it; fn attends

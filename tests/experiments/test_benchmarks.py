@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import pytest
 
 from configs import algorithmic, lm_stdlib
-from experiments import attention_cases, bench_attention, bench_seq2seq
-from experiments import bench_compile, bench_input, bench_train, common
+from experiments import (attention_cases, bench_attention, bench_compile,
+                         bench_input, bench_seq2seq, bench_train, common)
 from model import attention
-from model.attention import sparse
+from model.attention.variants import sparse
 from tests.helpers.sparse_patterns import bigbird_pattern
 from train.base.errors import InputError
 
@@ -54,7 +54,7 @@ def test_bench_attention_measures_skips_and_writes_its_results(tmp_path):
       'linformer takes key padding masks only, not packed rows')
   assert skipped['packed', 'ring'] == (
       'ring needs a mesh with a sequence axis '
-      '(tests/model/attention/test_ring.py)')
+      '(tests/model/attention/variants/test_ring.py)')
   assert "kernel='cudnn' needs a GPU" in skipped['t5', 'chunked[cudnn]']
   with open(os.path.join(directory, 'results.md')) as f:
     table = f.read()

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from experiments import kernel_check
-from model.attention import fused_kernels
+from model.attention.kernels import fused_kernels
 
 # About 3 s a case (one compile, interpreted). On the GPU's kernels (64
 # positions), in bfloat16, the dtype with the least room: flash's own path

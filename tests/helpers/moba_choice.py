@@ -1,4 +1,4 @@
-"""The pairs moba attends (model/attention/moba.py), found by brute force:
+"""The pairs moba attends (model/attention/variants/moba.py), found by brute force:
 for each query, its own block and the top-k others by q . (the block's
 mean key), as a dense mask for the tests' references."""
 

@@ -21,7 +21,7 @@ import flax.core
 import ml_collections
 from ml_collections import config_dict
 
-from model import logical_axes
+from model.attention.core import logical_axes
 from model.config import ModelConfig
 from train.base.errors import did_you_mean
 

@@ -1,5 +1,5 @@
 """The kernel each self-attention of a config's model runs in training, as
-model/attention/fused.py recorded the choices while the config check
+model/attention/kernels/fused.py recorded the choices while the config check
 traced the model on the task's synthetic batch under the run's mesh and
 logical axis rules (train/config/layout.py's trace_model): the check
 refuses a kernel named in `config.model.attention_options` that cannot
@@ -13,8 +13,9 @@ array) always takes 'auto': no fused kernel reads a cache.
 from collections.abc import Callable
 import dataclasses
 
-from model import layer_stack, logical_axes
-from model.attention import fused
+from model import layer_stack
+from model.attention.core import logical_axes
+from model.attention.kernels import fused
 from train.base.train_config import TrainConfig
 
 # (attention, option) -> the config key that set it, as it was typed

@@ -11,8 +11,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from model import ModelConfig, build
-from model.attention import fused
+from model import build, ModelConfig
+from model.attention.kernels import fused
 from model.state import Memory
 from train.base.errors import InputError
 from train.base.train_config import TrainConfig

@@ -16,22 +16,19 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from model import ModelConfig, attention, families
+from model import attention, families, ModelConfig
 from model.attention import options as variant_options
-from model.attention import fused
+from model.attention.kernels import fused
 from model.config import occurrence_values
 from model.positions import SCHEMES
-from train.base import hosts
-from train.base import train_config
-from train.base.errors import InputError, did_you_mean
+from train.base import hosts, train_config
+from train.base.errors import did_you_mean, InputError
 from train.base.train_config import TrainConfig
-from train.config import kernels
-from train.config import layout as layout_validation
+from train.config import kernels, layout as layout_validation
 from train.data import datasets
 from train.data.tasks import Task
 from train.decode import decoding
-from train.program import device_memory, optim, windows
-from train.program import mesh as mesh_lib
+from train.program import device_memory, mesh as mesh_lib, optim, windows
 
 
 def _fail(message: str):

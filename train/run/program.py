@@ -25,8 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 import numpy as np
 
-from model import ModelConfig, build
-from model.attention import fused
+from model import build, ModelConfig
+from model.attention.kernels import fused
 from model.state import Memory
 from train.base.train_config import TrainConfig
 from train.config import validation as config_validation
@@ -165,7 +165,7 @@ class Program:
     (config.window_schedule's stages): the same state and layout, its
     steps compiled for that model. Its kernel choices are the configured
     model's, as traced: the kernel table reads whether a layer has a
-    window, not its size (model/attention/fused.py)."""
+    window, not its size (model/attention/kernels/fused.py)."""
     config = dataclasses.replace(self.config, model=windows.with_long_window(
         self.model_config, window))
     return compile_program(config, self.task, self.mesh,

@@ -14,8 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import attention, logical_axes
-from model.attention import fused, sparse
+from model import attention
+from model.attention.core import logical_axes
+from model.attention.kernels import fused
+from model.attention.variants import sparse
 from model.config import ModelConfig
 from model.families import check
 from tests.helpers import sparse_patterns, tolerance

@@ -5,10 +5,9 @@ backends than this CPU's faked where fused.py reads the device)."""
 import pytest
 
 from configs import listops, lm_stdlib, wmt14_ende
-from model.attention import fused
+from model.attention.kernels import fused
 from train.base.errors import InputError
-from train.config import kernels
-from train.config import validation as config_validation
+from train.config import kernels, validation as config_validation
 
 
 def traced(config, monkeypatch, backend, capability=None):

@@ -14,8 +14,7 @@ from tests.helpers import tiny_runs
 from train import cli
 from train.base import storage
 from train.base.errors import InputError
-from train.run import trained_run
-from train.run import workdir as workdir_lib
+from train.run import trained_run, workdir as workdir_lib
 from train.run.program import Program
 
 # A config file that registers the variant it trains, as docs/attention.md
@@ -23,7 +22,7 @@ from train.run.program import Program
 HALVED = '''
 from configs import default
 from model import attention
-from model.attention import flex_variant
+from model.attention.variants import flex_variant
 from tests.helpers import tiny_runs
 
 

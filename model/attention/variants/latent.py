@@ -27,8 +27,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import logical_axes
 from model.attention import core
+from model.attention.core import logical_axes
 from model.weight_decay import undecayed
 
 Array = jax.Array

@@ -7,7 +7,6 @@ under x64; each lowered for its accelerator; and a model with T5's
 learned bias trained on the kernel as on xla."""
 
 import dataclasses
-import pathlib
 
 import chex
 import jax
@@ -17,10 +16,11 @@ import optax
 import pytest
 
 from experiments import attention_cases
-from model import ModelConfig, attention, build, positions
-from model.attention import (chunked, flex, flex_gpu, flex_tpu, flex_variant,
-                             fused, patterns, sparse)
-from tests.helpers import tolerance
+from model import attention, build, ModelConfig, positions
+from model.attention.core import patterns
+from model.attention.kernels import flex, flex_gpu, flex_tpu, fused
+from model.attention.variants import chunked, flex_variant, sparse
+from tests.helpers import REPO, tolerance
 from train.data import tasks
 from train.program import steps
 
@@ -377,7 +377,7 @@ def dilated(monkeypatch):
   """docs/attention.md's example run as written (in a copy of the
   registry): its pattern class, with 'dilated' registered."""
   monkeypatch.setattr(attention, '_REGISTRY', dict(attention._REGISTRY))
-  with open(pathlib.Path(__file__).parents[3] / 'docs' / 'attention.md') as f:
+  with open(REPO / 'docs' / 'attention.md') as f:
     text = f.read()
   start = text.index('```python\n', text.index(
       '<!-- example: a variant by its functions')) + len('```python\n')

@@ -14,6 +14,11 @@ Masks are boolean, True = attend, with shape broadcastable to [B, N, T, S]
 (or a PositionBias, computed where it is needed) is added to the logits.
 Logits and softmax are float32 whatever the input dtype; the output has the
 query's dtype.
+
+The room's other modules are what the kernels and the variants share
+besides: the online softmax (online_softmax.py), block patterns
+(patterns.py) and the logical axis names (logical_axes.py). It imports
+nothing of the project.
 """
 
 from collections.abc import Callable

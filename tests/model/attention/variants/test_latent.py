@@ -1,4 +1,4 @@
-"""Latent attention (model/attention/latent.py): the layer equals DeepSeek-
+"""Latent attention (model/attention/variants/latent.py): the layer equals DeepSeek-
 V2's formulation written in float64; decoding's attention over cached
 latents equals attention over the keys and values they make; the cache
 holds C + R numbers a position. Cached decoding equal to the full pass:
@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import ModelConfig, families, positions
-from model.attention import core, latent
+from model import families, ModelConfig, positions
+from model.attention import core
+from model.attention.variants import latent
 from model.layers import MultiHeadAttention
 from model.state import Cache, LatentCache
 

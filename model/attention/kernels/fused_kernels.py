@@ -1,4 +1,4 @@
-"""The fused kernels that model/attention/fused.py chooses among, each
+"""The fused kernels that model/attention/kernels/fused.py chooses among, each
 called as `dense` would be: cuDNN's, Pallas splash attention (TPU) and
 Pallas flash attention (GPU), with the project's general kernel (flex.py)
 for score functions and, on a GPU, block-sparse patterns. Under a mesh
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from model import logical_axes
-from model.attention import (core, cudnn_packed, flex, flex_gpu, flex_tpu,
-                             patterns)
+from model.attention import core
+from model.attention.core import logical_axes, patterns
+from model.attention.kernels import cudnn_packed, flex, flex_gpu, flex_tpu
 
 Array = jax.Array
 # A padding id no packed row uses.

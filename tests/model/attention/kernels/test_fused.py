@@ -9,13 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import attention, logical_axes, positions
-from model.attention import (cudnn_packed, flex, flex_gpu, flex_tpu, fused,
-                             fused_kernels, patterns, sparse)
-from model.attention.fused import Case
+from model import attention, positions
+from model.attention.core import logical_axes, patterns
+from model.attention.kernels import (cudnn_packed, flex, flex_gpu, flex_tpu,
+                                     fused, fused_kernels)
+from model.attention.kernels.fused import Case
+from model.attention.variants import sparse
 from tests.helpers import tolerance
 from tests.helpers.sparse_patterns import (bigbird_pattern, fixed_pattern,
-                                          local_pattern, strided_pattern)
+                                           local_pattern, strided_pattern)
 
 B, N, H = 2, 4, 16
 dense = attention.scaled_dot_product_attention

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from model.attention import flex
+from model.attention.kernels import flex
 
 Array = jax.Array
 

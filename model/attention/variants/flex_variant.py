@@ -15,7 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from model.attention import chunked, core
+from model.attention import core
+from model.attention.variants import chunked
 
 Array = jax.Array
 

@@ -1,4 +1,4 @@
-"""Ring attention (model/attention/ring.py) over a mesh's sequence axis:
+"""Ring attention (model/attention/variants/ring.py) over a mesh's sequence axis:
 exact against dense, with biases, segment ids and gradients."""
 
 import dataclasses

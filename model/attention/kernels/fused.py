@@ -50,9 +50,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from model import logical_axes
-from model.attention import (core, cudnn_packed, flex, fused_kernels,
-                             patterns)
+from model.attention import core
+from model.attention.core import logical_axes, patterns
+from model.attention.kernels import cudnn_packed, flex, fused_kernels
 
 Array = jax.Array
 

@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
-from model.attention import core, online_softmax
+from model.attention import core
+from model.attention.core import online_softmax
 
 Array = jax.Array
 

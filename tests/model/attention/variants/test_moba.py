@@ -1,4 +1,4 @@
-"""moba (model/attention/moba.py) equals dense attention, in float64, under
+"""moba (model/attention/variants/moba.py) equals dense attention, in float64, under
 the mask of the blocks that a brute-force choice picks
 (tests/helpers/moba_choice.py): for each query, its own block and the
 top-k others by q . (the block's mean key)."""

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from model import attention
-from model.attention import chunk_plan, kernel, sparse
+from model.attention.variants import chunk_plan, kernel, sparse
 from tests.helpers import tolerance
 from tests.helpers.distinct_variants import distinct_variants
 from tests.helpers.sparse_patterns import (bigbird_pattern, fixed_pattern,
-                                          local_pattern, strided_pattern)
+                                           local_pattern, strided_pattern)
 
 B, T, N, H = 2, 10, 4, 8
 dense = attention.scaled_dot_product_attention

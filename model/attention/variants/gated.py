@@ -43,8 +43,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import logical_axes
-from model.attention import core, kernel, recurrence
+from model.attention import core
+from model.attention.core import logical_axes
+from model.attention.variants import kernel, recurrence
 from model.weight_decay import undecayed
 
 Array = jax.Array

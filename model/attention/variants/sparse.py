@@ -2,7 +2,7 @@
 
 Each pattern is said twice, for two kinds of implementation. As a
 patterns.Pattern, the pairs it allows as a predicate on positions, which
-the fused kernels read (model/attention/fused.py: splash attention's block
+the fused kernels read (model/attention/kernels/fused.py: splash attention's block
 masks on a TPU, the project's general kernel, flex_gpu.py, on a GPU).
 And for the JAX code ('xla'), as a list of *parts*. A part splits the
 padded query positions into groups that read one shared, gathered list
@@ -22,7 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.attention import chunked, core, fused, patterns
+from model.attention import core
+from model.attention.core import patterns
+from model.attention.kernels import fused
+from model.attention.variants import chunked
 
 Array = jax.Array
 # allowed(query_positions, key_positions) -> bool, broadcasting.
@@ -141,7 +144,7 @@ def _fused(kernel: str, query: Array, key: Array, value: Array, bias, mask, *,
            pattern: patterns.Pattern | None = None,
            sinks: Array | None = None) -> Array | None:
   """The output of the fused kernel that `kernel` names, or that 'auto'
-  picks (model/attention/fused.py); None where the JAX code computes it."""
+  picks (model/attention/kernels/fused.py); None where the JAX code computes it."""
   kernel = fused.choose(kernel, fused.case_of(
       query, key, bias, mask, is_causal=is_causal, window=window,
       pattern=pattern, sinks=sinks))
@@ -186,7 +189,7 @@ def local_attention(query: Array, key: Array, value: Array,
   window as long as the row is chunked attention, and computed by it (its
   kernel too);
   `kernel` picks it or a fused kernel as for `chunked`
-  (model/attention/fused.py); `sinks` as dense's."""
+  (model/attention/kernels/fused.py); `sinks` as dense's."""
   _check_self_attention('local', query, key, value, bias, mask, sinks)
   _positive(window=window)
   if window >= query.shape[1]:  # Every key of the row: chunked's function.

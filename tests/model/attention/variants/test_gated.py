@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from model import attention
-from model.attention import recurrence
+from model.attention.variants import recurrence
 from tests.helpers import tolerance
 from tests.helpers.owned_parameters import owned
 

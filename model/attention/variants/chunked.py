@@ -22,7 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.attention import chunk_plan, core, fused, online_softmax
+from model.attention import core
+from model.attention.core import online_softmax
+from model.attention.kernels import fused
+from model.attention.variants import chunk_plan
 
 Array = jax.Array
 
@@ -244,7 +247,7 @@ def chunked_attention(query: Array, key: Array, value: Array,
                       sinks: Array | None = None) -> Array:
   """`scaled_dot_product_attention`, exactly, in O(T * H) memory besides a
   block of logits: by the blocked JAX code here, or by a fused kernel that
-  computes the same blocked algorithm (model/attention/fused.py).
+  computes the same blocked algorithm (model/attention/kernels/fused.py).
 
   Args:
     chunk_size: keys per chunk of the JAX code; None for

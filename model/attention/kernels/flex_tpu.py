@@ -22,7 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 
-from model.attention import flex
+from model.attention.kernels import flex
 
 Array = jax.Array
 BLOCK = 128
