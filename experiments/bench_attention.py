@@ -361,8 +361,8 @@ def _define_flags() -> None:
   common.define_out_flag('bench_attention')
   flags.DEFINE_list('variants', [], 'Variants to measure; xla is '
                     'jax.nn.dot_product_attention, chunked[cudnn] chunked '
-                    'by that fused kernel (any of model/attention/kernels/fused.py, '
-                    'for a variant taking a kernel). Empty: xla, every '
+                    'by that fused kernel (any of model/attention/kernels/'
+                    'fused.py, for a variant taking a kernel). Empty: xla, every '
                     'registered one, and chunked by each kernel of a GPU or '
                     'TPU.')
   flags.DEFINE_list('rows', ['plain'], 'Kinds of rows to measure each on: '

@@ -13,8 +13,8 @@ from model.attention.kernels import fused_kernels
 # About 3 s a case (one compile, interpreted). On the GPU's kernels (64
 # positions), in bfloat16, the dtype with the least room: flash's own path
 # and the general kernel's scores, cap, sinks and patterns, T5's table
-# gradient, ALiBi's and the sinks'; on the TPU's, splash's own paths and the general kernel's
-# windows and BigBird's blocks of 128, in float32.
+# gradient, ALiBi's and the sinks'; on the TPU's, splash's own paths and
+# the general kernel's windows and BigBird's blocks of 128, in float32.
 SELECTIONS = {
     'pallas_gpu': (('plain', 'packed', 't5_padded', 'logit_cap',
                     'bigbird_alibi', 'windows_alibi', 'sinks_packed'),

@@ -1,6 +1,7 @@
 """The registered attention names, one a function: what the tests of the
 functions themselves run (mla's function is chunked's, its own work being
-the projections around it, tested in tests/model/attention/variants/test_latent.py)."""
+the projections around it, tested in
+tests/model/attention/variants/test_latent.py)."""
 
 from model import attention
 

@@ -1,6 +1,6 @@
-"""The pairs moba attends (model/attention/variants/moba.py), found by brute force:
-for each query, its own block and the top-k others by q . (the block's
-mean key), as a dense mask for the tests' references."""
+"""The pairs moba attends (model/attention/variants/moba.py), found by
+brute force: for each query, its own block and the top-k others by q .
+(the block's mean key), as a dense mask for the tests' references."""
 
 import numpy as np
 

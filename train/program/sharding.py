@@ -3,8 +3,8 @@
 Parameters carry logical axis names (embed, heads, kv_heads, kv, mlp, vocab,
 length, expert; see model/layers.py, model/moe.py) and the Transformer
 blocks constrain their inputs to (activation_batch, activation_length,
-activation_embed) (model/attention/core/logical_axes.py); the fused attention kernels
-split their work by the same rules.
+activation_embed) (model/attention/core/logical_axes.py); the fused
+attention kernels split their work by the same rules.
 `config.logical_axis_rules` maps each name to mesh axes
 (train/program/mesh.py); a name without a rule is not split. Its defaults
 (train/base/train_config.py) give

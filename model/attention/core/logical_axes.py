@@ -15,8 +15,9 @@ ACTIVATIONS = (BATCH, LENGTH, EMBED)
 # The query heads and the key/value heads of attention's projections.
 HEADS = 'heads'
 KV_HEADS = 'kv_heads'
-# The width of latent attention's shared latent (model/attention/variants/latent.py);
-# no default rule splits it, as every head's keys and values read all of it.
+# The width of latent attention's shared latent
+# (model/attention/variants/latent.py); no default rule splits it, as every
+# head's keys and values read all of it.
 LATENT = 'latent'
 # The leading axis of a scanned stack's parameters, one entry per group of
 # blocks (config.model.scan_layers): left whole on every device by the

@@ -2,8 +2,9 @@
 
 Each pattern is said twice, for two kinds of implementation. As a
 patterns.Pattern, the pairs it allows as a predicate on positions, which
-the fused kernels read (model/attention/kernels/fused.py: splash attention's block
-masks on a TPU, the project's general kernel, flex_gpu.py, on a GPU).
+the fused kernels read (model/attention/kernels/fused.py: splash
+attention's block masks on a TPU, the project's general kernel,
+flex_gpu.py, on a GPU).
 And for the JAX code ('xla'), as a list of *parts*. A part splits the
 padded query positions into groups that read one shared, gathered list
 of keys, and says with a predicate which (query, key) pairs among those it
@@ -144,7 +145,8 @@ def _fused(kernel: str, query: Array, key: Array, value: Array, bias, mask, *,
            pattern: patterns.Pattern | None = None,
            sinks: Array | None = None) -> Array | None:
   """The output of the fused kernel that `kernel` names, or that 'auto'
-  picks (model/attention/kernels/fused.py); None where the JAX code computes it."""
+  picks (model/attention/kernels/fused.py); None where the JAX code
+  computes it."""
   kernel = fused.choose(kernel, fused.case_of(
       query, key, bias, mask, is_causal=is_causal, window=window,
       pattern=pattern, sinks=sinks))

@@ -1,5 +1,5 @@
-"""Latent attention (model/attention/variants/latent.py): the layer equals DeepSeek-
-V2's formulation written in float64; decoding's attention over cached
+"""Latent attention (model/attention/variants/latent.py): the layer equals
+DeepSeek-V2's formulation written in float64; decoding's attention over cached
 latents equals attention over the keys and values they make; the cache
 holds C + R numbers a position. Cached decoding equal to the full pass:
 tests/train/decode/test_decoding.py."""

@@ -1,5 +1,5 @@
-"""moba (model/attention/variants/moba.py) equals dense attention, in float64, under
-the mask of the blocks that a brute-force choice picks
+"""moba (model/attention/variants/moba.py) equals dense attention, in
+float64, under the mask of the blocks that a brute-force choice picks
 (tests/helpers/moba_choice.py): for each query, its own block and the
 top-k others by q . (the block's mean key)."""
 

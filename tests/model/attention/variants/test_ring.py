@@ -1,5 +1,5 @@
-"""Ring attention (model/attention/variants/ring.py) over a mesh's sequence axis:
-exact against dense, with biases, segment ids and gradients."""
+"""Ring attention (model/attention/variants/ring.py) over a mesh's sequence
+axis: exact against dense, with biases, segment ids and gradients."""
 
 import dataclasses
 
