@@ -9,10 +9,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from model import attention, ModelConfig, positions
+from model import ModelConfig, attention, positions
 from model.attention import options as variant_options
 from model.attention.kernels import fused
-from train.base.errors import did_you_mean, InputError
+from train.base.errors import InputError, did_you_mean
 
 # Variants that compute softmax(q k^T) v exactly (the FLOP count applies):
 # the fused kernel's row ('xla') and the registry's exact ones.

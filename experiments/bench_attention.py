@@ -362,9 +362,9 @@ def _define_flags() -> None:
   flags.DEFINE_list('variants', [], 'Variants to measure; xla is '
                     'jax.nn.dot_product_attention, chunked[cudnn] chunked '
                     'by that fused kernel (any of model/attention/kernels/'
-                    'fused.py, for a variant taking a kernel). Empty: xla, every '
-                    'registered one, and chunked by each kernel of a GPU or '
-                    'TPU.')
+                    'fused.py, for a variant taking a kernel). Empty: xla, '
+                    'every registered one, and chunked by each kernel of a '
+                    'GPU or TPU.')
   flags.DEFINE_list('rows', ['plain'], 'Kinds of rows to measure each on: '
                     'plain (no mask), packed (segment ids), padded (right '
                     "padding), alibi or t5 (ALiBi's or T5's position bias), "

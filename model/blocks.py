@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from model.attention.core import logical_axes
 from model.config import ModelConfig
-from model.layers import make_norm, Mlp, MultiHeadAttention
+from model.layers import MultiHeadAttention, Mlp, make_norm
 from model.moe import MoeMlp
 from model.state import Cache, KeysValues, LatentCache, RecurrentState
 from model.weight_decay import undecayed

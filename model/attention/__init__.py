@@ -32,10 +32,10 @@ from typing import Any
 
 import jax
 
-from model.attention.core import (attention_weights, causal_attention,
+from model.attention.core import (PositionBias, SegmentMask,
+                                  attention_weights, causal_attention,
                                   causal_mask, cross_attention, lookup,
-                                  PositionBias, scaled_dot_product_attention,
-                                  SegmentMask)
+                                  scaled_dot_product_attention)
 from model.attention.variants import (additive, chunked, compressed, gated,
                                       kernel, latent, linformer, moba, ring,
                                       sparse)

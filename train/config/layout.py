@@ -11,7 +11,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from model import build, ModelConfig
+from model import ModelConfig, build
 from model.attention.kernels import fused
 from model.state import Memory
 from train.base.errors import InputError

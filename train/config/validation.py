@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from model import attention, families, ModelConfig
+from model import ModelConfig, attention, families
 from model.attention import options as variant_options
 from model.attention.kernels import fused
 from model.config import occurrence_values
 from model.positions import SCHEMES
 from train.base import hosts, train_config
-from train.base.errors import did_you_mean, InputError
+from train.base.errors import InputError, did_you_mean
 from train.base.train_config import TrainConfig
 from train.config import kernels, layout as layout_validation
 from train.data import datasets

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ml_collections
 import numpy as np
 
-from model import build, ModelConfig
+from model import ModelConfig, build
 from model.attention.kernels import fused
 from model.state import Memory
 from train.base.train_config import TrainConfig

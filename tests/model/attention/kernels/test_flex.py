@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from experiments import attention_cases
-from model import attention, build, ModelConfig, positions
+from model import ModelConfig, attention, build, positions
 from model.attention.core import patterns
 from model.attention.kernels import flex, flex_gpu, flex_tpu, fused
 from model.attention.variants import chunked, flex_variant, sparse

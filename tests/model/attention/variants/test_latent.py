@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model import families, ModelConfig, positions
+from model import ModelConfig, families, positions
 from model.attention import core
 from model.attention.variants import latent
 from model.layers import MultiHeadAttention
