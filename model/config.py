@@ -267,11 +267,12 @@ class ModelConfig:
   # Options of that function (e.g. window for local, rank for linformer;
   # kernel for chunked and local: auto, xla, cudnn, pallas_tpu or
   # pallas_gpu, see model/attention/kernels/fused.py), as (name, value)
-  # pairs, or a dict: {'window': 64}. Options may also be keyed by the attention's
-  # name, {'local': {'window': 64}}, which is how several attentions take
-  # theirs (held as one tuple of pairs per entry). An attention the pattern
-  # names m times takes an option as one value or m, the k-th occurrence
-  # the k-th: 'local,local' with {'local': {'window': (1024, 128)}}.
+  # pairs, or a dict: {'window': 64}. Options may also be keyed by the
+  # attention's name, {'local': {'window': 64}}, which is how several
+  # attentions take theirs (held as one tuple of pairs per entry). An
+  # attention the pattern names m times takes an option as one value or m,
+  # the k-th occurrence the k-th: 'local,local' with
+  # {'local': {'window': (1024, 128)}}.
   attention_options: tuple = ()
   # Output projection shares the token embedding matrix (Press & Wolf 2017).
   tie_embeddings: bool = True
@@ -320,8 +321,9 @@ class ModelConfig:
   # Language models on packed rows: the most windows of text a row holds.
   # The packer closes a row there (on every backend), and attention may
   # rely on it: cuDNN's packed layout
-  # (model/attention/kernels/cudnn_packed.py) is sized by it, keeping softmax statistics for batch x (this + 1) full-
-  # length sequences. Raise it for many short documents at a long seq_len.
+  # (model/attention/kernels/cudnn_packed.py) is sized by it, keeping
+  # softmax statistics for batch x (this + 1) full-length sequences. Raise
+  # it for many short documents at a long seq_len.
   max_segments_per_row: int = 32
   # decoder_lm only: Transformer-XL's segment-level recurrence (Dai et al.
   # 2019). Each layer also attends to the hidden states it saw in the last

@@ -11,7 +11,7 @@ import numpy as np
 
 from model import positions as positions_lib
 from model.attention.core import logical_axes
-from model.config import ModelConfig, PAD_ID
+from model.config import PAD_ID, ModelConfig
 from model.readout import Readout
 from model.weight_decay import undecayed
 
