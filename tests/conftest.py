@@ -1,10 +1,6 @@
-"""Test set-up, before jax is first imported: 8 simulated CPU devices;
-LLVM's optimisation level 0 for XLA's CPU code (the tests' programs are
-small and each runs a few times, so compiling dominates; level 0 takes
-about a fifth less time over the suite, and XLA's own passes, which
-decide what is computed and in what order, run as at any level); and one
-compilation cache for the session: programs compiled once (by this
-process or by the training subprocesses, which inherit both) are not
+"""Test set-up: 8 simulated CPU devices, set before jax is first imported,
+and one compilation cache for the session: programs compiled once (by
+this process or by the training subprocesses, which inherit it) are not
 compiled again."""
 
 import atexit
@@ -14,8 +10,7 @@ import tempfile
 
 os.environ['XLA_FLAGS'] = ' '.join(
     [os.environ.get('XLA_FLAGS', ''),
-     '--xla_force_host_platform_device_count=8',
-     '--xla_backend_optimization_level=0']).strip()
+     '--xla_force_host_platform_device_count=8']).strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   _CACHE = tempfile.mkdtemp(prefix='attnlab-jax-cache-')

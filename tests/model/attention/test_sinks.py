@@ -49,9 +49,10 @@ def reference(q, k, v, sinks, allowed):
 
 
 def loss_and_grads(fn, *args):
-  """sum(sin(fn)) and its gradients in q, k, v and the sinks."""
-  return jax.value_and_grad(lambda *x: jnp.sum(jnp.sin(fn(*x))),
-                            argnums=(0, 1, 2, 3))(*args)
+  """sum(sin(fn)) and its gradients in q, k, v and the sinks, compiled
+  whole."""
+  return jax.jit(jax.value_and_grad(lambda *x: jnp.sum(jnp.sin(fn(*x))),
+                                    argnums=(0, 1, 2, 3)))(*args)
 
 
 def bigbird_mask():
@@ -130,17 +131,18 @@ def test_sinks_equal_the_dense_reference_with_an_extra_column(case):
     mesh = jax.make_mesh((4,), ('sequence',),
                          axis_types=(jax.sharding.AxisType.Auto,))
     with jax.set_mesh(mesh):
-      got = jax.jit(lambda *x: loss_and_grads(fn, *x))(*args)
+      got = loss_and_grads(fn, *args)
   elif case.startswith('pallas_gpu'):
     mesh = jax.make_mesh((2, 2), ('data', 'tensor'),
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
     with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-      got = jax.jit(lambda *x: loss_and_grads(fn, *x))(*args)
+      got = loss_and_grads(fn, *args)
   else:
     got = loss_and_grads(fn, *args)
+  pairs = allowed()
   with jax.enable_x64(True):
     want = loss_and_grads(
-        lambda *x: reference(*x, jnp.asarray(allowed())),
+        lambda *x: reference(*x, jnp.asarray(pairs)),
         *(jnp.asarray(np.asarray(x), jnp.float64) for x in args))
   chex.assert_trees_all_close(
       got, jax.tree.map(lambda x: np.asarray(x, np.float32), want),

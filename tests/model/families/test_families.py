@@ -150,8 +150,8 @@ def test_zero_init_outputs_starts_every_block_as_the_identity():
                  if 'kernel' in path or 'embedding' in path
                  if path not in outputs)
   model = build(config)
-  grads = jax.grad(lambda p: jnp.sum(model.apply(
-      {'params': p}, *model_inputs(config))[0] ** 2))(params)
+  grads = jax.jit(jax.grad(lambda p: jnp.sum(model.apply(
+      {'params': p}, *model_inputs(config))[0] ** 2)))(params)
   flat = flax.traverse_util.flatten_dict(grads, sep='/')
   assert all(np.any(np.asarray(flat[path]) != 0) for path in outputs)
 

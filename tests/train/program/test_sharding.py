@@ -208,13 +208,11 @@ def compiled_step(kernel: str, model: dict, **parallelism):
 FUSED_LAYOUTS = {
     # The examples split (over_shards is the same for both kernels).
     'data8': (dict(data=8), {}, ('pallas_gpu',)),
-    'data2_tensor4': (dict(data=2, tensor=4), {},
-                      ('pallas_tpu', 'pallas_gpu')),
-    # ALiBi's slopes and the sinks split by head, its positions by
-    # example; heads of 16.
-    'data4_tensor2_alibi_sinks': (
-        dict(data=4, tensor=2),
-        dict(position='alibi', num_heads=2, attention_sinks=True),
+    # The heads split too; ALiBi's slopes and the sinks with them, its
+    # positions by example; heads of 16, which the general kernel takes.
+    'data2_tensor4_alibi_sinks': (
+        dict(data=2, tensor=4),
+        dict(position='alibi', attention_sinks=True, d_model=64),
         ('pallas_tpu', 'pallas_gpu')),
 }
 

@@ -8,6 +8,7 @@ import pytest
 
 from model import attention, positions
 from tests.helpers import tolerance
+from tests.helpers.compiled import compiled
 
 B, T, N, H = 2, 8, 4, 16
 
@@ -131,19 +132,19 @@ def test_a_logit_cap_matches_the_references_with_gradients(name, options):
   own backward pass against autodiff of the reference."""
   q, k, v = make_qkv(3, num_kv_heads=2)
   bias, mask = random_bias(9), padding()
-  fn = attention.get(name)
+  fn = compiled(attention.get(name))
   out = fn(q, k, v, bias, mask, is_causal=True, logit_cap=0.5, **options)
   np.testing.assert_allclose(
       out, numpy_attention(q, k, v, bias, mask, causal=True,
                            logit_cap=0.5)[0], atol=2e-6, rtol=2e-6)
   cotangent = jax.random.normal(jax.random.key(4), (B, T, N, H))
-  ours = jax.grad(lambda *x: jnp.sum(fn(*x, mask, is_causal=True,
-                                        logit_cap=0.5, **options)
-                                     * cotangent), argnums=(0, 1, 2, 3))(
-                                         q, k, v, bias)
-  want = jax.grad(lambda *x: jnp.sum(capped_reference(*x, mask, 0.5)
-                                     * cotangent), argnums=(0, 1, 2, 3))(
-                                         q, k, v, bias)
+  ours = jax.jit(jax.grad(lambda *x: jnp.sum(fn(*x, mask, is_causal=True,
+                                                logit_cap=0.5, **options)
+                                             * cotangent),
+                          argnums=(0, 1, 2, 3)))(q, k, v, bias)
+  want = jax.jit(jax.grad(lambda *x: jnp.sum(capped_reference(*x, mask, 0.5)
+                                             * cotangent),
+                          argnums=(0, 1, 2, 3)))(q, k, v, bias)
   chex.assert_trees_all_close(ours, want, atol=2e-5, rtol=2e-5)
 
 

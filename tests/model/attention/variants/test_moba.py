@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from model import attention
+from tests.helpers.compiled import compiled
 from tests.helpers.moba_choice import chosen_mask
 
 B, T, N, K, H = 2, 11, 4, 2, 8
@@ -47,7 +48,7 @@ def test_moba_equals_dense_under_the_blocks_it_chooses(case):
   mask = jnp.asarray(keep[:, None, None, :]) if padded else None
   allowed = chosen_mask(q, k, keep, block, top_k, causal)
   assert 0 < allowed.mean() < 0.8  # Sparse, and not empty.
-  fn = attention.get('moba')
+  fn = compiled(attention.get('moba'))
   options = dict(block_size=block, top_k=top_k, is_causal=causal)
   got = fn(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), mask=mask,
            **options)
@@ -63,19 +64,20 @@ def test_moba_equals_dense_under_the_blocks_it_chooses(case):
   def loss(fn, q, k, v):
     return jnp.sum(jnp.sin(fn(q, k, v)))
   qkv = tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v))
-  got_grads = jax.grad(lambda *x: loss(
+  got_grads = jax.jit(jax.grad(lambda *x: loss(
       lambda q, k, v: fn(q, k, v, mask=mask, **options), *x),
-                       argnums=(0, 1, 2))(*qkv)
-  want_grads = jax.grad(lambda *x: loss(
+                       argnums=(0, 1, 2)))(*qkv)
+  want_grads = jax.jit(jax.grad(lambda *x: loss(
       lambda q, k, v: attention.scaled_dot_product_attention(
-          q, k, v, mask=jnp.asarray(allowed)), *x), argnums=(0, 1, 2))(*qkv)
+          q, k, v, mask=jnp.asarray(allowed)), *x), argnums=(0, 1, 2)))(
+              *qkv)
   for got_grad, want_grad in zip(got_grads, want_grads):
     np.testing.assert_allclose(got_grad, want_grad, atol=1e-5, rtol=1e-5)
 
 
 def test_moba_refuses_what_it_cannot_honour():
   q = jnp.zeros((1, 8, 2, 4))
-  fn = attention.get('moba')
+  fn = compiled(attention.get('moba'))
   with pytest.raises(ValueError, match='key padding masks only'):
     fn(q, q, q, mask=jnp.ones((1, 1, 8, 8), bool))
   with pytest.raises(ValueError, match='no bias'):

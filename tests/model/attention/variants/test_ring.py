@@ -53,9 +53,9 @@ def test_ring_attention_equals_dense_with_gradients(case, sizes):
     return jnp.sum(jnp.sin(fn(q, k, v, **kwargs)))
 
   dense = attention.get('dense')
-  expected = dense(q, k, v, **kwargs)
-  expected_grads = jax.grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2))(
-      q, k, v)
+  expected, expected_grads = jax.jit(lambda *a: (
+      dense(*a, **kwargs),
+      jax.grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2))(*a)))(q, k, v)
   ring = attention.get('ring')
   with jax.set_mesh(ring_mesh(**sizes)):
     # One compilation for the outputs and the gradients.
@@ -88,12 +88,14 @@ def test_ring_attention_with_a_position_bias_and_its_gradient():
     bias = dataclasses.replace(bias, data=bias.data | {'slopes': slopes})
     return jnp.sum(jnp.sin(fn(q, k, v, bias, is_causal=True)))
 
-  want = jax.grad(lambda *a: loss(attention.get('dense'), *a),
-                  argnums=(0, 1))(q, slopes)
+  want = jax.jit(jax.grad(lambda *a: loss(attention.get('dense'), *a),
+                          argnums=(0, 1)))(q, slopes)
   with jax.set_mesh(ring_mesh(sequence=4, data=2)):
     got = jax.jit(jax.grad(lambda *a: loss(attention.get('ring'), *a),
                            argnums=(0, 1)))(q, slopes)
-  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-7)
+  # A slope's gradient sums over every pair of its head: float32's rounding
+  # of the sum in another order, a few ulps of it.
+  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=2e-6)
 
 
 def test_ring_attention_with_segment_ids_and_its_gradients():
@@ -108,8 +110,8 @@ def test_ring_attention_with_segment_ids_and_its_gradients():
   def loss(fn, mask, q, k, v):
     return jnp.sum(jnp.sin(fn(q, k, v, mask=mask, is_causal=True)))
 
-  want = jax.value_and_grad(
-      lambda *a: loss(attention.get('dense'), full, *a), argnums=(0, 1, 2))(
+  want = jax.jit(jax.value_and_grad(
+      lambda *a: loss(attention.get('dense'), full, *a), argnums=(0, 1, 2)))(
           q, k, v)
   with jax.set_mesh(ring_mesh(sequence=4, data=2)):
     got = jax.jit(jax.value_and_grad(
@@ -135,9 +137,9 @@ def test_ring_attention_under_explicit_mesh_axes(case):
   def loss(fn, mask, *inputs):
     return jnp.sum(jnp.sin(fn(*inputs, mask=mask, is_causal=True)))
 
-  want = jax.value_and_grad(
+  want = jax.jit(jax.value_and_grad(
       lambda *a: loss(attention.get('dense'), dense_mask, *a),
-      argnums=(0, 1, 2, 3))(q, k, v, bias)
+      argnums=(0, 1, 2, 3)))(q, k, v, bias)
   explicit = jax.sharding.AxisType.Explicit
   mesh_2x4 = jax.make_mesh((2, 4), ('data', 'sequence'),
                            axis_types=(explicit, explicit))

@@ -14,12 +14,18 @@ import pytest
 from model import attention
 from model.attention.variants import chunk_plan, kernel, sparse
 from tests.helpers import tolerance
+from tests.helpers.compiled import compiled
 from tests.helpers.distinct_variants import distinct_variants
 from tests.helpers.sparse_patterns import (bigbird_pattern, fixed_pattern,
                                            local_pattern, strided_pattern)
 
 B, T, N, H = 2, 10, 4, 8
-dense = attention.scaled_dot_product_attention
+dense = compiled(attention.scaled_dot_product_attention)
+
+
+def variant(name: str):
+  """The registered attention `name`, each call compiled whole."""
+  return compiled(attention.get(name))
 
 
 def make_qkv(seed, num_kv_heads=2, q_len=T, kv_len=T, scale=1.0):
@@ -114,7 +120,7 @@ def test_chunked_equals_dense_in_output_and_gradients(name, query_chunk,
   q, k, v, bias, kwargs = chunked_case(name)
   # Chunks of 4 keys (and blocks of 4 or 3 queries): T = 10 is not a
   # multiple, so the last is padded; with 3, the diagonal crosses blocks.
-  attend = lambda *a, **kw: attention.get('chunked')(
+  attend = lambda *a, **kw: variant('chunked')(
       *a, chunk_size=4, query_chunk_size=query_chunk, **kw)
   out, reference_grads = dense_of_chunked_case(name)
   chex.assert_trees_all_close(
@@ -149,7 +155,7 @@ def test_chunked_rows_with_nothing_to_attend_are_zero_and_finite():
   mask[1, :, :3] = False  # Three queries of example 1 see no key at all.
   mask[0, :, :, 4:] = False  # Whole chunks of keys are masked for example 0.
   mask = jnp.asarray(mask)
-  attend = lambda *a, **kw: attention.get('chunked')(*a, chunk_size=4, **kw)
+  attend = lambda *a, **kw: variant('chunked')(*a, chunk_size=4, **kw)
   out = attend(q, k, v, mask=mask)
   np.testing.assert_array_equal(out[1, :3], 0.0)
   chex.assert_trees_all_close(
@@ -177,7 +183,7 @@ def test_segment_ids_mask_as_the_array_they_stand_for(name):
   array_mask = jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :])
   segments = attention.SegmentMask(jnp.asarray(ids), jnp.asarray(ids))
   q, k, v = make_qkv(15)
-  fn = attention.get(name)
+  fn = variant(name)
   options = dict(is_causal=True, **MASK_OPTIONS.get(name, {}))
   chex.assert_trees_all_close(fn(q, k, v, mask=segments, **options),
                fn(q, k, v, mask=array_mask, **options), **tolerance.FLOAT32)
@@ -190,7 +196,7 @@ def test_segment_ids_of_the_wrong_shape_are_refused():
   q, k, v = make_qkv(16)
   ids = jnp.ones((B, T + 1), jnp.int32)
   with pytest.raises(ValueError, match=r'segment ids have shapes'):
-    attention.get('chunked')(q, k, v, mask=attention.SegmentMask(ids, ids))
+    variant('chunked')(q, k, v, mask=attention.SegmentMask(ids, ids))
 
 
 def position_biases(length=T):
@@ -225,7 +231,7 @@ def test_position_biases_give_dense_results_without_a_full_bias(
         5, 1, 1, seed=0), causal=True)
 
   def ours(params, q):
-    return attention.get(name)(q, k, v, make_bias(params), is_causal=True,
+    return variant(name)(q, k, v, make_bias(params), is_causal=True,
                                **options)
 
   def reference(params, q):
@@ -261,7 +267,7 @@ def test_sparse_pattern_equals_dense_under_its_explicit_mask(
   q, k, v = make_qkv(2)
   mask = padding()
   expected = dense(q, k, v, mask=explicit(pattern(causal)) & mask)
-  out = attention.get(name)(q, k, v, mask=mask, is_causal=causal, **options)
+  out = variant(name)(q, k, v, mask=mask, is_causal=causal, **options)
   chex.assert_trees_all_close(out, expected, **tolerance.FLOAT32)
 
 
@@ -270,7 +276,7 @@ def test_local_with_a_window_over_the_whole_sequence_is_dense():
   q, k, v = make_qkv(3)
   for causal in (False, True):
     chex.assert_trees_all_close(
-        attention.get('local')(q, k, v, is_causal=causal, window=T),
+        variant('local')(q, k, v, is_causal=causal, window=T),
         dense(q, k, v, is_causal=causal), **tolerance.FLOAT32)
 
 
@@ -285,7 +291,7 @@ def test_sparse_bias_and_gradients_match_dense(name, options, pattern,
   q, k, v = make_qkv(4, num_kv_heads)
   bias = jax.random.normal(jax.random.key(5), (B, 1, T, T))
   mask = jnp.asarray(np.random.default_rng(0).random((1, N, T, T)) > 0.2)
-  ours = grads(attention.get(name), q, k, v, bias, mask=mask, is_causal=True,
+  ours = grads(variant(name), q, k, v, bias, mask=mask, is_causal=True,
                **options)
   reference = grads(dense, q, k, v, bias, mask=explicit(pattern) & mask,
                     is_causal=True)
@@ -297,7 +303,7 @@ def test_bigbird_equals_dense_under_its_explicit_mask(causal):
   q, k, v = make_qkv(6, q_len=16, kv_len=16)
   random_blocks = sparse.bigbird_random_blocks(8, 1, 2, seed=7)
   allowed = bigbird_pattern(16, 2, 1, random_blocks, causal)
-  out = attention.get('bigbird')(q, k, v, is_causal=causal, block=2,
+  out = variant('bigbird')(q, k, v, is_causal=causal, block=2,
                                  num_global_blocks=1, num_random_blocks=2,
                                  seed=7)
   chex.assert_trees_all_close(
@@ -313,7 +319,7 @@ def test_bigbird_global_rows_take_bias_and_per_query_masks():
       np.random.default_rng(1).random((B, 1, length, length)) > 0.3)
   allowed = bigbird_pattern(length, 2, 2, sparse.bigbird_random_blocks(
       6, 2, 1, seed=4), causal=False)
-  bigbird = lambda q, k, v, bias, **kw: attention.get('bigbird')(
+  bigbird = lambda q, k, v, bias, **kw: variant('bigbird')(
       q, k, v, bias, block=2, num_global_blocks=2, num_random_blocks=1,
       seed=4, **kw)
   ours = grads(bigbird, q, k, v, bias, mask=mask)
@@ -326,7 +332,7 @@ def test_bigbird_global_rows_take_bias_and_per_query_masks():
 
 def test_bigbird_with_every_block_global_is_dense():
   q, k, v = make_qkv(7)
-  out = attention.get('bigbird')(q, k, v, mask=padding(), block=2,
+  out = variant('bigbird')(q, k, v, mask=padding(), block=2,
                                  num_global_blocks=5)
   chex.assert_trees_all_close(
       out, dense(q, k, v, mask=padding()), **tolerance.FLOAT32)
@@ -364,7 +370,7 @@ def test_linear_attention_honours_a_key_mask_per_query_head(causal):
   keep[:, 1, :, 3:] = False  # Only head 1 loses keys 3 and later.
   keep = jnp.asarray(keep)
   phi = lambda x: jax.nn.elu(x) + 1
-  out = attention.get('linear')(q, k, v, mask=keep, is_causal=causal,
+  out = variant('linear')(q, k, v, mask=keep, is_causal=causal,
                                 chunk_size=4)
   chex.assert_trees_all_close(
       out, kernel_reference(phi(q), phi(k), v, causal, keep),
@@ -477,7 +483,7 @@ def test_parallel_chunk_kernel_attention_equals_the_quadratic_form(case):
                                  seed=5)
 
   def ours(q, k, v):
-    return attention.get(name)(q, k, v, mask=keep, is_causal=causal,
+    return variant(name)(q, k, v, mask=keep, is_causal=causal,
                                chunk_size=chunk_size, **options)
 
   def reference(q, k, v):
@@ -588,7 +594,7 @@ def test_linear_attention_drops_keys_whose_every_feature_underflows():
   @jax.jit
   def output_and_grads(q, k, v):
     out, pullback = jax.vjp(functools.partial(
-        attention.get('linear'), is_causal=True, chunk_size=4), q, k, v)
+        variant('linear'), is_causal=True, chunk_size=4), q, k, v)
     return out, pullback(jnp.cos(out))
 
   out, grads = output_and_grads(q, k, v)
@@ -614,7 +620,7 @@ def mean_error(fn, seeds=(0, 1, 2), **kwargs) -> float:
 @pytest.mark.parametrize('causal', [False, True])
 def test_performer_error_falls_as_features_grow(causal):
   # chunk_size 4: T = 10 is not a multiple of the causal chunk.
-  errors = [mean_error(attention.get('performer'), is_causal=causal,
+  errors = [mean_error(variant('performer'), is_causal=causal,
                        num_features=m, seed=3, chunk_size=4)
             for m in (4, 64, 1024, 16384)]
   assert errors[0] > errors[1] > errors[2] > errors[3]
@@ -633,7 +639,7 @@ def test_performer_features_are_orthogonal_and_unbiased():
 def test_linformer_at_full_rank_with_identity_projections_is_dense():
   q, k, v = make_qkv(9)
   identity = jnp.eye(T)
-  out = attention.get('linformer')(q, k, v, key_projection=identity,
+  out = variant('linformer')(q, k, v, key_projection=identity,
                                    value_projection=identity)
   chex.assert_trees_all_close(out, dense(q, k, v), **tolerance.FLOAT32)
 
@@ -645,7 +651,7 @@ def test_linformer_error_falls_as_rank_grows():
 
   def linformer_rank(q, k, v, rank):
     projection = jnp.asarray(rows[:rank])
-    return attention.get('linformer')(q, k, v, key_projection=projection,
+    return variant('linformer')(q, k, v, key_projection=projection,
                                       value_projection=projection)
   errors = [mean_error(linformer_rank, rank=r) for r in (2, 5, 8, 10)]
   assert errors[0] > errors[1] > errors[2] > errors[3]
@@ -658,7 +664,7 @@ def test_linformer_ignores_padded_keys():
   mask = padding()
   changed_k = k.at[1, 6:].set(100.0)
   changed_v = v.at[1, 6:].set(-100.0)
-  linformer = lambda k, v: attention.get('linformer')(
+  linformer = lambda k, v: variant('linformer')(
       q, k, v, mask=mask, key_projection=projection,
       value_projection=projection)
   chex.assert_trees_all_close(
@@ -681,7 +687,7 @@ def test_additive_attention_matches_bahdanau_score():
                                                + k[b, j, n] @ w_k[n])
   weights = jax.nn.softmax(jnp.where(padding(), score, -jnp.inf), axis=-1)
   expected = jnp.einsum('bnts,bsnh->btnh', weights, v)
-  out = attention.get('additive')(q, k, v, mask=padding(), query_weight=w_q,
+  out = variant('additive')(q, k, v, mask=padding(), query_weight=w_q,
                                   key_weight=w_k, score_weight=w_v)
   chex.assert_trees_all_close(out, expected, **tolerance.FLOAT32)
 
@@ -710,7 +716,7 @@ def test_memory_compressed_equals_dense_over_compressed_keys(window, stride,
   q, k, v = make_qkv(18)
   kernels = [jax.random.normal(key, (window, 2, H, 2, H)) / 8
              for key in jax.random.split(jax.random.key(19))]
-  out = attention.get('memory_compressed')(
+  out = variant('memory_compressed')(
       q, k, v, mask=padding(), is_causal=causal, key_kernel=kernels[0],
       value_kernel=kernels[1], stride=stride)
   keep = np.asarray(padding())[:, 0, 0, :, None, None]
@@ -751,7 +757,7 @@ def test_memory_compressed_scores_take_a_stride_th_of_dense_memory():
 
   temp = lambda fn, *args: compiled_temp_bytes(fn, shape, shape, shape, *args)
 
-  compressed = temp(lambda q, k, v, kk, vk: attention.get('memory_compressed')(
+  compressed = temp(lambda q, k, v, kk, vk: variant('memory_compressed')(
       q, k, v, key_kernel=kk, value_kernel=vk), kernel, kernel)
   full = temp(lambda q, k, v: dense(q, k, v))
   assert 0.25 <= compressed / full <= 0.4, compressed / full
@@ -774,7 +780,7 @@ def test_unsupported_inputs_raise_a_clear_error(name, kwargs, message):
   kwargs = dict(kwargs)
   q, k, v = make_qkv(12, q_len=kwargs.pop('q_len', T))
   with pytest.raises(ValueError, match=message):
-    attention.get(name)(q, k, v, **kwargs)
+    variant(name)(q, k, v, **kwargs)
 
 
 # --- memory: O(T * chunk) against O(T^2) ---
@@ -782,7 +788,7 @@ def test_unsupported_inputs_raise_a_clear_error(name, kwargs, message):
 
 def temp_bytes(name: str, length: int, **options) -> int:
   """Temporary memory of the compiled forward and backward pass."""
-  fn = attention.get(name)
+  fn = variant(name)
   shape = jax.ShapeDtypeStruct((1, length, 4, 32), jnp.float32)
   loss = lambda q, k, v: jnp.sum(fn(q, k, v, is_causal=True, **options))
   return compiled_temp_bytes(jax.grad(loss, argnums=(0, 1, 2)), shape, shape,
@@ -811,7 +817,7 @@ def test_memory_stays_linear_with_a_relative_position_bias(name, options):
   from model import positions  # The position schemes build PositionBias.
 
   def temp_bytes_with_alibi(length):
-    fn = attention.get(name)
+    fn = variant(name)
     shape = jax.ShapeDtypeStruct((1, length, 4, 32), jnp.float32)
     positions_1xT = jax.ShapeDtypeStruct((1, length), jnp.int32)
 
