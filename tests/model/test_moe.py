@@ -85,7 +85,7 @@ def test_room_is_taken_in_sequence_order_so_a_decoder_stays_causal():
                            capacity_factor=0.5))
   rng = np.random.default_rng(1)
   tokens = jnp.asarray(rng.integers(1, 32, (16, T)))
-  variables = model.init(jax.random.key(0), tokens)
+  variables = jax.jit(model.init)(jax.random.key(0), tokens)
   apply = jax.jit(lambda variables, tokens: model.apply(variables,
                                                         tokens)[0])
   logits = apply(variables, tokens)
@@ -127,7 +127,7 @@ def test_groups_keep_the_routing_memory_linear_in_the_length():
   def temporaries(group, length):
     layer = moe.MoeMlp(config_for(num_experts=4, top_k=2, group_size=group))
     x = jnp.zeros((1, length, D))
-    params = layer.init(jax.random.key(0), x)
+    params = jax.jit(layer.init)(jax.random.key(0), x)
     compiled = jax.jit(layer.apply).lower(params, x).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 

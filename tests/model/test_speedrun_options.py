@@ -67,7 +67,7 @@ def test_a_smeared_decoder_sees_no_later_token():
         'embeddings': perturbation}}, tokens)
     return logits[0].sum(-1)
 
-  jacobian_TxT = np.abs(jax.jacrev(logits_by_position)(
+  jacobian_TxT = np.abs(jax.jit(jax.jacrev(logits_by_position))(
       jnp.zeros((1, T, D)))[:, 0]).sum(-1)
   assert np.all(np.triu(jacobian_TxT, 1) == 0)
   assert np.all(np.diag(jacobian_TxT) != 0)
