@@ -232,7 +232,7 @@ def test_position_biases_give_dense_results_without_a_full_bias(
 
   def ours(params, q):
     return variant(name)(q, k, v, make_bias(params), is_causal=True,
-                               **options)
+                         **options)
 
   def reference(params, q):
     return dense(q, k, v, make_bias(params), mask=explicit(allowed),
@@ -304,8 +304,8 @@ def test_bigbird_equals_dense_under_its_explicit_mask(causal):
   random_blocks = sparse.bigbird_random_blocks(8, 1, 2, seed=7)
   allowed = bigbird_pattern(16, 2, 1, random_blocks, causal)
   out = variant('bigbird')(q, k, v, is_causal=causal, block=2,
-                                 num_global_blocks=1, num_random_blocks=2,
-                                 seed=7)
+                           num_global_blocks=1, num_random_blocks=2,
+                           seed=7)
   chex.assert_trees_all_close(
       out, dense(q, k, v, mask=explicit(allowed)), **tolerance.FLOAT32)
 
@@ -333,7 +333,7 @@ def test_bigbird_global_rows_take_bias_and_per_query_masks():
 def test_bigbird_with_every_block_global_is_dense():
   q, k, v = make_qkv(7)
   out = variant('bigbird')(q, k, v, mask=padding(), block=2,
-                                 num_global_blocks=5)
+                           num_global_blocks=5)
   chex.assert_trees_all_close(
       out, dense(q, k, v, mask=padding()), **tolerance.FLOAT32)
 
@@ -371,7 +371,7 @@ def test_linear_attention_honours_a_key_mask_per_query_head(causal):
   keep = jnp.asarray(keep)
   phi = lambda x: jax.nn.elu(x) + 1
   out = variant('linear')(q, k, v, mask=keep, is_causal=causal,
-                                chunk_size=4)
+                          chunk_size=4)
   chex.assert_trees_all_close(
       out, kernel_reference(phi(q), phi(k), v, causal, keep),
       **tolerance.FLOAT32)
@@ -484,7 +484,7 @@ def test_parallel_chunk_kernel_attention_equals_the_quadratic_form(case):
 
   def ours(q, k, v):
     return variant(name)(q, k, v, mask=keep, is_causal=causal,
-                               chunk_size=chunk_size, **options)
+                         chunk_size=chunk_size, **options)
 
   def reference(q, k, v):
     return log_space_kernel_reference(features(q), features(k), v, causal,
@@ -640,7 +640,7 @@ def test_linformer_at_full_rank_with_identity_projections_is_dense():
   q, k, v = make_qkv(9)
   identity = jnp.eye(T)
   out = variant('linformer')(q, k, v, key_projection=identity,
-                                   value_projection=identity)
+                             value_projection=identity)
   chex.assert_trees_all_close(out, dense(q, k, v), **tolerance.FLOAT32)
 
 
@@ -652,7 +652,7 @@ def test_linformer_error_falls_as_rank_grows():
   def linformer_rank(q, k, v, rank):
     projection = jnp.asarray(rows[:rank])
     return variant('linformer')(q, k, v, key_projection=projection,
-                                      value_projection=projection)
+                                value_projection=projection)
   errors = [mean_error(linformer_rank, rank=r) for r in (2, 5, 8, 10)]
   assert errors[0] > errors[1] > errors[2] > errors[3]
   assert errors[3] < 1e-6
@@ -688,7 +688,7 @@ def test_additive_attention_matches_bahdanau_score():
   weights = jax.nn.softmax(jnp.where(padding(), score, -jnp.inf), axis=-1)
   expected = jnp.einsum('bnts,bsnh->btnh', weights, v)
   out = variant('additive')(q, k, v, mask=padding(), query_weight=w_q,
-                                  key_weight=w_k, score_weight=w_v)
+                            key_weight=w_k, score_weight=w_v)
   chex.assert_trees_all_close(out, expected, **tolerance.FLOAT32)
 
 
