@@ -31,6 +31,6 @@ def compiled(fn):
     try:
       program = _program(fn, static)
     except TypeError:  # A setting that is not hashable: compiled anew.
-      program = jax.jit(functools.partial(fn, **dict(static)))
+      program = _program.__wrapped__(fn, static)
     return program(*args, **traced)
   return call

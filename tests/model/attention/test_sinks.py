@@ -7,6 +7,8 @@ sinks' included): on XLA, and on the general fused kernels, interpreted
 the heads). cuDNN's kernel refuses them by name; a config asks for them
 only of an attention whose weights are a softmax."""
 
+import contextlib
+
 import chex
 import flax.linen as nn
 import jax
@@ -127,17 +129,15 @@ RULES = ((logical_axes.BATCH, 'data'), (logical_axes.HEADS, 'tensor'),
 def test_sinks_equal_the_dense_reference_with_an_extra_column(case):
   fn, allowed = CASES[case]
   args = inputs()
-  if case.startswith('ring'):
-    mesh = jax.make_mesh((4,), ('sequence',),
-                         axis_types=(jax.sharding.AxisType.Auto,))
-    with jax.set_mesh(mesh):
-      got = loss_and_grads(fn, *args)
-  elif case.startswith('pallas_gpu'):
-    mesh = jax.make_mesh((2, 2), ('data', 'tensor'),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
-      got = loss_and_grads(fn, *args)
-  else:
+  with contextlib.ExitStack() as placed:
+    if case.startswith('ring'):
+      placed.enter_context(jax.set_mesh(jax.make_mesh(
+          (4,), ('sequence',), axis_types=(jax.sharding.AxisType.Auto,))))
+    elif case.startswith('pallas_gpu'):
+      placed.enter_context(jax.set_mesh(jax.make_mesh(
+          (2, 2), ('data', 'tensor'),
+          axis_types=(jax.sharding.AxisType.Auto,) * 2)))
+      placed.enter_context(nn.logical_axis_rules(RULES))
     got = loss_and_grads(fn, *args)
   pairs = allowed()
   with jax.enable_x64(True):

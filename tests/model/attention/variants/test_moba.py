@@ -66,7 +66,7 @@ def test_moba_equals_dense_under_the_blocks_it_chooses(case):
   qkv = tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v))
   got_grads = jax.jit(jax.grad(lambda *x: loss(
       lambda q, k, v: fn(q, k, v, mask=mask, **options), *x),
-                       argnums=(0, 1, 2)))(*qkv)
+                               argnums=(0, 1, 2)))(*qkv)
   want_grads = jax.jit(jax.grad(lambda *x: loss(
       lambda q, k, v: attention.scaled_dot_product_attention(
           q, k, v, mask=jnp.asarray(allowed)), *x), argnums=(0, 1, 2)))(
