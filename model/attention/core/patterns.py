@@ -11,7 +11,8 @@ rows_with_keys), `sees_keys(valid_BxT, is_causal)`: which queries see a
 key that a key padding mask leaves, which dense gives zeros where none
 (a pattern without it runs on the general kernel there). The general
 kernel and the variants given by their functions (flex_variant.py) take
-any pattern of this interface. Frozen and hashable: a kernel's tables are
+any pattern of this interface (`Moba`, whose blocks the data chooses,
+the general kernel only). Frozen and hashable: a kernel's tables are
 cached by pattern.
 """
 
@@ -178,4 +179,25 @@ class BigBird:
                    & (t < covered))
 
 
-Pattern = Window | Strided | Fixed | BigBird
+@dataclasses.dataclass(frozen=True)
+class Moba:
+  """moba's pairs (variants/moba.py): a query's own block of `block`
+  positions, and the blocks its scores chose, which the data decides: the
+  general kernel's `routing` input ([B, N, T, k] block ids, -1 for
+  none) adds them to `allowed`'s, and its tile tables are computed from
+  them on the device (flex.routed_tables)."""
+
+  block: int
+  tile = None
+  by_offset = False
+  in_tiles = True
+
+  def allowed(self, q, k):
+    """Whether query positions `q` and key positions `k` share a block
+    (numpy or jax arrays), causality aside: the pairs routing leaves out."""
+    if isinstance(q, np.ndarray):
+      return q // self.block == k // self.block
+    return jax.lax.div(q, self.block) == jax.lax.div(k, self.block)
+
+
+Pattern = Window | Strided | Fixed | BigBird | Moba

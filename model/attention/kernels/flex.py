@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from model.attention import core
+from model.attention.core import patterns
 
 Array = jax.Array
 # A logit no softmax weight survives, finite so that a row of them stays
@@ -151,16 +152,28 @@ class Plan:
   is_causal: bool
   data_grads: bool = True
 
-  def tables(self, length: int, power_of_two: bool = True):
+  @property
+  def routed(self) -> bool:
+    """Whether the data chose blocks (patterns.Moba): a `routing` input,
+    and tables computed from it (`routed_tables`)."""
+    return isinstance(self.pattern, patterns.Moba)
+
+  def tables(self, length: int, power_of_two: bool = True, routing=None):
+    """tile_tables, or under a routed pattern routed_tables of `routing`."""
+    if self.routed:
+      return routed_tables(self.pattern, routing, length, self.tile,
+                           self.is_causal, power_of_two)
     return tile_tables(self.pattern, length, self.tile, self.is_causal,
                        power_of_two)
 
   def masked(self, qk, q_ids, k_ids, tokens, params, q_index, k_index,
-             head):
+             head, routing=None):
     """(logits [bq, bk] masked to MASKED, the mask, their pull-back:
     d_logits -> (d(q.k * scale), d_params tuple)) of a tile's q.k: the
     pairs that ids, causality and the pattern allow (ids and indices [bq,
-    1] and [1, bk])."""
+    1] and [1, bk]), under a routed one also those of the blocks its
+    queries chose (`routing`: k columns [bq, 1] of block ids, -1 for
+    none)."""
     logits_of = lambda s, grads: self.scores.logits(
         s, tokens, grads if self.data_grads else params, q_index, k_index,
         head)
@@ -170,7 +183,12 @@ class Plan:
     if self.is_causal:
       mask &= q_index >= k_index
     if self.pattern is not None and not whole_tiles(self.pattern, self.tile):
-      mask &= self.pattern.allowed(q_index, k_index)
+      allowed = self.pattern.allowed(q_index, k_index)
+      if self.routed:
+        k_block = jax.lax.div(k_index, self.pattern.block)
+        for column in routing:
+          allowed |= column == k_block
+      mask &= allowed
     return jnp.where(mask, logits, MASKED), mask, pull_back
 
 
@@ -245,6 +263,48 @@ def tile_tables(pattern, length: int, tile: int, is_causal: bool,
   return (*_lists(seen, power_of_two), *_lists(seen.T, power_of_two))
 
 
+def _device_lists(seen: Array, power_of_two: bool) -> tuple[Array, Array]:
+  """`_lists` on the device, over the last axis of seen [..., n, m]: the
+  rows m wide (a power of two where asked)."""
+  counts = jnp.sum(seen, axis=-1, dtype=jnp.int32)
+  width = seen.shape[-1]
+  if power_of_two:
+    width = 1 << (width - 1).bit_length()
+  found = jnp.argsort(~seen, axis=-1, stable=True).astype(jnp.int32)
+  found = jnp.pad(found, [(0, 0)] * (seen.ndim - 1)
+                  + [(0, width - seen.shape[-1])])
+  last = jnp.take_along_axis(found, jnp.maximum(counts - 1, 0)[..., None],
+                             axis=-1)
+  lists = jnp.where(jnp.arange(width) < counts[..., None], found,
+                    jnp.where(counts[..., None] > 0, last, 0))
+  return lists, counts
+
+
+def routed_tables(pattern, routing: Array, length: int, tile: int,
+                  is_causal: bool, power_of_two: bool = True):
+  """tile_tables of moba's pattern (patterns.Moba), per example and
+  query head, computed on the device: (visits [B, N, n, w], counts [B, N,
+  n], visitors, visitor_counts), n = length // tile. A query tile visits
+  the key tiles of its queries' own blocks (causally) and of every block
+  one of them chose (routing [B, N, length, k], block ids, -1 for none)."""
+  batch, heads, _, _ = routing.shape
+  n, blocks = length // tile, -(-length // pattern.block)
+  # Each query tile's chosen blocks [B, N, n, blocks] (-1 scatters past).
+  hit = jnp.zeros((batch, heads, n, blocks + 1), jnp.int32).at[
+      jnp.arange(batch)[:, None, None, None],
+      jnp.arange(heads)[None, :, None, None],
+      (jnp.arange(length) // tile)[None, None, :, None],
+      jnp.where(routing < 0, blocks, routing)].set(1)[..., :blocks]
+  # The key tiles each block overlaps [blocks, n].
+  starts, tiles = np.arange(blocks) * pattern.block, np.arange(n) * tile
+  overlaps = ((tiles[None, :] < starts[:, None] + pattern.block)
+              & (tiles[None, :] + tile > starts[:, None]))
+  seen = (jnp.einsum('bnqc,ck->bnqk', hit, overlaps.astype(np.int32)) > 0
+          ) | touched_tiles(pattern, length, tile, is_causal)
+  return (*_device_lists(seen, power_of_two),
+          *_device_lists(jnp.swapaxes(seen, 2, 3), power_of_two))
+
+
 def pad_length(x: Array, length: int, value=0) -> Array:
   """[B, T, ...] padded along T to `length` with `value`."""
   return jnp.pad(x, [(0, 0), (0, length - x.shape[1])]
@@ -270,6 +330,25 @@ def padded_ids(q_ids_BxT: Array | None, kv_ids_BxT: Array | None,
     kv_ids_BxT = q_ids_BxT
   return (pad_length(q_ids_BxT.astype(jnp.int32), padded_length, _PAD_QUERY),
           pad_length(kv_ids_BxT.astype(jnp.int32), padded_length, _PAD_KEY))
+
+
+def padded_routing(plan: Plan, routing_BxNxTxk: Array | None, length: int,
+                   power_of_two: bool) -> Array | None:
+  """A routed pattern's choices (block ids, -1 for none) padded along T to
+  `length` and, where asked, along k to a power of two, with -1 (the
+  kernels' blocks); None without. ValueError for choices without a routed
+  pattern or one without them."""
+  if (routing_BxNxTxk is None) == plan.routed:
+    raise ValueError('routing= comes with a routed pattern '
+                     '(patterns.Moba), and only with one.')
+  if routing_BxNxTxk is None:
+    return None
+  slots = routing_BxNxTxk.shape[-1]
+  if power_of_two:
+    slots = 1 << (slots - 1).bit_length()
+  return jnp.pad(routing_BxNxTxk.astype(jnp.int32),
+                 ((0, 0), (0, 0), (0, length - routing_BxNxTxk.shape[2]),
+                  (0, slots - routing_BxNxTxk.shape[3])), constant_values=-1)
 
 
 def padded_inputs(plan: Plan, score: core.PositionBias | None, query: Array,
@@ -307,12 +386,14 @@ def d_sinks(out, d_out, lse, sinks_N, *, heads_axis: int, lse_as_out):
 
 
 def differentiable(forward, backward, *, heads_axis: int, lse_as_out):
-  """attention(plan, q, k, v, ids, tokens, params, sinks): the output of
-  `forward(plan, q, k, v, ids, tokens, params)` (-> out, lse; the heads
+  """attention(plan, q, k, v, ids, routing, tokens, params, sinks): the
+  output of `forward(plan, q, k, v, ids, routing, tokens, params)` (-> out,
+  lse; routing: a routed pattern's block ids, else None; the heads
   along out's `heads_axis` and lse's axis 1, `lse_as_out` laying lse out
   as out), each row's sink logit (sinks [N], or None) in its normaliser
-  (`with_sinks`); its gradients by `backward(plan, (q, k, v, ids, tokens,
-  params, out, lse), d_out)`, fed the output and log-sum-exp with the
+  (`with_sinks`); its gradients by `backward(plan, (q, k, v, ids,
+  routing, tokens, params, out, lse), d_out)`, fed the output and
+  log-sum-exp with the
   sinks (so that its weights are theirs), which computes the columns'
   only where they are differentiated (plan.data_grads), and the sinks'
   beside it (`d_sinks`)."""

@@ -9,7 +9,10 @@ over their tiles; dk and dv by a program per key tile looping over the
 query tiles that visit it, per query head, summed over each key head's
 group afterwards. Inside a tile the pattern's pairs are tested on
 indices, except for a pattern made of whole tiles (BigBird's blocks),
-whose block is then the tile. Work: the visited tiles, O(T * keys per
+whose block is then the tile. Under moba's routed pattern the tables
+hold a row per example, head and tile, computed on the device from the
+blocks each query chose (flex.routed_tables), and the tile's queries'
+choices come in beside their rows. Work: the visited tiles, O(T * keys per
 query) for a pattern whose sparsity lies in tiles. Memory: O(T).
 """
 
@@ -50,12 +53,30 @@ def _tokens(plan: flex.Plan, refs, by_key_tile: bool, other):
   return tokens
 
 
-def _tile(plan: flex.Plan, q, k, q_ids, k_ids, tokens, params, i, j, head):
-  """plan.masked of query tile i against key tile j."""
+def _tile(plan: flex.Plan, q, k, q_ids, k_ids, tokens, params, i, j, head,
+          routing):
+  """plan.masked of query tile i against key tile j (`routing`: the query
+  tile's chosen blocks, or None)."""
   return plan.masked(
       _dot(q, k.T), q_ids[:, None], k_ids[None, :], tokens, params,
       (i * plan.tile + jnp.arange(plan.tile))[:, None],
-      (j * plan.tile + jnp.arange(plan.tile))[None, :], head)
+      (j * plan.tile + jnp.arange(plan.tile))[None, :], head, routing)
+
+
+def _split(plan: flex.Plan, refs) -> tuple:
+  """(the per-token entries' refs, the routing's or None, the rest)."""
+  tokens = len(plan.scores.layout.tokens)
+  routing = refs[tokens] if plan.routed else None
+  return refs[:tokens], routing, refs[tokens + plan.routed:]
+
+
+def _columns(routing_ref, rows) -> tuple | None:
+  """A routed pattern's choices at `rows` as columns [rows, 1], one per
+  slot (Triton lowers no slice of a loaded block); None without."""
+  if routing_ref is None:
+    return None
+  return tuple(routing_ref[rows, slot][:, None]
+               for slot in range(routing_ref.shape[1]))
 
 
 def _params(plan: flex.Plan, params_ref) -> tuple:
@@ -64,16 +85,17 @@ def _params(plan: flex.Plan, params_ref) -> tuple:
 
 def _forward_kernel(visits_ref, count_ref, q_ref, k_ref, v_ref, q_ids_ref,
                     k_ids_ref, params_ref, *refs, plan):
-  token_refs, (o_ref, lse_ref) = refs[:-2], refs[-2:]
+  token_refs, routing_ref, (o_ref, lse_ref) = _split(plan, refs)
   i, head = pl.program_id(0), pl.program_id(2)
   q, q_ids, params = q_ref[...], q_ids_ref[...], _params(plan, params_ref)
+  routing = _columns(routing_ref, slice(None))
 
   def visit(t, carry):
     j = visits_ref[t]
     keys = pl.ds(j * plan.tile, plan.tile)
     s, mask, _ = _tile(plan, q, k_ref[keys, :], q_ids, k_ids_ref[keys],
                        _tokens(plan, token_refs, False, keys), params, i, j,
-                       head)
+                       head, routing)
     acc, m, l = carry
     m_next = jnp.maximum(m, jnp.max(s, axis=1))
     p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
@@ -95,10 +117,11 @@ def _forward_kernel(visits_ref, count_ref, q_ref, k_ref, v_ref, q_ids_ref,
 
 def _dq_kernel(visits_ref, count_ref, q_ref, k_ref, v_ref, q_ids_ref,
                k_ids_ref, params_ref, *refs, plan):
-  token_refs, (do_ref, lse_ref, delta_ref, dq_ref, d_params_ref) = (
-      refs[:-5], refs[-5:])
+  token_refs, routing_ref, (do_ref, lse_ref, delta_ref, dq_ref,
+                            d_params_ref) = _split(plan, refs)
   i, head = pl.program_id(0), pl.program_id(2)
   q, q_ids, do = q_ref[...], q_ids_ref[...], do_ref[...]
+  routing = _columns(routing_ref, slice(None))
   lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
   params = _params(plan, params_ref)
   columns = jnp.arange(plan.scores.layout.width)
@@ -110,7 +133,7 @@ def _dq_kernel(visits_ref, count_ref, q_ref, k_ref, v_ref, q_ids_ref,
     k, v = k_ref[keys, :], v_ref[keys, :]
     s, mask, pull_back = _tile(plan, q, k, q_ids, k_ids_ref[keys],
                                _tokens(plan, token_refs, False, keys),
-                               params, i, j, head)
+                               params, i, j, head, routing)
     _, d_logits = flex.d_logits(s, mask, lse, delta, _dot(do, v.T))
     ds, d_columns = pull_back(d_logits)
     for column, d in enumerate(d_columns):
@@ -127,8 +150,8 @@ def _dq_kernel(visits_ref, count_ref, q_ref, k_ref, v_ref, q_ids_ref,
 
 def _dkv_kernel(visitors_ref, count_ref, q_ref, k_ref, v_ref, q_ids_ref,
                 k_ids_ref, params_ref, *refs, plan):
-  token_refs, (do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = (
-      refs[:-5], refs[-5:])
+  token_refs, routing_ref, (do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = (
+      _split(plan, refs))
   j, head = pl.program_id(0), pl.program_id(2)
   k, v, k_ids = k_ref[...], v_ref[...], k_ids_ref[...]
   params = _params(plan, params_ref)
@@ -138,9 +161,10 @@ def _dkv_kernel(visitors_ref, count_ref, q_ref, k_ref, v_ref, q_ids_ref,
     i = visitors_ref[t]
     queries = pl.ds(i * plan.tile, plan.tile)
     q, do = q_ref[queries, :], do_ref[queries, :]
-    s, mask, pull_back = _tile(plan, q, k, q_ids_ref[queries], k_ids,
-                               _tokens(plan, token_refs, True, queries),
-                               params, i, j, head)
+    s, mask, pull_back = _tile(
+        plan, q, k, q_ids_ref[queries], k_ids,
+        _tokens(plan, token_refs, True, queries), params, i, j, head,
+        _columns(routing_ref, queries))
     p, d_logits = flex.d_logits(s, mask, lse_ref[queries][:, None],
                                 delta_ref[queries][:, None], _dot(do, v.T))
     ds, _ = pull_back(d_logits)
@@ -155,11 +179,12 @@ def _dkv_kernel(visitors_ref, count_ref, q_ref, k_ref, v_ref, q_ids_ref,
 
 
 def _specs(plan: flex.Plan, length: int, group: int, head_dim: int,
-           by_key_tile: bool) -> list[pl.BlockSpec]:
+           by_key_tile: bool, routing=None) -> list[pl.BlockSpec]:
   """BlockSpecs over the grid (tile, example b, query head n) of q, k, v,
-  query ids, key ids, the columns and the per-token entries: by query
-  tile, the query head's tile and the key head's whole rows; by key tile,
-  the query head's whole rows and the key head's tile."""
+  query ids, key ids, the columns, the per-token entries and a routed
+  pattern's choices ([B, N, T, k]): by query tile, the query head's tile
+  and the key head's whole rows; by key tile, the query head's whole rows
+  and the key head's tile."""
   tile = plan.tile
   query = (lambda x, b, n: (b, 0, n, 0)) if by_key_tile else (
       lambda x, b, n: (b, x, n, 0))
@@ -172,18 +197,28 @@ def _specs(plan: flex.Plan, length: int, group: int, head_dim: int,
   q_len, k_len = (length, tile) if by_key_tile else (tile, length)
   columns = pl.BlockSpec((None, plan.scores.layout.width),
                          lambda x, b, n: (n, 0))
+  routing = [] if routing is None else [pl.BlockSpec(
+      (None, None, q_len, routing.shape[-1]),
+      (lambda x, b, n: (b, n, 0, 0)) if by_key_tile else (
+          lambda x, b, n: (b, n, x, 0)))]
   return [pl.BlockSpec((None, q_len, None, head_dim), query),
           pl.BlockSpec((None, k_len, None, head_dim), keys),
           pl.BlockSpec((None, k_len, None, head_dim), keys), query_rows,
           key_rows, columns] + [
               query_rows if role == 'query' else key_rows
-              for _, role in plan.scores.layout.tokens]
+              for _, role in plan.scores.layout.tokens] + routing
 
 
-def _table_specs(width: int) -> list[pl.BlockSpec]:
-  """A grid program's row of a tile table [n, width] and its count."""
-  return [pl.BlockSpec((None, width), lambda x, b, n: (x, 0)),
-          pl.BlockSpec((1,), lambda x, b, n: (x,))]
+def _table_specs(table: Array) -> list[pl.BlockSpec]:
+  """A grid program's row of a tile table and its count: [n, width] and
+  [n], or a routed pattern's [B, N, n, width] and [B, N, n]."""
+  width = table.shape[-1]
+  if table.ndim == 2:
+    return [pl.BlockSpec((None, width), lambda x, b, n: (x, 0)),
+            pl.BlockSpec((1,), lambda x, b, n: (x,))]
+  return [pl.BlockSpec((None, None, None, width),
+                       lambda x, b, n: (b, n, x, 0)),
+          pl.BlockSpec((None, None, 1), lambda x, b, n: (b, n, x))]
 
 
 def _call(kernel, inputs, in_specs, out_specs, out_shape, grid, *, name,
@@ -197,18 +232,25 @@ def _call(kernel, inputs, in_specs, out_specs, out_shape, grid, *, name,
       interpret=jax.default_backend() == 'cpu')(*inputs)
 
 
+def _routed(routing) -> tuple:
+  """A routed pattern's choices as the kernels' last input, if any."""
+  return () if routing is None else (routing,)
+
+
 def _per_query_tile(tile: int) -> pl.BlockSpec:
   """A query tile's log-sum-exp or delta, of [B, N, T] float32."""
   return pl.BlockSpec((None, None, tile), lambda x, b, n: (b, n, x))
 
 
-def _forward(plan, q, k, v, ids, tokens, params):
+def _forward(plan, q, k, v, ids, routing, tokens, params):
   batch, length, num_heads, head_dim = q.shape
-  visits, counts = plan.tables(length)[:2]
-  specs = _specs(plan, length, num_heads // k.shape[2], head_dim, False)
+  visits, counts = plan.tables(length, routing=routing)[:2]
+  specs = _specs(plan, length, num_heads // k.shape[2], head_dim, False,
+                 routing)
   return _call(
-      _forward_kernel, (visits, counts, q, k, v, *ids, params, *tokens),
-      _table_specs(visits.shape[1]) + specs,
+      _forward_kernel, (visits, counts, q, k, v, *ids, params, *tokens,
+                        *_routed(routing)),
+      _table_specs(visits) + specs,
       [specs[0], _per_query_tile(plan.tile)],
       [jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct((batch, num_heads, length), jnp.float32)],
@@ -217,34 +259,35 @@ def _forward(plan, q, k, v, ids, tokens, params):
 
 
 def _backward(plan, residuals, d_out):
-  q, k, v, ids, tokens, params, out, lse = residuals
+  q, k, v, ids, routing, tokens, params, out, lse = residuals
   batch, length, num_heads, head_dim = q.shape
   group = num_heads // k.shape[2]
   tile = plan.tile
-  visits, counts, visitors, visitor_counts = plan.tables(length)
+  visits, counts, visitors, visitor_counts = plan.tables(length,
+                                                         routing=routing)
   delta = jnp.einsum('btnh,btnh->bnt', out.astype(jnp.float32),
                      d_out.astype(jnp.float32))
   grid = (length // tile, batch, num_heads)
-  specs = _specs(plan, length, group, head_dim, False)
+  specs = _specs(plan, length, group, head_dim, False, routing)
   per_tile = _per_query_tile(tile)
   width = plan.scores.layout.width
   dq, d_params = _call(
-      _dq_kernel, (visits, counts, q, k, v, *ids, params, *tokens, d_out,
-                   lse, delta),
-      _table_specs(visits.shape[1]) + specs + [specs[0], per_tile, per_tile],
+      _dq_kernel, (visits, counts, q, k, v, *ids, params, *tokens,
+                   *_routed(routing), d_out, lse, delta),
+      _table_specs(visits) + specs + [specs[0], per_tile, per_tile],
       [specs[0], pl.BlockSpec((None, None, None, width),
                               lambda x, b, n: (x, b, n, 0))],
       [jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct((*grid, width), jnp.float32)], grid,
       name='flex_dq', plan=plan, head_dim=head_dim)
-  specs = _specs(plan, length, group, head_dim, True)
+  specs = _specs(plan, length, group, head_dim, True, routing)
   rows_of_head = pl.BlockSpec((None, None, length), lambda x, b, n: (b, n, 0))
   per_query_head = pl.BlockSpec((None, tile, None, head_dim),
                                 lambda x, b, n: (b, x, n, 0))
   dk, dv = _call(
-      _dkv_kernel, (visitors, visitor_counts, q, k, v, *ids, params, *tokens,
-                    d_out, lse, delta),
-      _table_specs(visitors.shape[1]) + specs
+      _dkv_kernel, (visitors, visitor_counts, q, k, v, *ids, params,
+                    *tokens, *_routed(routing), d_out, lse, delta),
+      _table_specs(visitors) + specs
       + [specs[0], rows_of_head, rows_of_head],
       [per_query_head, per_query_head],
       [jax.ShapeDtypeStruct(q.shape, k.dtype)] * 2, grid,
@@ -252,7 +295,7 @@ def _backward(plan, residuals, d_out):
   # Each key/value head's gradient: the sum over the query heads it serves.
   dk, dv = (x.reshape(batch, length, -1, group, head_dim).sum(
       3, dtype=jnp.float32).astype(k.dtype) for x in (dk, dv))
-  return dq, dk, dv, None, None, d_params.sum((0, 1))
+  return dq, dk, dv, None, None, None, d_params.sum((0, 1))
 
 
 # lse [B, N, T] is laid out as out [B, T, N, H] by moving its heads.
@@ -265,9 +308,12 @@ def attention(query: Array, key: Array, value: Array, *, score=None,
               pattern=None, scale: float, is_causal: bool,
               logit_cap: float = 0.0, q_ids_BxT: Array | None = None,
               kv_ids_BxT: Array | None = None,
-              sinks: Array | None = None) -> Array:
+              sinks: Array | None = None,
+              routing: Array | None = None) -> Array:
   """softmax(score(cap(q.k * scale))) v over the pairs `pattern.allowed`
-  (a patterns.py Pattern; None: every pair) where query i and key j have
+  (a patterns.py Pattern; None: every pair; under a patterns.Moba one
+  also those of the blocks `routing` [B, N, T, k] names for each query
+  and head, -1 for none) where query i and key j have
   equal ids (default: all do; the keys' default to the queries'; key ids
   alone are refused) and, when causal, j <= i; [B, T, N, H]. `score`: a
   kernel-ready core.PositionBias (flex.refusal) or None; `logit_cap` as
@@ -278,6 +324,8 @@ def attention(query: Array, key: Array, value: Array, *, score=None,
   columns = 1 << (flex.layout_of(score).width - 1).bit_length()
   plan = flex.Plan(flex.scores_of(score, logit_cap, columns), pattern,
                    tile_size(pattern, query.shape[1]), scale, is_causal)
-  return _attention(plan, *flex.padded_inputs(
-      plan, score, query, key, value, q_ids_BxT, kv_ids_BxT),
+  q, k, v, ids, tokens, params = flex.padded_inputs(
+      plan, score, query, key, value, q_ids_BxT, kv_ids_BxT)
+  routing = flex.padded_routing(plan, routing, q.shape[1], True)
+  return _attention(plan, q, k, v, ids, routing, tokens, params,
                     sinks)[:, :query.shape[1]]

@@ -10,7 +10,9 @@ clamped to the diagonal when causal: no table. Query ids and per-token
 entries come as columns [B, T, 1], key ones as rows [B, 1, T]; the
 score's scalars and tables whole in SMEM, read as scalars per head. A
 pattern of whole tiles (BigBird's) needs a block that is a multiple of
-128.
+128. Under moba's routed pattern the tables hold a row per example, head
+and tile, computed on the device (flex.routed_tables), and each query
+tile's choices come in as a block beside it.
 """
 
 import functools
@@ -36,11 +38,13 @@ def _dot(a, b, dims):
   return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _other(plan, by_key: bool, x, t, table):
+def _other(plan, by_key: bool, b, n, x, t, table):
   """The other side's tile at step t of tile x's program (grid (b, n, x,
-  t)): its row of the table, or without a pattern step t itself, which
-  causal attention clamps to the diagonal (the steps past it fetch
-  nothing new)."""
+  t)): its row of the table (a routed pattern's: example b's and head
+  n's), or without a pattern step t itself, which causal attention clamps
+  to the diagonal (the steps past it fetch nothing new)."""
+  if plan.routed:
+    return table[b, n, x, t]
   if plan.pattern is not None:
     return table[x, t]
   if not plan.is_causal:
@@ -52,12 +56,15 @@ def _program(plan, table_ref, counts_ref, params_ref, by_key: bool):
   """(head, query tile i, key tile j, step t, whether the step visits a
   tile, the head's columns), read where the kernel starts: the
   interpreter reads program ids outside `pl.when` only."""
-  head, own, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
-  other = _other(plan, by_key, own, t, table_ref)
+  example, head = pl.program_id(0), pl.program_id(1)
+  own, t = pl.program_id(2), pl.program_id(3)
+  other = _other(plan, by_key, example, head, own, t, table_ref)
   i, j = (other, own) if by_key else (own, other)
   params = tuple(params_ref[head, c]
                  for c in range(plan.scores.layout.width))
-  if plan.pattern is not None:
+  if plan.routed:
+    visits = t < counts_ref[example, head, own]
+  elif plan.pattern is not None:
     visits = t < counts_ref[own]
   else:
     visits = (t >= own if by_key else t <= own) if plan.is_causal else True
@@ -65,13 +72,17 @@ def _program(plan, table_ref, counts_ref, params_ref, by_key: bool):
 
 
 def _tile(plan, q, k, q_ids, k_ids, token_refs, params, i, j, head):
-  """plan.masked of query tile i against key tile j."""
+  """plan.masked of query tile i against key tile j; a routed pattern's
+  choices are the last of `token_refs`."""
   tokens = {name: ref[...] for (name, _), ref in
             zip(plan.scores.layout.tokens, token_refs)}
   return plan.masked(
       _dot(q, k, _NT), q_ids, k_ids, tokens, params,
       i * BLOCK + lax.broadcasted_iota(jnp.int32, (BLOCK, 1), 0),
-      j * BLOCK + lax.broadcasted_iota(jnp.int32, (1, BLOCK), 1), head)
+      j * BLOCK + lax.broadcasted_iota(jnp.int32, (1, BLOCK), 1), head,
+      tuple(token_refs[-1][:, slot:slot + 1]
+            for slot in range(token_refs[-1].shape[1])) if plan.routed
+      else None)
 
 
 def _forward_kernel(table_ref, counts_ref, q_ref, k_ref, v_ref, q_ids_ref,
@@ -177,18 +188,20 @@ def _dkv_kernel(table_ref, counts_ref, q_ref, k_ref, v_ref, q_ids_ref,
     dv_ref[...] = dv_scratch[...].astype(dv_ref.dtype)
 
 
-def _specs(plan: flex.Plan, head_dim: int, group: int, by_key: bool):
+def _specs(plan: flex.Plan, head_dim: int, group: int, by_key: bool,
+           slots: int = 0):
   """BlockSpecs of (q, k, v, query ids, key ids, the columns, the
-  per-token entries, d_out, lse, delta) over the grid (b, n, x, t) with
-  the tables prefetched: x the program's query tile and `_other` its key
-  tile, or x the key tile and `_other` its query tile (`by_key`)."""
-  def tiles(x, t, table):
-    other = _other(plan, by_key, x, t, table)
+  per-token entries, a routed pattern's choices, d_out, lse, delta) over
+  the grid (b, n, x, t) with the tables prefetched: x the program's query
+  tile and `_other` its key tile, or x the key tile and `_other` its
+  query tile (`by_key`)."""
+  def tiles(b, n, x, t, table):
+    other = _other(plan, by_key, b, n, x, t, table)
     return (other, x) if by_key else (x, other)
 
   def spec(shape, index):
     return pl.BlockSpec(shape, lambda b, n, x, t, table, counts: index(
-        b, n, *tiles(x, t, table)))
+        b, n, *tiles(b, n, x, t, table)))
 
   rows = (None, None, BLOCK, head_dim)
   query = spec(rows, lambda b, n, i, j: (b, n, i, 0))
@@ -199,10 +212,13 @@ def _specs(plan: flex.Plan, head_dim: int, group: int, by_key: bool):
   column = spec((None, BLOCK, 1), lambda b, n, i, j: (b, i, 0))
   row = spec((None, 1, BLOCK), lambda b, n, i, j: (b, 0, j))
   stat = spec((None, None, BLOCK, 1), lambda b, n, i, j: (b, n, i, 0))
+  routing = [spec((None, None, BLOCK, slots),
+                  lambda b, n, i, j: (b, n, i, 0))] if plan.routed else []
   return [query, key, key, column, row,
           pl.BlockSpec(memory_space=pltpu.SMEM)] + [
               column if role == 'query' else row
-              for _, role in plan.scores.layout.tokens] + [query, stat, stat]
+              for _, role in plan.scores.layout.tokens] + routing + [
+                  query, stat, stat]
 
 
 def _call(kernel, tables, inputs, in_specs, out_specs, out_shape, scratch,
@@ -211,7 +227,7 @@ def _call(kernel, tables, inputs, in_specs, out_specs, out_shape, scratch,
   count per tile x) prefetched: Mosaic on a TPU, interpreted on the CPU."""
   table, counts = tables
   batch, num_heads, length = inputs[0].shape[:3]
-  grid = (batch, num_heads, length // BLOCK, table.shape[1])
+  grid = (batch, num_heads, length // BLOCK, table.shape[-1])
   return pl.pallas_call(
       functools.partial(kernel, plan=plan),
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -226,22 +242,32 @@ def _call(kernel, tables, inputs, in_specs, out_specs, out_shape, scratch,
           jnp.asarray(table), jnp.asarray(counts), *inputs)
 
 
-def _tables(plan, length: int):
+def _tables(plan, length: int, routing):
   """The tile tables the grid steps over (plan.tables, as long as their
   longest row); without a pattern a row of every tile, which `_other`
   computes, so that no table of (T / 128)^2 entries fills the SMEM."""
   if plan.pattern is None:
     every = np.zeros((1, length // BLOCK), np.int32)
     return every, np.zeros(1, np.int32), every, np.zeros(1, np.int32)
-  return plan.tables(length, power_of_two=False)
+  return plan.tables(length, power_of_two=False, routing=routing)
 
 
-def _forward(plan, q, k, v, ids, tokens, params):
+def _slots(routing) -> int:
+  return 0 if routing is None else routing.shape[-1]
+
+
+def _routed(routing) -> tuple:
+  """A routed pattern's choices as an input after the per-token entries."""
+  return () if routing is None else (routing,)
+
+
+def _forward(plan, q, k, v, ids, routing, tokens, params):
   batch, num_heads, length, head_dim = q.shape
-  specs = _specs(plan, head_dim, num_heads // k.shape[1], False)
-  inputs = (q, k, v, *ids, params, *tokens)
+  specs = _specs(plan, head_dim, num_heads // k.shape[1], False,
+                 _slots(routing))
+  inputs = (q, k, v, *ids, params, *tokens, *_routed(routing))
   return _call(
-      _forward_kernel, _tables(plan, length)[:2], inputs,
+      _forward_kernel, _tables(plan, length, routing)[:2], inputs,
       specs[:len(inputs)], [specs[0], specs[-1]],
       [jax.ShapeDtypeStruct(q.shape, q.dtype),
        jax.ShapeDtypeStruct((batch, num_heads, length, 1), jnp.float32)],
@@ -249,16 +275,17 @@ def _forward(plan, q, k, v, ids, tokens, params):
 
 
 def _backward(plan, residuals, d_out):
-  q, k, v, ids, tokens, params, out, lse = residuals
+  q, k, v, ids, routing, tokens, params, out, lse = residuals
   batch, num_heads, length, head_dim = q.shape
   group = num_heads // k.shape[1]
   width = params.shape[1]
   lanes = -(-width // BLOCK) * BLOCK  # The column gradients' row.
-  tables = _tables(plan, length)
+  tables = _tables(plan, length, routing)
   delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32),
                   axis=-1, keepdims=True)
-  inputs = (q, k, v, *ids, params, *tokens, d_out, lse, delta)
-  by_query = _specs(plan, head_dim, group, False)
+  inputs = (q, k, v, *ids, params, *tokens, *_routed(routing), d_out, lse,
+            delta)
+  by_query = _specs(plan, head_dim, group, False, _slots(routing))
   dq, d_params = _call(
       _dq_kernel, tables[:2], inputs, by_query,
       [by_query[0], pl.BlockSpec((None, None, None, 1, lanes),
@@ -271,12 +298,13 @@ def _backward(plan, residuals, d_out):
   per_query_head = pl.BlockSpec((None, None, BLOCK, head_dim),
                                 lambda b, n, x, t, *_: (b, n, x, 0))
   dk, dv = _call(_dkv_kernel, tables[2:], inputs,
-                 _specs(plan, head_dim, group, True), [per_query_head] * 2,
+                 _specs(plan, head_dim, group, True, _slots(routing)),
+                 [per_query_head] * 2,
                  [jax.ShapeDtypeStruct(q.shape, k.dtype)] * 2,
                  [(BLOCK, head_dim)] * 2, plan)
   dk, dv = (x.reshape(batch, -1, group, length, head_dim).sum(
       2, dtype=jnp.float32).astype(k.dtype) for x in (dk, dv))
-  return dq, dk, dv, None, None, d_params.sum((0, 2))[:, 0, :width]
+  return dq, dk, dv, None, None, None, d_params.sum((0, 2))[:, 0, :width]
 
 
 # lse [B, N, T, 1] broadcasts over out [B, N, T, H] as it is.
@@ -289,7 +317,8 @@ def attention(query: Array, key: Array, value: Array, *, score=None,
               pattern=None, scale: float, is_causal: bool,
               logit_cap: float = 0.0, q_ids_BxT: Array | None = None,
               kv_ids_BxT: Array | None = None,
-              sinks: Array | None = None) -> Array:
+              sinks: Array | None = None,
+              routing: Array | None = None) -> Array:
   """flex_gpu.attention on a TPU. ValueError for a pattern of whole tiles
   (BigBird's) whose block is not a multiple of 128: its pairs cannot be
   tested inside a tile."""
@@ -300,11 +329,12 @@ def attention(query: Array, key: Array, value: Array, *, score=None,
                    is_causal)
   q, k, v, (q_ids, kv_ids), tokens, params = flex.padded_inputs(
       plan, score, query, key, value, q_ids_BxT, kv_ids_BxT)
+  routing = flex.padded_routing(plan, routing, q.shape[1], False)
   # Query ids and entries as columns [B, T, 1], key ones as rows [B, 1, T].
   tokens = [x[:, :, None] if role == 'query' else x[:, None, :]
             for x, (_, role) in zip(tokens, plan.scores.layout.tokens)]
   heads_first = lambda x: jnp.transpose(x, (0, 2, 1, 3))
   out = _attention(plan, *map(heads_first, (q, k, v)),
-                   (q_ids[:, :, None], kv_ids[:, None, :]), tokens, params,
-                   sinks)
+                   (q_ids[:, :, None], kv_ids[:, None, :]), routing, tokens,
+                   params, sinks)
   return heads_first(out)[:, :query.shape[1]]

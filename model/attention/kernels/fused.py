@@ -1,11 +1,13 @@
 """Fused attention kernels, and which one computes a case.
 
 `chunked`, the block-sparse variants for their patterns (`local`,
-`strided`, `fixed`, `bigbird`) and the variants given by their functions
-(flex_variant.py) compute exact attention with one of:
+`strided`, `fixed`, `bigbird`; `moba` for the blocks its data chose),
+and the variants given by their functions (flex_variant.py) compute exact
+attention with one of:
 
   xla         the JAX code of chunked.py (the block-sparse variants: their
-              gathered parts in sparse.py); every case, on every backend.
+              gathered parts in sparse.py; moba's in moba.py); every case,
+              on every backend.
   cudnn       cuDNN's fused attention, `jax.nn.dot_product_attention(
               implementation='cudnn')`; GPU. Packed rows go in as its
               packed layout (cudnn_packed.py), on Hopper and newer; local's
@@ -13,8 +15,8 @@
   pallas_tpu  Pallas splash attention (`jax.experimental.pallas.ops.tpu.
               splash_attention`), a block-sparse pattern as its block mask;
               under a score function (a position bias, a cap on the
-              logits) the project's general kernel (flex_tpu.py); TPU, and
-              the CPU in interpret mode.
+              logits) or moba's blocks the project's general kernel
+              (flex_tpu.py); TPU, and the CPU in interpret mode.
   pallas_gpu  Pallas flash attention (`jax.experimental.pallas.ops.gpu.
               attention.mha`); under a score function, a cap, a window, a
               block-sparse pattern or key padding the project's general
@@ -83,7 +85,7 @@ class Case:
   max_segments: under packed rows, the most runs of one id a row holds
     (SegmentMask.max_segments), where the data bounds it.
   pattern: a block-sparse variant's pattern (patterns.py: Strided, Fixed,
-    BigBird); None for none.
+    BigBird, Moba); None for none.
   logit_cap: a tanh cap on the scores (core.softcap), which the general
     kernels compute; 0 for none.
   sinks: a learned logit per head in each row's normaliser
@@ -243,9 +245,10 @@ def _pallas_tpu_refusal(case: Case) -> str | None:
     return 'is causal only with as many queries as keys'
   if case.mask == 'other':
     return 'takes segment ids or a key padding mask, not a mask array'
-  if case.bias != 'none' or case.logit_cap or case.sinks or (
-      case.mask == 'key_padding' and case.pattern is not None
-      and not hasattr(case.pattern, 'sees_keys')):
+  if case.bias != 'none' or case.logit_cap or case.sinks or isinstance(
+      case.pattern, patterns.Moba) or (
+          case.mask == 'key_padding' and case.pattern is not None
+          and not hasattr(case.pattern, 'sees_keys')):
     return _general_refusal(case, tiles=(128,))  # The general kernel's.
   return None
 
@@ -382,16 +385,19 @@ def choose(kernel: str, case: Case) -> str:
 def run(kernel: str, query: Array, key: Array, value: Array, bias, mask, *,
         scale: float, is_causal: bool, window: int | None = None,
         pattern: patterns.Pattern | None = None,
-        logit_cap: float = 0.0, sinks: Array | None = None) -> Array:
+        logit_cap: float = 0.0, sinks: Array | None = None,
+        routing: Array | None = None) -> Array:
   """Attention [B, T, N, H] by fused `kernel` (as `choose` returned it),
-  under local's `window` or a block-sparse `pattern` (patterns.py), the
+  under local's `window` or a block-sparse `pattern` (patterns.py; under
+  moba's, its `routing` [B, N, T, k], the blocks each query chose), the
   scores capped by `logit_cap` (core.softcap), with `sinks` [N] (or
   None) in the normaliser."""
   fn = {'cudnn': fused_kernels.cudnn_attention,
         'pallas_tpu': fused_kernels.splash,
         'pallas_gpu': fused_kernels.pallas_gpu}[kernel]
   return fused_kernels.over_shards(
-      lambda q, k, v, b, m, sinks: fn(
+      lambda q, k, v, b, m, sinks, routing: fn(
           q, k, v, b, m, scale=scale, is_causal=is_causal, window=window,
-          pattern=pattern, logit_cap=logit_cap, sinks=sinks),
-      query, key, value, bias, mask, sinks)
+          pattern=pattern, logit_cap=logit_cap, sinks=sinks,
+          **({} if routing is None else dict(routing=routing))),
+      query, key, value, bias, mask, sinks, routing)

@@ -147,19 +147,21 @@ class PatternMask(splash_ops.Mask):
 
 
 def splash(query, key, value, bias, mask, *, scale, is_causal, window,
-           pattern=None, logit_cap=0.0, sinks=None):
+           pattern=None, logit_cap=0.0, sinks=None, routing=None):
   """Splash attention, vmapped over the batch; queries and keys padded to
   multiples of 128 (the TPU's lanes); local's window as its LocalMask, a
-  block-sparse pattern as a PatternMask. Under a score function, a cap or
-  sinks, and under key padding a pattern that cannot say which queries
-  see no key (no `sees_keys`), the project's general kernel
-  (flex_tpu.py)."""
-  if bias is not None or logit_cap or sinks is not None or (
+  block-sparse pattern as a PatternMask. Under a score function, a cap,
+  sinks or moba's routing ([B, N, T, k] chosen blocks), and under key
+  padding a pattern that cannot say which queries see no key (no
+  `sees_keys`), the project's general kernel (flex_tpu.py)."""
+  if (bias is not None or logit_cap or sinks is not None
+      or routing is not None) or (
       pattern is not None and not hasattr(pattern, 'sees_keys')
       and mask is not None and not isinstance(mask, core.SegmentMask)):
     return _general(flex_tpu.attention, query, key, value, bias, mask,
                     scale=scale, is_causal=is_causal, window=window,
-                    pattern=pattern, logit_cap=logit_cap, sinks=sinks)
+                    pattern=pattern, logit_cap=logit_cap, sinks=sinks,
+                    routing=routing)
   batch, q_len, num_heads, _ = query.shape
   kv_len = key.shape[1]
   (padded_q, block_q), (padded_kv, block_kv) = (
@@ -213,7 +215,7 @@ def _pallas_gpu_length(length: int) -> int:
 
 
 def _general(attend, query, key, value, bias, mask, *, scale, is_causal,
-             window, pattern, logit_cap, sinks):
+             window, pattern, logit_cap, sinks, routing):
   """The general kernel `attend` (flex_gpu's or flex_tpu's `attention`):
   the mask as segment ids, local's window as its pattern."""
   batch, length = query.shape[:2]
@@ -222,20 +224,22 @@ def _general(attend, query, key, value, bias, mask, *, scale, is_causal,
       query, key, value, score=bias,
       pattern=patterns.Window(window) if window else pattern, scale=scale,
       is_causal=is_causal, logit_cap=logit_cap, sinks=sinks,
-      **({} if ids is None else dict(q_ids_BxT=ids[0], kv_ids_BxT=ids[1])))
+      routing=routing, **({} if ids is None else dict(q_ids_BxT=ids[0], kv_ids_BxT=ids[1])))
 
 
 def pallas_gpu(query, key, value, bias, mask, *, scale, is_causal, window,
-               pattern=None, logit_cap=0.0, sinks=None):
+               pattern=None, logit_cap=0.0, sinks=None, routing=None):
   """The Pallas (Triton) flash attention; self-attention only. Under a
-  score function, a cap, sinks, a window, a block-sparse pattern or key
-  padding, the project's general kernel (flex_gpu.py)."""
+  score function, a cap, sinks, a window, a block-sparse pattern (moba's
+  routed one with its `routing`) or key padding, the project's general
+  kernel (flex_gpu.py)."""
   if (bias is not None or logit_cap or sinks is not None or window
       or pattern is not None
       or (mask is not None and not isinstance(mask, core.SegmentMask))):
     return _general(flex_gpu.attention, query, key, value, bias, mask,
                     scale=scale, is_causal=is_causal, window=window,
-                    pattern=pattern, logit_cap=logit_cap, sinks=sinks)
+                    pattern=pattern, logit_cap=logit_cap, sinks=sinks,
+                    routing=routing)
   batch, length, num_heads, _ = query.shape
   padded = _pallas_gpu_length(length)
   block = min(128, padded)
@@ -301,9 +305,10 @@ def _shards(axes: tuple[str, ...]) -> int:
 
 
 def over_shards(fn, query: Array, key: Array, value: Array, bias, mask,
-                sinks: Array | None = None):
-  """fn(query, key, value, bias, mask, sinks) with each device taking its
-  examples and its heads (and those heads' sinks [N], where given), where
+                sinks: Array | None = None, routing: Array | None = None):
+  """fn(query, key, value, bias, mask, sinks, routing) with each device
+  taking its examples and its heads (and those heads' sinks [N] and
+  moba's routing [B, N, T, k], where given), where
   the mesh in context splits them as the model's
   activations (logical_axes.BATCH) and projections (HEADS, KV_HEADS) are:
   a kernel XLA cannot split runs in a `shard_map`, and nothing is gathered.
@@ -321,7 +326,7 @@ def over_shards(fn, query: Array, key: Array, value: Array, bias, mask,
       or key.shape[2] % _shards(head_axes)):
     head_axes = ()
   if not batch_axes and not head_axes:
-    return fn(query, key, value, bias, mask, sinks)
+    return fn(query, key, value, bias, mask, sinks, routing)
   rows = P(batch_axes or None)
   heads = P(batch_axes or None, None, head_axes or None)
 
@@ -345,7 +350,10 @@ def over_shards(fn, query: Array, key: Array, value: Array, bias, mask,
                else None if mask is None else spec(mask))
   bias_spec = None if bias is None else bias_spec_of(bias)
   sinks_spec = None if sinks is None else P(head_axes or None)
+  routing_spec = None if routing is None else P(batch_axes or None,
+                                                head_axes or None)
   return jax.shard_map(
-      fn, in_specs=(heads, heads, heads, bias_spec, mask_spec, sinks_spec),
+      fn, in_specs=(heads, heads, heads, bias_spec, mask_spec, sinks_spec,
+                    routing_spec),
       out_specs=heads, axis_names=set(batch_axes + head_axes),
-      check_vma=False)(query, key, value, bias, mask, sinks)
+      check_vma=False)(query, key, value, bias, mask, sinks, routing)

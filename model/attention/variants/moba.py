@@ -8,6 +8,11 @@ each query gathers. Each query chooses for itself, as MoBA's gate does: a
 choice shared by a block's queries would let a query's output depend on
 the later queries of its block. The choice is a top-k, with no gradient;
 the gradients are those of exact attention under the mask it makes.
+
+The choice is made in XLA; the attention over the chosen blocks runs in
+XLA too (gathering each query's blocks), or in the general fused kernel
+(kernels/flex.py, `kernel=`), which visits the tiles of the chosen blocks
+from tables computed on the device from the choice.
 """
 
 import math
@@ -16,6 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from model.attention import core
+from model.attention.core import patterns
+from model.attention.kernels import fused
 
 Array = jax.Array
 
@@ -63,7 +70,8 @@ def moba_attention(query: Array, key: Array, value: Array,
                    bias: Array | None = None, mask: Array | None = None, *,
                    scale: float | None = None, is_causal: bool = False,
                    block_size: int = 64, top_k: int = 3,
-                   sinks: Array | None = None) -> Array:
+                   sinks: Array | None = None,
+                   kernel: str = 'auto') -> Array:
   """MoBA: each query attends to its own block of `block_size` positions
   and to the `top_k` other blocks its score against their mean keys ranks
   best (module docstring), [B, T, N, H].
@@ -75,9 +83,17 @@ def moba_attention(query: Array, key: Array, value: Array,
     block_size: positions a block (MoBA's 512 at 8K tokens).
     top_k: blocks chosen besides a query's own (MoBA's 3 counts its own).
     sinks: as dense's.
+    kernel: one of fused.KERNELS, for the attention over the chosen
+      blocks: 'xla' for the JAX code here, a fused kernel for the general
+      kernel (pallas_gpu, pallas_tpu), 'auto' as fused.choose.
   """
   _check(query, key, value, bias, mask, block_size, top_k)
   core.check_sinks(sinks, query.shape[2])
+  pattern = patterns.Moba(block_size)
+  kernel = fused.choose(kernel, fused.case_of(
+      query, key, None, mask, is_causal=is_causal, pattern=pattern,
+      sinks=sinks))
+  inputs = query, key, value
   batch, length, heads, head_dim = query.shape
   kv_heads = key.shape[2]
   scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -91,6 +107,10 @@ def moba_attention(query: Array, key: Array, value: Array,
                                    (0, 0))) for x in (query, key, value))
   blocks, chosen = chosen_blocks(query, key, keep, block_size=block_size,
                                  top_k=top_k, is_causal=is_causal)
+  if kernel != 'xla':
+    return fused.run(kernel, *inputs, None, mask, scale=scale,
+                     is_causal=is_causal, pattern=pattern, sinks=sinks,
+                     routing=jnp.where(chosen, blocks, -1)[:, :, :length])
   heads_kv = jnp.arange(heads) // (heads // kv_heads)
 
   def by_block(x):  # [B, T, K, ...] -> [B, N, Q, block_size, ...]

@@ -180,7 +180,7 @@ def test_fused_kernels_split_batch_and_heads_as_the_rules_say():
   bias = jax.random.normal(jax.random.key(3), (1, N, 24, 24))
   kwargs = dict(mask=padding[:, None, None], bias=bias, is_causal=True)
   cudnn = lambda q, k, v, bias, mask, is_causal: fused_kernels.over_shards(
-      lambda q, k, v, bias, mask, sinks: fused_kernels.cudnn_attention(
+      lambda q, k, v, bias, mask, sinks, _: fused_kernels.cudnn_attention(
           q, k, v, bias, mask, scale=H ** -0.5, is_causal=is_causal,
           window=None, sinks=sinks, implementation='xla'), q, k, v, bias,
       mask)

@@ -1,7 +1,9 @@
 """moba (model/attention/variants/moba.py) equals dense attention, in
 float64, under the mask of the blocks that a brute-force choice picks
 (tests/helpers/moba_choice.py): for each query, its own block and the
-top-k others by q . (the block's mean key)."""
+top-k others by q . (the block's mean key). On the general fused kernel
+(interpreted) it equals its XLA form, and the kernel's tile tables,
+computed from the choice, are those the brute-force mask touches."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,9 @@ import numpy as np
 import pytest
 
 from model import attention
+from model.attention.core import patterns
+from model.attention.kernels import flex
+from model.attention.variants import moba
 from tests.helpers.compiled import compiled
 from tests.helpers.moba_choice import chosen_mask
 
@@ -84,3 +89,100 @@ def test_moba_refuses_what_it_cannot_honour():
     fn(q, q, q, jnp.zeros((1, 2, 8, 8)))
   with pytest.raises(ValueError, match='top_k=0'):
     fn(q, q, q, top_k=0)
+
+
+def routed_case(length=200, block=16):
+  """(q, k, v, keep) whose queries all rank blocks of the first 64
+  positions best (they and those blocks' keys share a direction), so that
+  a later query tile of 64 skips the tiles between: q [2, T, 4, 16], k
+  and v [2, T, 2, 16]; keep [2, T], the second row padded from 170."""
+  keys = jax.random.split(jax.random.key(1), 4)
+  q = jax.random.normal(keys[0], (2, length, 4, 16))
+  k, v = (jax.random.normal(key, (2, length, 2, 16)) for key in keys[1:3])
+  shared = jax.random.normal(keys[3], (16,))
+  q, k = q + 4 * shared, k.at[:, :64].add(4 * shared)
+  keep = np.ones((2, length), bool)
+  keep[1, 170:] = False
+  return q, k, v, keep
+
+
+@pytest.mark.parametrize('kernel', ['pallas_gpu', 'pallas_tpu'])
+def test_moba_on_the_general_kernel_equals_its_xla_form(kernel):
+  """Causal, key padding, grouped heads and sinks; outputs and the
+  gradients of q, k, v and the sinks."""
+  q, k, v, keep = routed_case()
+  sinks = jnp.asarray([0.5, -1.0, 0.0, 2.0])
+  options = dict(mask=jnp.asarray(keep[:, None, None]), block_size=16,
+                 top_k=2, is_causal=True)
+
+  def value_and_grads(q, k, v, sinks, kernel):
+    def loss(*args):
+      return jnp.sum(jnp.sin(attention.get('moba')(
+          *args[:3], sinks=args[3], kernel=kernel, **options)))
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+
+  value_and_grads = jax.jit(value_and_grads, static_argnums=4)
+  want, got = (value_and_grads(q, k, v, sinks, name)
+               for name in ('xla', kernel))
+  for got_leaf, want_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(got_leaf, want_leaf, atol=2e-5, rtol=2e-5)
+
+
+def test_moba_tile_tables_are_the_tiles_its_choice_touches():
+  """flex.routed_tables of the choice against the tiles of 64 that the
+  brute-force mask touches (no padding: the choice alone); later query
+  tiles skip the tiles between, and the key tiles' lists are the same
+  pairs transposed."""
+  q, k, _, _ = routed_case()
+  keep = np.ones((2, 200), bool)
+  length, tile = 256, 64
+  blocks, chosen = moba.chosen_blocks(
+      *(jnp.pad(x, ((0, 0), (0, 8), (0, 0), (0, 0))) for x in (q, k)),
+      jnp.asarray(np.pad(keep, ((0, 0), (0, 8)))), block_size=16, top_k=2,
+      is_causal=True)
+  routing = jnp.pad(jnp.where(chosen, blocks, -1)[:, :, :200],
+                    ((0, 0), (0, 0), (0, length - 200), (0, 0)),
+                    constant_values=-1)
+  visits, counts, visitors, visitor_counts = flex.routed_tables(
+      patterns.Moba(16), routing, length, tile, is_causal=True)
+  allowed = np.pad(chosen_mask(np.asarray(q, np.float64),
+                               np.asarray(k, np.float64), keep, 16, 2, True),
+                   ((0, 0), (0, 0), (0, 56), (0, 56)))
+  # Padded queries still see their own block's tiles (ids mask them).
+  allowed |= np.tri(length, dtype=bool) & (
+      np.arange(length)[:, None] // 16 == np.arange(length)[None, :] // 16)
+  want = allowed.reshape(2, 4, 4, tile, 4, tile).any(axis=(3, 5))
+  got = np.zeros_like(want)
+  for index in np.ndindex(*counts.shape):
+    got[index][visits[index][:counts[index]]] = True
+  np.testing.assert_array_equal(got, want)
+  assert not want[:, :, 2:, 1].any()  # Tile 1 is skipped from tiles 2 on.
+  got_by_key = np.zeros_like(want)
+  for index in np.ndindex(*visitor_counts.shape):
+    got_by_key[index][visitors[index][:visitor_counts[index]]] = True
+  np.testing.assert_array_equal(got_by_key, np.swapaxes(want, 2, 3))
+
+
+@pytest.mark.parametrize('kernel', ['gpu', 'tpu'])
+def test_moba_on_the_general_kernel_lowers_for_its_accelerator(
+    monkeypatch, kernel):
+  """Its gradient exported for a GPU (Triton) or a TPU (Mosaic) from this
+  CPU, not interpreted: the forward, dq and dk/dv kernels, three calls."""
+  platform, call = {'gpu': ('cuda', '__gpu$xla.gpu.triton'),
+                    'tpu': ('tpu', 'tpu_custom_call')}[kernel]
+  monkeypatch.setattr(jax, 'default_backend', lambda: kernel)
+
+  def loss(q, k, v, sinks):
+    return jnp.sum(attention.get('moba')(
+        q, k, v, mask=jnp.ones((2, 1, 1, 256), bool), block_size=64,
+        top_k=2, is_causal=True, sinks=sinks,
+        kernel=f'pallas_{kernel}').astype(jnp.float32))
+
+  shape = lambda heads: jax.ShapeDtypeStruct((2, 256, heads, 64),
+                                             jnp.bfloat16)
+  exported = jax.export.export(
+      jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=[platform],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(call)])(
+          shape(4), shape(2), shape(2),
+          jax.ShapeDtypeStruct((4,), jnp.float32))
+  assert exported.mlir_module().count(f'@{call}(') == 3
