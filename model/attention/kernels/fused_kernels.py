@@ -224,7 +224,8 @@ def _general(attend, query, key, value, bias, mask, *, scale, is_causal,
       query, key, value, score=bias,
       pattern=patterns.Window(window) if window else pattern, scale=scale,
       is_causal=is_causal, logit_cap=logit_cap, sinks=sinks,
-      routing=routing, **({} if ids is None else dict(q_ids_BxT=ids[0], kv_ids_BxT=ids[1])))
+      routing=routing,
+      **({} if ids is None else dict(q_ids_BxT=ids[0], kv_ids_BxT=ids[1])))
 
 
 def pallas_gpu(query, key, value, bias, mask, *, scale, is_causal, window,
