@@ -7,8 +7,8 @@ import numpy as np
 
 def chosen_mask(q, k, keep, block, top_k, causal) -> np.ndarray:
   """bool [B, N, T, T] of q [B, T, N, H], k [B, T, K, H] and keep [B, T]
-  (False: a padded key), by looping over the examples, heads and blocks
-  (float64)."""
+  (False: a padded key), by looping over the examples, heads, blocks and
+  queries (float64)."""
   batch, length, heads, _ = q.shape
   group = heads // k.shape[2]
   count = -(-length // block)
@@ -24,8 +24,6 @@ def chosen_mask(q, k, keep, block, top_k, causal) -> np.ndarray:
       for t in range(length):
         others = [c for c in means if (c < of[t] if causal else c != of[t])]
         ranked = sorted(others, key=lambda c: -q[b, t, n] @ means[c])
-        picked = set(ranked[:top_k])
-        for s in range(length):
-          own = of[s] == of[t] and (s <= t or not causal)
-          allowed[b, n, t, s] = keep[b, s] and (own or of[s] in picked)
+        own = (of == of[t]) & ((np.arange(length) <= t) | (not causal))
+        allowed[b, n, t] = keep[b] & (own | np.isin(of, ranked[:top_k]))
   return allowed
