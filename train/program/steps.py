@@ -42,10 +42,13 @@ class TrainState:
 def init_params(model: nn.Module, task: Task, rng: Array, seq_len: int, *,
                 boxed: bool = False):
   """Freshly initialised parameters, unboxed from their logical axis names
-  unless `boxed` (nn.Partitioned leaves, which say how to shard them)."""
+  unless `boxed` (nn.Partitioned leaves, which say how to shard them).
+  One compiled program (inside a caller's jit, part of its): called
+  eagerly, `init` would compile each of its operations on its own."""
   row = jnp.zeros((1, seq_len), jnp.int32)
   shapes_only = {'inputs': row, 'positions': row, 'decoder_inputs': row}
-  params = model.init(rng, *task.model_args(shapes_only))['params']
+  params = jax.jit(lambda rng: model.init(
+      rng, *task.model_args(shapes_only))['params'])(rng)
   return params if boxed else nn.meta.unbox(params)
 
 
