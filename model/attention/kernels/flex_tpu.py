@@ -13,7 +13,7 @@ pattern of whole tiles (BigBird's) needs a block that is a multiple of
 128. Under moba's routed pattern the tables hold a row per example, head
 and tile, computed on the device (flex.routed_tables), and each query
 tile's choices come in as a block beside it. Prefetched, those tables
-fill SMEM with B * N * (T / 128)^2 entries per device, 1 MiB at 8
+fill SMEM with B * N * (T / 128)^2 int32 entries per device, 2 MiB at 8
 examples of 16 heads at 8K tokens (not yet run on a TPU).
 """
 
