@@ -351,6 +351,12 @@ def padded_routing(plan: Plan, routing_BxNxTxk: Array | None, length: int,
                   (0, slots - routing_BxNxTxk.shape[3])), constant_values=-1)
 
 
+def routed_inputs(routing: Array | None) -> tuple:
+  """A routed pattern's choices as the kernels' input after the per-token
+  entries, if any: () or (routing,)."""
+  return () if routing is None else (routing,)
+
+
 def padded_inputs(plan: Plan, score: core.PositionBias | None, query: Array,
                   key: Array, value: Array, q_ids_BxT: Array | None,
                   kv_ids_BxT: Array | None) -> tuple:

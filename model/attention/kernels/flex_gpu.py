@@ -232,11 +232,6 @@ def _call(kernel, inputs, in_specs, out_specs, out_shape, grid, *, name,
       interpret=jax.default_backend() == 'cpu')(*inputs)
 
 
-def _routed(routing) -> tuple:
-  """A routed pattern's choices as the kernels' last input, if any."""
-  return () if routing is None else (routing,)
-
-
 def _per_query_tile(tile: int) -> pl.BlockSpec:
   """A query tile's log-sum-exp or delta, of [B, N, T] float32."""
   return pl.BlockSpec((None, None, tile), lambda x, b, n: (b, n, x))
@@ -249,7 +244,7 @@ def _forward(plan, q, k, v, ids, routing, tokens, params):
                  routing)
   return _call(
       _forward_kernel, (visits, counts, q, k, v, *ids, params, *tokens,
-                        *_routed(routing)),
+                        *flex.routed_inputs(routing)),
       _table_specs(visits) + specs,
       [specs[0], _per_query_tile(plan.tile)],
       [jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -273,7 +268,7 @@ def _backward(plan, residuals, d_out):
   width = plan.scores.layout.width
   dq, d_params = _call(
       _dq_kernel, (visits, counts, q, k, v, *ids, params, *tokens,
-                   *_routed(routing), d_out, lse, delta),
+                   *flex.routed_inputs(routing), d_out, lse, delta),
       _table_specs(visits) + specs + [specs[0], per_tile, per_tile],
       [specs[0], pl.BlockSpec((None, None, None, width),
                               lambda x, b, n: (x, b, n, 0))],
@@ -286,7 +281,8 @@ def _backward(plan, residuals, d_out):
                                 lambda x, b, n: (b, x, n, 0))
   dk, dv = _call(
       _dkv_kernel, (visitors, visitor_counts, q, k, v, *ids, params,
-                    *tokens, *_routed(routing), d_out, lse, delta),
+                    *tokens, *flex.routed_inputs(routing), d_out, lse,
+                    delta),
       _table_specs(visitors) + specs
       + [specs[0], rows_of_head, rows_of_head],
       [per_query_head, per_query_head],

@@ -258,16 +258,11 @@ def _slots(routing) -> int:
   return 0 if routing is None else routing.shape[-1]
 
 
-def _routed(routing) -> tuple:
-  """A routed pattern's choices as an input after the per-token entries."""
-  return () if routing is None else (routing,)
-
-
 def _forward(plan, q, k, v, ids, routing, tokens, params):
   batch, num_heads, length, head_dim = q.shape
   specs = _specs(plan, head_dim, num_heads // k.shape[1], False,
                  _slots(routing))
-  inputs = (q, k, v, *ids, params, *tokens, *_routed(routing))
+  inputs = (q, k, v, *ids, params, *tokens, *flex.routed_inputs(routing))
   return _call(
       _forward_kernel, _tables(plan, length, routing)[:2], inputs,
       specs[:len(inputs)], [specs[0], specs[-1]],
@@ -285,8 +280,8 @@ def _backward(plan, residuals, d_out):
   tables = _tables(plan, length, routing)
   delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32),
                   axis=-1, keepdims=True)
-  inputs = (q, k, v, *ids, params, *tokens, *_routed(routing), d_out, lse,
-            delta)
+  inputs = (q, k, v, *ids, params, *tokens, *flex.routed_inputs(routing),
+            d_out, lse, delta)
   by_query = _specs(plan, head_dim, group, False, _slots(routing))
   dq, d_params = _call(
       _dq_kernel, tables[:2], inputs, by_query,

@@ -399,5 +399,5 @@ def run(kernel: str, query: Array, key: Array, value: Array, bias, mask, *,
       lambda q, k, v, b, m, sinks, routing: fn(
           q, k, v, b, m, scale=scale, is_causal=is_causal, window=window,
           pattern=pattern, logit_cap=logit_cap, sinks=sinks,
-          **({} if routing is None else dict(routing=routing))),
+          routing=routing),
       query, key, value, bias, mask, sinks, routing)

@@ -57,7 +57,7 @@ def _key_valid(mask: Array, batch: int) -> Array:
 def cudnn_attention(query: Array, key: Array, value: Array, bias, mask, *,
                     scale: float, is_causal: bool, window: int | None,
                     pattern=None, logit_cap: float = 0.0, sinks=None,
-                    implementation: str = 'cudnn') -> Array:
+                    routing=None, implementation: str = 'cudnn') -> Array:
   """cuDNN's fused attention (tests run the same call with `implementation`
   'xla'). A key padding mask goes in as each row's number of keys, which is
   the mask only where rows are padded on the right (as every pipeline of
@@ -65,7 +65,8 @@ def cudnn_attention(query: Array, key: Array, value: Array, bias, mask, *,
   rather than differing from dense. A row with no key at all comes out 0,
   as from dense. Packed rows go in as cuDNN's packed layout."""
   # Refused (fused.py).
-  assert pattern is None and not logit_cap and sinks is None
+  assert (pattern is None and not logit_cap and sinks is None
+          and routing is None)
   if isinstance(mask, core.SegmentMask):
     return cudnn_packed.attention(
         query, key, value, mask.q_segment_ids_BxT, scale=scale,
