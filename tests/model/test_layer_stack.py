@@ -65,7 +65,8 @@ def twins(name: str):
   plain = tiny(**TWINS[name])
   scanned = dataclasses.replace(plain, scan_layers=True)
   model, scanned_model = build(plain), build(scanned)
-  params = nn.meta.unbox(model.init(jax.random.key(0), *inputs(plain))
+  params = nn.meta.unbox(jax.jit(model.init)(jax.random.key(0),
+                                             *inputs(plain))
                          ['params'])
   shapes = jax.eval_shape(lambda: nn.meta.unbox(scanned_model.init(
       jax.random.key(0), *inputs(plain))['params']))
@@ -103,10 +104,10 @@ def test_a_scanned_transformer_xl_carries_the_same_memory():
   model, params, scanned_model, converted = twins('transformer_xl')
   memory = Memory.empty(model.config, B)
   for seed in (0, 1):  # The second segment reads the first's memory.
-    want, want_memory = model.apply({'params': params}, tokens(seed),
-                                    memory=memory)
-    got, got_memory = scanned_model.apply({'params': converted},
-                                          tokens(seed), memory=memory)
+    want, want_memory = jax.jit(model.apply)({'params': params},
+                                             tokens(seed), memory=memory)
+    got, got_memory = jax.jit(scanned_model.apply)(
+        {'params': converted}, tokens(seed), memory=memory)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got_memory.hidden, want_memory.hidden,
                                rtol=1e-5, atol=1e-6)

@@ -242,11 +242,12 @@ def test_transformer_xl_memory_equals_one_long_causal_pass(
                       memory_length=memory_length, num_layers=2, **overrides)
   model = build(config)
   ids = jnp.asarray(np.random.default_rng(3).integers(1, V, (B, 2 * T)))
-  params = {'params': model.init(jax.random.key(0), ids[:, :T])['params']}
-  long_pass, _ = model.apply(params, ids)
-  first, memory = model.apply(params, ids[:, :T],
-                              memory=Memory.empty(config, B))
-  second, _ = model.apply(params, ids[:, T:], memory=memory)
+  params = {'params': jax.jit(model.init)(jax.random.key(0),
+                                          ids[:, :T])['params']}
+  apply = jax.jit(model.apply)
+  long_pass, _ = apply(params, ids)
+  first, memory = apply(params, ids[:, :T], memory=Memory.empty(config, B))
+  second, _ = apply(params, ids[:, T:], memory=memory)
   np.testing.assert_allclose(first, long_pass[:, :T], atol=1e-5)
   np.testing.assert_allclose(second, long_pass[:, T:], atol=1e-5)
 
@@ -255,13 +256,15 @@ def test_transformer_xl_memory_forgets_beyond_its_length():
   config = config_for(position='rope', memory_length=3)
   model = build(config)
   ids = jnp.asarray(np.random.default_rng(4).integers(1, V, (B, 2 * T)))
-  params = {'params': model.init(jax.random.key(0), ids[:, :T])['params']}
-  _, memory = model.apply(params, ids[:, :T], memory=Memory.empty(config, B))
+  params = {'params': jax.jit(model.init)(jax.random.key(0),
+                                          ids[:, :T])['params']}
+  apply = jax.jit(model.apply)
+  _, memory = apply(params, ids[:, :T], memory=Memory.empty(config, B))
   changed = ids.at[:, :T - 3].set(7)  # Before what the memory keeps.
-  _, changed_memory = model.apply(params, changed[:, :T],
-                                  memory=Memory.empty(config, B))
-  second, _ = model.apply(params, ids[:, T:], memory=memory)
-  changed_second, _ = model.apply(params, ids[:, T:], memory=changed_memory)
+  _, changed_memory = apply(params, changed[:, :T],
+                            memory=Memory.empty(config, B))
+  second, _ = apply(params, ids[:, T:], memory=memory)
+  changed_second, _ = apply(params, ids[:, T:], memory=changed_memory)
   # Earlier layers' memories changed (they saw the tokens), so outputs may;
   # but with one layer the memory is the embeddings of the last 3 tokens.
   assert config.num_layers == 1

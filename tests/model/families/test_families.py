@@ -18,6 +18,7 @@ from model import positions as positions_lib
 from model.families import build
 from model.layers import MultiHeadAttention
 from tests.helpers.causality import assert_causal
+from tests.helpers.compiled import compiled
 
 B, T = 2, 8
 V, D, HEADS, KV_HEADS, LAYERS, MLP, MAX_LEN = 32, 32, 4, 2, 2, 64, 16
@@ -44,7 +45,8 @@ def model_inputs(config: ModelConfig):
 
 
 def init(config: ModelConfig):
-  return build(config).init(jax.random.key(0), *model_inputs(config))
+  return jax.jit(build(config).init)(jax.random.key(0),
+                                     *model_inputs(config))
 
 
 def count(tree) -> int:
@@ -110,7 +112,7 @@ def test_parameter_count_matches_architecture(name):
 def test_output_shape_and_dtype(name):
   config = FAMILY_CONFIGS[name]
   variables = init(config)
-  out, _ = build(config).apply(variables, *model_inputs(config))
+  out, _ = compiled(build(config).apply)(variables, *model_inputs(config))
   expected = {'decoder_lm': (B, T, V), 'encoder_decoder': (B, T, V),
               'encoder_classifier': (B, config.num_classes)}[config.family]
   assert out.shape == expected and out.dtype == jnp.float32
@@ -125,8 +127,8 @@ def test_logit_softcap_caps_every_familys_logits(name):
   parameters (the cap has none)."""
   config = FAMILY_CONFIGS[name]
   variables = init(config)
-  logits = lambda config: build(config).apply(variables,
-                                              *model_inputs(config))[0]
+  logits = lambda config: compiled(build(config).apply)(
+      variables, *model_inputs(config))[0]
   uncapped = logits(config)
   capped = logits(dataclasses.replace(config, logit_softcap=0.05))
   assert np.abs(uncapped).max() > 0.05 >= np.abs(capped).max()
@@ -178,14 +180,14 @@ def test_bfloat16_compute_keeps_float32_params_and_logits():
   config = small_config(dtype='bfloat16')
   model = build(config)
   variables = init(config)
-  (logits, _), state = model.apply(variables, tokens(),
-                                   capture_intermediates=True)
+  (logits, _), state = compiled(model.apply)(variables, tokens(),
+                                             capture_intermediates=True)
   params = nn.meta.unbox(variables['params'])
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
   assert logits.dtype == jnp.float32
   block_out = state['intermediates']['decoder']['block_0']['__call__'][0][0]
   assert block_out.dtype == jnp.bfloat16
-  reference, _ = build(small_config()).apply(variables, tokens())
+  reference, _ = compiled(build(small_config()).apply)(variables, tokens())
   np.testing.assert_allclose(logits, reference, atol=0.1)
 
 
@@ -201,8 +203,9 @@ def test_encoder_decoder_prefix_logits_ignore_later_targets():
   variables = init(config)
   targets = tokens(1)
   changed = targets.at[:, 5:].set(7)
-  logits, _ = model.apply(variables, tokens(0), targets)
-  changed_logits, _ = model.apply(variables, tokens(0), changed)
+  apply = compiled(model.apply)
+  logits, _ = apply(variables, tokens(0), targets)
+  changed_logits, _ = apply(variables, tokens(0), changed)
   np.testing.assert_array_equal(logits[:, :5], changed_logits[:, :5])
   assert not np.allclose(logits[:, 5:], changed_logits[:, 5:])
 
@@ -214,10 +217,10 @@ def test_encoder_decoder_ignores_padded_source_tokens():
   source = tokens(0)
   # Example 1's last 3 source tokens are padding; what the encoder writes
   # there must not reach the decoder.
-  encoded = model.apply(variables, source, method='encode')
+  encoded = compiled(model.apply)(variables, source, method='encode')
   noise = jnp.zeros_like(encoded).at[1, -3:].set(100.0)
-  decode = lambda e: model.apply(variables, e, source, tokens(1),
-                                 method='decode')[0]
+  decode = lambda e: compiled(model.apply)(variables, e, source, tokens(1),
+                                           method='decode')[0]
   np.testing.assert_allclose(decode(encoded), decode(encoded + noise),
                              atol=1e-5)
 
@@ -231,7 +234,7 @@ def test_self_attention_is_permutation_equivariant_only_without_positions(
   variables = init(config)
   source = tokens(4).at[1].set(tokens(5)[0])  # no padding
   perm = np.random.default_rng(0).permutation(T)
-  encode = lambda x: model.apply(variables, x, method='encode')
+  encode = lambda x: compiled(model.apply)(variables, x, method='encode')
   permuted_then_encoded = encode(source[:, perm])
   encoded_then_permuted = encode(source)[:, perm]
   assert np.allclose(permuted_then_encoded, encoded_then_permuted,
@@ -244,8 +247,9 @@ def test_encoder_ignores_padding_tokens():
   model = EncoderDecoder(config)
   variables = init(config)
   source = tokens(0)  # Example 1 ends in 3 padding tokens.
-  encoded = model.apply(variables, source, method='encode')
-  trimmed = model.apply(variables, source[1:, :T - 3], method='encode')
+  encode = compiled(model.apply)
+  encoded = encode(variables, source, method='encode')
+  trimmed = encode(variables, source[1:, :T - 3], method='encode')
   np.testing.assert_allclose(encoded[1, :T - 3], trimmed[0], atol=1e-5)
 
 
@@ -257,7 +261,7 @@ def test_classifier_ignores_padding(pooling):
   variables = init(config)
   source = tokens(0)
   longer = jnp.pad(source, ((0, 0), (0, 4)))
-  classify = lambda x: model.apply(variables, x)[0]
+  classify = lambda x: compiled(model.apply)(variables, x)[0]
   logits = classify(source)
   np.testing.assert_allclose(logits, classify(longer), atol=1e-5)
   # The pooled vector depends on the tokens themselves.
@@ -280,8 +284,8 @@ def test_sinusoidal_positions_follow_the_formula():
 def test_tied_logits_are_the_embedding_transposed_over_sqrt_d():
   config = small_config()
   variables = init(config)
-  (logits, _), state = build(config).apply(variables, tokens(),
-                                           capture_intermediates=True)
+  (logits, _), state = compiled(build(config).apply)(
+      variables, tokens(), capture_intermediates=True)
   hidden = state['intermediates']['decoder']['final_norm']['__call__'][0]
   embedding = nn.meta.unbox(
       variables['params'])['embedder']['token_embedding']['embedding']
@@ -292,8 +296,8 @@ def test_tied_logits_are_the_embedding_transposed_over_sqrt_d():
 @pytest.mark.parametrize('norm_position', ['pre', 'post'])
 def test_only_post_norm_blocks_end_in_a_norm(norm_position):
   config = small_config(norm_position=norm_position)
-  _, state = build(config).apply(init(config), tokens(),
-                                 capture_intermediates=True)
+  _, state = compiled(build(config).apply)(init(config), tokens(),
+                                           capture_intermediates=True)
   out_BxTxD = state['intermediates']['decoder']['block_0']['__call__'][0][0]
   # A fresh LayerNorm (scale 1, bias 0) leaves each position at mean 0 and
   # variance 1; a pre-norm block returns the residual sum, which is not.
@@ -326,7 +330,7 @@ def test_remat_gives_the_same_gradients(policy):
     model = build(config)
     variables = init(config)
     loss = lambda p: jnp.sum(model.apply({'params': p}, tokens())[0] ** 2)
-    return jax.grad(loss)(variables['params'])
+    return jax.jit(jax.grad(loss))(variables['params'])
 
   plain, remat = grads(small_config()), grads(small_config(remat=policy))
   chex.assert_trees_all_close(nn.meta.unbox(plain), nn.meta.unbox(remat),
@@ -339,7 +343,7 @@ def test_dropout_is_active_only_when_not_deterministic(rates):
   config = small_config(**rates)
   model = build(config)
   variables = init(config)
-  apply = lambda seed, deterministic: model.apply(
+  apply = lambda seed, deterministic: compiled(model.apply)(
       variables, tokens(), deterministic=deterministic,
       rngs={'dropout': jax.random.key(seed)})[0]
   np.testing.assert_array_equal(apply(0, True), apply(1, True))
@@ -388,7 +392,7 @@ def test_parameter_free_self_attention_is_the_notes_first_form():
   x = jax.random.normal(jax.random.key(3), (B, T, D)) / 4
   variables = layer.init(jax.random.key(0), x, x)
   assert not jax.tree.leaves(variables)
-  attend = lambda x: layer.apply(variables, x, x)[0]
+  attend = lambda x: compiled(layer.apply)(variables, x, x)[0]
   weights = jax.nn.softmax(jnp.einsum('bid,bjd->bij', x, x), axis=-1)
   np.testing.assert_allclose(attend(x), jnp.einsum('bij,bjd->bid', weights,
                                                    x), atol=1e-5)
@@ -444,10 +448,9 @@ def test_packed_rows_equal_separate_sequences():
   packed = jnp.concatenate([first, second])[None]
   segment_ids = jnp.array([[1] * 5 + [2] * 3])
   positions = jnp.array([list(range(5)) + list(range(3))])
-  logits, _ = model.apply(variables, packed, positions, segment_ids)
+  apply = compiled(model.apply)
+  logits, _ = apply(variables, packed, positions, segment_ids)
   np.testing.assert_allclose(logits[0, :5],
-                             model.apply(variables, first[None])[0][0],
-                             atol=1e-5)
+                             apply(variables, first[None])[0][0], atol=1e-5)
   np.testing.assert_allclose(logits[0, 5:],
-                             model.apply(variables, second[None])[0][0],
-                             atol=1e-5)
+                             apply(variables, second[None])[0][0], atol=1e-5)

@@ -33,21 +33,22 @@ def config_for(cell='lstm', score='additive') -> ModelConfig:
 def test_attention_is_a_distribution_over_the_real_source_positions(
     cell, score):
   model = build(config_for(cell, score))
-  variables = model.init(jax.random.key(0), SOURCE, DECODER_INPUTS)
-  state = model.apply(variables, SOURCE, method=model.start)
-  _, sown = model.apply(variables, state, DECODER_INPUTS,
-                        method=model.decode, mutable=['intermediates'])
+  variables = jax.jit(model.init)(jax.random.key(0), SOURCE, DECODER_INPUTS)
+  apply = jax.jit(model.apply, static_argnames=('method', 'mutable'))
+  state = apply(variables, SOURCE, method='start')
+  _, sown = apply(variables, state, DECODER_INPUTS, method='decode',
+                  mutable=('intermediates',))
   [weights] = sown['intermediates']['attention_weights']  # [B, T, S]
   np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
   np.testing.assert_array_equal(weights[0, :, 5], 0.0)
   np.testing.assert_array_equal(weights[1, :, 3:], 0.0)
   # A row with no source at all (a batch's filler) attends to nothing.
   empty = SOURCE.at[1].set(0)
-  assert np.isfinite(model.apply(variables, empty, DECODER_INPUTS)[0]).all()
+  assert np.isfinite(apply(variables, empty, DECODER_INPUTS)[0]).all()
   # More padding changes nothing: the encoder stops at each row's length.
   longer = jnp.pad(SOURCE, ((0, 0), (0, 3)))
-  np.testing.assert_allclose(model.apply(variables, longer, DECODER_INPUTS)[0],
-                             model.apply(variables, SOURCE, DECODER_INPUTS)[0],
+  np.testing.assert_allclose(apply(variables, longer, DECODER_INPUTS)[0],
+                             apply(variables, SOURCE, DECODER_INPUTS)[0],
                              atol=1e-5)
 
 
@@ -67,7 +68,8 @@ def test_additive_score_is_v_tanh_of_the_projected_state_and_keys():
 def test_decoding_a_token_a_step_equals_the_full_pass():
   config = config_for('gru', 'general')
   model = build(config)
-  params = model.init(jax.random.key(0), SOURCE, DECODER_INPUTS)['params']
+  params = jax.jit(model.init)(jax.random.key(0), SOURCE,
+                               DECODER_INPUTS)['params']
   step, state = decoding.seq2seq_step(model, params, SOURCE, 6)
   got = []
   for t in range(DECODER_INPUTS.shape[1]):
@@ -75,7 +77,8 @@ def test_decoding_a_token_a_step_equals_the_full_pass():
     got.append(logits[:, 0])
   np.testing.assert_allclose(
       np.stack(got, axis=1),
-      model.apply({'params': params}, SOURCE, DECODER_INPUTS)[0], atol=1e-5)
+      jax.jit(model.apply)({'params': params}, SOURCE, DECODER_INPUTS)[0],
+      atol=1e-5)
 
 
 def test_the_model_learns_to_reverse_a_handful_of_examples_exactly():
@@ -89,8 +92,8 @@ def test_the_model_learns_to_reverse_a_handful_of_examples_exactly():
   model = build(config_for())
   params = steps.init_params(model, tasks.SEQ2SEQ, jax.random.key(0), 6)
   state, _ = adam_steps(model, tasks.SEQ2SEQ, params, batch, 150)
-  logits, _ = model.apply({'params': state.params}, batch['inputs'],
-                          batch['decoder_inputs'])
+  logits, _ = jax.jit(model.apply)({'params': state.params}, batch['inputs'],
+                                   batch['decoder_inputs'])
   np.testing.assert_array_equal(jnp.argmax(logits, -1), targets)
   # And greedy decoding, feeding its own outputs, finds them.
   step, cache = decoding.seq2seq_step(model, state.params, batch['inputs'], 7)

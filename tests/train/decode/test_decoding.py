@@ -98,8 +98,9 @@ def cached_logits(step, positions_to_read: int) -> np.ndarray:
 def test_decoder_lm_cached_logits_equal_a_full_pass(position, overrides):
   config = tiny('decoder_lm', position, **overrides)
   model = build(config)
-  params = {'params': model.init(jax.random.key(1),
-                                 jnp.zeros((1, T), jnp.int32))['params']}
+  params = {'params': jax.jit(model.init)(jax.random.key(1),
+                                          jnp.zeros((1, T), jnp.int32))[
+                                              'params']}
   if config.smear:  # Its gate starts closed.
     params['params']['smear'] = {'gate': jnp.full((12,), 0.3),
                                  'gain': jnp.ones((1,))}
@@ -128,8 +129,8 @@ def test_encoder_decoder_cached_logits_equal_a_full_pass(position, overrides):
   config = tiny('encoder_decoder', position, **overrides)
   model = build(config)
   source = jnp.asarray(np.array([[3, 4, 5, 1, 0, 0], [6, 7, 8, 9, 2, 1]]))
-  params = model.init(jax.random.key(1), source,
-                      jnp.zeros((B, T), jnp.int32))['params']
+  params = jax.jit(model.init)(jax.random.key(1), source,
+                               jnp.zeros((B, T), jnp.int32))['params']
   step, empty = decoding.seq2seq_step(model, params, source, T)
   step = jax.jit(step)
 
@@ -174,8 +175,9 @@ def test_a_variant_that_cannot_read_a_cache_is_refused():
   config = tiny('decoder_lm', 'rope', attention='strided',
                 attention_options={'stride': 4})
   model = build(config)
-  params = {'params': model.init(jax.random.key(1),
-                                 jnp.zeros((1, T), jnp.int32))['params']}
+  params = {'params': jax.jit(model.init)(jax.random.key(1),
+                                          jnp.zeros((1, T), jnp.int32))[
+                                              'params']}
   with pytest.raises(ValueError, match="attention='strided' cannot read a "
                      'cache'):
     model.apply(params, jnp.ones((B, 1), jnp.int32), jnp.zeros((B, 1),
@@ -258,7 +260,8 @@ def test_sampling_applies_the_temperature_then_top_k_then_top_p(temperature):
 def lm():
   config = tiny('decoder_lm', 'rope', max_len=16)
   model = build(config)
-  params = model.init(jax.random.key(4), jnp.zeros((1, T), jnp.int32))
+  params = jax.jit(model.init)(jax.random.key(4),
+                               jnp.zeros((1, T), jnp.int32))
   prompts = np.array([[1, 5, 7, 0], [1, 2, 3, 4]], np.int32)
   return model, params['params'], prompts, np.array([3, 4])
 
@@ -400,8 +403,8 @@ def test_beam_of_one_is_greedy_for_any_length_penalty(alpha):
 def test_a_wide_beam_finds_the_best_sequence_of_brute_force():
   config = tiny('decoder_lm', 'sinusoidal', vocab_size=4, max_len=8)
   model = build(config)
-  params = model.init(jax.random.key(6), jnp.zeros((1, 8), jnp.int32))[
-      'params']
+  params = jax.jit(model.init)(jax.random.key(6),
+                               jnp.zeros((1, 8), jnp.int32))['params']
   prompt, eos, steps, alpha = np.array([[2, 3]], np.int32), 1, 3, 0.6
   tokens, scores = beam_lm(model, params, prompt, np.array([2]),
                            beam_size=64, num_tokens=steps, eos_id=eos,
