@@ -116,6 +116,8 @@ def test_the_config_takes_a_cell_of_the_grid():
   assert config.seq_len == config.dataset_options.length == 128
   assert config.dataset_options.num_pairs == 16
   assert config.model.vocab_size == config.dataset_options.vocab_size
+  # Twice the length, twice the steps: (128, 8) takes dense past 2,000.
+  assert config.num_train_steps == 2 * mqar_config.get_config().num_train_steps
   with pytest.raises(ValueError, match='configs/mqar.py takes length=<int>,'
                      "pairs=<int>, got 'width=3'"):
     mqar_config.get_config('width=3')
