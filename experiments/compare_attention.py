@@ -262,23 +262,32 @@ _CURVE_AXES = {'steps': ('step', lambda cost: 1.0),
                            lambda cost: cost['step_ms'] / 1e3)}
 
 
+def variant_style(number: int) -> dict[str, str]:
+  """The colour and line style of the `number`-th variant of a plot: the
+  ten colours of matplotlib's cycle, solid, then dashed, then dotted, so
+  that no two of up to 30 variants look alike."""
+  return {'color': f'C{number % 10}',
+          'linestyle': ('-', '--', ':')[number // 10 % 3]}
+
+
 def plot_curves(runs: dict[str, list[str]], costs: dict[str, dict],
                 metric: str, budget: str, path: str) -> None:
-  """Training loss and `metric` against the budget's measure, one colour
-  a variant, one line a seed (`runs`: each variant's seed workdirs)."""
+  """Training loss and `metric` against the budget's measure, one style
+  a variant (`variant_style`), one line a seed (`runs`: each variant's
+  seed workdirs)."""
   label, per_step = _CURVE_AXES[budget]
   figure, (loss_axes, metric_axes) = plt.subplots(1, 2, figsize=(11, 4))
   for number, (name, workdirs) in enumerate(runs.items()):
-    scale, colour = per_step(costs[name]), f'C{number % 10}'
+    scale, style = per_step(costs[name]), variant_style(number)
     for seed, workdir in enumerate(workdirs):
       lines = common.read_metrics(workdir)
       train = [line for line in lines if 'loss' in line]
       loss_axes.plot([l['step'] * scale for l in train],
-                     [l['loss'] for l in train], color=colour,
+                     [l['loss'] for l in train], **style,
                      label=None if seed else name)
       evals = [line for line in lines if metric in line]
       metric_axes.plot([l['step'] * scale for l in evals],
-                       [l[metric] for l in evals], marker='o', color=colour,
+                       [l[metric] for l in evals], marker='o', **style,
                        label=None if seed else name)
   loss_axes.set(xlabel=label, ylabel='training loss (nats)')
   metric_axes.set(xlabel=label, ylabel=metric)
@@ -519,11 +528,13 @@ def _write_sizes(rows: list[dict], workdir: str,
   table = common.write_table(rows, columns, os.path.join(workdir, 'results'),
                              preamble)
   figure, axes = plt.subplots(figsize=(6, 4))
-  for name in dict.fromkeys(row['variant'] for row in trained):
+  for number, name in enumerate(
+      dict.fromkeys(row['variant'] for row in trained)):
     points = sorted((row['train_gflop'], row[metric]) for row in trained
                     if row['variant'] == name and row.get('train_gflop'))
     if points:
-      axes.plot(*zip(*points), marker='o', label=name)
+      axes.plot(*zip(*points), marker='o', label=name,
+                **variant_style(number))
   axes.set(xscale='log', xlabel='training GFLOP (matmuls)', ylabel=metric)
   axes.legend()
   figure.tight_layout()
