@@ -216,6 +216,14 @@ def write_table(rows: Sequence[dict[str, Any]], columns: Sequence[str],
   return table
 
 
+def series_style(number: int) -> dict[str, str]:
+  """The colour and line style of a plot's `number`-th series: the ten
+  colours of matplotlib's cycle, solid, then dashed, then dotted, so that
+  no two of up to 30 series look alike."""
+  return {'color': f'C{number % 10}',
+          'linestyle': ('-', '--', ':')[number // 10 % 3]}
+
+
 def plot_against_length(
     panels: Sequence[tuple[str, dict[str, list[tuple[int, Any]]]]],
     path: str) -> None:
@@ -226,10 +234,11 @@ def plot_against_length(
                               squeeze=False)
   for ax, (label, series) in zip(axes[0], panels):
     anchor, lengths = None, set()
-    for name, points in series.items():
+    for number, (name, points) in enumerate(series.items()):
       points = [(n, v) for n, v in points if v is not None]
       if points:
-        ax.plot(*zip(*points), marker='o', label=name)
+        ax.plot(*zip(*points), marker='o', label=name,
+                **series_style(number))
         anchor = anchor or points[0]
         lengths |= {n for n, _ in points}
     if anchor:

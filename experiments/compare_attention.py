@@ -262,23 +262,15 @@ _CURVE_AXES = {'steps': ('step', lambda cost: 1.0),
                            lambda cost: cost['step_ms'] / 1e3)}
 
 
-def variant_style(number: int) -> dict[str, str]:
-  """The colour and line style of the `number`-th variant of a plot: the
-  ten colours of matplotlib's cycle, solid, then dashed, then dotted, so
-  that no two of up to 30 variants look alike."""
-  return {'color': f'C{number % 10}',
-          'linestyle': ('-', '--', ':')[number // 10 % 3]}
-
-
 def plot_curves(runs: dict[str, list[str]], costs: dict[str, dict],
                 metric: str, budget: str, path: str) -> None:
   """Training loss and `metric` against the budget's measure, one style
-  a variant (`variant_style`), one line a seed (`runs`: each variant's
+  a variant (`common.series_style`), one line a seed (`runs`: each variant's
   seed workdirs)."""
   label, per_step = _CURVE_AXES[budget]
   figure, (loss_axes, metric_axes) = plt.subplots(1, 2, figsize=(11, 4))
   for number, (name, workdirs) in enumerate(runs.items()):
-    scale, style = per_step(costs[name]), variant_style(number)
+    scale, style = per_step(costs[name]), common.series_style(number)
     for seed, workdir in enumerate(workdirs):
       lines = common.read_metrics(workdir)
       train = [line for line in lines if 'loss' in line]
@@ -534,7 +526,7 @@ def _write_sizes(rows: list[dict], workdir: str,
                     if row['variant'] == name and row.get('train_gflop'))
     if points:
       axes.plot(*zip(*points), marker='o', label=name,
-                **variant_style(number))
+                **common.series_style(number))
   axes.set(xscale='log', xlabel='training GFLOP (matmuls)', ylabel=metric)
   axes.legend()
   figure.tight_layout()

@@ -262,7 +262,7 @@ def test_a_scanned_stacks_maps_are_its_blocks_one_by_one(comparison):
                               atol=1e-7)
 
 
-def test_no_two_of_thirty_variants_are_plotted_alike():
-  styles = [tuple(sorted(compare_attention.variant_style(number).items()))
+def test_no_two_of_thirty_series_are_plotted_alike():
+  styles = [tuple(sorted(common.series_style(number).items()))
             for number in range(30)]
   assert len(set(styles)) == 30
