@@ -370,9 +370,10 @@ def free_port() -> int:
 def run_processes(flags: list[str], interrupts=(None, None)) -> list[str]:
   """The output of a process per entry of `interrupts` (a cue of
   tests/helpers/interrupted_train.py, or None), each with 4 CPU devices,
-  together one run; each must exit with status 0."""
-  env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  together one run; each must exit with status 0. They compile as the
+  suite does (tests/conftest.py's XLA_FLAGS), with 4 devices, not 8."""
+  env = dict(os.environ, JAX_PLATFORMS='cpu', XLA_FLAGS=os.environ[
+      'XLA_FLAGS'].replace('device_count=8', 'device_count=4'))
   if len(interrupts) > 1:
     flags = flags + [f'--coordinator_address=127.0.0.1:{free_port()}',
                      f'--num_processes={len(interrupts)}']
