@@ -12,6 +12,7 @@ import pytest
 
 from configs import default
 from model import attention, positions
+from tests.helpers import tolerance
 from train.program import mesh
 
 
@@ -63,7 +64,7 @@ def test_ring_attention_equals_dense_with_gradients(case, sizes):
         ring(*a, **kwargs),
         jax.grad(lambda *a: loss(ring, *a), argnums=(0, 1, 2))(*a)))(q, k, v)
   chex.assert_trees_all_close((out, grads), (expected, expected_grads),
-                              atol=1e-5, rtol=1e-7)
+                              **tolerance.FLOAT32)
 
 
 @pytest.mark.core
@@ -93,7 +94,7 @@ def test_ring_attention_with_a_position_bias_and_its_gradient():
   with jax.set_mesh(ring_mesh(sequence=4, data=2)):
     got = jax.jit(jax.grad(lambda *a: loss(attention.get('ring'), *a),
                            argnums=(0, 1)))(q, slopes)
-  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-7)
+  chex.assert_trees_all_close(got, want, **tolerance.FLOAT32)
 
 
 def test_ring_attention_with_segment_ids_and_its_gradients():
@@ -115,7 +116,7 @@ def test_ring_attention_with_segment_ids_and_its_gradients():
     got = jax.jit(jax.value_and_grad(
         lambda *a: loss(attention.get('ring'), segments, *a),
         argnums=(0, 1, 2)))(q, k, v)
-  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-7)
+  chex.assert_trees_all_close(got, want, **tolerance.FLOAT32)
 
 
 @pytest.mark.parametrize('case', ['row_mask_and_bias', 'segment_ids'])
@@ -150,7 +151,7 @@ def test_ring_attention_under_explicit_mesh_axes(case):
             q, k, v, bias)
     out = jax.eval_shape(lambda *a: ring(*a, mask=ring_mask, is_causal=True),
                          q, k, v, bias)
-  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-7)
+  chex.assert_trees_all_close(got, want, **tolerance.FLOAT32)
   assert out.sharding.spec == P('data', None, None, None)
 
 
