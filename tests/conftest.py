@@ -11,9 +11,10 @@ run as fast. The tests that compare two programs bitwise hold at -O1 (at
 
 For the same reason the CPU backend's loop emitters replace its MLIR
 fusion emitters: most of the suite's compilations are small programs
-(eager operations in the references, one per shape), and each compiles in
-about 30% less time with them (a test file of float64 references: 66 s
-to 45 s). XLA_FLAGS naming `xla_cpu_use_fusion_emitters` keeps its own."""
+(eager operations in the references, one per shape), and they compile in
+about 30% less time with them (240 eager operations: 16.6 s to 11.8 s; a
+test file of float64 references: 66 s to 45 s; the whole suite: 15% less
+CPU time). XLA_FLAGS naming `xla_cpu_use_fusion_emitters` keeps its own."""
 
 import atexit
 import os
