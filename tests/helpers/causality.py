@@ -4,17 +4,19 @@ import jax
 import numpy as np
 
 
-def assert_causal(model, tokens_BxT, positions=None) -> None:
+def assert_causal(model, tokens_BxT, positions=None, params=None) -> None:
   """For each t in `positions` (default: all): the logits at t and before
   are bitwise the same whatever the tokens after t, and those at t change
-  with the token at t. One compiled forward pass serves every t; each
-  token changed becomes another of [1, V), never padding."""
+  with the token at t, under `params` (default: the model's initial
+  ones). One compiled forward pass serves every t; each token changed
+  becomes another of [1, V), never padding."""
   length = tokens_BxT.shape[1]
   vocab = model.config.vocab_size
   tokens_BxT = np.asarray(tokens_BxT)
-  variables = jax.jit(model.init)(jax.random.key(0), tokens_BxT)
+  if params is None:
+    params = jax.jit(model.init)(jax.random.key(0), tokens_BxT)['params']
   logits = jax.jit(lambda tokens: model.apply(
-      {'params': variables['params']}, tokens)[0])
+      {'params': params}, tokens)[0])
   want = np.asarray(logits(tokens_BxT))
   shifts = np.random.default_rng(0).integers(1, vocab - 1, tokens_BxT.shape)
   others = (tokens_BxT - 1 + shifts) % (vocab - 1) + 1  # Each one changed.
