@@ -85,12 +85,12 @@ def test_a_window_per_occurrence_reaches_each_layer():
                          num_layers=4, max_len=16, attention=attention,
                          attention_options=attention_options)
     model = DecoderLM(config)
-    return config, model.apply(variables, tokens_1xT)[0]
+    return config, jax.jit(model.apply)(variables, tokens_1xT)[0]
 
   tokens_1xT = jnp.arange(1, 17)[None] % 32
-  variables = DecoderLM(ModelConfig(
+  variables = jax.jit(DecoderLM(ModelConfig(
       vocab_size=32, d_model=16, num_heads=2, mlp_dim=32, num_layers=4,
-      max_len=16)).init(jax.random.key(0), tokens_1xT)
+      max_len=16)).init)(jax.random.key(0), tokens_1xT)
   config, alternating = logits('local,local', {'local': {'window': (8, 2)}})
   written, explicit = logits(('local', 'local'),
                              ((('window', 8),), (('window', 2),)))

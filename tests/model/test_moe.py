@@ -105,11 +105,11 @@ def test_groups_are_routed_as_separate_inputs():
       config.moe, group_size=0))
   x = jax.random.normal(jax.random.key(0), (B, 10, D))
   layer = moe.MoeMlp(config)
-  params = layer.init(jax.random.key(1), x)['params']
+  params = jax.jit(layer.init)(jax.random.key(1), x)['params']
 
   def run(layer_config, inputs):
-    out, state = moe.MoeMlp(layer_config).apply(
-        {'params': params}, inputs, mutable='moe')
+    out, state = jax.jit(lambda inputs: moe.MoeMlp(layer_config).apply(
+        {'params': params}, inputs, mutable='moe'))(inputs)
     return out, float(state['moe']['dropped'][0])
 
   out, dropped = run(config, x)

@@ -60,7 +60,8 @@ def test_a_smeared_decoder_sees_no_later_token():
   config = dataclasses.replace(CONFIG, smear=True)
   model = build(config)
   tokens = jax.random.randint(jax.random.key(2), (1, T), 1, V)
-  params = drawn(model.init(jax.random.key(3), tokens)['params'], 0.5)
+  params = drawn(jax.jit(model.init)(jax.random.key(3), tokens)['params'],
+                 0.5)
 
   def logits_by_position(perturbation):  # [T]
     logits, _ = model.apply({'params': params, 'perturbations': {
@@ -129,16 +130,16 @@ def test_unet_skips_add_the_first_halfs_outputs_to_the_second_halfs_inputs():
   config = dataclasses.replace(CONFIG, unet_skips=True)
   stack = TransformerStack(config, causal=True, cross=False)
   inputs = BlockInputs(POSITIONS_BxT)
-  params = stack.init(jax.random.key(9), X_BxTxD, inputs)['params']
+  params = jax.jit(stack.init)(jax.random.key(9), X_BxTxD, inputs)['params']
   assert nn.meta.unbox(params)['unet_weights'].tolist() == [1.0, 1.0]
   params = drawn(params, 0.5)
-  got, _ = stack.apply({'params': params}, X_BxTxD, inputs)
-  block = TransformerBlock(config, True, False)
+  got, _ = jax.jit(stack.apply)({'params': params}, X_BxTxD, inputs)
+  block = jax.jit(TransformerBlock(config, True, False).apply)
   outputs, x = [], X_BxTxD
   for layer in range(4):
     if layer >= 2:
       x = x + params['unet_weights'][3 - layer] * outputs[3 - layer]
-    x = block.apply({'params': params[f'block_{layer}']}, x, inputs)[0]
+    x = block({'params': params[f'block_{layer}']}, x, inputs)[0]
     outputs.append(x)
   want = nn.LayerNorm(epsilon=config.norm_epsilon).apply(
       {'params': params['final_norm']}, x)
@@ -148,4 +149,4 @@ def test_unet_skips_add_the_first_halfs_outputs_to_the_second_halfs_inputs():
     out, _ = stack.apply({'params': params | {'unet_weights': weights}},
                          X_BxTxD, inputs)
     return (out ** 2).sum()
-  assert np.all(jax.grad(loss)(params['unet_weights']) != 0)
+  assert np.all(jax.jit(jax.grad(loss))(params['unet_weights']) != 0)

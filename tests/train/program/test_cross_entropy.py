@@ -77,11 +77,11 @@ def test_blockwise_loss_and_gradients_equal_optax(monkeypatch, smoothing,
     return _reference_sum(logits, targets, weights, smoothing, z_loss)
 
   # The token weights' gradient too: each token's loss.
-  (value, losses), grads = jax.value_and_grad(
-      blockwise, argnums=(0, 1, 2, 3), has_aux=True)(hidden, kernel, bias,
-                                                      weights)
-  expected, expected_grads = jax.value_and_grad(
-      reference, argnums=(0, 1, 2, 3))(hidden, kernel, bias, weights)
+  (value, losses), grads = jax.jit(jax.value_and_grad(
+      blockwise, argnums=(0, 1, 2, 3), has_aux=True))(hidden, kernel, bias,
+                                                       weights)
+  expected, expected_grads = jax.jit(jax.value_and_grad(
+      reference, argnums=(0, 1, 2, 3)))(hidden, kernel, bias, weights)
   np.testing.assert_allclose(value, expected, rtol=1e-5)
   chex.assert_trees_all_close(grads, expected_grads, rtol=1e-4, atol=1e-5)
   logits = Readout(hidden, kernel, bias, divisor=2.0, cap=cap).logits()
