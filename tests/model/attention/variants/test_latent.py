@@ -45,10 +45,11 @@ def test_the_layer_equals_its_formulation_in_float64():
   layer = MultiHeadAttention(config, causal=True)
   x = jax.random.normal(jax.random.key(0), (B, T, D))
   positions = jnp.tile(jnp.arange(T) + 3, (B, 1))
-  params = layer.init(jax.random.key(1), x, x, q_positions_BxT=positions,
-                      kv_positions_BxS=positions)
-  out, _, _ = layer.apply(params, x, x, q_positions_BxT=positions,
-                          kv_positions_BxS=positions)
+  params = jax.jit(layer.init)(jax.random.key(1), x, x,
+                               q_positions_BxT=positions,
+                               kv_positions_BxS=positions)
+  out, _, _ = jax.jit(layer.apply)(params, x, x, q_positions_BxT=positions,
+                                   kv_positions_BxS=positions)
 
   p = jax.tree.map(lambda a: np.asarray(a, np.float64),
                    nn.unbox(params['params']))
